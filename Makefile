@@ -1,0 +1,32 @@
+# Two set-up commands for a fresh machine (see README):
+#   make demo   - creates .venv, installs everything, runs the main job
+#   make test   - creates .venv, installs everything, runs the whole test suite
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-slow bench install clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	# torch is pinned here (a CPU build on local disk); the package itself only needs torch>=2.4.
+	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0 -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo_kill_resume.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_save_load.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,72 @@
+"""Every error resurgo raises on purpose.
+
+Each class names one failure a user can foresee; messages name the file, the key and what was
+expected on both sides. Where a built-in exception type fits, the class derives from it too, so
+``except FileNotFoundError`` keeps working for callers that do not know resurgo.
+"""
+
+from __future__ import annotations
+
+
+class ResurgoError(Exception):
+    """Base of every error resurgo raises on purpose."""
+
+
+class CheckpointNotFoundError(ResurgoError, FileNotFoundError):
+    """The path does not exist."""
+
+
+class NotACheckpointError(ResurgoError):
+    """The path exists but is not a resurgo checkpoint (no manifest, no data)."""
+
+
+class IncompleteCheckpointError(NotACheckpointError):
+    """Data files exist but the manifest was never committed (a save that did not finish)."""
+
+
+class CheckpointExistsError(ResurgoError, FileExistsError):
+    """Saving onto an existing path without ``overwrite=True``."""
+
+
+class ManifestError(ResurgoError, ValueError):
+    """The manifest is not valid: bad JSON, wrong schema, unsafe path, inconsistent sizes."""
+
+
+class CorruptCheckpointError(ResurgoError):
+    """Stored bytes do not match their checksum, or a data file is truncated."""
+
+
+class KeyMismatchError(ResurgoError, KeyError):
+    """Keys of the target state and of the checkpoint differ (``strict=True``)."""
+
+    def __init__(self, message: str, missing: list[str] | None = None, unexpected: list[str] | None = None):
+        super().__init__(message)
+        self.missing = list(missing or [])
+        self.unexpected = list(unexpected or [])
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+class DTypeMismatchError(ResurgoError, TypeError):
+    """A tensor in the checkpoint and its destination have different dtypes (never cast)."""
+
+
+class ShapeMismatchError(ResurgoError, ValueError):
+    """A tensor in the checkpoint and its destination have different shapes."""
+
+
+class TypeMismatchError(ResurgoError, TypeError):
+    """A leaf has a different kind on each side (tensor vs value, list vs tuple)."""
+
+
+class UnsupportedValueError(ResurgoError, TypeError):
+    """A value cannot be stored as plain data (and pickling was not allowed)."""
+
+
+class PickleNotAllowedError(ResurgoError):
+    """The checkpoint holds pickled values and ``allow_pickle=True`` was not given."""
+
+
+class StorageError(ResurgoError, OSError):
+    """The storage backend failed (disk full, permission denied, I/O error)."""
