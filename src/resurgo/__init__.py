@@ -1,0 +1,32 @@
+"""resurgo: checkpoint/restart for deep-learning training.
+
+Public API (see README.md and docs/): ``save``, ``load``, ``load_dict``, ``TrainState``,
+``ResurgoError`` and its subclasses, ``SaveReport``, ``LoadReport``.
+"""
+
+from resurgo.api import __version__, load, load_dict, read_manifest, save
+from resurgo.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    DTypeMismatchError,
+    IncompleteCheckpointError,
+    KeyMismatchError,
+    ManifestError,
+    NotACheckpointError,
+    PickleNotAllowedError,
+    ResurgoError,
+    ShapeMismatchError,
+    StorageError,
+    TypeMismatchError,
+    UnsupportedValueError,
+)
+from resurgo.reports import LoadReport, SaveReport
+
+__all__ = [
+    "__version__", "save", "load", "load_dict", "read_manifest", "SaveReport", "LoadReport",
+    "ResurgoError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError",
+    "DTypeMismatchError", "IncompleteCheckpointError", "KeyMismatchError", "ManifestError",
+    "NotACheckpointError", "PickleNotAllowedError", "ShapeMismatchError", "StorageError",
+    "TypeMismatchError", "UnsupportedValueError",
+]

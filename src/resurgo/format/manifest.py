@@ -1,0 +1,176 @@
+"""The manifest: schema (pydantic), JSON encoding, and every check a reader needs before trusting it.
+
+``manifest.json`` is the commit point of a checkpoint. :func:`parse_manifest` turns untrusted bytes
+into a :class:`Manifest` or raises :class:`~resurgo.errors.ManifestError`: bad JSON, wrong schema,
+unknown version or dtype, paths that leave the checkpoint, byte ranges past a file's end,
+shapes whose byte counts disagree, chunks that do not tile their tensor, checksum lists of the
+wrong length. Reading data after this check cannot go outside the declared files or allocate
+more than the files hold.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from resurgo.errors import ManifestError
+from resurgo.format import checksum, dtypes
+from resurgo.layout.box import ChunkBox, FlatRange, Place, covers_exactly_once
+
+FORMAT_NAME = "resurgo.checkpoint"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+MAX_MANIFEST_BYTES = 1 << 30
+MAX_NDIM = 64
+MAX_BLOCK_BYTES = 1 << 30
+DATA_FILE_RE = re.compile(r"^data/[A-Za-z0-9_.-]{1,200}\.safetensors$")
+_HEX128 = re.compile(r"[0-9a-f]{32}")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class BoxPlace(_Strict):
+    offsets: list[int]
+    shape: list[int]
+
+
+class FlatPlace(_Strict):
+    start: int
+    stop: int
+
+
+class ChunkEntry(_Strict):
+    """One stored piece of a tensor: where it sits in the tensor and where its bytes are."""
+
+    box: Optional[BoxPlace] = None
+    flat: Optional[FlatPlace] = None
+    file: str
+    name: str  # the tensor name inside the safetensors data file
+    byte_range: tuple[int, int]  # absolute [start, stop) in the file
+    block_bytes: int
+    checksums: list[str]
+
+    @property
+    def place(self) -> Place:
+        if self.box is not None:
+            return ChunkBox(tuple(self.box.offsets), tuple(self.box.shape))
+        assert self.flat is not None
+        return FlatRange(self.flat.start, self.flat.stop)
+
+    @property
+    def nbytes(self) -> int:
+        return self.byte_range[1] - self.byte_range[0]
+
+
+class TensorEntry(_Strict):
+    kind: Literal["torch", "numpy"]
+    dtype: str
+    shape: list[int]
+    chunks: list[ChunkEntry]
+
+
+class FileEntry(_Strict):
+    bytes: int
+
+
+class Manifest(_Strict):
+    format: Literal["resurgo.checkpoint"]
+    version: int
+    created_at: str
+    step: Optional[int] = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    library: dict[str, str]
+    world: dict[str, int]
+    checksum_algorithm: Literal["xxh3-128"]
+    pickled: bool
+    files: dict[str, FileEntry]
+    tensors: dict[str, TensorEntry]
+    tree: dict[str, Any]
+
+    def to_json_bytes(self) -> bytes:
+        return json.dumps(self.model_dump(exclude_none=True), separators=(",", ":"), allow_nan=False).encode()
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(c.nbytes for t in self.tensors.values() for c in t.chunks)
+
+
+def parse_manifest(raw: bytes, source: str = MANIFEST_NAME) -> Manifest:
+    """Parse and fully validate untrusted manifest bytes; raise ManifestError naming ``source``."""
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{source}: manifest is {len(raw)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{source}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(doc, dict):
+        raise ManifestError(f"{source}: expected a JSON object at the top, found {type(doc).__name__}")
+    if doc.get("format") != FORMAT_NAME:
+        raise ManifestError(f"{source}: 'format' is {str(doc.get('format'))[:80]!r}, expected {FORMAT_NAME!r}")
+    if doc.get("version") != FORMAT_VERSION:
+        raise ManifestError(
+            f"{source}: format version {str(doc.get('version'))[:40]!r} is not supported "
+            f"(this resurgo reads version {FORMAT_VERSION})"
+        )
+    try:
+        manifest = Manifest.model_validate_json(raw)
+    except (ValidationError, RecursionError, ValueError) as e:
+        raise ManifestError(f"{source}: does not match the v1 schema: {str(e)[:800]}") from None
+    validate_manifest(manifest, source)
+    return manifest
+
+
+def validate_manifest(m: Manifest, source: str = MANIFEST_NAME) -> None:
+    """Semantic checks that a schema cannot express. Raises ManifestError."""
+
+    def fail(msg: str) -> None:
+        raise ManifestError(f"{source}: {msg}")
+
+    for path, entry in m.files.items():
+        if not DATA_FILE_RE.match(path) or ".." in path.split("/"):
+            fail(f"data file path {path[:200]!r} is not of the form data/<name>.safetensors")
+        if entry.bytes < 0:
+            fail(f"data file {path!r} has negative size {entry.bytes}")
+    for key, t in m.tensors.items():
+        if not dtypes.is_known(t.dtype) or (t.kind == "numpy" and t.dtype not in dtypes.NUMPY_DTYPES):
+            fail(f"tensor {key!r}: unknown {t.kind} dtype {t.dtype[:40]!r}")
+        if len(t.shape) > MAX_NDIM or any(d < 0 for d in t.shape):
+            fail(f"tensor {key!r}: invalid shape {t.shape[:MAX_NDIM + 1]}")
+        size = dtypes.itemsize(t.dtype)
+        places: list[Place] = []
+        for i, c in enumerate(t.chunks):
+            where = f"tensor {key!r} chunk {i} in {c.file[:200]!r}"
+            if (c.box is None) == (c.flat is None):
+                fail(f"{where}: needs exactly one of 'box' or 'flat'")
+            if c.file not in m.files:
+                fail(f"{where}: the file is not listed in 'files'")
+            start, stop = c.byte_range
+            if not 0 <= start <= stop <= m.files[c.file].bytes:
+                fail(f"{where}: byte range [{start}, {stop}) is outside the file's {m.files[c.file].bytes} bytes")
+            place = c.place
+            if isinstance(place, ChunkBox) and not (len(place.offsets) == len(place.shape) == len(t.shape)):
+                fail(f"{where}: box rank differs from the tensor's rank {len(t.shape)}")
+            if not place.fits_in(tuple(t.shape)):
+                fail(f"{where}: place {place} lies outside the tensor's shape {t.shape}")
+            if place.numel * size != stop - start:
+                fail(f"{where}: {place.numel} elements of {t.dtype} need {place.numel * size} bytes, "
+                     f"the byte range holds {stop - start}")
+            if not 1 <= c.block_bytes <= MAX_BLOCK_BYTES:
+                fail(f"{where}: block_bytes {c.block_bytes} out of range")
+            if len(c.checksums) != checksum.block_count(stop - start, c.block_bytes):
+                fail(f"{where}: {len(c.checksums)} checksums for {checksum.block_count(stop - start, c.block_bytes)} blocks")
+            if not all(_HEX128.fullmatch(h) for h in c.checksums):
+                fail(f"{where}: checksums must be 32 hex characters")
+            places.append(place)
+        if len({type(p) for p in places}) > 1:
+            fail(f"tensor {key!r}: mixes box and flat chunks")
+        if len(places) > 0 and not covers_exactly_once(places, tuple(t.shape)):
+            fail(f"tensor {key!r}: chunks do not cover the shape {t.shape} exactly once")
+        if not places and math.prod(t.shape) != 0:
+            fail(f"tensor {key!r}: has no chunks but {math.prod(t.shape)} elements")

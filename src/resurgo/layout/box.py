@@ -1,0 +1,100 @@
+"""Where a chunk sits in its global tensor.
+
+A :class:`ChunkBox` is an axis-aligned block (offsets + shape); a :class:`FlatRange` is a
+contiguous range ``[start, stop)`` of the row-major flattened tensor (ZeRO-style partitions).
+Both are plain immutable data; everything here is pure and has no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Union
+
+
+@dataclass(frozen=True)
+class ChunkBox:
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @staticmethod
+    def whole(shape: tuple[int, ...]) -> "ChunkBox":
+        return ChunkBox(tuple(0 for _ in shape), tuple(shape))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def is_whole(self, global_shape: tuple[int, ...]) -> bool:
+        return all(o == 0 for o in self.offsets) and tuple(self.shape) == tuple(global_shape)
+
+    def fits_in(self, global_shape: tuple[int, ...]) -> bool:
+        return len(self.offsets) == len(self.shape) == len(global_shape) and all(
+            o >= 0 and s >= 0 and o + s <= g for o, s, g in zip(self.offsets, self.shape, global_shape)
+        )
+
+    def intersect(self, other: "ChunkBox") -> "ChunkBox | None":
+        """The common box, or None when they share no element (empty boxes share nothing)."""
+        offsets, shape = [], []
+        for a_o, a_s, b_o, b_s in zip(self.offsets, self.shape, other.offsets, other.shape):
+            lo, hi = max(a_o, b_o), min(a_o + a_s, b_o + b_s)
+            if hi <= lo:
+                return None
+            offsets.append(lo)
+            shape.append(hi - lo)
+        if not self.offsets and (self.numel == 0 or other.numel == 0):
+            return None
+        return ChunkBox(tuple(offsets), tuple(shape))
+
+    def relative_to(self, outer: "ChunkBox") -> "ChunkBox":
+        """This box in the coordinates of ``outer`` (which must contain it)."""
+        return ChunkBox(tuple(o - p for o, p in zip(self.offsets, outer.offsets)), self.shape)
+
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.shape))
+
+
+@dataclass(frozen=True)
+class FlatRange:
+    start: int
+    stop: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+    def fits_in(self, global_shape: tuple[int, ...]) -> bool:
+        return 0 <= self.start <= self.stop <= math.prod(global_shape)
+
+    def intersect(self, other: "FlatRange") -> "FlatRange | None":
+        lo, hi = max(self.start, other.start), min(self.stop, other.stop)
+        return FlatRange(lo, hi) if hi > lo else None
+
+
+Place = Union[ChunkBox, FlatRange]
+
+
+def places_overlap(a: Place, b: Place) -> bool:
+    if isinstance(a, ChunkBox) and isinstance(b, ChunkBox):
+        return a.intersect(b) is not None
+    if isinstance(a, FlatRange) and isinstance(b, FlatRange):
+        return a.intersect(b) is not None
+    raise TypeError("a box and a flat range cannot be compared without the global shape")
+
+
+def covers_exactly_once(places: list[Place], global_shape: tuple[int, ...]) -> bool:
+    """True when the places tile the global tensor: inside it, disjoint, and summing to its size.
+
+    All places must be of one kind (all boxes or all flat ranges).
+    """
+    if not all(p.fits_in(global_shape) for p in places):
+        return False
+    if sum(p.numel for p in places) != math.prod(global_shape):
+        return False
+    nonempty = [p for p in places if p.numel > 0]
+    if all(isinstance(p, FlatRange) for p in nonempty):
+        ranges = sorted(nonempty, key=lambda r: r.start)  # type: ignore[attr-defined]
+        return all(a.stop <= b.start for a, b in zip(ranges, ranges[1:]))  # type: ignore[attr-defined]
+    if all(isinstance(p, ChunkBox) for p in nonempty):
+        return not any(places_overlap(a, b) for i, a in enumerate(nonempty) for b in nonempty[i + 1 :])
+    return False

@@ -1,0 +1,1 @@
+"""Moving bytes: staging copies out of tensors, parallel writers and readers with checksums."""

@@ -1,0 +1,40 @@
+"""Flat byte views of tensors and arrays, without copying when the memory allows it."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from resurgo.state.flatten import Array
+
+
+def source_bytes(value: Array) -> np.ndarray:
+    """A flat uint8 array with the value's bytes in row-major order (copies only when it must:
+    non-CPU, non-contiguous, or lazily conjugated/negated tensors)."""
+    if isinstance(value, np.ndarray):
+        return np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+    t = value.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def writable_bytes(dest: Array) -> np.ndarray | None:
+    """The destination's own memory as a flat writable uint8 array, or None if it has none we can
+    write into directly (GPU, non-contiguous, read-only)."""
+    if isinstance(dest, np.ndarray):
+        if dest.flags.c_contiguous and dest.flags.writeable:
+            return dest.reshape(-1).view(np.uint8)
+        return None
+    if dest.device.type != "cpu" or not dest.is_contiguous() or dest.is_conj() or dest.is_neg():
+        return None
+    return dest.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def typed_view(flat: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Reinterpret flat bytes as a torch tensor of ``dtype`` and ``shape`` (no copy)."""
+    return torch.from_numpy(flat).view(dtype).reshape(shape)

@@ -1,0 +1,1 @@
+"""Save and load plans: pure functions over metadata, no I/O, printable and testable alone."""

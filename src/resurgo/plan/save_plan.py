@@ -1,0 +1,79 @@
+"""Save plan: which data file each chunk goes into, under which name, at which byte range.
+
+Pure data. A rank spreads its chunks over a few files (largest first, to the least loaded file)
+so that several threads can write and fsync in parallel; small states stay in one file.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from resurgo.format import dtypes
+from resurgo.layout.box import ChunkBox, Place
+
+MIN_FILE_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class WriteItem:
+    """One chunk to write: its tensor key, its place, and how the data file declares it."""
+
+    key: str
+    name: str
+    dtype: str
+    place: Place
+    nbytes: int
+
+    @property
+    def safetensors_dtype(self) -> str:
+        return dtypes.SAFETENSORS_CODES.get(self.dtype, "U8")
+
+    @property
+    def safetensors_shape(self) -> list[int]:
+        """The shape the data file declares: the chunk's own, or raw bytes for dtypes safetensors lacks."""
+        if self.dtype in dtypes.SAFETENSORS_CODES and isinstance(self.place, ChunkBox):
+            return list(self.place.shape)
+        if self.dtype in dtypes.SAFETENSORS_CODES:
+            return [self.place.numel]
+        return [self.nbytes]
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    path: str
+    items: tuple[WriteItem, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(i.nbytes for i in self.items)
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    files: tuple[FilePlan, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.files)
+
+
+def data_file_name(rank: int, index: int) -> str:
+    return f"data/rank{rank:05d}-{index:03d}.safetensors"
+
+
+def plan_files(items: list[WriteItem], rank: int = 0, max_files: int = 4,
+               min_file_bytes: int = MIN_FILE_BYTES) -> SavePlan:
+    """Spread ``items`` over at most ``max_files`` files, balancing bytes (LPT scheduling)."""
+    total = sum(i.nbytes for i in items)
+    nfiles = max(1, min(max_files, total // max(1, min_file_bytes)))
+    heap = [(0, f) for f in range(nfiles)]
+    buckets: list[list[WriteItem]] = [[] for _ in range(nfiles)]
+    for item in sorted(items, key=lambda i: (-i.nbytes, i.key)):
+        load, f = heapq.heappop(heap)
+        buckets[f].append(item)
+        heapq.heappush(heap, (load + item.nbytes, f))
+    return SavePlan(tuple(
+        FilePlan(data_file_name(rank, f), tuple(sorted(b, key=lambda i: i.key)))
+        for f, b in enumerate(buckets) if b or f == 0
+    ))

@@ -1,0 +1,35 @@
+"""What a save or a load did: bytes, files and seconds per phase."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SaveReport:
+    path: str
+    bytes_written: int  # every byte of every file, manifest and headers included
+    tensor_bytes: int  # bytes of tensor data alone
+    files: list[str]
+    num_tensors: int
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Phases: stage (copies out of the training tensors), write, checksum, fsync, commit, total.
+    write, checksum and fsync are summed over the I/O threads, so they can exceed total."""
+
+    @property
+    def throughput_gbps(self) -> float:
+        return self.bytes_written / max(self.seconds.get("total", 0.0), 1e-9) / 1e9
+
+
+@dataclass
+class LoadReport:
+    path: str
+    bytes_read: int
+    files: list[str]
+    num_tensors: int
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Phases: plan, read, checksum (summed over threads), assemble, total."""
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    mismatched_keys: list[str] = field(default_factory=list)
+    step: int | None = None

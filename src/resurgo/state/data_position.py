@@ -1,0 +1,370 @@
+"""Data position of a plain ``torch.utils.data.DataLoader``, so a run can resume mid-epoch.
+
+This module owns making a DataLoader resumable: after a restart, iterating the loader yields
+exactly the batches the uninterrupted run would have got next, in the same order.
+
+How: :func:`track_dataloader` swaps the loader's class to a subclass made once per original class.
+Its ``__iter__`` records, *before* creating the underlying iterator, every RNG state that the
+epoch's order depends on (the torch global CPU RNG, and ``loader.generator`` /
+``sampler.generator`` when set), then counts the batches handed out. ``state_dict()`` returns
+``{"epoch_rng", "batches_yielded", "epoch_active", ...}``. After ``load_state_dict()``, the next
+``iter()`` sets those RNGs back to the epoch start, rebuilds the iterator, skips the batches already
+seen, then puts the global RNG back where it was, so the training stream (restored by
+:class:`resurgo.state.rng.RNGState`) is untouched.
+
+Where the RNG is drawn inside a DataLoader (torch 2.x), which is why the order above matters:
+1. iterator construction draws ``_base_seed`` (the worker seed) from ``loader.generator`` or,
+   when that is None, from the global CPU RNG;
+2. ``RandomSampler`` without a generator draws its own seed from the global CPU RNG lazily, on its
+   first ``next()``: with workers that happens inside construction (prefetch), without workers on
+   the first batch. The tracked loader pulls the first index batch right after construction, so
+   the epoch's order depends only on the recorded epoch-start state.
+
+Limits: a sampler that draws from the global RNG lazily during the epoch, an IterableDataset
+whose stream is not a function of the epoch-start RNG, and random augmentation inside persistent
+workers (their RNG lives in the worker processes) are not reproduced exactly.
+``torchdata``'s ``StatefulDataLoader`` has its own ``state_dict``; it is used as is.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from resurgo.errors import TypeMismatchError
+
+__all__ = ["track_dataloader", "is_tracked"]
+
+_FORMAT_VERSION = 1
+_TRACKED_CLASSES: dict[type, type] = {}
+_ATTR = "_resurgo_position"
+
+
+class _Position:
+    """Where a tracked loader stands in its current epoch (kept on the loader instance)."""
+
+    __slots__ = ("epoch_rng", "batches_yielded", "epoch_active", "epoch", "reset_iterator",
+                 "generation", "pending")
+
+    def __init__(self) -> None:
+        self.epoch_rng: dict[str, Any] | None = None  # RNG states just before the epoch's iter()
+        self.batches_yielded = 0
+        self.epoch_active = False  # an epoch was started and its StopIteration not yet seen
+        self.epoch = 0  # epochs started (iter() calls) so far, for the reader's benefit
+        self.reset_iterator = False  # the epoch reused a persistent-workers iterator (_reset)
+        self.generation = 0  # which iterator is the live one; older iterators stop counting
+        self.pending = False  # load_state_dict() was called; the next iter() resumes
+
+
+def _generators(loader: DataLoader) -> dict[str, torch.Generator]:
+    """Dedicated generators that decide the epoch's order, by a stable name, each object once."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    candidates = [
+        ("loader_generator", getattr(loader, "generator", None)),
+        ("sampler_generator", getattr(getattr(loader, "sampler", None), "generator", None)),
+        ("batch_sampler_generator", getattr(batch_sampler, "generator", None)),
+        ("batch_sampler_sampler_generator",
+         getattr(getattr(batch_sampler, "sampler", None), "generator", None)),
+    ]
+    found: dict[str, torch.Generator] = {}
+    seen: set[int] = set()
+    for name, g in candidates:
+        # DataLoader hands loader.generator to its RandomSampler: the same object, stored once.
+        if isinstance(g, torch.Generator) and id(g) not in seen:
+            seen.add(id(g))
+            found[name] = g
+    return found
+
+
+def _capture_epoch_rng(loader: DataLoader) -> dict[str, Any]:
+    return {
+        "torch": torch.get_rng_state(),
+        "generators": {name: g.get_state() for name, g in _generators(loader).items()},
+    }
+
+
+def _set_epoch_rng(loader: DataLoader, epoch_rng: dict[str, Any]) -> None:
+    torch.set_rng_state(_as_uint8(epoch_rng["torch"], "epoch_rng.torch"))
+    gens = _generators(loader)
+    saved = epoch_rng.get("generators", {}) or {}
+    if set(saved) != set(gens):
+        raise TypeMismatchError(
+            f"dataloader.epoch_rng.generators: the checkpoint has generators {sorted(saved)}, "
+            f"this DataLoader has {sorted(gens)}; build the loader the same way as when saving"
+        )
+    for name, g in gens.items():
+        g.set_state(_as_uint8(saved[name], f"epoch_rng.generators.{name}"))
+
+
+def _as_uint8(value: Any, key: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        try:
+            value = torch.as_tensor(value)
+        except Exception as e:  # noqa: BLE001 - re-raised as our own error with the key
+            raise TypeMismatchError(f"dataloader.{key}: expected a uint8 tensor, got {type(value).__name__}") from e
+    if value.dtype != torch.uint8:
+        raise TypeMismatchError(f"dataloader.{key}: expected dtype uint8, got {value.dtype}")
+    return value.detach().to("cpu").contiguous()
+
+
+def _clone_rng(epoch_rng: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "torch": epoch_rng["torch"].clone(),
+        "generators": {k: v.clone() for k, v in epoch_rng["generators"].items()},
+    }
+
+
+def _fast_skip_possible(loader: DataLoader, it: Any) -> bool:
+    """True when index batches can be pulled from the sampler without loading any data.
+
+    Only without workers (workers prefetch on their own) and for map-style datasets (an
+    IterableDataset's position lives in its own iterator, not in the sampler).
+    """
+    try:  # private names: if a torch version lacks them, fall back to consuming batches
+        from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
+    except ImportError:
+        return False
+    return (
+        getattr(loader, "num_workers", 0) == 0
+        and getattr(loader, "_dataset_kind", None) == _DatasetKind.Map
+        and isinstance(it, _SingleProcessDataLoaderIter)
+        and getattr(it, "_sampler_iter", None) is not None
+    )
+
+
+def _prime(loader: DataLoader, it: Any) -> None:
+    """Pull the first index batch now, while the RNG is still at the epoch-start state.
+
+    RandomSampler draws its seed at its first next(); pulling it here makes the epoch's order a
+    function of the recorded state alone, whatever the caller draws before the first batch.
+    The batch is chained back in front, so nothing is lost.
+    """
+    if not _fast_skip_possible(loader, it):
+        return
+    try:
+        first = next(it._sampler_iter)
+    except StopIteration:
+        return
+    it._sampler_iter = itertools.chain([first], it._sampler_iter)
+
+
+def _skip(loader: DataLoader, it: Any, n: int) -> None:
+    """Advance a fresh iterator past its first ``n`` batches."""
+    if _fast_skip_possible(loader, it):
+        # Advance the index sampler only: no data is read, no augmentation runs.
+        sampler_iter = it._sampler_iter
+        try:
+            first = next(sampler_iter)  # at the epoch-start RNG, as in the original epoch
+        except StopIteration:
+            return
+        if n == 0:
+            it._sampler_iter = itertools.chain([first], sampler_iter)
+            return
+        skipped = 1
+        for _ in range(n - 1):
+            try:
+                next(sampler_iter)
+            except StopIteration:
+                break
+            skipped += 1
+        if hasattr(it, "_num_yielded"):
+            it._num_yielded = skipped  # keeps torch's IterableDataset length warning right
+        return
+    # Workers, an IterableDataset, or an iterator we do not know: consume real batches.
+    for _ in range(n):
+        try:
+            next(it)
+        except StopIteration:
+            break
+
+
+class _TrackedIterator:
+    """Wraps the loader's iterator to count batches handed out and notice the epoch's end."""
+
+    def __init__(self, pos: _Position, it: Any, generation: int) -> None:
+        self._pos = pos
+        self._it = it
+        self._generation = generation
+
+    def __iter__(self) -> _TrackedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            if self._pos.generation == self._generation:
+                self._pos.epoch_active = False
+            raise
+        if self._pos.generation == self._generation:
+            self._pos.batches_yielded += 1
+        return batch
+
+    def __len__(self) -> int:
+        return len(self._it)
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything else (e.g. _num_yielded) is the underlying iterator's business.
+        return getattr(self._it, name)
+
+
+class _TrackedDataLoaderMixin:
+    """Methods of a tracked DataLoader's class. Its state lives in ``_resurgo_position``.
+
+    Not used as a base: its functions are copied into ``type(name, (cls,), ...)``, because a
+    second base would change the instance layout and forbid the ``__class__`` assignment.
+    """
+
+    _resurgo_base_class: type
+
+    # -- iteration ---------------------------------------------------------------------------
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        pos = _position(self)
+        resume = pos.pending and pos.epoch_active
+        pos.pending = False
+        pos.generation += 1
+        if resume:
+            it = self._resurgo_resume(pos)
+        else:
+            will_reset = self._resurgo_will_reset()
+            epoch_rng = _capture_epoch_rng(self)  # before construction: it draws from these
+            it = self._resurgo_base_class.__iter__(self)
+            _prime(self, it)
+            pos.epoch_rng = epoch_rng
+            pos.batches_yielded = 0
+            pos.epoch_active = True
+            pos.reset_iterator = will_reset
+            pos.epoch += 1
+        return _TrackedIterator(pos, it, pos.generation)
+
+    def _resurgo_will_reset(self) -> bool:
+        # DataLoader.__iter__ reuses (and _reset()s) one iterator when workers are persistent;
+        # a reset draws no _base_seed, a construction does: the resume must do the same.
+        return bool(getattr(self, "persistent_workers", False) and getattr(self, "num_workers", 0) > 0
+                    and getattr(self, "_iterator", None) is not None)
+
+    def _resurgo_resume(self, pos: _Position) -> Any:
+        assert pos.epoch_rng is not None
+        before = torch.get_rng_state()
+        try:
+            persistent = bool(getattr(self, "persistent_workers", False) and getattr(self, "num_workers", 0) > 0)
+            if persistent:
+                if pos.reset_iterator and getattr(self, "_iterator", None) is None:
+                    # The original epoch reset a live iterator: build one first (its draws are
+                    # undone below), so that the real iter() below is a reset too.
+                    self._resurgo_base_class.__iter__(self)
+                elif not pos.reset_iterator and getattr(self, "_iterator", None) is not None:
+                    self._iterator = None  # the original epoch built a new iterator: do the same
+            _set_epoch_rng(self, pos.epoch_rng)
+            it = self._resurgo_base_class.__iter__(self)
+            _skip(self, it, pos.batches_yielded)
+        finally:
+            # Only the global RNG goes back: the training stream continues as restored by
+            # RNGState. The loader's own generators stay where the replay left them, which is
+            # where the original run had them.
+            torch.set_rng_state(before)
+        return it
+
+    # -- Stateful ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Position in the current epoch, as plain data (tensors, ints, bools)."""
+        pos = _position(self)
+        # Never iterated: the current states stand in, so the tree has the same shapes as one
+        # from a loader mid-epoch (a fresh loader is the destination of a load).
+        epoch_rng = pos.epoch_rng if pos.epoch_rng is not None else _capture_epoch_rng(self)
+        return {
+            "version": _FORMAT_VERSION,
+            "epoch_rng": _clone_rng(epoch_rng),
+            "batches_yielded": int(pos.batches_yielded),
+            "epoch_active": bool(pos.epoch_active),
+            "epoch": int(pos.epoch),
+            "reset_iterator": bool(pos.reset_iterator),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume at the saved position on the next ``iter()`` (nothing is read until then)."""
+        sd = dict(state_dict)
+        version = sd.get("version", _FORMAT_VERSION)
+        if version != _FORMAT_VERSION:
+            raise TypeMismatchError(f"dataloader.version: expected {_FORMAT_VERSION}, got {version!r}")
+        missing = [k for k in ("epoch_rng", "batches_yielded", "epoch_active") if k not in sd]
+        if missing:
+            raise TypeMismatchError(f"dataloader: state has no {', '.join(missing)}; not a DataLoader position")
+        epoch_rng = sd["epoch_rng"]
+        rng = {
+            "torch": _as_uint8(epoch_rng["torch"], "epoch_rng.torch").clone(),
+            "generators": {k: _as_uint8(v, f"epoch_rng.generators.{k}").clone()
+                           for k, v in (epoch_rng.get("generators") or {}).items()},
+        }
+        # Fail now, not at the next iter(), if the loader is built differently.
+        have = set(_generators(self))
+        if set(rng["generators"]) != have:
+            raise TypeMismatchError(
+                f"dataloader.epoch_rng.generators: the checkpoint has generators {sorted(rng['generators'])}, "
+                f"this DataLoader has {sorted(have)}; build the loader the same way as when saving"
+            )
+        n = sd["batches_yielded"]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise TypeMismatchError(f"dataloader.batches_yielded: expected an int >= 0, got {n!r}")
+        pos = _position(self)
+        pos.generation += 1  # an iterator already handed out no longer moves the position
+        pos.epoch_rng = rng
+        pos.batches_yielded = n
+        pos.epoch_active = bool(sd["epoch_active"])
+        pos.epoch = int(sd.get("epoch", 0))
+        pos.reset_iterator = bool(sd.get("reset_iterator", False))
+        pos.pending = True
+
+
+def _position(loader: Any) -> _Position:
+    pos = loader.__dict__.get(_ATTR)
+    if pos is None:
+        pos = _Position()
+        loader.__dict__[_ATTR] = pos
+    return pos
+
+
+def _tracked_class(cls: type) -> type:
+    tracked = _TRACKED_CLASSES.get(cls)
+    if tracked is None:
+        methods = {k: v for k, v in vars(_TrackedDataLoaderMixin).items()
+                   if k not in ("__dict__", "__weakref__", "__doc__", "__module__", "__qualname__",
+                                "__annotations__")}
+        tracked = type(f"Tracked{cls.__name__}", (cls,), {
+            **methods,
+            "__module__": __name__,
+            "__qualname__": f"Tracked{cls.__qualname__}",
+            "__doc__": cls.__doc__,
+            "_resurgo_base_class": cls,
+            "__slots__": (),  # same layout as cls, so that __class__ can be assigned
+        })
+        _TRACKED_CLASSES[cls] = tracked
+    return tracked
+
+
+def is_tracked(loader: Any) -> bool:
+    """True if ``loader`` was made resumable by :func:`track_dataloader`."""
+    return type(loader) in _TRACKED_CLASSES.values()
+
+
+def track_dataloader(loader: DataLoader) -> DataLoader:
+    """Make ``loader`` resumable in place and return it (the same object).
+
+    Its class becomes a subclass with ``state_dict()``/``load_state_dict()``; iteration is
+    unchanged. Call it before the first ``iter()`` of an epoch that should be resumable. Loaders
+    that already have ``state_dict()`` (torchdata's ``StatefulDataLoader``) are returned as is.
+    """
+    if is_tracked(loader) or (callable(getattr(loader, "state_dict", None))
+                              and callable(getattr(loader, "load_state_dict", None))):
+        return loader
+    if not isinstance(loader, DataLoader):
+        raise TypeMismatchError(
+            f"dataloader: expected a torch.utils.data.DataLoader or an object with state_dict()/"
+            f"load_state_dict(), got {type(loader).__name__}"
+        )
+    loader.__class__ = _tracked_class(type(loader))
+    _position(loader)
+    return loader

@@ -1,0 +1,204 @@
+"""Load side: match the manifest's tree against the target state and plan what to fill.
+
+:class:`Restorer` walks the saved tree and the caller's state together, without touching either:
+it finds the destination tensor of every saved tensor (the target's own, or a new one), checks
+dtype and shape, collects missing and unexpected keys, and records, in post-order, the actions
+that will put values into the target's containers and call ``load_state_dict`` once the bytes
+are in. Nothing is mutated until every check has passed and every byte has been read.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from resurgo.errors import DTypeMismatchError, ManifestError, ShapeMismatchError, TypeMismatchError
+from resurgo.format import dtypes, values
+from resurgo.format.manifest import Manifest, TensorEntry
+from resurgo.state.flatten import Array, path_key
+from resurgo.state.stateful import is_stateful
+
+MAX_TREE_DEPTH = 512
+
+
+@dataclass
+class Destination:
+    """Where one saved tensor's bytes go."""
+
+    key: str
+    entry: TensorEntry
+    tensor: Array  # the final home of the values
+
+
+@dataclass
+class Restorer:
+    manifest: Manifest
+    allow_pickle: bool = False
+    destinations: list[Destination] = field(default_factory=list)
+    actions: list[Callable[[], None]] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+    strict: bool = True
+    _seen: set = field(default_factory=set)
+
+    # -- public ---------------------------------------------------------------------------------
+    def restore(self, target: Any) -> Any:
+        """Plan the load of the whole tree into ``target`` (None: build new values)."""
+        return self._node(self.manifest.tree, target, (), 0)
+
+    def run_actions(self) -> None:
+        for action in self.actions:
+            action()
+
+    # -- walk -----------------------------------------------------------------------------------
+    def _node(self, node: Any, target: Any, path: tuple, depth: int) -> Any:
+        where = f"manifest tree at key {path_key(path)!r}"
+        if depth > MAX_TREE_DEPTH:
+            raise ManifestError(f"{where}: nesting deeper than {MAX_TREE_DEPTH}")
+        if not isinstance(node, dict) or not isinstance(node.get("type"), str):
+            raise ManifestError(f"{where}: every tree node must be an object with a 'type'")
+        t = node["type"]
+        if target is not None and is_stateful(target) and t in ("stateful", "dict", "ordered_dict"):
+            inner = node["state"] if t == "stateful" else node
+            filled = self._node(inner, target.state_dict(), path, depth + 1)
+            self.actions.append(lambda: target.load_state_dict(filled))
+            return target
+        if t == "stateful":
+            return self._node(node.get("state"), target, path, depth + 1)
+        if t in ("tensor", "ndarray"):
+            return self._tensor(node, target, path)
+        if t in ("dict", "ordered_dict"):
+            return self._mapping(node, target, path, depth)
+        if t in ("list", "tuple"):
+            return self._sequence(node, target, path, depth)
+        if t == "torch_size":
+            items = node.get("items")
+            if not isinstance(items, list) or not all(type(d) is int for d in items):
+                raise ManifestError(f"{where}: torch_size needs a list of ints")
+            return torch.Size(items)
+        if isinstance(target, (torch.Tensor, np.ndarray, Mapping, list, tuple)) or is_stateful(target):
+            raise TypeMismatchError(
+                f"key {path_key(path)!r}: the checkpoint holds a {t} value, the target a {type(target).__name__}"
+            )
+        return values.decode_scalar(node, where, self.allow_pickle)
+
+    def _items(self, node: dict, path: tuple) -> list:
+        items = node.get("items")
+        if not isinstance(items, list):
+            raise ManifestError(f"manifest tree at key {path_key(path)!r}: '{node['type']}' needs a list of items")
+        return items
+
+    def _mapping(self, node: dict, target: Any, path: tuple, depth: int) -> Any:
+        where = f"manifest tree at key {path_key(path)!r}"
+        if target is not None and not isinstance(target, Mapping):
+            self._type_mismatch(path, target, "a dict")
+            target = None
+        pairs = []
+        for item in self._items(node, path):
+            if not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], dict):
+                raise ManifestError(f"{where}: dict items must be [key, value] pairs")
+            key = values.decode_scalar(item[0], where, allow_pickle=False)
+            try:
+                hash(key)
+            except TypeError:
+                raise ManifestError(f"{where}: unhashable dict key") from None
+            pairs.append((key, item[1]))
+        out: dict = OrderedDict() if node["type"] == "ordered_dict" else {}
+        if target is None:
+            for k, v in pairs:
+                out[k] = self._node(v, None, path + (k,), depth + 1)
+            return out
+        grow = len(target) == 0  # a fresh optimizer's empty 'state' accepts what was saved
+        for k, v in pairs:
+            if k in target:
+                out[k] = self._node(v, target[k], path + (k,), depth + 1)
+            elif grow:
+                out[k] = self._node(v, None, path + (k,), depth + 1)
+            else:
+                self.unexpected.append(path_key(path + (k,)))
+        saved = {k for k, _ in pairs}
+        self.missing.extend(path_key(path + (k,)) for k in target if k not in saved)
+        if isinstance(target, dict):
+            self.actions.append(lambda: target.update(out))
+            return target
+        return {**target, **out}
+
+    def _sequence(self, node: dict, target: Any, path: tuple, depth: int) -> Any:
+        items = self._items(node, path)
+        if target is not None and not isinstance(target, (list, tuple)):
+            self._type_mismatch(path, target, f"a {node['type']}")
+            target = None
+        if target is None:
+            out = [self._node(v, None, path + (i,), depth + 1) for i, v in enumerate(items)]
+        else:
+            grow = len(target) == 0
+            out = []
+            for i, v in enumerate(items):
+                if i < len(target):
+                    out.append(self._node(v, target[i], path + (i,), depth + 1))
+                elif grow:
+                    out.append(self._node(v, None, path + (i,), depth + 1))
+                else:
+                    self.unexpected.append(path_key(path + (i,)))
+            if len(items) < len(target):  # strict=False keeps what the checkpoint lacks
+                self.missing.extend(path_key(path + (i,)) for i in range(len(items), len(target)))
+                out.extend(target[len(items):])
+            if type(target) is list and node["type"] == "list":
+                self.actions.append(lambda: target.__setitem__(slice(None), out))
+                return target
+        return tuple(out) if node["type"] == "tuple" else out
+
+    def _type_mismatch(self, path: tuple, target: Any, expected: str) -> None:
+        if isinstance(target, (torch.Tensor, np.ndarray, Mapping, list, tuple)) or is_stateful(target):
+            raise TypeMismatchError(
+                f"key {path_key(path)!r}: the checkpoint holds {expected}, the target a {type(target).__name__}"
+            )
+
+    def _tensor(self, node: dict, target: Any, path: tuple) -> Array:
+        key = node.get("key")
+        if not isinstance(key, str) or key not in self.manifest.tensors:
+            raise ManifestError(f"manifest tree at key {path_key(path)!r}: refers to unknown tensor {str(key)[:200]!r}")
+        if key in self._seen:
+            raise ManifestError(f"manifest tree: tensor {key!r} is referenced twice")
+        self._seen.add(key)
+        entry = self.manifest.tensors[key]
+        if node["type"] == "tensor" and entry.kind != "torch" or node["type"] == "ndarray" and entry.kind != "numpy":
+            raise ManifestError(f"manifest tree: node type {node['type']} of {key!r} disagrees with its entry kind {entry.kind}")
+        shape = tuple(entry.shape)
+        if isinstance(target, (torch.Tensor, np.ndarray)):
+            tdtype = (dtypes.TORCH_DTYPE_NAMES.get(target.dtype) if isinstance(target, torch.Tensor)
+                      else dtypes.numpy_dtype_name(target.dtype))
+            if tdtype != entry.dtype:
+                return self._mismatch(DTypeMismatchError(
+                    f"key {key!r}: checkpoint dtype {entry.dtype}, target dtype {tdtype or target.dtype} (resurgo never casts)"
+                ), key, target)
+            if tuple(target.shape) != shape:
+                return self._mismatch(ShapeMismatchError(
+                    f"key {key!r}: checkpoint shape {list(shape)}, target shape {list(target.shape)}"
+                ), key, target)
+            self.destinations.append(Destination(key, entry, target))
+            return target
+        if target is not None and (isinstance(target, (Mapping, list, tuple)) or is_stateful(target)):
+            raise TypeMismatchError(f"key {key!r}: the checkpoint holds a tensor, the target a {type(target).__name__}")
+        fresh = new_array(entry)
+        self.destinations.append(Destination(key, entry, fresh))
+        return fresh
+
+    def _mismatch(self, error: Exception, key: str, target: Array) -> Array:
+        if self.strict:
+            raise error
+        self.mismatched.append(str(error))
+        return target
+
+
+def new_array(entry: TensorEntry) -> Array:
+    """An uninitialized array for a saved tensor; its size is bounded by the bytes its chunks hold."""
+    if entry.kind == "numpy":
+        return np.empty(entry.shape, dtype=dtypes.NUMPY_DTYPES[entry.dtype])
+    return torch.empty(entry.shape, dtype=dtypes.TORCH_DTYPES[entry.dtype])

@@ -1,0 +1,5 @@
+"""Storage backends and the commit protocol. Knows nothing of tensors: only files and bytes."""
+
+from resurgo.storage.local import CheckpointDir, LocalStaging, ReadHandle, WriteHandle
+
+__all__ = ["CheckpointDir", "LocalStaging", "ReadHandle", "WriteHandle"]

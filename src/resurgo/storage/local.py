@@ -1,0 +1,217 @@
+"""Local filesystem backend and its commit protocol.
+
+A save writes into a temporary sibling directory (``.<name>.resurgo-tmp-<id>``), fsyncs every
+data file, writes and fsyncs ``manifest.json`` last, fsyncs the directories, then atomically
+renames the temporary directory onto the checkpoint path and fsyncs the parent. Overwriting
+swaps the two directories atomically (``renameat2(RENAME_EXCHANGE)``) and only then deletes the
+old one, so the path always names a complete checkpoint and the old one is never modified in
+place. A crash at any moment leaves at worst a temporary directory, which readers ignore.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from resurgo.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    NotACheckpointError,
+    StorageError,
+)
+from resurgo.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
+
+TMP_MARKER = ".resurgo-tmp-"
+_RENAME_EXCHANGE = 2
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2). False when the system cannot."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD = -100
+    rc = fn(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def is_temporary(path: Path) -> bool:
+    return TMP_MARKER in path.name
+
+
+class WriteHandle:
+    """A new file opened for writing; writes loop until every byte is written."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self.bytes_written = 0
+
+    def write(self, data: memoryview) -> None:
+        view = memoryview(data).cast("B")
+        while len(view):
+            n = os.write(self.fd, view)
+            view = view[n:]
+            self.bytes_written += n
+
+    def fsync(self) -> None:
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class ReadHandle:
+    """A data file opened for positional reads (thread-safe: pread keeps no file position)."""
+
+    def __init__(self, path: Path, rel: str):
+        self.rel = rel
+        try:
+            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{path}: data file {rel!r} listed in the manifest is missing") from None
+        self.size = os.fstat(self.fd).st_size
+
+    def read_into(self, offset: int, buf: memoryview) -> None:
+        view = memoryview(buf).cast("B")
+        while len(view):
+            n = os.preadv(self.fd, [view], offset)
+            if n == 0:
+                raise CorruptCheckpointError(f"data file {self.rel!r}: ends at byte {offset}, before the data the manifest lists")
+            view = view[n:]
+            offset += n
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class CheckpointDir:
+    """A checkpoint path on the local filesystem: read side and the start of a save."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    # -- reading ------------------------------------------------------------------------------
+    def read_manifest_bytes(self) -> bytes:
+        if not self.path.exists():
+            raise CheckpointNotFoundError(f"{self.path}: no such checkpoint")
+        if not self.path.is_dir():
+            raise NotACheckpointError(f"{self.path}: is a file, a checkpoint is a directory with {MANIFEST_NAME}")
+        mpath = self.path / MANIFEST_NAME
+        if not mpath.is_file():
+            if (self.path / "data").is_dir():
+                raise IncompleteCheckpointError(
+                    f"{self.path}: has data files but no {MANIFEST_NAME}: the save never committed")
+            raise NotACheckpointError(f"{self.path}: not a resurgo checkpoint (no {MANIFEST_NAME})")
+        size = mpath.stat().st_size
+        if size > MAX_MANIFEST_BYTES:
+            from resurgo.errors import ManifestError
+
+            raise ManifestError(f"{mpath}: {size} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may have")
+        return mpath.read_bytes()
+
+    def resolve(self, rel: str) -> Path:
+        """The absolute path of ``rel``, refusing anything that leaves the checkpoint."""
+        root = os.path.realpath(self.path)
+        full = os.path.realpath(os.path.join(root, rel))
+        if os.path.isabs(rel) or not full.startswith(root + os.sep):
+            raise CorruptCheckpointError(f"{self.path}: path {rel[:200]!r} leaves the checkpoint directory")
+        return Path(full)
+
+    def open_read(self, rel: str) -> ReadHandle:
+        return ReadHandle(self.resolve(rel), rel)
+
+    # -- writing ------------------------------------------------------------------------------
+    def stage(self, overwrite: bool) -> "LocalStaging":
+        if self.path.exists() or self.path.is_symlink():
+            if not overwrite:
+                raise CheckpointExistsError(f"{self.path}: already exists; pass overwrite=True to replace it")
+            if not self.path.is_dir():
+                raise CheckpointExistsError(f"{self.path}: exists and is not a directory; refusing to replace it")
+        parent = self.path.parent
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            tmp = parent / f".{self.path.name}{TMP_MARKER}{uuid.uuid4().hex[:12]}"
+            (tmp / "data").mkdir(parents=True)
+        except OSError as e:
+            raise StorageError(e.errno, f"{self.path}: cannot create a temporary directory: {e.strerror}") from None
+        return LocalStaging(self.path, tmp, overwrite)
+
+
+class LocalStaging:
+    """A save in progress: files go into a temporary directory until :meth:`commit`."""
+
+    def __init__(self, final: Path, tmp: Path, overwrite: bool):
+        self.final = final
+        self.tmp = tmp
+        self.overwrite = overwrite
+
+    def create(self, rel: str) -> WriteHandle:
+        try:
+            return WriteHandle(self.tmp / rel)
+        except OSError as e:
+            raise StorageError(e.errno, f"{self.final}: cannot create {rel}: {e.strerror}") from None
+
+    def commit(self, manifest: bytes) -> None:
+        """Write the manifest last, make everything durable, and publish atomically."""
+        try:
+            h = WriteHandle(self.tmp / MANIFEST_NAME)
+            try:
+                h.write(memoryview(manifest))
+                h.fsync()
+            finally:
+                h.close()
+            _fsync_dir(self.tmp / "data")
+            _fsync_dir(self.tmp)
+            if self.final.exists():
+                if not self.overwrite:
+                    raise CheckpointExistsError(f"{self.final}: appeared while saving; refusing to replace it")
+                self._replace()
+            else:
+                os.rename(self.tmp, self.final)
+            _fsync_dir(self.final.parent)
+        except OSError as e:
+            if isinstance(e, CheckpointExistsError):
+                raise
+            raise StorageError(e.errno, f"{self.final}: commit failed: {e.strerror}") from None
+
+    def _replace(self) -> None:
+        if _exchange(self.tmp, self.final):
+            shutil.rmtree(self.tmp, ignore_errors=True)  # now holds the old checkpoint
+            return
+        old = self.final.parent / f".{self.final.name}{TMP_MARKER}old-{uuid.uuid4().hex[:12]}"
+        os.rename(self.final, old)
+        os.rename(self.tmp, self.final)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
