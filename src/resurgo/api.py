@@ -105,7 +105,8 @@ def _build_manifest(tree: dict, leaves: dict, written: list[WrittenFile], pickle
         created_at=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
         step=step, metadata=dict(metadata or {}), library=_library_versions(),
         world={"size": 1, "rank": 0}, checksum_algorithm="xxh3-128", pickled=pickled,
-        files={w.path: FileEntry(bytes=w.nbytes) for w in written},
+        files={w.path: FileEntry(bytes=w.nbytes, header_bytes=w.header_bytes, header_checksum=w.header_checksum)
+               for w in written},
         tensors=tensors, tree=tree,
     )
 

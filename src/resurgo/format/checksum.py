@@ -19,6 +19,10 @@ def block_count(nbytes: int, block_bytes: int) -> int:
     return -(-nbytes // block_bytes)
 
 
+def digest(buf: bytes | memoryview) -> str:
+    return xxhash.xxh3_128_hexdigest(buf)
+
+
 def block_digests(buf: memoryview, block_bytes: int) -> list[str]:
     """Hex digests of every block of ``buf`` (a flat byte memoryview)."""
     h = xxhash.xxh3_128_hexdigest

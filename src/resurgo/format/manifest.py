@@ -76,7 +76,9 @@ class TensorEntry(_Strict):
 
 
 class FileEntry(_Strict):
-    bytes: int
+    bytes: int  # total size of the data file
+    header_bytes: int  # size of the safetensors header, its 8-byte length prefix included
+    header_checksum: str  # xxh3-128 of those header bytes
 
 
 class Manifest(_Strict):
@@ -135,8 +137,10 @@ def validate_manifest(m: Manifest, source: str = MANIFEST_NAME) -> None:
     for path, entry in m.files.items():
         if not DATA_FILE_RE.match(path) or ".." in path.split("/"):
             fail(f"data file path {path[:200]!r} is not of the form data/<name>.safetensors")
-        if entry.bytes < 0:
-            fail(f"data file {path!r} has negative size {entry.bytes}")
+        if not 8 <= entry.header_bytes <= entry.bytes:
+            fail(f"data file {path!r}: header of {entry.header_bytes} bytes does not fit its {entry.bytes} bytes")
+        if not _HEX128.fullmatch(entry.header_checksum):
+            fail(f"data file {path!r}: header_checksum must be 32 hex characters")
     for key, t in m.tensors.items():
         if not dtypes.is_known(t.dtype) or (t.kind == "numpy" and t.dtype not in dtypes.NUMPY_DTYPES):
             fail(f"tensor {key!r}: unknown {t.kind} dtype {t.dtype[:40]!r}")
@@ -151,8 +155,9 @@ def validate_manifest(m: Manifest, source: str = MANIFEST_NAME) -> None:
             if c.file not in m.files:
                 fail(f"{where}: the file is not listed in 'files'")
             start, stop = c.byte_range
-            if not 0 <= start <= stop <= m.files[c.file].bytes:
-                fail(f"{where}: byte range [{start}, {stop}) is outside the file's {m.files[c.file].bytes} bytes")
+            f = m.files[c.file]
+            if not f.header_bytes <= start <= stop <= f.bytes:
+                fail(f"{where}: byte range [{start}, {stop}) is outside the data area [{f.header_bytes}, {f.bytes}) of the file")
             place = c.place
             if isinstance(place, ChunkBox) and not (len(place.offsets) == len(place.shape) == len(t.shape)):
                 fail(f"{where}: box rank differs from the tensor's rank {len(t.shape)}")

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from resurgo.plan.save_plan import WriteItem
 
@@ -35,3 +36,37 @@ def build_header(items: Sequence[WriteItem]) -> tuple[bytes, list[tuple[int, int
     prefix = struct.pack("<Q", len(body))
     start = len(prefix) + len(body)
     return prefix + body, [(start + a, start + b) for a, b in relative]
+
+
+MAX_HEADER_BYTES = 100 << 20  # the limit safetensors itself enforces
+
+
+@dataclass
+class SafetensorsHeader:
+    data_start: int
+    entries: dict[str, tuple[int, int]]  # name -> [start, stop) relative to data_start
+    raw: dict
+
+
+def read_header(prefix: bytes, read_body: Callable[[int], bytes]) -> SafetensorsHeader:
+    """Parse a safetensors header from its 8-byte prefix and a reader of the JSON body. ValueError if invalid."""
+    if len(prefix) != 8:
+        raise ValueError("file shorter than 8 bytes")
+    (n,) = struct.unpack("<Q", prefix)
+    if n > MAX_HEADER_BYTES:
+        raise ValueError(f"header of {n} bytes exceeds {MAX_HEADER_BYTES}")
+    body = read_body(n)
+    if len(body) != n:
+        raise ValueError("file ends inside the header")
+    doc = json.loads(body)
+    if not isinstance(doc, dict):
+        raise ValueError("header is not a JSON object")
+    entries = {}
+    for name, e in doc.items():
+        if name == "__metadata__":
+            continue
+        offs = e.get("data_offsets") if isinstance(e, dict) else None
+        if not (isinstance(offs, list) and len(offs) == 2 and all(type(x) is int for x in offs)):
+            raise ValueError(f"entry {name!r} has no valid data_offsets")
+        entries[name] = (offs[0], offs[1])
+    return SafetensorsHeader(8 + n, entries, doc)

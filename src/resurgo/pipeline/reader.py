@@ -54,7 +54,7 @@ def read_destinations(ckpt: CheckpointDir, manifest: Manifest, destinations: lis
         if not reads_whole_into_dest(d.entry):
             for ci, c in enumerate(d.entry.chunks):
                 chunk_bufs[(d.key, ci)] = np.empty(c.nbytes, dtype=np.uint8)
-    handles = _open_files(ckpt, manifest, {op.file for op in ops})
+    handles = _open_files(ckpt, manifest, {op.file for op in ops}, verify)
     seconds = {"plan": time.perf_counter() - t_start, "read": 0.0, "checksum": 0.0}
 
     def run(op: ReadOp) -> tuple[float, float]:
@@ -95,7 +95,7 @@ def read_destinations(ckpt: CheckpointDir, manifest: Manifest, destinations: lis
     return ReadResult(sum(op.length for op in ops), sorted(handles), seconds)
 
 
-def _open_files(ckpt: CheckpointDir, manifest: Manifest, names: set[str]) -> dict[str, ReadHandle]:
+def _open_files(ckpt: CheckpointDir, manifest: Manifest, names: set[str], verify: bool) -> dict[str, ReadHandle]:
     handles: dict[str, ReadHandle] = {}
     try:
         for name in sorted(names):
@@ -106,11 +106,22 @@ def _open_files(ckpt: CheckpointDir, manifest: Manifest, names: set[str]) -> dic
                 raise CorruptCheckpointError(
                     f"{ckpt.path}: data file {name} has {h.size} bytes, the manifest says {expected} (truncated or altered)"
                 )
+            if verify:
+                check_header(ckpt, manifest, name, h)
     except BaseException:
         for h in handles.values():
             h.close()
         raise
     return handles
+
+
+def check_header(ckpt: CheckpointDir, manifest: Manifest, name: str, handle: ReadHandle) -> None:
+    """The safetensors header is covered by its own checksum, so every byte of a file is verified."""
+    entry = manifest.files[name]
+    if checksum.digest(handle.read_at(0, entry.header_bytes)) != entry.header_checksum:
+        raise CorruptCheckpointError(
+            f"{ckpt.path}: the safetensors header of {name} (bytes 0..{entry.header_bytes}) does not match its checksum"
+        )
 
 
 def _assemble(destinations: list[Destination], flat: dict[str, np.ndarray],

@@ -33,6 +33,8 @@ class WrittenChunk:
 class WrittenFile:
     path: str
     nbytes: int
+    header_bytes: int
+    header_checksum: str
     chunks: list[WrittenChunk]
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -67,4 +69,4 @@ def write_data_file(staging: LocalStaging, plan: FilePlan, sources: dict[str, np
         nbytes = handle.bytes_written
     finally:
         handle.close()
-    return WrittenFile(plan.path, nbytes, chunks, {"write": t_write, "checksum": t_hash, "fsync": t_fsync})
+    return WrittenFile(plan.path, nbytes, len(header), checksum.digest(header), chunks, {"write": t_write, "checksum": t_hash, "fsync": t_fsync})

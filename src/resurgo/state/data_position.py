@@ -47,7 +47,7 @@ class _Position:
     """Where a tracked loader stands in its current epoch (kept on the loader instance)."""
 
     __slots__ = ("epoch_rng", "batches_yielded", "epoch_active", "epoch", "reset_iterator",
-                 "generation", "pending")
+                 "persistent_iterator", "generation", "pending")
 
     def __init__(self) -> None:
         self.epoch_rng: dict[str, Any] | None = None  # RNG states just before the epoch's iter()
@@ -55,6 +55,7 @@ class _Position:
         self.epoch_active = False  # an epoch was started and its StopIteration not yet seen
         self.epoch = 0  # epochs started (iter() calls) so far, for the reader's benefit
         self.reset_iterator = False  # the epoch reused a persistent-workers iterator (_reset)
+        self.persistent_iterator = False  # loaded: persistent workers were alive at save time
         self.generation = 0  # which iterator is the live one; older iterators stop counting
         self.pending = False  # load_state_dict() was called; the next iter() resumes
 
@@ -223,12 +224,16 @@ class _TrackedDataLoaderMixin:
     # -- iteration ---------------------------------------------------------------------------
     def __iter__(self):  # type: ignore[no-untyped-def]
         pos = _position(self)
-        resume = pos.pending and pos.epoch_active
-        pos.pending = False
+        pending, pos.pending = pos.pending, False
         pos.generation += 1
-        if resume:
+        if pending and pos.epoch_active:
             it = self._resurgo_resume(pos)
         else:
+            if pending and pos.persistent_iterator and self._resurgo_persistent() \
+                    and getattr(self, "_iterator", None) is None:
+                # Saved between epochs while persistent workers were alive: the original run's
+                # next iter() reset that iterator (no _base_seed draw), so this one must too.
+                self._resurgo_build_iterator_silently()
             will_reset = self._resurgo_will_reset()
             epoch_rng = _capture_epoch_rng(self)  # before construction: it draws from these
             it = self._resurgo_base_class.__iter__(self)
@@ -240,22 +245,33 @@ class _TrackedDataLoaderMixin:
             pos.epoch += 1
         return _TrackedIterator(pos, it, pos.generation)
 
+    def _resurgo_persistent(self) -> bool:
+        return bool(getattr(self, "persistent_workers", False) and getattr(self, "num_workers", 0) > 0)
+
     def _resurgo_will_reset(self) -> bool:
         # DataLoader.__iter__ reuses (and _reset()s) one iterator when workers are persistent;
         # a reset draws no _base_seed, a construction does: the resume must do the same.
-        return bool(getattr(self, "persistent_workers", False) and getattr(self, "num_workers", 0) > 0
-                    and getattr(self, "_iterator", None) is not None)
+        return self._resurgo_persistent() and getattr(self, "_iterator", None) is not None
+
+    def _resurgo_build_iterator_silently(self) -> None:
+        """Start the persistent iterator (workers) without moving any RNG."""
+        saved = _capture_epoch_rng(self)
+        try:
+            self._resurgo_base_class.__iter__(self)
+        finally:
+            torch.set_rng_state(saved["torch"])
+            for name, g in _generators(self).items():
+                g.set_state(saved["generators"][name])
 
     def _resurgo_resume(self, pos: _Position) -> Any:
         assert pos.epoch_rng is not None
         before = torch.get_rng_state()
         try:
-            persistent = bool(getattr(self, "persistent_workers", False) and getattr(self, "num_workers", 0) > 0)
-            if persistent:
+            if self._resurgo_persistent():
                 if pos.reset_iterator and getattr(self, "_iterator", None) is None:
-                    # The original epoch reset a live iterator: build one first (its draws are
-                    # undone below), so that the real iter() below is a reset too.
-                    self._resurgo_base_class.__iter__(self)
+                    # The original epoch reset a live iterator: start one, so that the real
+                    # iter() below is a reset too.
+                    self._resurgo_build_iterator_silently()
                 elif not pos.reset_iterator and getattr(self, "_iterator", None) is not None:
                     self._iterator = None  # the original epoch built a new iterator: do the same
             _set_epoch_rng(self, pos.epoch_rng)
@@ -282,6 +298,10 @@ class _TrackedDataLoaderMixin:
             "epoch_active": bool(pos.epoch_active),
             "epoch": int(pos.epoch),
             "reset_iterator": bool(pos.reset_iterator),
+            # The loader's own generators as they are now: between epochs nothing is replayed,
+            # so the next epoch's order depends on these.
+            "generators": {name: g.get_state() for name, g in _generators(self).items()},
+            "persistent_iterator": bool(self._resurgo_will_reset()),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -299,13 +319,15 @@ class _TrackedDataLoaderMixin:
             "generators": {k: _as_uint8(v, f"epoch_rng.generators.{k}").clone()
                            for k, v in (epoch_rng.get("generators") or {}).items()},
         }
+        now = {k: _as_uint8(v, f"generators.{k}") for k, v in (sd.get("generators") or {}).items()}
         # Fail now, not at the next iter(), if the loader is built differently.
-        have = set(_generators(self))
-        if set(rng["generators"]) != have:
-            raise TypeMismatchError(
-                f"dataloader.epoch_rng.generators: the checkpoint has generators {sorted(rng['generators'])}, "
-                f"this DataLoader has {sorted(have)}; build the loader the same way as when saving"
-            )
+        gens = _generators(self)
+        for key, saved in (("epoch_rng.generators", rng["generators"]), ("generators", now)):
+            if set(saved) != set(gens):
+                raise TypeMismatchError(
+                    f"dataloader.{key}: the checkpoint has generators {sorted(saved)}, this DataLoader "
+                    f"has {sorted(gens)}; build the loader the same way as when saving"
+                )
         n = sd["batches_yielded"]
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise TypeMismatchError(f"dataloader.batches_yielded: expected an int >= 0, got {n!r}")
@@ -316,7 +338,13 @@ class _TrackedDataLoaderMixin:
         pos.epoch_active = bool(sd["epoch_active"])
         pos.epoch = int(sd.get("epoch", 0))
         pos.reset_iterator = bool(sd.get("reset_iterator", False))
+        pos.persistent_iterator = bool(sd.get("persistent_iterator", False))
         pos.pending = True
+        if not pos.epoch_active:
+            # Between epochs: the next epoch starts from the generators' saved states. (Mid-epoch,
+            # the replay from the epoch start brings them there.)
+            for name, g in gens.items():
+                g.set_state(now[name])
 
 
 def _position(loader: Any) -> _Position:

@@ -105,6 +105,10 @@ class ReadHandle:
             view = view[n:]
             offset += n
 
+    def read_at(self, offset: int, n: int) -> bytes:
+        """Up to ``n`` bytes at ``offset`` (fewer at the end of the file)."""
+        return os.pread(self.fd, n, offset)
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)

@@ -1,0 +1,110 @@
+"""Verifying a whole checkpoint without loading it: sizes, safetensors headers, every checksum."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from resurgo.errors import CorruptCheckpointError, ResurgoError
+from resurgo.format import checksum
+from resurgo.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
+from resurgo.format.safetensors_file import read_header
+from resurgo.pipeline.reader import check_header
+from resurgo.storage.local import CheckpointDir
+
+PIECE_BYTES = 16 << 20
+
+
+@dataclass
+class VerifyReport:
+    path: str
+    bytes_checked: int = 0
+    chunks_checked: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_checkpoint(path: str | os.PathLike, progress: Callable[[int], None] | None = None) -> VerifyReport:
+    """Check every data file's size and header and every block checksum; collect all problems.
+
+    Raises only when the checkpoint cannot be read at all (missing, no manifest, invalid manifest).
+    ``progress`` is called with the number of bytes just checked.
+    """
+    ckpt = CheckpointDir(path)
+    manifest = parse_manifest(ckpt.read_manifest_bytes(), str(ckpt.path / MANIFEST_NAME))
+    report = VerifyReport(str(path))
+    by_file: dict[str, list[tuple[str, int]]] = {}
+    for key, t in manifest.tensors.items():
+        for ci, c in enumerate(t.chunks):
+            by_file.setdefault(c.file, []).append((key, ci))
+    buf = np.empty(PIECE_BYTES, dtype=np.uint8)
+    for name in sorted(manifest.files):
+        try:
+            handle = ckpt.open_read(name)
+        except ResurgoError as e:
+            report.problems.append(str(e))
+            continue
+        try:
+            if handle.size != manifest.files[name].bytes:
+                report.problems.append(f"{name}: {handle.size} bytes, the manifest says {manifest.files[name].bytes}")
+                continue
+            try:
+                check_header(ckpt, manifest, name, handle)
+            except CorruptCheckpointError as e:
+                report.problems.append(str(e))
+            report.problems.extend(_check_header(handle, name, manifest, by_file.get(name, [])))
+            for key, ci in by_file.get(name, []):
+                problem = _check_chunk(handle, manifest, key, ci, buf, report, progress)
+                if problem:
+                    report.problems.append(problem)
+        finally:
+            handle.close()
+    return report
+
+
+def _check_chunk(handle, manifest: Manifest, key: str, ci: int, buf: np.ndarray, report: VerifyReport,
+                 progress: Callable[[int], None] | None) -> str | None:
+    c = manifest.tensors[key].chunks[ci]
+    piece = max(c.block_bytes, PIECE_BYTES // c.block_bytes * c.block_bytes)
+    if piece > len(buf):
+        buf = np.empty(piece, dtype=np.uint8)
+    start, stop = c.byte_range
+    report.chunks_checked += 1
+    for off in range(0, stop - start, piece):
+        n = min(piece, stop - start - off)
+        view = memoryview(buf)[:n]
+        try:
+            handle.read_into(start + off, view)
+        except CorruptCheckpointError as e:
+            return f"tensor {key!r}: {e}"
+        bad = checksum.first_bad_block(view, c.block_bytes, c.checksums, off // c.block_bytes)
+        report.bytes_checked += n
+        if progress:
+            progress(n)
+        if bad is not None:
+            return f"tensor {key!r} chunk {ci} in {c.file}: block {bad} does not match its checksum"
+    return None
+
+
+def _check_header(handle, name: str, manifest: Manifest, chunks: list[tuple[str, int]]) -> list[str]:
+    try:
+        header = read_header(handle.read_at(0, 8), lambda n: handle.read_at(8, n))
+    except ValueError as e:
+        return [f"{name}: not a valid safetensors file: {e}"]
+    problems = []
+    for key, ci in chunks:
+        c = manifest.tensors[key].chunks[ci]
+        entry = header.entries.get(c.name)
+        if entry is None:
+            problems.append(f"{name}: safetensors header lacks tensor {c.name!r} (key {key!r})")
+        elif (header.data_start + entry[0], header.data_start + entry[1]) != tuple(c.byte_range):
+            problems.append(f"{name}: safetensors header places {c.name!r} at other bytes than the manifest")
+    return problems
