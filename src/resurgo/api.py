@@ -6,6 +6,7 @@ fill the target. The pieces live in their own modules; this file only wires them
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import time
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from resurgo.errors import KeyMismatchError, PickleNotAllowedError
+from resurgo.errors import KeyMismatchError, PickleNotAllowedError, UnsupportedValueError
 from resurgo.format import checksum
 from resurgo.format.manifest import MANIFEST_NAME, ChunkEntry, FileEntry, Manifest, TensorEntry, parse_manifest
 from resurgo.layout.box import ChunkBox
@@ -49,6 +50,7 @@ def save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_
     data raise UnsupportedValueError unless ``allow_pickle=True``.
     """
     t_start = time.perf_counter()
+    _check_metadata(metadata, step)
     tree, leaves, pickled = flatten_state(state, allow_pickle=allow_pickle)
     ckpt = CheckpointDir(path)
     staging = ckpt.stage(overwrite)
@@ -84,6 +86,19 @@ def save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_
         num_tensors=len(leaves),
         seconds=seconds,
     )
+
+
+def _check_metadata(metadata: dict | None, step: int | None) -> None:
+    if step is not None and type(step) is not int:
+        raise UnsupportedValueError(f"step must be an int or None, not {type(step).__name__}")
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) for k in metadata):
+        raise UnsupportedValueError("metadata must be a dict with str keys")
+    try:
+        json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise UnsupportedValueError(f"metadata must be plain JSON (str, int, float, bool, None, list, dict): {e}") from None
 
 
 def _build_manifest(tree: dict, leaves: dict, written: list[WrittenFile], pickled: bool,

@@ -8,6 +8,17 @@ import torch
 from resurgo.state.flatten import Array
 
 
+# Integer dtypes of each item size: copying through them moves the same bits for any dtype,
+# including those torch has no copy kernel for (int1, bits8, float4_e2m1fn_x2...).
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_copyable(t: torch.Tensor) -> torch.Tensor:
+    """A view of ``t`` with a dtype torch can copy, holding the same bits (same strides)."""
+    alias = _SAME_SIZE_INT.get(t.dtype.itemsize)
+    return t.view(alias) if alias is not None and t.dtype != alias else t
+
+
 def source_bytes(value: Array) -> np.ndarray:
     """A flat uint8 array with the value's bytes in row-major order (copies only when it must:
     non-CPU, non-contiguous, or lazily conjugated/negated tensors)."""
@@ -19,7 +30,7 @@ def source_bytes(value: Array) -> np.ndarray:
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
     if not t.is_contiguous():
-        t = t.contiguous()
+        t = as_copyable(t).contiguous()
     return t.reshape(-1).view(torch.uint8).numpy()
 
 

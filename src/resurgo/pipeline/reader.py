@@ -18,7 +18,7 @@ from resurgo.errors import CorruptCheckpointError
 from resurgo.format import checksum, dtypes
 from resurgo.format.manifest import Manifest
 from resurgo.layout.box import ChunkBox
-from resurgo.pipeline.buffers import typed_view, writable_bytes
+from resurgo.pipeline.buffers import as_copyable, typed_view, writable_bytes
 from resurgo.plan.load_plan import ReadOp, plan_reads, reads_whole_into_dest
 from resurgo.state.unflatten import Destination
 from resurgo.storage.local import CheckpointDir, ReadHandle
@@ -133,10 +133,11 @@ def _assemble(destinations: list[Destination], flat: dict[str, np.ndarray],
         whole = typed_view(flat[d.key], dt, tuple(d.entry.shape))
         for ci, c in enumerate(d.entry.chunks):
             place = c.place
+            part = as_copyable(typed_view(chunk_bufs[(d.key, ci)], dt, tuple(place.shape) if isinstance(place, ChunkBox) else (place.numel,)))
             if isinstance(place, ChunkBox):
-                whole[place.slices()] = typed_view(chunk_bufs[(d.key, ci)], dt, place.shape)
+                as_copyable(whole)[place.slices()] = part
             else:
-                whole.view(-1)[place.start : place.stop] = typed_view(chunk_bufs[(d.key, ci)], dt, (place.numel,))
+                as_copyable(whole).view(-1)[place.start : place.stop] = part
 
 
 def _copy_back(d: Destination, mem: np.ndarray) -> None:
@@ -144,4 +145,4 @@ def _copy_back(d: Destination, mem: np.ndarray) -> None:
         np.copyto(d.tensor, mem.view(d.tensor.dtype).reshape(d.tensor.shape))
         return
     with torch.no_grad():
-        d.tensor.copy_(typed_view(mem, d.tensor.dtype, tuple(d.tensor.shape)))
+        as_copyable(d.tensor).copy_(as_copyable(typed_view(mem, d.tensor.dtype, tuple(d.tensor.shape))))

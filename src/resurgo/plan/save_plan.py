@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from resurgo.format import dtypes
 from resurgo.layout.box import ChunkBox, Place
 
-MIN_FILE_BYTES = 64 << 20
+MIN_FILE_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)

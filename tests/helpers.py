@@ -1,0 +1,45 @@
+"""Shared test helpers: exact (bitwise) comparison of nested states."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+import torch
+
+from resurgo.pipeline.buffers import as_copyable
+
+
+def bits_equal(a, b) -> bool:
+    """True when ``a`` and ``b`` have the same structure, types, dtypes, shapes and bytes."""
+    if type(a) is not type(b) and not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
+    if isinstance(a, torch.Tensor):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        ab = as_copyable(a.detach()).contiguous().reshape(-1).view(torch.uint8)
+        bb = as_copyable(b.detach()).contiguous().reshape(-1).view(torch.uint8)
+        return torch.equal(ab, bb)
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    if isinstance(a, np.generic):
+        return a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    if isinstance(a, float):
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    if isinstance(a, complex):
+        return bits_equal(a.real, b.real) and bits_equal(a.imag, b.imag)
+    if isinstance(a, dict):
+        return list(a.keys()) == list(b.keys()) and all(
+            type(k1) is type(k2) for k1, k2 in zip(a.keys(), b.keys())
+        ) and all(bits_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(bits_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def nan_with_payload(payload: int) -> float:
+    return struct.unpack("<d", struct.pack("<Q", 0x7FF0000000000000 | payload))[0]
+
+
+assert math.isnan(nan_with_payload(5))
