@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from resurgo.errors import TypeMismatchError
+from resurgo.errors import TypeMismatchError, UnsupportedValueError
 
 __all__ = ["track_dataloader", "is_tracked"]
 
@@ -389,7 +389,7 @@ def track_dataloader(loader: DataLoader) -> DataLoader:
                               and callable(getattr(loader, "load_state_dict", None))):
         return loader
     if not isinstance(loader, DataLoader):
-        raise TypeMismatchError(
+        raise UnsupportedValueError(
             f"dataloader: expected a torch.utils.data.DataLoader or an object with state_dict()/"
             f"load_state_dict(), got {type(loader).__name__}"
         )

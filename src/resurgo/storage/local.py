@@ -24,6 +24,7 @@ from resurgo.errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     NotACheckpointError,
+    ResurgoError,
     StorageError,
 )
 from resurgo.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
@@ -64,20 +65,27 @@ def is_temporary(path: Path) -> bool:
 class WriteHandle:
     """A new file opened for writing; writes loop until every byte is written."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, label: str | None = None):
         self.path = path
+        self.label = label or str(path)  # how errors name the file
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         self.bytes_written = 0
 
     def write(self, data: memoryview) -> None:
         view = memoryview(data).cast("B")
-        while len(view):
-            n = os.write(self.fd, view)
-            view = view[n:]
-            self.bytes_written += n
+        try:
+            while len(view):
+                n = os.write(self.fd, view)
+                view = view[n:]
+                self.bytes_written += n
+        except OSError as e:
+            raise StorageError(e.errno, f"{self.label}: write failed after {self.bytes_written} bytes: {e.strerror}") from None
 
     def fsync(self) -> None:
-        os.fsync(self.fd)
+        try:
+            os.fsync(self.fd)
+        except OSError as e:
+            raise StorageError(e.errno, f"{self.label}: fsync failed: {e.strerror}") from None
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -128,6 +136,9 @@ class CheckpointDir:
     def read_manifest_bytes(self) -> bytes:
         if not self.path.exists():
             raise CheckpointNotFoundError(f"{self.path}: no such checkpoint")
+        if is_temporary(self.path):
+            raise IncompleteCheckpointError(
+                f"{self.path}: a temporary directory of a save that did not finish; it is not a checkpoint")
         if not self.path.is_dir():
             raise NotACheckpointError(f"{self.path}: is a file, a checkpoint is a directory with {MANIFEST_NAME}")
         mpath = self.path / MANIFEST_NAME
@@ -181,14 +192,14 @@ class LocalStaging:
 
     def create(self, rel: str) -> WriteHandle:
         try:
-            return WriteHandle(self.tmp / rel)
+            return WriteHandle(self.tmp / rel, label=f"{self.final} (saving {rel})")
         except OSError as e:
             raise StorageError(e.errno, f"{self.final}: cannot create {rel}: {e.strerror}") from None
 
     def commit(self, manifest: bytes) -> None:
         """Write the manifest last, make everything durable, and publish atomically."""
         try:
-            h = WriteHandle(self.tmp / MANIFEST_NAME)
+            h = WriteHandle(self.tmp / MANIFEST_NAME, label=f"{self.final} (saving {MANIFEST_NAME})")
             try:
                 h.write(memoryview(manifest))
                 h.fsync()
@@ -204,7 +215,7 @@ class LocalStaging:
                 os.rename(self.tmp, self.final)
             _fsync_dir(self.final.parent)
         except OSError as e:
-            if isinstance(e, CheckpointExistsError):
+            if isinstance(e, ResurgoError):
                 raise
             raise StorageError(e.errno, f"{self.final}: commit failed: {e.strerror}") from None
 

@@ -1,0 +1,569 @@
+"""The command line: ``resurgo inspect | verify | ls``.
+
+Every command reads only the manifest unless it has to read data (``verify``, ``ls --verify``),
+never unpickles anything, and turns a :class:`~resurgo.errors.ResurgoError` into a one-line red
+message on stderr and exit code 2 (no traceback). ``--json`` prints a machine-readable summary on
+stdout instead of the tables.
+
+Exit codes: 0 success (for ``verify``: the checkpoint is clean); 1 ``verify`` found corruption;
+2 the path is not a readable checkpoint (missing, incomplete, invalid manifest) or bad usage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from resurgo.errors import CheckpointNotFoundError, NotACheckpointError, ResurgoError
+from resurgo.format import values
+from resurgo.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
+from resurgo.pipeline.verify import VerifyReport, verify_checkpoint
+from resurgo.state.flatten import path_key
+from resurgo.storage.local import CheckpointDir, is_temporary
+
+PROGRESS_THRESHOLD_BYTES = 64 << 20  # verify shows a progress bar above this much tensor data
+MAX_VALUE_CHARS = 72  # non-tensor values are clipped to this many characters
+MAX_TREE_DEPTH = 256
+
+app = typer.Typer(
+    name="resurgo",
+    help="Inspect, verify and list resurgo checkpoints.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+# -- output helpers ---------------------------------------------------------------------------
+def _console(stderr: bool = False) -> Console:
+    """A console on the current stdout/stderr; not squeezed to 80 columns when piped."""
+    console = Console(stderr=stderr, highlight=False)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(stderr=stderr, highlight=False, width=200)
+    return console
+
+
+def _error(message: str) -> None:
+    _console(stderr=True).print(f"error: {message}", style="bold red", markup=False, soft_wrap=True)
+
+
+@contextmanager
+def _fail_cleanly() -> Iterator[None]:
+    """ResurgoError (and OS errors) become one red line and exit code 2, never a traceback."""
+    try:
+        yield
+    except ResurgoError as e:
+        _error(str(e))
+        raise typer.Exit(2) from None
+    except OSError as e:
+        _error(f"{e.filename or ''}: {e.strerror or e}".lstrip(": "))
+        raise typer.Exit(2) from None
+
+
+def _print_json(doc: Any) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2, allow_nan=False) + "\n")
+    sys.stdout.flush()
+
+
+def human_bytes(n: int) -> str:
+    """``512 B``, ``1.5 KiB``, ``3.0 GiB``."""
+    if n < 1024:
+        return f"{n} B"
+    size = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        size /= 1024
+        if size < 1024 or unit == "PiB":
+            return f"{size:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _clip(text: str, limit: int = MAX_VALUE_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _format_time(iso: Optional[str]) -> str:
+    """An ISO timestamp as ``YYYY-MM-DD HH:MM:SS`` UTC; unparsable ones as they are."""
+    if not iso:
+        return "-"
+    try:
+        t = datetime.fromisoformat(iso)
+    except ValueError:
+        return _clip(iso, 40)
+    if t.tzinfo is not None:
+        t = t.astimezone(timezone.utc)
+    return t.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _load_manifest(path: str | os.PathLike) -> tuple[Manifest, int]:
+    """The validated manifest of ``path`` and its size in bytes."""
+    ckpt = CheckpointDir(path)
+    raw = ckpt.read_manifest_bytes()
+    return parse_manifest(raw, str(ckpt.path / MANIFEST_NAME)), len(raw)
+
+
+# -- the tree's non-tensor values, decoded without reading data or unpickling ------------------
+def render_scalar(node: dict) -> str:
+    """A short readable form of one tagged scalar node; pickled values are never loaded."""
+    t = node.get("type")
+    if t == "pickle":
+        return f"<pickled {_clip(str(node.get('class')), 100)}>"
+    try:
+        v = values.decode_scalar(node, "", allow_pickle=False)
+    except ResurgoError:
+        return f"<invalid {str(t)[:40]} node>"
+    if t == "numpy_scalar":
+        return f"numpy.{node['dtype']}({v.item()!r})"
+    if t == "torch_dtype":
+        return f"torch.{node['value']}"
+    if t == "torch_device":
+        return f"torch.device({str(v)!r})"
+    return _clip(repr(v))
+
+
+def _key_component(knode: Any) -> Any:
+    if isinstance(knode, dict) and knode.get("type") in values.SCALAR_TYPES and knode.get("type") != "pickle":
+        try:
+            return values.decode_scalar(knode, "", allow_pickle=False)
+        except ResurgoError:
+            pass
+    return "<?>"
+
+
+_EMPTY = {"dict": "{}", "ordered_dict": "OrderedDict()", "list": "[]", "tuple": "()"}
+
+
+def tree_values(tree: Any) -> list[tuple[str, str, str]]:
+    """(key, type, short text) of every non-tensor leaf of a manifest tree, in tree order.
+
+    Keys follow the tensor key convention (path joined with '.', Statefuls add no component).
+    A list or tuple of scalars is shown on one line; empty containers appear as ``{}``/``[]``.
+    """
+    out: list[tuple[str, str, str]] = []
+
+    def scalar_seq(t: str, items: list) -> str:
+        inner = ", ".join(render_scalar(n) for n in items)
+        if t == "tuple":
+            return _clip(f"({inner},)" if len(items) == 1 else f"({inner})")
+        return _clip(f"[{inner}]")
+
+    def walk(node: Any, path: tuple, depth: int) -> None:
+        key = path_key(path)
+        if not isinstance(node, dict) or not isinstance(node.get("type"), str):
+            out.append((key, "?", "<invalid node>"))
+            return
+        t = node["type"]
+        if depth > MAX_TREE_DEPTH:
+            out.append((key, t, "<nested too deep>"))
+            return
+        if t in ("tensor", "ndarray"):
+            return
+        if t == "stateful":
+            walk(node.get("state"), path, depth + 1)
+            return
+        if t in _EMPTY:
+            items = node.get("items")
+            if not isinstance(items, list):
+                out.append((key, t, "<invalid node>"))
+            elif not items:
+                out.append((key, t, _EMPTY[t]))
+            elif t in ("dict", "ordered_dict"):
+                for pair in items:
+                    if isinstance(pair, list) and len(pair) == 2:
+                        walk(pair[1], path + (_key_component(pair[0]),), depth + 1)
+                    else:
+                        out.append((key, t, "<invalid item>"))
+            elif all(isinstance(n, dict) and n.get("type") in values.SCALAR_TYPES for n in items):
+                out.append((key, t, scalar_seq(t, items)))
+            else:
+                for i, n in enumerate(items):
+                    walk(n, path + (i,), depth + 1)
+            return
+        if t == "torch_size":
+            out.append((key, t, _clip(f"torch.Size({node.get('items')!r})")))
+            return
+        if t in values.SCALAR_TYPES:
+            out.append((key, t, render_scalar(node)))
+            return
+        out.append((key, _clip(t, 40), "<unknown node type>"))
+
+    walk(tree, (), 0)
+    return out
+
+
+# -- inspect ----------------------------------------------------------------------------------
+def _place_text(chunk) -> str:
+    if chunk.box is not None:
+        return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(chunk.box.offsets, chunk.box.shape)) + "]"
+    return f"flat[{chunk.flat.start}:{chunk.flat.stop}]"
+
+
+def _place_json(chunk) -> dict:
+    if chunk.box is not None:
+        return {"box": {"offsets": list(chunk.box.offsets), "shape": list(chunk.box.shape)}}
+    return {"flat": {"start": chunk.flat.start, "stop": chunk.flat.stop}}
+
+
+def _file_warnings(path: str | os.PathLike, manifest: Manifest) -> list[str]:
+    """Data files that are missing or of another size than the manifest says (a stat, no reads)."""
+    ckpt = CheckpointDir(path)
+    warnings = []
+    for name, entry in manifest.files.items():
+        try:
+            size = ckpt.resolve(name).stat().st_size
+        except ResurgoError as e:
+            warnings.append(str(e))
+            continue
+        except OSError:
+            warnings.append(f"{name}: missing")
+            continue
+        if size != entry.bytes:
+            warnings.append(f"{name}: {size} bytes on disk, the manifest says {entry.bytes}")
+    return warnings
+
+
+def inspect_summary(path: str | os.PathLike, with_chunks: bool = False) -> dict:
+    """Everything ``inspect --json`` prints: read from the manifest only."""
+    manifest, manifest_bytes = _load_manifest(path)
+    tensors = {}
+    for key, t in manifest.tensors.items():
+        entry: dict[str, Any] = {
+            "kind": t.kind, "dtype": t.dtype, "shape": list(t.shape),
+            "bytes": sum(c.nbytes for c in t.chunks), "num_chunks": len(t.chunks),
+        }
+        if with_chunks:
+            entry["chunks"] = [{**_place_json(c), "file": c.file, "byte_range": list(c.byte_range)} for c in t.chunks]
+        tensors[key] = entry
+    data_bytes = sum(f.bytes for f in manifest.files.values())
+    return {
+        "path": str(path),
+        "format_version": manifest.version,
+        "step": manifest.step,
+        "created_at": manifest.created_at,
+        "library": dict(manifest.library),
+        "world": dict(manifest.world),
+        "metadata": manifest.metadata,
+        "pickled": manifest.pickled,
+        "tensors": tensors,
+        "values": {key: {"type": t, "value": text} for key, t, text in tree_values(manifest.tree)},
+        "totals": {
+            "tensors": len(manifest.tensors),
+            "tensor_bytes": manifest.tensor_bytes,
+            "chunks": sum(len(t.chunks) for t in manifest.tensors.values()),
+            "data_files": len(manifest.files),
+            "data_bytes": data_bytes,
+            "manifest_bytes": manifest_bytes,
+            "bytes_on_disk": data_bytes + manifest_bytes,
+        },
+        "warnings": _file_warnings(path, manifest),
+    }
+
+
+def _print_inspect(s: dict, with_chunks: bool) -> None:
+    out = _console()
+    tot = s["totals"]
+    out.print(f"[bold]Checkpoint[/bold] {escape(s['path'])}")
+    head = Table(box=None, show_header=False, padding=(0, 2, 0, 2))
+    head.add_column(style="bold")
+    head.add_column(overflow="fold")
+    head.add_row("step", "-" if s["step"] is None else str(s["step"]))
+    head.add_row("created", escape(f"{_format_time(s['created_at'])} UTC ({s['created_at']})"))
+    head.add_row("format", f"resurgo.checkpoint v{s['format_version']}")
+    head.add_row("library", escape(", ".join(f"{k} {v}" for k, v in s["library"].items())))
+    head.add_row("world", escape(", ".join(f"{k} {v}" for k, v in s["world"].items())))
+    head.add_row("metadata", escape(_clip(json.dumps(s["metadata"], default=str), 400)) if s["metadata"] else "-")
+    head.add_row("pickled", "yes (values shown by class, never unpickled)" if s["pickled"] else "no")
+    out.print(head)
+    out.print()
+
+    table = Table(title="Tensors", title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, show_edge=False)
+    table.add_column("key", overflow="fold")
+    table.add_column("kind")
+    table.add_column("dtype")
+    table.add_column("shape")
+    table.add_column("size", justify="right")
+    table.add_column("chunks", justify="right")
+    for key, t in s["tensors"].items():
+        table.add_row(escape(key), t["kind"], t["dtype"], escape(str(t["shape"])), human_bytes(t["bytes"]),
+                      str(t["num_chunks"]))
+    if s["tensors"]:
+        out.print(table)
+    else:
+        out.print("[bold]Tensors[/bold]: none")
+    out.print()
+
+    if with_chunks and s["tensors"]:
+        ct = Table(title="Chunks", title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, show_edge=False)
+        ct.add_column("key", overflow="fold")
+        ct.add_column("#", justify="right")
+        ct.add_column("place")
+        ct.add_column("file", overflow="fold")
+        ct.add_column("bytes [start, stop)")
+        for key, t in s["tensors"].items():
+            for i, c in enumerate(t["chunks"]):
+                place = c.get("box")
+                text = ("[" + ", ".join(f"{o}:{o + n}" for o, n in zip(place["offsets"], place["shape"])) + "]"
+                        if place is not None else f"flat[{c['flat']['start']}:{c['flat']['stop']}]")
+                ct.add_row(escape(key), str(i), escape(text), escape(c["file"]),
+                           escape(f"[{c['byte_range'][0]}, {c['byte_range'][1]})"))
+        out.print(ct)
+        out.print()
+
+    if s["values"]:
+        vt = Table(title="Values", title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, show_edge=False)
+        vt.add_column("key", overflow="fold")
+        vt.add_column("type")
+        vt.add_column("value", overflow="fold")
+        for key, v in s["values"].items():
+            vt.add_row(escape(key or "(root)"), v["type"], escape(v["value"]))
+        out.print(vt)
+        out.print()
+
+    totals = Table(title="Totals", title_justify="left", title_style="bold", box=None, show_header=False,
+                   padding=(0, 2, 0, 2))
+    totals.add_column(style="bold")
+    totals.add_column(justify="right")
+    totals.add_column()
+    totals.add_row("tensors", str(tot["tensors"]), f"{human_bytes(tot['tensor_bytes'])} in {tot['chunks']} chunks")
+    totals.add_row("data files", str(tot["data_files"]), human_bytes(tot["data_bytes"]))
+    totals.add_row("manifest", "1", human_bytes(tot["manifest_bytes"]))
+    totals.add_row("on disk", str(tot["data_files"] + 1), f"{human_bytes(tot['bytes_on_disk'])} ({tot['bytes_on_disk']} bytes)")
+    out.print(totals)
+    for w in s["warnings"]:
+        _console(stderr=True).print(f"warning: {w} (run `resurgo verify`)", style="yellow", markup=False,
+                                    soft_wrap=True)
+
+
+@app.command()
+def inspect(
+    path: Path = typer.Argument(..., help="A checkpoint directory."),
+    chunks: bool = typer.Option(False, "--chunks", help="List every chunk: its place, file and byte range."),
+    as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary."),
+) -> None:
+    """Keys, dtypes, shapes, sizes, metadata and values of a checkpoint (reads only the manifest)."""
+    with _fail_cleanly():
+        summary = inspect_summary(path, with_chunks=chunks)
+    if as_json:
+        _print_json(summary)
+    else:
+        _print_inspect(summary, chunks)
+
+
+# -- verify -----------------------------------------------------------------------------------
+def _verify_with_progress(path: Path, total: int, show: bool) -> VerifyReport:
+    if not show:
+        return verify_checkpoint(path)
+    columns = (TextColumn("verifying"), BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(),
+               TimeRemainingColumn())
+    with Progress(*columns, console=_console(stderr=True), transient=True) as progress:
+        task = progress.add_task("verify", total=total)
+        return verify_checkpoint(path, progress=lambda n: progress.advance(task, n))
+
+
+@app.command()
+def verify(
+    path: Path = typer.Argument(..., help="A checkpoint directory."),
+    progress: Optional[bool] = typer.Option(
+        None, "--progress/--no-progress",
+        help=f"Show a progress bar (default: on a terminal, above {human_bytes(PROGRESS_THRESHOLD_BYTES)} of data).",
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print a machine-readable report."),
+) -> None:
+    """Check every file size, header and block checksum. Exit 0 clean, 1 corrupt, 2 unreadable."""
+    with _fail_cleanly():
+        manifest, _ = _load_manifest(path)
+        total = manifest.tensor_bytes
+        show = progress if progress is not None else (
+            total > PROGRESS_THRESHOLD_BYTES and _console(stderr=True).is_terminal and not as_json)
+        t0 = time.perf_counter()
+        report = _verify_with_progress(path, total, show)
+        seconds = time.perf_counter() - t0
+    if as_json:
+        _print_json({"path": str(path), "ok": report.ok, "tensor_bytes": total, "bytes_checked": report.bytes_checked,
+                     "chunks_checked": report.chunks_checked, "data_files": len(manifest.files),
+                     "problems": report.problems})
+    else:
+        out = _console()
+        for p in report.problems:
+            out.print(f"  - {p}", style="red", markup=False, soft_wrap=True)
+        counts = (f"{_plural(report.chunks_checked, 'chunk')} in {_plural(len(manifest.files), 'file')}, "
+                  f"{human_bytes(report.bytes_checked)} checked in {seconds:.2f} s")
+        if report.ok:
+            out.print(f"[bold green]OK[/bold green] {escape(str(path))}: {counts}", soft_wrap=True)
+        else:
+            out.print(f"[bold red]CORRUPT[/bold red] {escape(str(path))}: {_plural(len(report.problems), 'problem')} "
+                      f"({counts})", soft_wrap=True)
+    raise typer.Exit(0 if report.ok else 1)
+
+
+# -- ls ---------------------------------------------------------------------------------------
+@dataclass
+class Listed:
+    path: str  # relative to the listed directory ("." for the directory itself)
+    status: str  # committed | incomplete | corrupt
+    step: Optional[int]
+    bytes: int  # every file under the directory, as found on disk
+    created_at: Optional[str]
+    detail: str
+
+
+def _dir_bytes(d: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(d, onerror=lambda e: None):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _lenient_manifest_fields(d: Path) -> tuple[Optional[int], Optional[str]]:
+    """step and created_at from a manifest that may not validate (best effort, for display)."""
+    try:
+        raw = (d / MANIFEST_NAME).read_bytes()
+        doc = json.loads(raw) if len(raw) <= (64 << 20) else None
+    except (OSError, ValueError, RecursionError):
+        return None, None
+    if not isinstance(doc, dict):
+        return None, None
+    step = doc.get("step")
+    created = doc.get("created_at")
+    return (step if type(step) is int else None), (created if isinstance(created, str) else None)
+
+
+def classify(d: Path) -> Optional[tuple[str, Optional[int], Optional[str], str]]:
+    """(status, step, created_at, detail) when ``d`` is a checkpoint or the remains of a save, else None."""
+    has_manifest = (d / MANIFEST_NAME).exists()
+    if is_temporary(d):
+        step, created = _lenient_manifest_fields(d) if has_manifest else (None, None)
+        return "incomplete", step, created, "temporary directory left by an interrupted save"
+    if not has_manifest:
+        if (d / "data").is_dir():
+            return "incomplete", None, None, f"data/ but no {MANIFEST_NAME}: the save never committed"
+        return None
+    ckpt = CheckpointDir(d)
+    try:
+        manifest = parse_manifest(ckpt.read_manifest_bytes(), MANIFEST_NAME)
+    except ResurgoError as e:
+        step, created = _lenient_manifest_fields(d)
+        return "corrupt", step, created, str(e)
+    problems = []
+    for name, entry in manifest.files.items():
+        try:
+            size = ckpt.resolve(name).stat().st_size
+        except ResurgoError as e:
+            problems.append(str(e))
+            continue
+        except OSError:
+            problems.append(f"{name}: missing")
+            continue
+        if size != entry.bytes:
+            problems.append(f"{name}: {size} bytes, the manifest says {entry.bytes}")
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        return "corrupt", manifest.step, manifest.created_at, problems[0] + more
+    return "committed", manifest.step, manifest.created_at, ""
+
+
+def list_checkpoints(root: Path) -> list[Listed]:
+    """Every checkpoint (or leftover of a save) at or below ``root``, sorted by path.
+
+    Does not descend into a checkpoint, an incomplete save or a temporary directory, and does not
+    follow symbolic links to directories.
+    """
+    if not root.exists():
+        raise CheckpointNotFoundError(f"{root}: no such directory")
+    if not root.is_dir():
+        raise NotACheckpointError(f"{root}: is a file, expected a directory")
+    found: list[Listed] = []
+    stack = [root]
+    while stack:
+        d = stack.pop()
+        c = classify(d)
+        if c is not None:
+            status, step, created, detail = c
+            rel = d.relative_to(root).as_posix() if d != root else "."
+            found.append(Listed(rel, status, step, _dir_bytes(d), created, detail))
+            continue
+        try:
+            with os.scandir(d) as it:
+                for entry in it:
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(Path(entry.path))
+        except OSError:
+            continue
+    found.sort(key=lambda e: (() if e.path == "." else tuple(e.path.split("/"))))
+    return found
+
+
+_STATUS_STYLE = {"committed": "green", "incomplete": "yellow", "corrupt": "bold red"}
+
+
+@app.command("ls")
+def ls(
+    directory: Path = typer.Argument(Path("."), help="The directory to search (recursively)."),
+    verify_all: bool = typer.Option(False, "--verify", help="Also verify every checksum of committed checkpoints."),
+    as_json: bool = typer.Option(False, "--json", help="Print a machine-readable list."),
+) -> None:
+    """Every checkpoint at or below DIRECTORY: path, step, size, creation time and status."""
+    with _fail_cleanly():
+        entries = list_checkpoints(directory)
+        if verify_all:
+            for e in entries:
+                if e.status != "committed":
+                    continue
+                report = verify_checkpoint(directory / e.path)
+                if not report.ok:
+                    more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
+                    e.status, e.detail = "corrupt", report.problems[0] + more
+    if as_json:
+        docs = [asdict(e) for e in entries]
+        if verify_all:
+            for doc in docs:
+                doc["verified"] = doc["status"] == "committed"
+        _print_json({"root": str(directory), "checkpoints": docs})
+        return
+    out = _console()
+    if not entries:
+        out.print(f"no checkpoints at or below {escape(str(directory))}")
+        return
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False)
+    table.add_column("path", overflow="fold")
+    table.add_column("step", justify="right")
+    table.add_column("size", justify="right")
+    table.add_column("created (UTC)")
+    table.add_column("status")
+    table.add_column("detail", overflow="fold", style="dim")
+    for e in entries:
+        status = e.status + (" (verified)" if verify_all and e.status == "committed" else "")
+        table.add_row(escape(e.path), "-" if e.step is None else str(e.step), human_bytes(e.bytes),
+                      _format_time(e.created_at), f"[{_STATUS_STYLE[e.status]}]{status}[/]", escape(_clip(e.detail, 160)))
+    out.print(table)
+
+
+def main() -> None:
+    """Entry point of the ``resurgo`` script and of ``python -m resurgo``."""
+    app(prog_name="resurgo")
+
+
+if __name__ == "__main__":
+    main()

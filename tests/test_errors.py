@@ -1,0 +1,179 @@
+"""Every foreseeable failure raises the right ResurgoError subclass, naming the key and both sides."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import resurgo
+from resurgo.errors import (
+    CheckpointNotFoundError,
+    DTypeMismatchError,
+    IncompleteCheckpointError,
+    KeyMismatchError,
+    NotACheckpointError,
+    PickleNotAllowedError,
+    ResurgoError,
+    ShapeMismatchError,
+    TypeMismatchError,
+    UnsupportedValueError,
+)
+
+
+def saved(tmp_path, state=None):
+    state = state if state is not None else {"a": torch.arange(4.0), "b": {"c": torch.ones(2, 2)}, "step": 3}
+    resurgo.save(state, tmp_path / "c")
+    return tmp_path / "c"
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match="no such checkpoint") as ei:
+        resurgo.load_dict(tmp_path / "nope")
+    assert isinstance(ei.value, FileNotFoundError) and str(tmp_path / "nope") in str(ei.value)
+
+
+def test_not_a_checkpoint(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotACheckpointError, match="is a file"):
+        resurgo.load_dict(tmp_path / "file")
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(NotACheckpointError, match="no manifest.json") as ei:
+        resurgo.load_dict(tmp_path / "dir")
+    assert not isinstance(ei.value, IncompleteCheckpointError)
+
+
+def test_incomplete_checkpoint(tmp_path):
+    path = saved(tmp_path)
+    (path / "manifest.json").unlink()
+    with pytest.raises(IncompleteCheckpointError, match="never committed"):
+        resurgo.load({"a": torch.zeros(4)}, path)
+
+
+def test_strict_lists_every_missing_and_unexpected_key(tmp_path):
+    path = saved(tmp_path)
+    target = {"a": torch.zeros(4), "b": {"d": torch.zeros(1), "e": 1}, "extra": None}
+    before = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in target.items()}
+    with pytest.raises(KeyMismatchError) as ei:
+        resurgo.load(target, path)
+    err = ei.value
+    assert sorted(err.missing) == ["b.d", "b.e", "extra"]
+    assert sorted(err.unexpected) == ["b.c", "step"]
+    for k in ["b.d", "b.e", "extra", "b.c", "step"]:
+        assert repr(k) in str(err)
+    assert torch.equal(target["a"], before["a"])  # nothing was loaded
+
+
+def test_non_strict_loads_what_matches(tmp_path):
+    path = saved(tmp_path)
+    target = {"a": torch.zeros(4), "b": {"d": torch.zeros(1)}}
+    report = resurgo.load(target, path, strict=False)
+    assert torch.equal(target["a"], torch.arange(4.0))
+    assert torch.equal(target["b"]["d"], torch.zeros(1))
+    assert report.missing_keys == ["b.d"] and sorted(report.unexpected_keys) == ["b.c", "step"]
+
+
+def test_dtype_mismatch_never_casts(tmp_path):
+    path = saved(tmp_path)
+    target = {"a": torch.zeros(4, dtype=torch.float64), "b": {"c": torch.zeros(2, 2)}, "step": 0}
+    with pytest.raises(DTypeMismatchError) as ei:
+        resurgo.load(target, path)
+    msg = str(ei.value)
+    assert "'a'" in msg and "float32" in msg and "float64" in msg
+    assert torch.equal(target["a"], torch.zeros(4, dtype=torch.float64))
+    assert isinstance(ei.value, TypeError)
+
+
+def test_shape_mismatch(tmp_path):
+    path = saved(tmp_path)
+    target = {"a": torch.zeros(4), "b": {"c": torch.zeros(4)}, "step": 0}
+    with pytest.raises(ShapeMismatchError) as ei:
+        resurgo.load(target, path)
+    assert "'b.c'" in str(ei.value) and "[2, 2]" in str(ei.value) and "[4]" in str(ei.value)
+    target["b"]["c"] = torch.zeros(4)
+    report = resurgo.load(target, path, strict=False)
+    assert len(report.mismatched_keys) == 1 and "b.c" in report.mismatched_keys[0]
+    assert torch.equal(target["a"], torch.arange(4.0))
+
+
+def test_type_mismatch(tmp_path):
+    path = saved(tmp_path)
+    with pytest.raises(TypeMismatchError, match="'b'"):
+        resurgo.load({"a": torch.zeros(4), "b": torch.zeros(2), "step": 0}, path)
+    with pytest.raises(TypeMismatchError, match="'step'"):
+        resurgo.load({"a": torch.zeros(4), "b": {"c": torch.zeros(2, 2)}, "step": torch.zeros(1)}, path)
+
+
+class Opaque:
+    def __init__(self, x):
+        self.x = x
+
+    def __eq__(self, other):
+        return isinstance(other, Opaque) and other.x == self.x
+
+
+def test_pickle_is_opt_in_on_both_sides(tmp_path):
+    state = {"obj": Opaque(5), "t": torch.ones(1)}
+    with pytest.raises(UnsupportedValueError, match="allow_pickle=True") as ei:
+        resurgo.save(state, tmp_path / "c")
+    assert "'obj'" in str(ei.value) and "Opaque" in str(ei.value)
+    assert not (tmp_path / "c").exists()
+    resurgo.save(state, tmp_path / "c", allow_pickle=True)
+    with pytest.raises(PickleNotAllowedError):
+        resurgo.load_dict(tmp_path / "c")
+    with pytest.raises(PickleNotAllowedError):
+        resurgo.load({"obj": None, "t": torch.zeros(1)}, tmp_path / "c")
+    assert resurgo.load_dict(tmp_path / "c", allow_pickle=True)["obj"] == Opaque(5)
+
+
+def test_loading_never_runs_code_from_the_file(tmp_path):
+    """A pickle node smuggled into a manifest (with the flag saying no pickle) is refused, not run."""
+    import base64
+    import pickle
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    path = saved(tmp_path, {"x": 1})
+    m = json.loads((path / "manifest.json").read_text())
+    m["tree"]["items"][0][1] = {"type": "pickle", "class": "x", "base64": base64.b64encode(pickle.dumps(Evil())).decode()}
+    (path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(PickleNotAllowedError):
+        resurgo.load_dict(path)
+    with pytest.raises(PickleNotAllowedError):
+        resurgo.load({"x": 0}, path)
+    assert not marker.exists()
+
+
+def test_unsupported_values_are_named(tmp_path):
+    cases = {
+        "sparse": torch.eye(3).to_sparse(),
+        "func": len,
+        "set": {1, 2},
+        "objarr": np.array([object()], dtype=object),
+        "tuple_key": {(1, 2): 3},
+        "quantized": torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8),
+        "meta": torch.empty(2, device="meta"),
+    }
+    for name, value in cases.items():
+        with pytest.raises(UnsupportedValueError) as ei:
+            resurgo.save({name: value}, tmp_path / name)
+        assert repr(name) in str(ei.value), name
+        assert not (tmp_path / name).exists()
+    cyc: dict = {}
+    cyc["self"] = cyc
+    with pytest.raises(UnsupportedValueError, match="cycle"):
+        resurgo.save(cyc, tmp_path / "cyc")
+
+
+def test_every_error_is_a_resurgo_error():
+    import resurgo.errors as E
+
+    classes = [v for v in vars(E).values() if isinstance(v, type) and issubclass(v, Exception)]
+    assert len(classes) >= 14
+    assert all(issubclass(c, ResurgoError) for c in classes)
