@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _state_roundtrip as core  # noqa: E402
 
-from resurgo.errors import TypeMismatchError  # noqa: E402
+from resurgo.errors import TypeMismatchError, UnsupportedValueError  # noqa: E402
 from resurgo.state.data_position import is_tracked, track_dataloader  # noqa: E402
 from resurgo.state.rng import RNGState  # noqa: E402
 
@@ -267,10 +267,11 @@ def test_loader_built_differently_is_rejected() -> None:
 
 
 def test_non_loader_is_rejected() -> None:
-    with pytest.raises(TypeMismatchError, match="DataLoader"):
+    with pytest.raises(UnsupportedValueError, match="DataLoader"):
         track_dataloader([1, 2, 3])
 
 
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 def test_stateful_dataloader_used_as_is() -> None:
     sdl = pytest.importorskip("torchdata.stateful_dataloader")
 
