@@ -10,7 +10,8 @@ epoch's order depends on (the torch global CPU RNG, and ``loader.generator`` /
 ``{"epoch_rng", "batches_yielded", "epoch_active", ...}``. After ``load_state_dict()``, the next
 ``iter()`` sets those RNGs back to the epoch start, rebuilds the iterator, skips the batches already
 seen, then puts the global RNG back where it was, so the training stream (restored by
-:class:`resurgo.state.rng.RNGState`) is untouched.
+:class:`resurgo.state.rng.RNGState`) is untouched. Saved between epochs, nothing is replayed; the
+loader's own generators are set to their saved current states instead (``"generators"``).
 
 Where the RNG is drawn inside a DataLoader (torch 2.x), which is why the order above matters:
 1. iterator construction draws ``_base_seed`` (the worker seed) from ``loader.generator`` or,
@@ -19,6 +20,8 @@ Where the RNG is drawn inside a DataLoader (torch 2.x), which is why the order a
    first ``next()``: with workers that happens inside construction (prefetch), without workers on
    the first batch. The tracked loader pulls the first index batch right after construction, so
    the epoch's order depends only on the recorded epoch-start state.
+3. with persistent workers, only the first ``iter()`` builds an iterator; later epochs ``_reset()``
+   it and draw no ``_base_seed``. A resume repeats whichever the original epoch did.
 
 Limits: a sampler that draws from the global RNG lazily during the epoch, an IterableDataset
 whose stream is not a function of the epoch-start RNG, and random augmentation inside persistent
@@ -209,6 +212,8 @@ class _TrackedIterator:
 
     def __getattr__(self, name: str) -> Any:
         # Anything else (e.g. _num_yielded) is the underlying iterator's business.
+        if name == "_it":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self._it, name)
 
 
