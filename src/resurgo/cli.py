@@ -136,7 +136,10 @@ def render_scalar(node: dict) -> str:
         return f"torch.{node['value']}"
     if t == "torch_device":
         return f"torch.device({str(v)!r})"
-    return _clip(repr(v))
+    try:
+        return _clip(repr(v))
+    except ValueError:  # an int too long for str() (sys.set_int_max_str_digits)
+        return f"<int of {v.bit_length()} bits>"
 
 
 def _key_component(knode: Any) -> Any:
@@ -210,12 +213,6 @@ def tree_values(tree: Any) -> list[tuple[str, str, str]]:
 
 
 # -- inspect ----------------------------------------------------------------------------------
-def _place_text(chunk) -> str:
-    if chunk.box is not None:
-        return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(chunk.box.offsets, chunk.box.shape)) + "]"
-    return f"flat[{chunk.flat.start}:{chunk.flat.stop}]"
-
-
 def _place_json(chunk) -> dict:
     if chunk.box is not None:
         return {"box": {"offsets": list(chunk.box.offsets), "shape": list(chunk.box.shape)}}
@@ -342,7 +339,7 @@ def _print_inspect(s: dict, with_chunks: bool) -> None:
     totals.add_column(style="bold")
     totals.add_column(justify="right")
     totals.add_column()
-    totals.add_row("tensors", str(tot["tensors"]), f"{human_bytes(tot['tensor_bytes'])} in {tot['chunks']} chunks")
+    totals.add_row("tensors", str(tot["tensors"]), f"{human_bytes(tot['tensor_bytes'])} in {_plural(tot['chunks'], 'chunk')}")
     totals.add_row("data files", str(tot["data_files"]), human_bytes(tot["data_bytes"]))
     totals.add_row("manifest", "1", human_bytes(tot["manifest_bytes"]))
     totals.add_row("on disk", str(tot["data_files"] + 1), f"{human_bytes(tot['bytes_on_disk'])} ({tot['bytes_on_disk']} bytes)")
@@ -531,7 +528,11 @@ def ls(
             for e in entries:
                 if e.status != "committed":
                     continue
-                report = verify_checkpoint(directory / e.path)
+                try:
+                    report = verify_checkpoint(directory / e.path)
+                except ResurgoError as err:  # changed since it was listed
+                    e.status, e.detail = "corrupt", str(err)
+                    continue
                 if not report.ok:
                     more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
                     e.status, e.detail = "corrupt", report.problems[0] + more

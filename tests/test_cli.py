@@ -1,0 +1,290 @@
+"""The command line: inspect, verify and ls, through typer's CliRunner (and once the installed script)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pickle
+import re
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import resurgo
+from resurgo.cli import app, human_bytes
+
+runner = CliRunner()
+
+
+def _state() -> dict:
+    return {
+        "model": {"weight": torch.zeros(3, 4), "bias": torch.ones(3, dtype=torch.bfloat16)},
+        "opt": {"lr": 0.5, "betas": (0.9, 0.999), "name": "adam", "groups": []},
+        "np": np.arange(4, dtype=np.int64).reshape(2, 2),
+        "step": 7,
+    }
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    path = tmp_path / "ckpt"
+    resurgo.save(_state(), path, step=7, metadata={"run": "r1", "lr": 0.5})
+    return path
+
+
+def _data_files(path: Path) -> list[Path]:
+    return sorted((path / "data").iterdir())
+
+
+def _flip_byte_in(path: Path, key: str) -> str:
+    """Flip one bit inside the stored bytes of tensor ``key``; returns the data file's name."""
+    chunk = resurgo.read_manifest(path).tensors[key].chunks[0]
+    f = path / chunk.file
+    raw = bytearray(f.read_bytes())
+    raw[chunk.byte_range[0] + 1] ^= 0x10
+    f.write_bytes(bytes(raw))
+    return chunk.file
+
+
+def _no_traceback(result) -> None:
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+# -- inspect ----------------------------------------------------------------------------------
+def test_inspect_json_exact(saved: Path):
+    result = runner.invoke(app, ["inspect", str(saved), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["tensors"] == {
+        "model.weight": {"kind": "torch", "dtype": "float32", "shape": [3, 4], "bytes": 48, "num_chunks": 1},
+        "model.bias": {"kind": "torch", "dtype": "bfloat16", "shape": [3], "bytes": 6, "num_chunks": 1},
+        "np": {"kind": "numpy", "dtype": "int64", "shape": [2, 2], "bytes": 32, "num_chunks": 1},
+    }
+    assert doc["values"] == {
+        "opt.lr": {"type": "float", "value": "0.5"},
+        "opt.betas": {"type": "tuple", "value": "(0.9, 0.999)"},
+        "opt.name": {"type": "str", "value": "'adam'"},
+        "opt.groups": {"type": "list", "value": "[]"},
+        "step": {"type": "int", "value": "7"},
+    }
+    files = _data_files(saved)
+    data_bytes = sum(f.stat().st_size for f in files)
+    manifest_bytes = (saved / "manifest.json").stat().st_size
+    assert doc["totals"] == {
+        "tensors": 3, "tensor_bytes": 86, "chunks": 3, "data_files": len(files), "data_bytes": data_bytes,
+        "manifest_bytes": manifest_bytes, "bytes_on_disk": data_bytes + manifest_bytes,
+    }
+    assert doc["step"] == 7
+    assert doc["metadata"] == {"run": "r1", "lr": 0.5}
+    assert doc["library"]["resurgo"] == resurgo.__version__
+    assert doc["library"]["torch"] == torch.__version__
+    assert doc["world"] == {"size": 1, "rank": 0}
+    assert doc["pickled"] is False
+    assert doc["warnings"] == []
+    assert doc["created_at"] == resurgo.read_manifest(saved).created_at
+
+
+def test_inspect_text(saved: Path):
+    result = runner.invoke(app, ["inspect", str(saved)])
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert re.search(r"^\s*model\.weight\s+torch\s+float32\s+\[3, 4\]\s+48 B\s+1\s*$", out, re.M), out
+    assert re.search(r"^\s*model\.bias\s+torch\s+bfloat16\s+\[3\]\s+6 B\s+1\s*$", out, re.M), out
+    assert re.search(r"^\s*np\s+numpy\s+int64\s+\[2, 2\]\s+32 B\s+1\s*$", out, re.M), out
+    assert re.search(r"^\s*step\s+7\s*$", out, re.M)
+    assert re.search(r"^\s*opt\.betas\s+tuple\s+\(0\.9, 0\.999\)\s*$", out, re.M)
+    assert re.search(r"^\s*opt\.name\s+str\s+'adam'\s*$", out, re.M)
+    assert re.search(r"^\s*tensors\s+3\s+86 B in 3 chunks\s*$", out, re.M)
+    on_disk = sum(f.stat().st_size for f in _data_files(saved)) + (saved / "manifest.json").stat().st_size
+    assert re.search(rf"^\s*on disk\s+2\s+{re.escape(human_bytes(on_disk))} \({on_disk} bytes\)\s*$", out, re.M)
+    assert '{"run": "r1", "lr": 0.5}' in out
+    assert f"torch {torch.__version__}" in out
+    assert "Chunks" not in out
+
+
+def test_inspect_chunks(saved: Path):
+    c = resurgo.read_manifest(saved).tensors["model.weight"].chunks[0]
+    result = runner.invoke(app, ["inspect", str(saved), "--chunks"])
+    assert result.exit_code == 0, result.output
+    line = rf"^\s*model\.weight\s+0\s+\[0:3, 0:4\]\s+{re.escape(c.file)}\s+\[{c.byte_range[0]}, {c.byte_range[1]}\)\s*$"
+    assert re.search(line, result.stdout, re.M), result.stdout
+    doc = json.loads(runner.invoke(app, ["inspect", str(saved), "--chunks", "--json"]).stdout)
+    assert doc["tensors"]["model.weight"]["chunks"] == [
+        {"box": {"offsets": [0, 0], "shape": [3, 4]}, "file": c.file, "byte_range": list(c.byte_range)}
+    ]
+
+
+def test_inspect_never_unpickles(tmp_path: Path, monkeypatch):
+    path = tmp_path / "p"
+    resurgo.save({"when": datetime.date(2020, 1, 2), "x": torch.zeros(2)}, path, allow_pickle=True)
+
+    def boom(*a, **k):
+        raise AssertionError("inspect must not unpickle")
+
+    monkeypatch.setattr(pickle, "loads", boom)
+    result = runner.invoke(app, ["inspect", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["values"] == {"when": {"type": "pickle", "value": "<pickled datetime.date>"}}
+    assert doc["pickled"] is True
+
+
+def test_inspect_errors_exit_2(tmp_path: Path):
+    result = runner.invoke(app, ["inspect", str(tmp_path / "missing")])
+    assert result.exit_code == 2
+    assert "no such checkpoint" in result.stderr
+    _no_traceback(result)
+
+
+# -- verify -----------------------------------------------------------------------------------
+def test_verify_clean(saved: Path):
+    result = runner.invoke(app, ["verify", str(saved)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("OK ")
+    assert "3 chunks in 1 file, 86 B checked" in result.stdout
+    result = runner.invoke(app, ["verify", str(saved), "--progress"])  # the bar renders off a terminal too
+    assert result.exit_code == 0, result.output
+
+
+def test_verify_flipped_byte(saved: Path):
+    name = _flip_byte_in(saved, "model.weight")
+    result = runner.invoke(app, ["verify", str(saved)])
+    assert result.exit_code == 1, result.output
+    assert f"tensor 'model.weight' chunk 0 in {name}: block 0 does not match its checksum" in result.stdout
+    assert "CORRUPT" in result.stdout and "1 problem" in result.stdout
+    doc = json.loads(runner.invoke(app, ["verify", str(saved), "--json"]).stdout)
+    assert doc["ok"] is False and doc["chunks_checked"] == 3 and len(doc["problems"]) == 1
+
+
+@pytest.mark.parametrize("case", ["missing", "no_manifest", "data_without_manifest", "invalid_manifest"])
+def test_verify_unreadable_exit_2(tmp_path: Path, saved: Path, case: str):
+    expected = {
+        "missing": "no such checkpoint",
+        "no_manifest": "not a resurgo checkpoint (no manifest.json)",
+        "data_without_manifest": "has data files but no manifest.json",
+        "invalid_manifest": "not valid JSON",
+    }[case]
+    path = tmp_path / case
+    if case == "no_manifest":
+        path.mkdir()
+    elif case == "data_without_manifest":
+        (path / "data").mkdir(parents=True)
+    elif case == "invalid_manifest":
+        path = saved
+        (path / "manifest.json").write_text("{truncated")
+    result = runner.invoke(app, ["verify", str(path)])
+    assert result.exit_code == 2, result.output
+    assert result.stdout == ""
+    assert result.stderr.startswith("error: ") and expected in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    _no_traceback(result)
+
+
+# -- ls ---------------------------------------------------------------------------------------
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    root = tmp_path / "runs"
+    state = {"w": torch.arange(64, dtype=torch.float32), "i": 1}
+    resurgo.save(state, root / "a" / "step-1", step=1)
+    resurgo.save(state, root / "a" / "step-2", step=2)  # truncated below: corrupt
+    resurgo.save(state, root / "a" / "step-3", step=3)  # invalid manifest: corrupt
+    resurgo.save(state, root / "a" / "step-6", step=6)  # valid JSON, unsupported version: corrupt
+    resurgo.save(state, root / "b" / "deep" / "step-9", step=9)
+    f = _data_files(root / "a" / "step-2")[0]
+    os.truncate(f, f.stat().st_size - 4)
+    (root / "a" / "step-3" / "manifest.json").write_text('{"step": 3, "format": ')
+    m6 = root / "a" / "step-6" / "manifest.json"
+    m6.write_text(json.dumps({**json.loads(m6.read_text()), "version": 99}))
+    (root / "a" / "step-4" / "data").mkdir(parents=True)  # never committed
+    (root / "a" / "step-4" / "data" / "rank00000-000.safetensors").write_bytes(b"\0" * 100)
+    (root / "a" / ".step-5.resurgo-tmp-0123456789ab" / "data").mkdir(parents=True)  # crashed save
+    (root / "logs").mkdir()  # not a checkpoint: not listed
+    (root / "logs" / "train.log").write_text("hello")
+    return root
+
+
+EXPECTED_LS = [
+    ("a/.step-5.resurgo-tmp-0123456789ab", "incomplete", None),
+    ("a/step-1", "committed", 1),
+    ("a/step-2", "corrupt", 2),
+    ("a/step-3", "corrupt", None),  # the step is unknown: the manifest is not JSON
+    ("a/step-4", "incomplete", None),
+    ("a/step-6", "corrupt", 6),  # the step is read from the manifest that does not validate
+    ("b/deep/step-9", "committed", 9),
+]
+
+
+def test_ls_json(tree: Path):
+    result = runner.invoke(app, ["ls", str(tree), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    rows = doc["checkpoints"]
+    assert [(r["path"], r["status"], r["step"]) for r in rows] == EXPECTED_LS
+    by_path = {r["path"]: r for r in rows}
+    one = tree / "a" / "step-1"
+    assert by_path["a/step-1"]["bytes"] == sum(f.stat().st_size for f in one.rglob("*") if f.is_file())
+    assert by_path["a/step-1"]["created_at"] == resurgo.read_manifest(one).created_at
+    assert by_path["a/step-1"]["detail"] == ""
+    assert "bytes, the manifest says" in by_path["a/step-2"]["detail"]
+    assert "not valid JSON" in by_path["a/step-3"]["detail"]
+    assert "no manifest.json" in by_path["a/step-4"]["detail"]
+    assert "format version '99' is not supported" in by_path["a/step-6"]["detail"]
+    assert by_path["a/step-4"]["bytes"] == 100
+
+
+def test_ls_text(tree: Path):
+    result = runner.invoke(app, ["ls", str(tree)])
+    assert result.exit_code == 0, result.output
+    lines = [ln for ln in result.stdout.splitlines() if ln.strip()]
+    rows = [ln for ln in lines if re.match(r"^\s*[ab]/", ln)]
+    assert [r.split()[0] for r in rows] == [p for p, _, _ in EXPECTED_LS]  # sorted by path
+    for row, (_, status, step) in zip(rows, EXPECTED_LS):
+        assert re.search(rf"\s{'-' if step is None else step}\s.*\s{status}(\s|$)", row), row
+    assert "logs" not in result.stdout and "data" not in [r.split()[0] for r in rows]
+
+
+def test_ls_verify_finds_flipped_byte(tree: Path):
+    _flip_byte_in(tree / "b" / "deep" / "step-9", "w")
+    plain = json.loads(runner.invoke(app, ["ls", str(tree), "--json"]).stdout)["checkpoints"]
+    assert {r["path"]: r["status"] for r in plain}["b/deep/step-9"] == "committed"  # ls reads no data
+    result = runner.invoke(app, ["ls", str(tree), "--json", "--verify"])
+    assert result.exit_code == 0, result.output
+    rows = {r["path"]: r for r in json.loads(result.stdout)["checkpoints"]}
+    assert rows["b/deep/step-9"]["status"] == "corrupt"
+    assert "tensor 'w'" in rows["b/deep/step-9"]["detail"]
+    assert rows["a/step-1"]["status"] == "committed" and rows["a/step-1"]["verified"] is True
+
+
+def test_ls_on_a_checkpoint_and_missing_dir(saved: Path, tmp_path: Path):
+    doc = json.loads(runner.invoke(app, ["ls", str(saved), "--json"]).stdout)
+    assert [(r["path"], r["status"], r["step"]) for r in doc["checkpoints"]] == [(".", "committed", 7)]
+    result = runner.invoke(app, ["ls", str(tmp_path / "nope")])
+    assert result.exit_code == 2 and "no such directory" in result.stderr
+    _no_traceback(result)
+
+
+# -- entry points -----------------------------------------------------------------------------
+def test_python_dash_m(saved: Path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["resurgo", "verify", str(saved)])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_module("resurgo", run_name="__main__")
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith("OK ")
+
+
+def test_installed_script_end_to_end(tree: Path):
+    script = Path(sys.executable).parent / "resurgo"
+    if not script.exists():
+        pytest.skip("the resurgo script is not installed in this environment (pip install -e .)")
+    proc = subprocess.run([str(script), "ls", str(tree), "--json"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)["checkpoints"]
+    assert [(r["path"], r["status"], r["step"]) for r in rows] == EXPECTED_LS
