@@ -22,9 +22,10 @@ from resurgo.errors import (
     UnsupportedValueError,
 )
 from resurgo.reports import LoadReport, SaveReport
+from resurgo.state.train_state import TrainState
 
 __all__ = [
-    "__version__", "save", "load", "load_dict", "read_manifest", "SaveReport", "LoadReport",
+    "__version__", "save", "load", "load_dict", "read_manifest", "TrainState", "SaveReport", "LoadReport",
     "ResurgoError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "DTypeMismatchError", "IncompleteCheckpointError", "KeyMismatchError", "ManifestError",
     "NotACheckpointError", "PickleNotAllowedError", "ShapeMismatchError", "StorageError",

@@ -378,6 +378,54 @@ def _tracked_class(cls: type) -> type:
     return tracked
 
 
+_GUARDED_CLASSES: dict[type, type] = {}
+_RESUMING = "_resurgo_resuming"
+
+
+def _guarded_load_state_dict(self: Any, state_dict: Any) -> Any:
+    result = self._resurgo_base_class.load_state_dict(self, state_dict)
+    self.__dict__[_RESUMING] = True
+    return result
+
+
+def _guarded_iter(self: Any) -> Any:
+    # A resumed StatefulDataLoader (torchdata 0.11) draws a fresh base seed from the global RNG
+    # (or its generator) and then overwrites it with the saved one; the uninterrupted run made that
+    # draw before the checkpoint, so the restored RNG streams must not see it again.
+    if not self.__dict__.pop(_RESUMING, False):
+        return self._resurgo_base_class.__iter__(self)
+    # Only the sources of that base seed are guarded: the sampler's generator is legitimately
+    # set from the checkpoint while the iterator is built.
+    cpu = torch.get_rng_state()
+    gen = getattr(self, "generator", None)
+    gen_state = gen.get_state() if isinstance(gen, torch.Generator) else None
+    try:
+        return self._resurgo_base_class.__iter__(self)
+    finally:
+        torch.set_rng_state(cpu)
+        if gen_state is not None:
+            gen.set_state(gen_state)
+
+
+def _rng_guarded_class(cls: type) -> type:
+    """A subclass of a loader with its own state_dict whose first iter() after a load draws no RNG."""
+    if cls in _GUARDED_CLASSES.values():
+        return cls
+    guarded = _GUARDED_CLASSES.get(cls)
+    if guarded is None:
+        guarded = type(f"Resumable{cls.__name__}", (cls,), {
+            "__iter__": _guarded_iter,
+            "load_state_dict": _guarded_load_state_dict,
+            "__module__": __name__,
+            "__qualname__": f"Resumable{cls.__qualname__}",
+            "__doc__": cls.__doc__,
+            "_resurgo_base_class": cls,
+            "__slots__": (),
+        })
+        _GUARDED_CLASSES[cls] = guarded
+    return guarded
+
+
 def is_tracked(loader: Any) -> bool:
     """True if ``loader`` was made resumable by :func:`track_dataloader`."""
     return type(loader) in _TRACKED_CLASSES.values()
@@ -390,8 +438,11 @@ def track_dataloader(loader: DataLoader) -> DataLoader:
     unchanged. Call it before the first ``iter()`` of an epoch that should be resumable. Loaders
     that already have ``state_dict()`` (torchdata's ``StatefulDataLoader``) are returned as is.
     """
-    if is_tracked(loader) or (callable(getattr(loader, "state_dict", None))
-                              and callable(getattr(loader, "load_state_dict", None))):
+    if is_tracked(loader):
+        return loader
+    if callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None)):
+        if isinstance(loader, DataLoader):
+            loader.__class__ = _rng_guarded_class(type(loader))
         return loader
     if not isinstance(loader, DataLoader):
         raise UnsupportedValueError(
