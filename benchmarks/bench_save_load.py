@@ -208,6 +208,7 @@ class Resurgo(Mechanism):
 
 
 MECHANISMS: list[type[Mechanism]] = [Raw, TorchSave, Safetensors, DCP, Resurgo]
+HEAT = True  # --no-heat turns it off: see common.heat_page_cache
 REFERENCE = "raw"
 
 # --------------------------------------------------------------------------------------------
@@ -270,7 +271,13 @@ def run_once(
     record: bool = True,
 ) -> None:
     """One repetition of one mechanism: save, evict, cold load, prewarm, warm load, sizes."""
+    def heat() -> None:
+        if HEAT:
+            common.heat_page_cache(m.root.parent / ".heat-scratch",
+                                   (common.byte_view(t) for t in state.values()))
+
     m.prepare()
+    heat()
     t = common.timed(lambda: m.save(state))
     # Durability check: fsync again; if the save left dirty pages this is slow.
     post = common.timed(lambda: common.fsync_tree(m.root))
@@ -278,12 +285,12 @@ def run_once(
 
     loads = {}
     for kind in ("cold", "warm"):
+        heat()
         if kind == "cold":
             common.evict(m.root)
-            resident = common.resident_fraction(m.root)
         else:
             common.prewarm(m.root)
-            resident = common.resident_fraction(m.root)
+        resident = common.resident_fraction(m.root)
         if m.in_place:
             common.zero_state(target)
         lt = common.timed(lambda: m.load(target))
@@ -492,12 +499,17 @@ def parse_args(argv=None):
                         "the first use of fresh memory and page cache is several times slower")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip all warm-up: the tiny round that imports every path, and --warmup-reps")
+    p.add_argument("--no-heat", action="store_true",
+                   help="do not write+delete a scratch file of the state's size before each timed "
+                        "phase (see common.heat_page_cache)")
     p.add_argument("--strict", action="store_true", help="exit 1 if a target FAILs")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    global HEAT
+    HEAT = not args.no_heat
     from rich.console import Console
 
     console = Console(width=None if sys.stdout.isatty() else 220, highlight=False)
@@ -603,6 +615,7 @@ def main(argv=None) -> int:
             "size_mib": args.size_mib,
             "repeats": args.repeats,
             "warmup_reps": 0 if args.no_warmup else args.warmup_reps,
+            "heat_page_cache": HEAT,
             "seed": args.seed,
             "workdir": str(workdir),
             "fs_type": fstype,

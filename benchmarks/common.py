@@ -229,6 +229,26 @@ def prewarm(root: Path, chunk: int = 64 * MiB) -> None:
                 pass
 
 
+def heat_page_cache(scratch: Path, buffers: Iterable[memoryview]) -> None:
+    """Write the buffers into a scratch file (no fsync) and delete it: untimed, before each timer.
+
+    On the dev VM the first ~1 GiB of page cache allocated after a pause, or after a phase that
+    freed no memory, was written 3-8x slower than the next (0.3 s vs 1.2-2.6 s for 1 GiB), which
+    made whichever mechanism ran after an in-place loader look slow. Freshly freed page-cache
+    pages are fast to reuse, so this puts every mechanism in the same state. Dirty pages are
+    dropped by the unlink before writeback picks them up (well under dirty_background_ratio).
+    """
+    fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for view in buffers:
+            pos = 0
+            while pos < len(view):
+                pos += os.write(fd, view[pos:])
+    finally:
+        os.close(fd)
+        os.unlink(scratch)
+
+
 def file_sizes(root: Path) -> list[dict]:
     """[{path (relative to root), bytes (st_size), allocated (st_blocks*512)}] of every file."""
     root = Path(root)
