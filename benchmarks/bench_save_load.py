@@ -569,10 +569,12 @@ def main(argv=None) -> int:
     state = common.make_state(args.size_mib, seed=args.seed)
     target = common.empty_like_state(state)
     desc = common.describe_state(state)
+    loadavg = {"start": os.getloadavg()}
     console.print(
         f"state: {common.fmt_bytes(desc['tensor_bytes'])} in {desc['n_tensors']} tensors "
         f"({desc['n_large']} > 1 MiB), built in {time.perf_counter() - t0:.1f}s; "
-        f"workdir {workdir} ({fstype}); {args.repeats} reps"
+        f"workdir {workdir} ({fstype}); {args.repeats} reps; "
+        f"load average {loadavg['start'][0]:.2f} on {os.cpu_count()} CPUs"
     )
 
     for w in range(0 if args.no_warmup else args.warmup_reps):
@@ -607,6 +609,11 @@ def main(argv=None) -> int:
                 highlight=False,
             )
 
+    loadavg["end"] = os.getloadavg()
+    if max(loadavg["start"][0], loadavg["end"][0]) > 0.5 * (os.cpu_count() or 1):
+        console.print(f"[yellow]note: load average {loadavg['start'][0]:.2f} -> "
+                      f"{loadavg['end'][0]:.2f}: other work shares the CPUs; CPU-heavy loaders "
+                      "(DCP, safetensors' copy) suffer most. Rerun when the machine is idle.[/]")
     summarize(results, desc["tensor_bytes"])
     doc = {
         "schema": SCHEMA,
@@ -616,6 +623,7 @@ def main(argv=None) -> int:
             "repeats": args.repeats,
             "warmup_reps": 0 if args.no_warmup else args.warmup_reps,
             "heat_page_cache": HEAT,
+            "loadavg": loadavg,
             "seed": args.seed,
             "workdir": str(workdir),
             "fs_type": fstype,
