@@ -610,10 +610,12 @@ def main(argv=None) -> int:
             )
 
     loadavg["end"] = os.getloadavg()
-    if max(loadavg["start"][0], loadavg["end"][0]) > 0.5 * (os.cpu_count() or 1):
-        console.print(f"[yellow]note: load average {loadavg['start'][0]:.2f} -> "
-                      f"{loadavg['end'][0]:.2f}: other work shares the CPUs; CPU-heavy loaders "
-                      "(DCP, safetensors' copy) suffer most. Rerun when the machine is idle.[/]")
+    # the 1-minute load average at the start is the others' (and any run just before this one);
+    # at the end it includes this run's own threads, so only the start is judged
+    if loadavg["start"][0] > 0.75 * (os.cpu_count() or 1):
+        console.print(f"[yellow]note: load average was {loadavg['start'][0]:.2f} at the start: "
+                      "other work may share the CPUs; CPU-heavy loaders (DCP, safetensors' copy) "
+                      "suffer most. Rerun when the machine is idle.[/]")
     summarize(results, desc["tensor_bytes"])
     doc = {
         "schema": SCHEMA,
