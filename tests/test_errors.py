@@ -14,6 +14,7 @@ from resurgo.errors import (
     DTypeMismatchError,
     IncompleteCheckpointError,
     KeyMismatchError,
+    ManifestError,
     NotACheckpointError,
     PickleNotAllowedError,
     ResurgoError,
@@ -142,6 +143,13 @@ def test_loading_never_runs_code_from_the_file(tmp_path):
     path = saved(tmp_path, {"x": 1})
     m = json.loads((path / "manifest.json").read_text())
     m["tree"]["items"][0][1] = {"type": "pickle", "class": "x", "base64": base64.b64encode(pickle.dumps(Evil())).decode()}
+    (path / "manifest.json").write_text(json.dumps(m))
+    # The manifest's 'pickled' flag says false: the manifest is inconsistent.
+    with pytest.raises(ManifestError, match="pickle"):
+        resurgo.load_dict(path)
+    with pytest.raises(ManifestError, match="pickle"):
+        resurgo.load({"x": 0}, path)
+    m["pickled"] = True
     (path / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(PickleNotAllowedError):
         resurgo.load_dict(path)

@@ -142,6 +142,7 @@ def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool
             f"{ckpt.path}: holds pickled values; loading them could run code from the file. "
             "Pass allow_pickle=True only if you trust this checkpoint."
         )
+    ckpt.check_sizes({name: f.bytes for name, f in manifest.files.items()})  # before any allocation
     restorer = Restorer(manifest, allow_pickle=allow_pickle, strict=strict)
     result = restorer.restore(target)
     if strict and (restorer.missing or restorer.unexpected):

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from resurgo.errors import ManifestError
 from resurgo.format import checksum, dtypes
+from resurgo.format.tree import validate_tree
 from resurgo.layout.box import ChunkBox, FlatRange, Place, covers_exactly_once
 
 FORMAT_NAME = "resurgo.checkpoint"
@@ -27,6 +28,7 @@ MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 30
 MAX_NDIM = 64
 MAX_BLOCK_BYTES = 1 << 30
+MAX_TENSOR_BYTES = (1 << 62) - 1  # with every dimension counted as at least 1
 DATA_FILE_RE = re.compile(r"^data/[A-Za-z0-9_.-]{1,200}\.safetensors$")
 _HEX128 = re.compile(r"[0-9a-f]{32}")
 
@@ -128,6 +130,12 @@ def parse_manifest(raw: bytes, source: str = MANIFEST_NAME) -> Manifest:
     return manifest
 
 
+def _short(value: object) -> str:
+    """A value for an error message, cut short (untrusted numbers may have thousands of digits)."""
+    text = str(value)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
 def validate_manifest(m: Manifest, source: str = MANIFEST_NAME) -> None:
     """Semantic checks that a schema cannot express. Raises ManifestError."""
 
@@ -135,18 +143,20 @@ def validate_manifest(m: Manifest, source: str = MANIFEST_NAME) -> None:
         raise ManifestError(f"{source}: {msg}")
 
     for path, entry in m.files.items():
-        if not DATA_FILE_RE.match(path) or ".." in path.split("/"):
+        if not DATA_FILE_RE.fullmatch(path) or ".." in path.split("/"):
             fail(f"data file path {path[:200]!r} is not of the form data/<name>.safetensors")
         if not 8 <= entry.header_bytes <= entry.bytes:
-            fail(f"data file {path!r}: header of {entry.header_bytes} bytes does not fit its {entry.bytes} bytes")
+            fail(f"data file {path!r}: header of {_short(entry.header_bytes)} bytes does not fit its {_short(entry.bytes)} bytes")
         if not _HEX128.fullmatch(entry.header_checksum):
             fail(f"data file {path!r}: header_checksum must be 32 hex characters")
     for key, t in m.tensors.items():
         if not dtypes.is_known(t.dtype) or (t.kind == "numpy" and t.dtype not in dtypes.NUMPY_DTYPES):
             fail(f"tensor {key!r}: unknown {t.kind} dtype {t.dtype[:40]!r}")
         if len(t.shape) > MAX_NDIM or any(d < 0 for d in t.shape):
-            fail(f"tensor {key!r}: invalid shape {t.shape[:MAX_NDIM + 1]}")
+            fail(f"tensor {key!r}: invalid shape {_short(t.shape)}")
         size = dtypes.itemsize(t.dtype)
+        if math.prod(max(d, 1) for d in t.shape) * size > MAX_TENSOR_BYTES:  # torch/numpy strides must fit int64
+            fail(f"tensor {key!r}: shape {_short(t.shape)} is too large (even with a zero dimension, strides overflow)")
         places: list[Place] = []
         for i, c in enumerate(t.chunks):
             where = f"tensor {key!r} chunk {i} in {c.file[:200]!r}"
@@ -157,17 +167,17 @@ def validate_manifest(m: Manifest, source: str = MANIFEST_NAME) -> None:
             start, stop = c.byte_range
             f = m.files[c.file]
             if not f.header_bytes <= start <= stop <= f.bytes:
-                fail(f"{where}: byte range [{start}, {stop}) is outside the data area [{f.header_bytes}, {f.bytes}) of the file")
+                fail(f"{where}: byte range {_short([start, stop])} is outside the data area {_short([f.header_bytes, f.bytes])} of the file")
             place = c.place
             if isinstance(place, ChunkBox) and not (len(place.offsets) == len(place.shape) == len(t.shape)):
                 fail(f"{where}: box rank differs from the tensor's rank {len(t.shape)}")
             if not place.fits_in(tuple(t.shape)):
-                fail(f"{where}: place {place} lies outside the tensor's shape {t.shape}")
+                fail(f"{where}: place {_short(place)} lies outside the tensor's shape {_short(t.shape)}")
             if place.numel * size != stop - start:
                 fail(f"{where}: {place.numel} elements of {t.dtype} need {place.numel * size} bytes, "
-                     f"the byte range holds {stop - start}")
+                     f"the byte range holds {_short(stop - start)}")
             if not 1 <= c.block_bytes <= MAX_BLOCK_BYTES:
-                fail(f"{where}: block_bytes {c.block_bytes} out of range")
+                fail(f"{where}: block_bytes {_short(c.block_bytes)} out of range")
             if len(c.checksums) != checksum.block_count(stop - start, c.block_bytes):
                 fail(f"{where}: {len(c.checksums)} checksums for {checksum.block_count(stop - start, c.block_bytes)} blocks")
             if not all(_HEX128.fullmatch(h) for h in c.checksums):
@@ -176,6 +186,7 @@ def validate_manifest(m: Manifest, source: str = MANIFEST_NAME) -> None:
         if len({type(p) for p in places}) > 1:
             fail(f"tensor {key!r}: mixes box and flat chunks")
         if len(places) > 0 and not covers_exactly_once(places, tuple(t.shape)):
-            fail(f"tensor {key!r}: chunks do not cover the shape {t.shape} exactly once")
+            fail(f"tensor {key!r}: chunks do not cover the shape {_short(t.shape)} exactly once")
         if not places and math.prod(t.shape) != 0:
             fail(f"tensor {key!r}: has no chunks but {math.prod(t.shape)} elements")
+    validate_tree(m.tree, {k: t.kind for k, t in m.tensors.items()}, m.pickled, source)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import pickle
+import re
 import struct
 from typing import Any
 
@@ -27,13 +28,14 @@ def _float_bits(x: float) -> str:
     return "%016x" % struct.unpack("<Q", struct.pack("<d", x))[0]
 
 
+_HEX64 = re.compile(r"[0-9a-f]{16}")
+
+
 def _bits_float(bits: Any) -> float:
-    if not isinstance(bits, str) or len(bits) != 16:
-        raise ManifestError(f"float bits must be 16 hex characters, found {str(bits)[:40]!r}")
-    try:
-        return struct.unpack("<d", struct.pack("<Q", int(bits, 16)))[0]
-    except ValueError:
-        raise ManifestError(f"float bits {bits!r} are not hex") from None
+    # fullmatch, not int(bits, 16) alone: that also takes "-000000000000001", "0x..." and spaces
+    if not isinstance(bits, str) or not _HEX64.fullmatch(bits):
+        raise ManifestError(f"float bits must be 16 lowercase hex characters, found {str(bits)[:40]!r}")
+    return struct.unpack("<d", struct.pack("<Q", int(bits, 16)))[0]
 
 
 def encode_scalar(value: Any) -> dict | None:
@@ -120,7 +122,7 @@ def decode_scalar(node: dict, where: str, allow_pickle: bool) -> Any:
     if t == "torch_device":
         try:
             return torch.device(_field(node, "value", str, where))
-        except RuntimeError:
+        except (RuntimeError, ValueError, TypeError):
             raise ManifestError(f"{where}: invalid torch device") from None
     if t == "pickle":
         if not allow_pickle:

@@ -17,6 +17,7 @@ import torch
 
 from resurgo.errors import UnsupportedValueError
 from resurgo.format import dtypes, values
+from resurgo.format.tree import MAX_TREE_DEPTH
 from resurgo.state.stateful import class_name, is_stateful
 
 Array = Union[torch.Tensor, np.ndarray]
@@ -70,10 +71,12 @@ class Flattener:
         self._active: set[int] = set()
 
     def flatten(self, state: Any) -> dict:
-        return self._node(state, ())
+        return self._node(state, (), 0)
 
-    def _node(self, obj: Any, path: tuple) -> dict:
+    def _node(self, obj: Any, path: tuple, depth: int) -> dict:
         where = f"key {path_key(path)!r}"
+        if depth > MAX_TREE_DEPTH:
+            raise UnsupportedValueError(f"{where}: containers nested deeper than {MAX_TREE_DEPTH} (the format's limit)")
         if isinstance(obj, (torch.Tensor, np.ndarray)):
             return self._tensor(obj, path)
         scalar = values.encode_scalar(obj)
@@ -84,17 +87,17 @@ class Flattener:
         self._active.add(id(obj))
         try:
             if is_stateful(obj):
-                return {"type": "stateful", "class": class_name(obj), "state": self._node(obj.state_dict(), path)}
+                return {"type": "stateful", "class": class_name(obj), "state": self._node(obj.state_dict(), path, depth + 1)}
             if isinstance(obj, Mapping) and type(obj) in (dict, OrderedDict):
                 items = []
                 for k, v in obj.items():
                     knode = values.encode_scalar(k)
                     if knode is None or knode["type"] == "pickle":
                         raise UnsupportedValueError(f"{where}: dict key {k!r} of type {type(k).__name__} is not plain data")
-                    items.append([knode, self._node(v, path + (k,))])
+                    items.append([knode, self._node(v, path + (k,), depth + 1)])
                 return {"type": "dict" if type(obj) is dict else "ordered_dict", "items": items}
             if type(obj) in (list, tuple):
-                return {"type": type(obj).__name__, "items": [self._node(v, path + (i,)) for i, v in enumerate(obj)]}
+                return {"type": type(obj).__name__, "items": [self._node(v, path + (i,), depth + 1) for i, v in enumerate(obj)]}
             if type(obj) is torch.Size:
                 return {"type": "torch_size", "items": [int(d) for d in obj]}
             if self.allow_pickle:

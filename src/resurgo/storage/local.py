@@ -15,6 +15,7 @@ import ctypes.util
 import errno
 import os
 import shutil
+import stat
 import uuid
 from pathlib import Path
 
@@ -98,11 +99,18 @@ class ReadHandle:
 
     def __init__(self, path: Path, rel: str):
         self.rel = rel
-        try:
-            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:  # O_NONBLOCK: opening a FIFO planted in place of a data file must not hang
+            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{path}: data file {rel!r} listed in the manifest is missing") from None
-        self.size = os.fstat(self.fd).st_size
+        except OSError as e:
+            raise StorageError(e.errno, f"{path}: cannot open data file {rel!r}: {e.strerror}") from None
+        st = os.fstat(self.fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(self.fd)
+            self.fd = -1
+            raise CorruptCheckpointError(f"{path}: data file {rel!r} is not a regular file")
+        self.size = st.st_size
 
     def read_into(self, offset: int, buf: memoryview) -> None:
         view = memoryview(buf).cast("B")
@@ -164,6 +172,22 @@ class CheckpointDir:
 
     def open_read(self, rel: str) -> ReadHandle:
         return ReadHandle(self.resolve(rel), rel)
+
+    def check_sizes(self, sizes: dict[str, int]) -> None:
+        """Every file is a regular file inside the checkpoint, of the size given; else CorruptCheckpointError.
+
+        Loads call this before allocating anything, so sizes claimed by a manifest are bounded by
+        the bytes really on disk.
+        """
+        for rel, expected in sizes.items():
+            h = self.open_read(rel)
+            try:
+                if h.size != expected:
+                    claimed = str(expected) if len(str(expected)) <= 40 else str(expected)[:40] + "..."
+                    raise CorruptCheckpointError(
+                        f"{self.path}: data file {rel} has {h.size} bytes, the manifest says {claimed} (truncated or altered)")
+            finally:
+                h.close()
 
     # -- writing ------------------------------------------------------------------------------
     def stage(self, overwrite: bool) -> "LocalStaging":
