@@ -185,3 +185,12 @@ def test_every_error_is_a_resurgo_error():
     classes = [v for v in vars(E).values() if isinstance(v, type) and issubclass(v, Exception)]
     assert len(classes) >= 14
     assert all(issubclass(c, ResurgoError) for c in classes)
+
+
+def test_huge_ints_are_refused_or_pickled(tmp_path):
+    with pytest.raises(UnsupportedValueError, match="'huge'"):
+        resurgo.save({"huge": 10**5000}, tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+    resurgo.save({"huge": 10**5000, "fine": 2**8000}, tmp_path / "c", allow_pickle=True)
+    out = resurgo.load_dict(tmp_path / "c", allow_pickle=True)
+    assert out == {"huge": 10**5000, "fine": 2**8000}

@@ -97,7 +97,7 @@ def test_flat_tiling_check(cuts, drop):
 
 @given(st.lists(st.integers(0, 1 << 30), min_size=0, max_size=40), st.integers(1, 8), st.integers(1, 1 << 28))
 def test_save_plan_assigns_every_item_once_and_balances(sizes, max_files, min_file):
-    items = [WriteItem(f"k{i}", f"k{i}", "uint8", ChunkBox.whole((n,)), n) for i, n in enumerate(sizes)]
+    items = [WriteItem(f"k{i}", f"k{i}", "uint8", ChunkBox.whole((n,)), n, 65536) for i, n in enumerate(sizes)]
     plan = plan_files(items, rank=3, max_files=max_files, min_file_bytes=min_file)
     placed = [i.key for f in plan.files for i in f.items]
     assert sorted(placed) == sorted(i.key for i in items)
@@ -121,16 +121,27 @@ def test_read_plan_covers_every_byte_once_block_aligned(chunks, piece):
             byte_range=(pos, pos + nbytes), block_bytes=block, checksums=["0" * 32] * math.ceil(nbytes / block))])
         pos += nbytes
     ops = plan_reads(entries, max_piece_bytes=piece)
+    parts = []
+    for op in ops:
+        assert op.length == sum(p.length for p in op.parts)
+        assert op.length <= max(piece, max(c[1] for c in chunks)) or len(op.parts) == 1
+        offset = op.file_offset
+        for p in op.parts:  # the parts of one read are back to back in the file
+            parts.append((p, offset))
+            offset += p.length
     for key, e in entries.items():
         c = e.chunks[0]
-        mine = sorted((op for op in ops if op.key == key), key=lambda op: op.buffer_offset)
+        mine = sorted(((p, off) for p, off in parts if p.key == key), key=lambda x: x[0].buffer_offset)
         covered = 0
-        for op in mine:
-            assert op.into == "dest"
-            assert op.buffer_offset == covered and op.file_offset == c.byte_range[0] + covered
-            assert op.buffer_offset % c.block_bytes == 0 and op.first_block == op.buffer_offset // c.block_bytes
-            covered += op.length
+        for p, off in mine:
+            assert p.into == "dest"
+            assert p.buffer_offset == covered and off == c.byte_range[0] + covered
+            assert p.buffer_offset % c.block_bytes == 0 and p.first_block == p.buffer_offset // c.block_bytes
+            covered += p.length
         assert covered == c.nbytes
+    # Coalescing: back-to-back small chunks share reads.
+    if all(n <= piece for n, _ in chunks) and 0 < sum(n for n, _ in chunks) <= piece:
+        assert len(ops) == 1
 
 
 @settings(max_examples=30)
@@ -143,7 +154,7 @@ def test_header_is_valid_safetensors(specs):
     for i, (dt, shape) in enumerate(specs):
         t = torch.zeros(shape, dtype=torch.uint8).view(-1)
         n = math.prod(shape) * dtypes.itemsize(dt)
-        items.append(WriteItem(f"k{i}", f"k{i}", dt, ChunkBox.whole(tuple(shape)), n))
+        items.append(WriteItem(f"k{i}", f"k{i}", dt, ChunkBox.whole(tuple(shape)), n, 65536))
         tensors[f"k{i}"] = bytes(range(256)) * (n // 256) + bytes(range(n % 256))
     header, ranges = build_header(items)
     blob = header + b"".join(tensors[f"k{i}"] for i in range(len(items)))
@@ -152,3 +163,15 @@ def test_header_is_valid_safetensors(specs):
     for i, ((start, stop), item) in enumerate(zip(ranges, items)):
         assert blob[start:stop] == tensors[f"k{i}"]
         assert loaded[item.name].contiguous().view(-1).view(torch.uint8).numpy().tobytes() == tensors[f"k{i}"]
+
+
+@given(st.integers(0, 1 << 34))
+def test_default_block_size(nbytes):
+    from resurgo.format import checksum
+
+    b = checksum.block_bytes_for(nbytes)
+    assert b & (b - 1) == 0 and (1 << 16) <= b <= (1 << 20)
+    # At most 64 blocks unless the block is already at its maximum; never fewer than 32 otherwise.
+    assert checksum.block_count(nbytes, b) <= 64 or b == 1 << 20
+    if b > 1 << 16:
+        assert checksum.block_count(nbytes, b) > 32

@@ -41,13 +41,14 @@ def _library_versions() -> dict[str, str]:
 
 def save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_pickle: bool = False,
          step: int | None = None, metadata: dict | None = None, io_threads: int = DEFAULT_IO_THREADS,
-         block_bytes: int = checksum.DEFAULT_BLOCK_BYTES) -> SaveReport:
+         block_bytes: int | None = None) -> SaveReport:
     """Save ``state`` as a checkpoint directory at ``path``; returns a :class:`SaveReport`.
 
     The checkpoint exists only once every byte is durable (see docs/format.md, "Commit"). Saving
     onto an existing checkpoint raises CheckpointExistsError unless ``overwrite=True``; even then
     the old checkpoint is replaced atomically, never modified in place. Values that are not plain
-    data raise UnsupportedValueError unless ``allow_pickle=True``.
+    data raise UnsupportedValueError unless ``allow_pickle=True``. ``block_bytes`` fixes the
+    checksum block size (default: per chunk, see :func:`resurgo.format.checksum.block_bytes_for`).
     """
     t_start = time.perf_counter()
     _check_metadata(metadata, step)
@@ -58,14 +59,15 @@ def save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_
         t0 = time.perf_counter()
         sources = {key: source_bytes(leaf.value) for key, leaf in leaves.items()}
         t_stage = time.perf_counter() - t0
-        items = [WriteItem(key, key, leaf.dtype, ChunkBox.whole(leaf.shape), leaf.nbytes)
+        items = [WriteItem(key, key, leaf.dtype, ChunkBox.whole(leaf.shape), leaf.nbytes,
+                           block_bytes or checksum.block_bytes_for(leaf.nbytes))
                  for key, leaf in leaves.items()]
         plan = plan_files(items, rank=0, max_files=max(1, io_threads))
         if len(plan.files) == 1:
-            written = [write_data_file(staging, plan.files[0], sources, block_bytes)]
+            written = [write_data_file(staging, plan.files[0], sources)]
         else:
             with ThreadPoolExecutor(len(plan.files), thread_name_prefix="resurgo-write") as pool:
-                written = list(pool.map(lambda f: write_data_file(staging, f, sources, block_bytes), plan.files))
+                written = list(pool.map(lambda f: write_data_file(staging, f, sources), plan.files))
         manifest = _build_manifest(tree, leaves, written, pickled, step, metadata)
         raw = manifest.to_json_bytes()
         t0 = time.perf_counter()

@@ -10,9 +10,22 @@ from __future__ import annotations
 import xxhash
 
 ALGORITHM = "xxh3-128"
-DEFAULT_BLOCK_BYTES = 1 << 16
-# Hashing a few MiB per call lets xxhash release the GIL; 64 KiB blocks keep the manifest at
-# about 0.05% of the data while bounding read amplification for partial reads.
+MIN_BLOCK_BYTES = 1 << 16
+MAX_DEFAULT_BLOCK_BYTES = 1 << 20
+BLOCKS_PER_CHUNK = 64
+
+
+def block_bytes_for(nbytes: int) -> int:
+    """The default block size of a chunk: about 64 blocks, a power of two in [64 KiB, 1 MiB].
+
+    Small blocks bound what a partial read must fetch beyond what it needs (one block at each
+    end, at most 1/64 of the chunk); large ones keep the manifest small (32 hex digits per block:
+    at most 0.05% of the data) and let xxhash hash without holding the GIL.
+    """
+    size = MIN_BLOCK_BYTES
+    while size < MAX_DEFAULT_BLOCK_BYTES and size * BLOCKS_PER_CHUNK < nbytes:
+        size *= 2
+    return size
 
 
 def block_count(nbytes: int, block_bytes: int) -> int:

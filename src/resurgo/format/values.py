@@ -20,6 +20,8 @@ import torch
 from resurgo.errors import ManifestError, PickleNotAllowedError, UnsupportedValueError
 from resurgo.format import dtypes
 
+MAX_INT_BITS = 8192
+
 SCALAR_TYPES = ("none", "bool", "int", "float", "complex", "str", "bytes", "numpy_scalar",
                 "torch_dtype", "torch_device", "pickle")
 
@@ -45,7 +47,8 @@ def encode_scalar(value: Any) -> dict | None:
     if isinstance(value, bool):  # before int: bool is an int subclass
         return {"type": "bool", "value": value}
     if type(value) is int:
-        return {"type": "int", "value": value}
+        # JSON readers (Python's included) refuse integers of more than ~4300 digits.
+        return {"type": "int", "value": value} if value.bit_length() <= MAX_INT_BITS else None
     if type(value) is float:
         return {"type": "float", "bits": _float_bits(value)}
     if type(value) is complex:

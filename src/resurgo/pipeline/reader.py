@@ -58,21 +58,24 @@ def read_destinations(ckpt: CheckpointDir, manifest: Manifest, destinations: lis
     seconds = {"plan": time.perf_counter() - t_start, "read": 0.0, "checksum": 0.0}
 
     def run(op: ReadOp) -> tuple[float, float]:
-        buf = flat[op.key] if op.into == "dest" else chunk_bufs[(op.key, op.chunk)]
-        view = memoryview(buf)[op.buffer_offset : op.buffer_offset + op.length]
+        views = []
+        for part in op.parts:
+            buf = flat[part.key] if part.into == "dest" else chunk_bufs[(part.key, part.chunk)]
+            views.append(memoryview(buf)[part.buffer_offset : part.buffer_offset + part.length])
         t0 = time.perf_counter()
-        handles[op.file].read_into(op.file_offset, view)
+        handles[op.file].read_into_many(op.file_offset, views)
         t1 = time.perf_counter()
         if verify:
-            chunk = by_key[op.key].entry.chunks[op.chunk]
-            bad = checksum.first_bad_block(view, chunk.block_bytes, chunk.checksums, op.first_block)
-            if bad is not None:
-                start = chunk.byte_range[0] + bad * chunk.block_bytes
-                raise CorruptCheckpointError(
-                    f"{ckpt.path}: tensor {op.key!r} is corrupt in {op.file}: block {bad} "
-                    f"(file bytes {start}..{min(start + chunk.block_bytes, chunk.byte_range[1])}) "
-                    f"does not match its xxh3-128 checksum"
-                )
+            for part, view in zip(op.parts, views):
+                chunk = by_key[part.key].entry.chunks[part.chunk]
+                bad = checksum.first_bad_block(view, chunk.block_bytes, chunk.checksums, part.first_block)
+                if bad is not None:
+                    start = chunk.byte_range[0] + bad * chunk.block_bytes
+                    raise CorruptCheckpointError(
+                        f"{ckpt.path}: tensor {part.key!r} is corrupt in {op.file}: block {bad} "
+                        f"(file bytes {start}..{min(start + chunk.block_bytes, chunk.byte_range[1])}) "
+                        f"does not match its xxh3-128 checksum"
+                    )
         return t1 - t0, time.perf_counter() - t1
 
     try:

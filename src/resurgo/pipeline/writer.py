@@ -39,11 +39,9 @@ class WrittenFile:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-def write_data_file(staging: LocalStaging, plan: FilePlan, sources: dict[str, np.ndarray],
-                    block_bytes: int = checksum.DEFAULT_BLOCK_BYTES) -> WrittenFile:
+def write_data_file(staging: LocalStaging, plan: FilePlan, sources: dict[str, np.ndarray]) -> WrittenFile:
     t_write = t_hash = 0.0
     header, ranges = build_header(plan.items)
-    step = max(block_bytes, SLICE_BYTES // block_bytes * block_bytes)
     handle = staging.create(plan.path)
     try:
         t0 = time.perf_counter()
@@ -53,6 +51,8 @@ def write_data_file(staging: LocalStaging, plan: FilePlan, sources: dict[str, np
         for item, byte_range in zip(plan.items, ranges):
             data = memoryview(sources[item.key]).cast("B")
             assert len(data) == item.nbytes, (item.key, len(data), item.nbytes)
+            block_bytes = item.block_bytes
+            step = max(block_bytes, SLICE_BYTES // block_bytes * block_bytes)
             digests: list[str] = []
             for off in range(0, len(data), step):
                 piece = data[off : off + step]

@@ -24,6 +24,7 @@ class WriteItem:
     dtype: str
     place: Place
     nbytes: int
+    block_bytes: int  # checksum block size of this chunk
 
     @property
     def safetensors_dtype(self) -> str:

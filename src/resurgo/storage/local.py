@@ -113,13 +113,21 @@ class ReadHandle:
         self.size = st.st_size
 
     def read_into(self, offset: int, buf: memoryview) -> None:
-        view = memoryview(buf).cast("B")
-        while len(view):
-            n = os.preadv(self.fd, [view], offset)
+        self.read_into_many(offset, [buf])
+
+    def read_into_many(self, offset: int, bufs: list[memoryview]) -> None:
+        """Fill ``bufs`` in order from the contiguous file range starting at ``offset`` (preadv)."""
+        views = [memoryview(b).cast("B") for b in bufs if len(b)]
+        while views:
+            n = os.preadv(self.fd, views, offset)
             if n == 0:
                 raise CorruptCheckpointError(f"data file {self.rel!r}: ends at byte {offset}, before the data the manifest lists")
-            view = view[n:]
             offset += n
+            while views and n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            if n:
+                views[0] = views[0][n:]
 
     def read_at(self, offset: int, n: int) -> bytes:
         """Up to ``n`` bytes at ``offset`` (fewer at the end of the file)."""
