@@ -960,7 +960,7 @@ def _tree_items(doc: dict) -> list:
 
 def _tree_value(doc: dict, name: str) -> list:
     for pair in _tree_items(doc):
-        if pair[0] == {"type": "str", "value": name}:
+        if pair[0] in (name, {"type": "str", "value": name}):
             return pair
     raise KeyError(name)
 
@@ -1018,7 +1018,7 @@ def test_bad_dict_keys(bench: Bench):
         def edit(d):
             _tree_value(d, "scalars")[1]["items"][0][0] = key
         return edit
-    for key in ({"type": "list", "items": []}, {"type": "tensor", "key": "arr"}, {"type": "nope"}, "i",
+    for key in ({"type": "list", "items": []}, {"type": "tensor", "key": "arr"}, {"type": "nope"}, 5, None, ["i"],
                 {"type": "str", "value": "i", "extra": 1}, {"type": "float", "bits": "nan"},
                 {"type": "pickle", "class": "x", "base64": "gARLAS4="}):  # keys are plain scalars, never pickles
         expect(bench, edited(bench, edit_key(key)), ManifestError, "key")

@@ -112,7 +112,7 @@ def _build_manifest(tree: dict, leaves: dict, written: list[WrittenFile], pickle
             assert isinstance(place, ChunkBox)
             chunks[c.item.key].append(ChunkEntry(
                 box={"offsets": list(place.offsets), "shape": list(place.shape)},
-                file=c.file, name=c.item.name, byte_range=c.byte_range,
+                file=c.file, name=None if c.item.name == c.item.key else c.item.name, byte_range=c.byte_range,
                 block_bytes=c.block_bytes, checksums=c.checksums,
             ))
     tensors = {key: TensorEntry(kind=leaf.kind, dtype=leaf.dtype, shape=list(leaf.shape), chunks=chunks[key])

@@ -143,6 +143,8 @@ def render_scalar(node: dict) -> str:
 
 
 def _key_component(knode: Any) -> Any:
+    if isinstance(knode, str):
+        return knode
     if isinstance(knode, dict) and knode.get("type") in values.SCALAR_TYPES and knode.get("type") != "pickle":
         try:
             return values.decode_scalar(knode, "", allow_pickle=False)

@@ -53,7 +53,7 @@ class ChunkEntry(_Strict):
     box: Optional[BoxPlace] = None
     flat: Optional[FlatPlace] = None
     file: str
-    name: str  # the tensor name inside the safetensors data file
+    name: Optional[str] = None  # the chunk's tensor name in the data file; omitted: the tensor's key
     byte_range: tuple[int, int]  # absolute [start, stop) in the file
     block_bytes: int
     checksums: list[str]
@@ -68,6 +68,9 @@ class ChunkEntry(_Strict):
     @property
     def nbytes(self) -> int:
         return self.byte_range[1] - self.byte_range[0]
+
+    def name_in_file(self, key: str) -> str:
+        return key if self.name is None else self.name
 
 
 class TensorEntry(_Strict):

@@ -20,7 +20,7 @@ from resurgo.format import values
 MAX_TREE_DEPTH = 64
 
 CONTAINERS = ("dict", "ordered_dict", "list", "tuple")
-KEY_TYPES = ("none", "bool", "int", "float", "complex", "str", "bytes", "numpy_scalar", "torch_dtype", "torch_device")
+KEY_TYPES = values.KEY_TYPES
 FIELDS: dict[str, frozenset[str]] = {
     "none": frozenset(),
     "bool": frozenset({"value"}),
@@ -64,11 +64,12 @@ def validate_tree(tree: Any, tensor_kinds: Mapping[str, str], pickled: bool, sou
         if t in ("dict", "ordered_dict"):
             items = _list(node, where)
             for i, pair in enumerate(items):
-                if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], dict)
-                        and pair[0].get("type") in KEY_TYPES):
-                    raise ManifestError(f"{where}: item {i} must be a [key, value] pair with a plain scalar key")
-                _check_fields(pair[0], f"{where} key {i}")
-                _scalar(pair[0], f"{where} key {i}")
+                if not (isinstance(pair, list) and len(pair) == 2 and (isinstance(pair[0], str) or (
+                        isinstance(pair[0], dict) and pair[0].get("type") in KEY_TYPES))):
+                    raise ManifestError(f"{where}: item {i} must be a [key, value] pair with a string or plain scalar key")
+                if isinstance(pair[0], dict):
+                    _check_fields(pair[0], f"{where} key {i}")
+                    _scalar(pair[0], f"{where} key {i}")
                 stack.append((pair[1], depth + 1, f"{at}/{i}"))
         elif t in ("list", "tuple"):
             stack.extend((v, depth + 1, f"{at}/{i}") for i, v in enumerate(_list(node, where)))

@@ -22,6 +22,7 @@ from resurgo.format import dtypes
 
 MAX_INT_BITS = 8192
 
+KEY_TYPES = ("none", "bool", "int", "float", "complex", "str", "bytes", "numpy_scalar", "torch_dtype", "torch_device")
 SCALAR_TYPES = ("none", "bool", "int", "float", "complex", "str", "bytes", "numpy_scalar",
                 "torch_dtype", "torch_device", "pickle")
 
@@ -67,6 +68,25 @@ def encode_scalar(value: Any) -> dict | None:
     if isinstance(value, torch.device):
         return {"type": "torch_device", "value": str(value)}
     return None
+
+
+def encode_key(key: Any) -> str | dict | None:
+    """A dict key in the tree: a str key is a plain JSON string, any other scalar a tagged node.
+
+    (Most keys are strings; writing them bare keeps the manifest small.) None if not plain.
+    """
+    if type(key) is str:
+        return key
+    node = encode_scalar(key)
+    return node if node is not None and node["type"] in KEY_TYPES else None
+
+
+def decode_key(node: Any, where: str) -> Any:
+    if isinstance(node, str):
+        return node
+    if not isinstance(node, dict) or node.get("type") not in KEY_TYPES:
+        raise ManifestError(f"{where}: a dict key must be a string or a tagged scalar node")
+    return decode_scalar(node, where, allow_pickle=False)
 
 
 def encode_pickle(value: Any, where: str) -> dict:

@@ -102,9 +102,9 @@ def _check_header(handle, name: str, manifest: Manifest, chunks: list[tuple[str,
     problems = []
     for key, ci in chunks:
         c = manifest.tensors[key].chunks[ci]
-        entry = header.entries.get(c.name)
+        entry = header.entries.get(c.name_in_file(key))
         if entry is None:
-            problems.append(f"{name}: safetensors header lacks tensor {c.name!r} (key {key!r})")
+            problems.append(f"{name}: safetensors header lacks tensor {c.name_in_file(key)!r} (key {key!r})")
         elif (header.data_start + entry[0], header.data_start + entry[1]) != tuple(c.byte_range):
-            problems.append(f"{name}: safetensors header places {c.name!r} at other bytes than the manifest")
+            problems.append(f"{name}: safetensors header places {c.name_in_file(key)!r} at other bytes than the manifest")
     return problems

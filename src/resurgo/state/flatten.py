@@ -91,8 +91,8 @@ class Flattener:
             if isinstance(obj, Mapping) and type(obj) in (dict, OrderedDict):
                 items = []
                 for k, v in obj.items():
-                    knode = values.encode_scalar(k)
-                    if knode is None or knode["type"] == "pickle":
+                    knode = values.encode_key(k)
+                    if knode is None:
                         raise UnsupportedValueError(f"{where}: dict key {k!r} of type {type(k).__name__} is not plain data")
                     items.append([knode, self._node(v, path + (k,), depth + 1)])
                 return {"type": "dict" if type(obj) is dict else "ordered_dict", "items": items}

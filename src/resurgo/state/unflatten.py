@@ -101,9 +101,9 @@ class Restorer:
             target = None
         pairs = []
         for item in self._items(node, path):
-            if not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], dict):
+            if not isinstance(item, list) or len(item) != 2:
                 raise ManifestError(f"{where}: dict items must be [key, value] pairs")
-            key = values.decode_scalar(item[0], where, allow_pickle=False)
+            key = values.decode_key(item[0], where)
             try:
                 hash(key)
             except TypeError:
