@@ -194,3 +194,22 @@ def test_huge_ints_are_refused_or_pickled(tmp_path):
     resurgo.save({"huge": 10**5000, "fine": 2**8000}, tmp_path / "c", allow_pickle=True)
     out = resurgo.load_dict(tmp_path / "c", allow_pickle=True)
     assert out == {"huge": 10**5000, "fine": 2**8000}
+
+
+def test_metadata_must_be_plain_shallow_json(tmp_path):
+    deep: list = []
+    for _ in range(100):
+        deep = [deep]
+    for bad in ({"t": torch.ones(1)}, {"f": float("nan")}, {1: "int key"}, {"deep": deep}):
+        with pytest.raises(UnsupportedValueError, match="metadata"):
+            resurgo.save({}, tmp_path / "c", metadata=bad)
+    assert not (tmp_path / "c").exists()
+
+
+def test_manifest_symlink_out_of_the_checkpoint_is_refused(tmp_path):
+    path = saved(tmp_path)
+    outside = tmp_path / "elsewhere.json"
+    (path / "manifest.json").rename(outside)
+    (path / "manifest.json").symlink_to(outside)
+    with pytest.raises(resurgo.CorruptCheckpointError, match="leaves the checkpoint"):
+        resurgo.load_dict(path)

@@ -31,6 +31,7 @@ from resurgo.state.unflatten import Restorer
 from resurgo.storage.local import CheckpointDir
 
 DEFAULT_IO_THREADS = 4
+MAX_METADATA_DEPTH = 64
 __version__ = "0.1.0"
 
 
@@ -97,6 +98,13 @@ def _check_metadata(metadata: dict | None, step: int | None) -> None:
         return
     if not isinstance(metadata, dict) or not all(isinstance(k, str) for k in metadata):
         raise UnsupportedValueError("metadata must be a dict with str keys")
+    stack = [(metadata, 1)]
+    while stack:  # JSON readers refuse deep nesting; the manifest must stay readable
+        value, depth = stack.pop()
+        if depth > MAX_METADATA_DEPTH:
+            raise UnsupportedValueError(f"metadata is nested deeper than {MAX_METADATA_DEPTH} levels")
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+        stack.extend((v, depth + 1) for v in children)
     try:
         json.dumps(metadata, allow_nan=False)
     except (TypeError, ValueError) as e:

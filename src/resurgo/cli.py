@@ -32,13 +32,13 @@ from rich.table import Table
 from resurgo.errors import CheckpointNotFoundError, NotACheckpointError, ResurgoError
 from resurgo.format import values
 from resurgo.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
+from resurgo.format.tree import MAX_TREE_DEPTH
 from resurgo.pipeline.verify import VerifyReport, verify_checkpoint
 from resurgo.state.flatten import path_key
 from resurgo.storage.local import CheckpointDir, is_temporary
 
 PROGRESS_THRESHOLD_BYTES = 64 << 20  # verify shows a progress bar above this much tensor data
 MAX_VALUE_CHARS = 72  # non-tensor values are clipped to this many characters
-MAX_TREE_DEPTH = 256
 
 app = typer.Typer(
     name="resurgo",

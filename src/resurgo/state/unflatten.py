@@ -20,10 +20,10 @@ import torch
 from resurgo.errors import DTypeMismatchError, ManifestError, ShapeMismatchError, TypeMismatchError
 from resurgo.format import dtypes, values
 from resurgo.format.manifest import Manifest, TensorEntry
+from resurgo.format.tree import MAX_TREE_DEPTH
 from resurgo.state.flatten import Array, path_key
 from resurgo.state.stateful import is_stateful
 
-MAX_TREE_DEPTH = 512
 
 
 @dataclass

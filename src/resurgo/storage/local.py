@@ -157,7 +157,7 @@ class CheckpointDir:
                 f"{self.path}: a temporary directory of a save that did not finish; it is not a checkpoint")
         if not self.path.is_dir():
             raise NotACheckpointError(f"{self.path}: is a file, a checkpoint is a directory with {MANIFEST_NAME}")
-        mpath = self.path / MANIFEST_NAME
+        mpath = self.resolve(MANIFEST_NAME)  # a symlink may not lead out of the checkpoint
         if not mpath.is_file():
             if (self.path / "data").is_dir():
                 raise IncompleteCheckpointError(
