@@ -26,7 +26,9 @@ Where the RNG is drawn inside a DataLoader (torch 2.x), which is why the order a
 Limits: a sampler that draws from the global RNG lazily during the epoch, an IterableDataset
 whose stream is not a function of the epoch-start RNG, and random augmentation inside persistent
 workers (their RNG lives in the worker processes) are not reproduced exactly.
-``torchdata``'s ``StatefulDataLoader`` has its own ``state_dict``; it is used as is.
+``torchdata``'s ``StatefulDataLoader`` has its own ``state_dict``; it keeps it, and only its first
+``iter()`` after a load is guarded so that the base seed it redraws (then overwrites with the saved
+one) does not shift the restored RNG streams.
 """
 
 from __future__ import annotations
