@@ -30,6 +30,8 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
+from kill_resume_worker import parse_losses  # the worker beside this file prints the losses
+
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "kill_resume_worker.py"
 console = Console(highlight=False)
@@ -43,15 +45,6 @@ def worker_env() -> dict:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     return env
-
-
-def parse_losses(lines: list[str]) -> dict[int, float]:
-    out = {}
-    for line in lines:
-        parts = line.split()
-        if len(parts) == 3 and parts[0] == "LOSS":
-            out[int(parts[1])] = float.fromhex(parts[2])
-    return out
 
 
 def human(n: float) -> str:

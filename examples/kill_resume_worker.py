@@ -137,6 +137,16 @@ def write_result(path: Path, ts: TrainState, losses: list[float], start_step: in
     }, path)
 
 
+def parse_losses(lines: list[str]) -> dict[int, float]:
+    """The per-step losses from a worker's output lines ("LOSS <step> <float.hex()>")."""
+    out = {}
+    for line in lines:
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == "LOSS":
+            out[int(parts[1])] = float.fromhex(parts[2])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=["reference", "train", "resume"])

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from kill_resume_worker import parse_losses  # noqa: E402  (the worker prints the LOSS lines)
+
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "train_resume.py"
 STEPS = 40  # 256 samples / batch 16 = 16 steps per epoch: the kill lands in the second epoch
 SAVE_EVERY = 3
@@ -31,15 +34,6 @@ def _env() -> dict:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     return env
-
-
-def _losses_from(lines: list[str]) -> dict[int, float]:
-    out = {}
-    for line in lines:
-        parts = line.split()
-        if len(parts) == 3 and parts[0] == "LOSS":
-            out[int(parts[1])] = float.fromhex(parts[2])
-    return out
 
 
 def test_sigkill_then_resume_is_bitwise_identical(tmp_path: Path) -> None:
@@ -90,7 +84,7 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path: Path) -> None:
     assert start >= KILL_AFTER and start % SAVE_EVERY == 0
     assert f"RESUMED {start} " in run_c.stdout
 
-    b_losses = _losses_from(b_lines)
+    b_losses = parse_losses(b_lines)
     assert all(s in b_losses for s in range(1, start + 1))
     combined = torch.tensor([b_losses[s] for s in range(1, start + 1)], dtype=torch.float64)
     combined = torch.cat([combined, res["losses"]])

@@ -465,18 +465,7 @@ def classify(d: Path) -> Optional[tuple[str, Optional[int], Optional[str], str]]
     except ResurgoError as e:
         step, created = _lenient_manifest_fields(d)
         return "corrupt", step, created, str(e)
-    problems = []
-    for name, entry in manifest.files.items():
-        try:
-            size = ckpt.resolve(name).stat().st_size
-        except ResurgoError as e:
-            problems.append(str(e))
-            continue
-        except OSError:
-            problems.append(f"{name}: missing")
-            continue
-        if size != entry.bytes:
-            problems.append(f"{name}: {size} bytes, the manifest says {entry.bytes}")
+    problems = _file_warnings(d, manifest)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         return "corrupt", manifest.step, manifest.created_at, problems[0] + more
