@@ -233,7 +233,7 @@ def test_ls_json(tree: Path):
     assert by_path["a/step-1"]["bytes"] == sum(f.stat().st_size for f in one.rglob("*") if f.is_file())
     assert by_path["a/step-1"]["created_at"] == resurgo.read_manifest(one).created_at
     assert by_path["a/step-1"]["detail"] == ""
-    assert "bytes, the manifest says" in by_path["a/step-2"]["detail"]
+    assert "bytes on disk, the manifest says" in by_path["a/step-2"]["detail"]
     assert "not valid JSON" in by_path["a/step-3"]["detail"]
     assert "no manifest.json" in by_path["a/step-4"]["detail"]
     assert "format version '99' is not supported" in by_path["a/step-6"]["detail"]
