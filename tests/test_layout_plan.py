@@ -118,7 +118,7 @@ def test_read_plan_covers_every_byte_once_block_aligned(chunks, piece):
     for i, (nbytes, block) in enumerate(chunks):
         entries[f"t{i}"] = TensorEntry(kind="torch", dtype="uint8", shape=[nbytes], chunks=[ChunkEntry(
             box={"offsets": [0], "shape": [nbytes]}, file="data/x.safetensors", name=f"t{i}",
-            byte_range=(pos, pos + nbytes), block_bytes=block, checksums=["0" * 32] * math.ceil(nbytes / block))])
+            byte_range=[pos, pos + nbytes], block_bytes=block, checksums=["0" * 32] * math.ceil(nbytes / block))])
         pos += nbytes
     ops = plan_reads(entries, max_piece_bytes=piece)
     parts = []

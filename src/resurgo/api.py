@@ -19,7 +19,16 @@ import torch
 
 from resurgo.errors import KeyMismatchError, PickleNotAllowedError, UnsupportedValueError
 from resurgo.format import checksum
-from resurgo.format.manifest import MANIFEST_NAME, ChunkEntry, FileEntry, Manifest, TensorEntry, parse_manifest
+from resurgo.format.manifest import (
+    MANIFEST_NAME,
+    MAX_METADATA_DEPTH,
+    ChunkEntry,
+    FileEntry,
+    Manifest,
+    TensorEntry,
+    json_depth_exceeds,
+    parse_manifest,
+)
 from resurgo.layout.box import ChunkBox
 from resurgo.pipeline.buffers import source_bytes
 from resurgo.pipeline.reader import read_destinations
@@ -31,7 +40,6 @@ from resurgo.state.unflatten import Restorer
 from resurgo.storage.local import CheckpointDir
 
 DEFAULT_IO_THREADS = 4
-MAX_METADATA_DEPTH = 64
 __version__ = "0.1.0"
 
 
@@ -98,13 +106,8 @@ def _check_metadata(metadata: dict | None, step: int | None) -> None:
         return
     if not isinstance(metadata, dict) or not all(isinstance(k, str) for k in metadata):
         raise UnsupportedValueError("metadata must be a dict with str keys")
-    stack = [(metadata, 1)]
-    while stack:  # JSON readers refuse deep nesting; the manifest must stay readable
-        value, depth = stack.pop()
-        if depth > MAX_METADATA_DEPTH:
-            raise UnsupportedValueError(f"metadata is nested deeper than {MAX_METADATA_DEPTH} levels")
-        children = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
-        stack.extend((v, depth + 1) for v in children)
+    if json_depth_exceeds(metadata, MAX_METADATA_DEPTH):  # readers refuse it: keep the manifest readable
+        raise UnsupportedValueError(f"metadata is nested deeper than {MAX_METADATA_DEPTH} levels")
     try:
         json.dumps(metadata, allow_nan=False)
     except (TypeError, ValueError) as e:
@@ -120,7 +123,7 @@ def _build_manifest(tree: dict, leaves: dict, written: list[WrittenFile], pickle
             assert isinstance(place, ChunkBox)
             chunks[c.item.key].append(ChunkEntry(
                 box={"offsets": list(place.offsets), "shape": list(place.shape)},
-                file=c.file, name=None if c.item.name == c.item.key else c.item.name, byte_range=c.byte_range,
+                file=c.file, name=None if c.item.name == c.item.key else c.item.name, byte_range=list(c.byte_range),
                 block_bytes=c.block_bytes, checksums=c.checksums,
             ))
     tensors = {key: TensorEntry(kind=leaf.kind, dtype=leaf.dtype, shape=list(leaf.shape), chunks=chunks[key])

@@ -10,10 +10,11 @@ more than the files hold.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import re
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -28,6 +29,7 @@ MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 30
 MAX_NDIM = 64
 MAX_BLOCK_BYTES = 1 << 30
+MAX_METADATA_DEPTH = 64  # nested JSON arrays/objects in 'metadata' (readers' parsers have limits)
 MAX_TENSOR_BYTES = (1 << 62) - 1  # with every dimension counted as at least 1
 DATA_FILE_RE = re.compile(r"^data/[A-Za-z0-9_.-]{1,200}\.safetensors$")
 _HEX128 = re.compile(r"[0-9a-f]{32}")
@@ -54,7 +56,7 @@ class ChunkEntry(_Strict):
     flat: Optional[FlatPlace] = None
     file: str
     name: Optional[str] = None  # the chunk's tensor name in the data file; omitted: the tensor's key
-    byte_range: tuple[int, int]  # absolute [start, stop) in the file
+    byte_range: Annotated[list[int], Field(min_length=2, max_length=2)]  # absolute [start, stop) in the file
     block_bytes: int
     checksums: list[str]
 
@@ -110,6 +112,18 @@ class Manifest(_Strict):
 
 def parse_manifest(raw: bytes, source: str = MANIFEST_NAME) -> Manifest:
     """Parse and fully validate untrusted manifest bytes; raise ManifestError naming ``source``."""
+    # Parsing creates an object per JSON value; with the collector on, a big manifest triggers
+    # collections that scan every live object of the training process (2x the parse time).
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _parse_manifest(raw, source)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _parse_manifest(raw: bytes, source: str) -> Manifest:
     if len(raw) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{source}: manifest is {len(raw)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
     try:
@@ -126,11 +140,25 @@ def parse_manifest(raw: bytes, source: str = MANIFEST_NAME) -> Manifest:
             f"(this resurgo reads version {FORMAT_VERSION})"
         )
     try:
-        manifest = Manifest.model_validate_json(raw)
+        manifest = Manifest.model_validate(doc)
     except (ValidationError, RecursionError, ValueError) as e:
         raise ManifestError(f"{source}: does not match the v1 schema: {str(e)[:800]}") from None
     validate_manifest(manifest, source)
     return manifest
+
+
+def json_depth_exceeds(value: Any, limit: int) -> bool:
+    """True when ``value`` nests lists/tuples/dicts more than ``limit`` deep (iterative: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children)
+    return False
 
 
 def _short(value: object) -> str:
@@ -145,6 +173,8 @@ def validate_manifest(m: Manifest, source: str = MANIFEST_NAME) -> None:
     def fail(msg: str) -> None:
         raise ManifestError(f"{source}: {msg}")
 
+    if json_depth_exceeds(m.metadata, MAX_METADATA_DEPTH):
+        fail(f"'metadata' is nested deeper than {MAX_METADATA_DEPTH} levels")
     for path, entry in m.files.items():
         if not DATA_FILE_RE.fullmatch(path) or ".." in path.split("/"):
             fail(f"data file path {path[:200]!r} is not of the form data/<name>.safetensors")
