@@ -22,6 +22,7 @@ from resurgo.format import checksum
 from resurgo.format.manifest import (
     MANIFEST_NAME,
     MAX_METADATA_DEPTH,
+    BoxPlace,
     ChunkEntry,
     FileEntry,
     Manifest,
@@ -122,7 +123,7 @@ def _build_manifest(tree: dict, leaves: dict, written: list[WrittenFile], pickle
             place = c.item.place
             assert isinstance(place, ChunkBox)
             chunks[c.item.key].append(ChunkEntry(
-                box={"offsets": list(place.offsets), "shape": list(place.shape)},
+                box=BoxPlace(offsets=list(place.offsets), shape=list(place.shape)),
                 file=c.file, name=None if c.item.name == c.item.key else c.item.name, byte_range=list(c.byte_range),
                 block_bytes=c.block_bytes, checksums=c.checksums,
             ))

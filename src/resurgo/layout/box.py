@@ -92,11 +92,13 @@ def covers_exactly_once(places: list[Place], global_shape: tuple[int, ...]) -> b
     if sum(p.numel for p in places) != math.prod(global_shape):
         return False
     nonempty = [p for p in places if p.numel > 0]
-    if all(isinstance(p, FlatRange) for p in nonempty):
-        ranges = sorted(nonempty, key=lambda r: r.start)  # type: ignore[attr-defined]
-        return all(a.stop <= b.start for a, b in zip(ranges, ranges[1:]))  # type: ignore[attr-defined]
-    if all(isinstance(p, ChunkBox) for p in nonempty):
-        return _boxes_disjoint(nonempty)  # type: ignore[arg-type]
+    flats = [p for p in nonempty if isinstance(p, FlatRange)]
+    boxes = [p for p in nonempty if isinstance(p, ChunkBox)]
+    if len(flats) == len(nonempty):
+        ranges = sorted(flats, key=lambda r: r.start)
+        return all(a.stop <= b.start for a, b in zip(ranges, ranges[1:]))
+    if len(boxes) == len(nonempty):
+        return _boxes_disjoint(boxes)
     return False
 
 

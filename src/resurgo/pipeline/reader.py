@@ -61,7 +61,7 @@ def read_destinations(ckpt: CheckpointDir, manifest: Manifest, destinations: lis
         views = []
         for part in op.parts:
             buf = flat[part.key] if part.into == "dest" else chunk_bufs[(part.key, part.chunk)]
-            views.append(memoryview(buf)[part.buffer_offset : part.buffer_offset + part.length])
+            views.append(buf.data[part.buffer_offset : part.buffer_offset + part.length])
         t0 = time.perf_counter()
         handles[op.file].read_into_many(op.file_offset, views)
         t1 = time.perf_counter()

@@ -80,7 +80,7 @@ def _check_chunk(handle, manifest: Manifest, key: str, ci: int, buf: np.ndarray,
     report.chunks_checked += 1
     for off in range(0, stop - start, piece):
         n = min(piece, stop - start - off)
-        view = memoryview(buf)[:n]
+        view = buf.data[:n]
         try:
             handle.read_into(start + off, view)
         except CorruptCheckpointError as e:

@@ -49,7 +49,7 @@ def write_data_file(staging: LocalStaging, plan: FilePlan, sources: dict[str, np
         t_write += time.perf_counter() - t0
         chunks = []
         for item, byte_range in zip(plan.items, ranges):
-            data = memoryview(sources[item.key]).cast("B")
+            data = sources[item.key].data.cast("B")
             assert len(data) == item.nbytes, (item.key, len(data), item.nbytes)
             block_bytes = item.block_bytes
             step = max(block_bytes, SLICE_BYTES // block_bytes * block_bytes)

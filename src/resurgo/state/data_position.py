@@ -34,7 +34,7 @@ one) does not shift the restored RNG streams.
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader
@@ -219,14 +219,18 @@ class _TrackedIterator:
         return getattr(self._it, name)
 
 
-class _TrackedDataLoaderMixin:
+# For type checkers the mixin is a DataLoader (at run time its methods are copied into one).
+_MixinBase = DataLoader if TYPE_CHECKING else object
+
+
+class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
     """Methods of a tracked DataLoader's class. Its state lives in ``_resurgo_position``.
 
     Not used as a base: its functions are copied into ``type(name, (cls,), ...)``, because a
     second base would change the instance layout and forbid the ``__class__`` assignment.
     """
 
-    _resurgo_base_class: type
+    _resurgo_base_class: type[DataLoader]
 
     # -- iteration ---------------------------------------------------------------------------
     def __iter__(self):  # type: ignore[no-untyped-def]
@@ -321,7 +325,7 @@ class _TrackedDataLoaderMixin:
         if missing:
             raise TypeMismatchError(f"dataloader: state has no {', '.join(missing)}; not a DataLoader position")
         epoch_rng = sd["epoch_rng"]
-        rng = {
+        rng: dict[str, Any] = {
             "torch": _as_uint8(epoch_rng["torch"], "epoch_rng.torch").clone(),
             "generators": {k: _as_uint8(v, f"epoch_rng.generators.{k}").clone()
                            for k, v in (epoch_rng.get("generators") or {}).items()},
@@ -405,7 +409,7 @@ def _guarded_iter(self: Any) -> Any:
         return self._resurgo_base_class.__iter__(self)
     finally:
         torch.set_rng_state(cpu)
-        if gen_state is not None:
+        if gen is not None and gen_state is not None:
             gen.set_state(gen_state)
 
 
