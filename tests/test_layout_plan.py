@@ -175,3 +175,11 @@ def test_default_block_size(nbytes):
     assert checksum.block_count(nbytes, b) <= 64 or b == 1 << 20
     if b > 1 << 16:
         assert checksum.block_count(nbytes, b) > 32
+
+
+def test_boxes_of_different_rank_do_not_intersect():
+    import pytest
+
+    with pytest.raises(ValueError, match="rank"):
+        ChunkBox((), ()).intersect(ChunkBox((1,), (3,)))
+    assert ChunkBox((), ()).intersect(ChunkBox((), ())) == ChunkBox((), ())

@@ -35,6 +35,8 @@ class ChunkBox:
 
     def intersect(self, other: "ChunkBox") -> "ChunkBox | None":
         """The common box, or None when they share no element (empty boxes share nothing)."""
+        if len(self.offsets) != len(other.offsets):
+            raise ValueError(f"boxes of rank {len(self.offsets)} and {len(other.offsets)} cannot intersect")
         offsets, shape = [], []
         for a_o, a_s, b_o, b_s in zip(self.offsets, self.shape, other.offsets, other.shape):
             lo, hi = max(a_o, b_o), min(a_o + a_s, b_o + b_s)
@@ -42,8 +44,6 @@ class ChunkBox:
                 return None
             offsets.append(lo)
             shape.append(hi - lo)
-        if not self.offsets and (self.numel == 0 or other.numel == 0):
-            return None
         return ChunkBox(tuple(offsets), tuple(shape))
 
     def relative_to(self, outer: "ChunkBox") -> "ChunkBox":
