@@ -13,21 +13,24 @@ from resurgo.errors import (
     IncompleteCheckpointError,
     KeyMismatchError,
     ManifestError,
+    MemoryBudgetError,
     NotACheckpointError,
     PickleNotAllowedError,
     ResurgoError,
+    SaveInFlightError,
     ShapeMismatchError,
     StorageError,
     TypeMismatchError,
     UnsupportedValueError,
 )
+from resurgo.pipeline.async_save import AsyncSaveHandle, async_save
 from resurgo.reports import LoadReport, SaveReport
 from resurgo.state.train_state import TrainState
 
 __all__ = [
-    "__version__", "save", "load", "load_dict", "read_manifest", "TrainState", "SaveReport", "LoadReport",
+    "__version__", "save", "async_save", "AsyncSaveHandle", "load", "load_dict", "read_manifest", "TrainState", "SaveReport", "LoadReport",
     "ResurgoError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "DTypeMismatchError", "IncompleteCheckpointError", "KeyMismatchError", "ManifestError",
     "NotACheckpointError", "PickleNotAllowedError", "ShapeMismatchError", "StorageError",
-    "TypeMismatchError", "UnsupportedValueError",
+    "TypeMismatchError", "UnsupportedValueError", "MemoryBudgetError", "SaveInFlightError",
 ]

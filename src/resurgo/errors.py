@@ -68,5 +68,13 @@ class PickleNotAllowedError(ResurgoError):
     """The checkpoint holds pickled values and ``allow_pickle=True`` was not given."""
 
 
+class SaveInFlightError(ResurgoError):
+    """A new save was asked for while an asynchronous save runs, with ``if_busy="raise"``."""
+
+
+class MemoryBudgetError(ResurgoError, MemoryError):
+    """An asynchronous snapshot would need more staging memory than ``memory_budget`` allows."""
+
+
 class StorageError(ResurgoError, OSError):
     """The storage backend failed (disk full, permission denied, I/O error)."""

@@ -8,6 +8,7 @@ fsyncs its own file, so fsyncs overlap the other files' writes.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,7 +40,7 @@ class WrittenFile:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-def write_data_file(staging: LocalStaging, plan: FilePlan, sources: dict[str, np.ndarray]) -> WrittenFile:
+def write_data_file(staging: LocalStaging, plan: FilePlan, sources: Mapping[str, np.ndarray]) -> WrittenFile:
     t_write = t_hash = 0.0
     header, ranges = build_header(plan.items)
     handle = staging.create(plan.path)

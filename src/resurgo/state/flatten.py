@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 import numpy as np
 import torch
@@ -29,7 +29,7 @@ class TensorLeaf:
 
     key: str
     value: Array
-    kind: str  # "torch" | "numpy"
+    kind: Literal["torch", "numpy"]
     dtype: str
     shape: tuple[int, ...]
 

@@ -1,0 +1,201 @@
+"""Asynchronous save: the call takes a snapshot; writing, hashing, fsync and commit run behind.
+
+``async_save`` flattens the state (plain values are encoded at once), copies every tensor into
+reusable staging buffers (see :mod:`resurgo.pipeline.staging`) and returns an
+:class:`AsyncSaveHandle`; a background thread writes the data files from those buffers and
+commits. The checkpoint holds the values of the moment of the call, whatever training does after.
+
+With ``guard=optimizer`` the parameters and optimizer state are not copied during the call: a
+background thread copies them while the next forward and backward run (which do not modify them),
+and a pre-hook on ``optimizer.step()`` waits for that copy. Everything else (buffers that forward
+mutates, such as BatchNorm statistics) is copied during the call.
+
+Background writing uses threads: ``os.write``, ``fsync``, tensor copies and large xxhash calls all
+release the GIL, and a thread shares the staging buffers with no copy or serialization, which a
+helper process would need (see the closing note of issue 4 for measurements).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from resurgo.errors import MemoryBudgetError
+from resurgo.pipeline import inflight
+from resurgo.pipeline.save import LazySources, PreparedSave, prepare_save, write_and_commit
+from resurgo.pipeline.staging import StagingPool
+from resurgo.reports import SaveReport
+
+_pool = StagingPool()  # one per process: at most one async save is in flight, so reuse is safe
+
+
+class AsyncSaveHandle:
+    """A save in progress. ``wait()`` returns its SaveReport or raises its error."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.stall_seconds = 0.0  # how long the async_save call blocked the caller
+        self._staged = threading.Event()
+        self._done = threading.Event()
+        self._report: SaveReport | None = None
+        self._error: BaseException | None = None
+        self._error_seen = False
+        self._thread: threading.Thread | None = None
+
+    def staged(self) -> bool:
+        """True once every tensor is copied out: training may then change anything."""
+        return self._staged.is_set()
+
+    def done(self) -> bool:
+        """True once the save has committed or failed."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> SaveReport:
+        """Block until the checkpoint is committed; return its report or raise its error."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"asynchronous save to {self.path} still running after {timeout} s")
+        if self._error is not None:
+            self._error_seen = True
+            raise self._error
+        assert self._report is not None
+        return self._report
+
+    def wait_staged(self) -> None:
+        self._staged.wait()
+
+    def _settle(self) -> None:
+        self._done.wait()
+        if self._thread is not None:
+            self._thread.join()  # fully ended: nothing of it may still run at interpreter exit
+        if self._error is not None and not self._error_seen:
+            self._error_seen = True
+            raise self._error
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error else "committed" if self.done() else "staged" if self.staged() else "staging"
+        return f"AsyncSaveHandle({self.path!r}, {state})"
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return (t.device, t.data_ptr(), tuple(t.shape), t.dtype)
+
+
+def _guarded_storages(guard: Any) -> set[tuple]:
+    """Where the tensors only ``guard.step()`` modifies live: parameters and optimizer state.
+
+    Matched by storage, not identity: ``state_dict()`` returns detached aliases of parameters.
+    """
+    tensors = [p for group in guard.param_groups for p in group["params"]]
+    tensors += [v for per_param in guard.state.values() for v in per_param.values() if isinstance(v, torch.Tensor)]
+    return {_storage_key(t) for t in tensors}
+
+
+def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: bool = False,
+               step: int | None = None, metadata: dict | None = None, io_threads: int = 4,
+               block_bytes: int | None = None, guard: Any = None, if_busy: str = "wait",
+               memory_budget: int | None = None, fallback: str = "raise") -> AsyncSaveHandle:
+    """Snapshot ``state`` and save it in the background; returns an :class:`AsyncSaveHandle`.
+
+    ``if_busy``: "wait" (default) for a save still in flight, or "raise" SaveInFlightError.
+    ``guard``: an optimizer whose parameters and state may be copied after the call returns
+    (the next ``guard.step()`` waits for the copy). ``memory_budget``: the most staging bytes
+    allowed; a larger snapshot raises MemoryBudgetError, or with ``fallback="sync"`` is saved
+    synchronously (streaming from the tensors, no snapshot copy) before the call returns.
+    """
+    t_start = time.perf_counter()
+    if fallback not in ("raise", "sync"):
+        raise ValueError(f"fallback must be 'raise' or 'sync', not {fallback!r}")
+    inflight.settle(if_busy)
+    prep = prepare_save(state, path, overwrite=overwrite, allow_pickle=allow_pickle, step=step,
+                        metadata=metadata, io_threads=io_threads, block_bytes=block_bytes)
+    handle = AsyncSaveHandle(str(path))
+    if memory_budget is not None and prep.tensor_bytes > memory_budget:
+        if fallback == "raise":
+            prep.staging.abort()
+            raise MemoryBudgetError(
+                f"{path}: the snapshot needs {prep.tensor_bytes} bytes of staging memory, the budget is "
+                f"{memory_budget}; raise memory_budget, or pass fallback='sync' to save synchronously"
+            )
+        return _finish_synchronously(handle, prep, t_start)
+    try:
+        eager, deferred = _split(prep, guard)
+        t0 = time.perf_counter()
+        _pool.retain_only(prep.leaves)
+        sources: dict[str, np.ndarray] = {key: _pool.copy_in(prep.leaves[key]) for key in eager}
+        prep.seconds["stage"] = time.perf_counter() - t0
+    except BaseException:
+        prep.staging.abort()
+        raise
+    if deferred:
+        hook = guard.register_step_pre_hook(lambda *_: handle.wait_staged())
+    else:
+        hook = None
+        handle._staged.set()
+
+    def run() -> None:
+        try:
+            if deferred:
+                t1 = time.perf_counter()
+                try:
+                    for key in deferred:
+                        sources[key] = _pool.copy_in(prep.leaves[key])
+                finally:
+                    prep.seconds["stage_background"] = time.perf_counter() - t1
+                    handle._staged.set()  # even on failure: never leave the optimizer waiting
+            _pool.synchronize()
+            report = write_and_commit(prep, sources)
+            report.seconds["stall"] = handle.stall_seconds
+            report.seconds["total"] = time.perf_counter() - t_start
+            handle._report = report
+        except BaseException as e:  # reported by wait(), the next save, or at exit
+            prep.staging.abort()
+            handle._error = e
+        finally:
+            if hook is not None:
+                hook.remove()
+            handle._done.set()
+
+    # Not a daemon: the interpreter joins it before exiting, so an in-flight save always commits.
+    thread = threading.Thread(target=run, name="resurgo-async-save", daemon=False)
+    handle._thread = thread
+    inflight.register(handle)
+    thread.start()
+    handle.stall_seconds = time.perf_counter() - t_start
+    return handle
+
+
+def _split(prep: PreparedSave, guard: Any) -> tuple[list[str], list[str]]:
+    """(keys copied during the call, keys the background copies before ``guard.step()``)."""
+    if guard is None:
+        return list(prep.leaves), []
+    if not callable(getattr(guard, "register_step_pre_hook", None)):
+        raise TypeError("guard must be a torch.optim.Optimizer (it needs register_step_pre_hook)")
+    guarded = _guarded_storages(guard)
+    eager, deferred = [], []
+    for key, leaf in prep.leaves.items():
+        v = leaf.value
+        if isinstance(v, torch.Tensor) and _storage_key(v) in guarded:
+            deferred.append(key)
+        else:
+            eager.append(key)
+    return eager, deferred
+
+
+def _finish_synchronously(handle: AsyncSaveHandle, prep: PreparedSave, t_start: float) -> AsyncSaveHandle:
+    try:
+        report = write_and_commit(prep, LazySources(prep.leaves))
+        report.seconds["stall"] = report.seconds["total"] = time.perf_counter() - t_start
+        handle._report = report
+    except BaseException as e:
+        handle._error = e
+        handle._error_seen = True
+        raise
+    finally:
+        handle._staged.set()
+        handle._done.set()
+        handle.stall_seconds = time.perf_counter() - t_start
+    return handle

@@ -1,0 +1,83 @@
+"""Staging buffers: where an asynchronous save snapshots the tensors before writing them.
+
+One buffer per tensor key, allocated once and reused by every later save of a tensor of the same
+size, so steady-state checkpointing allocates nothing and memory stays at the state's size. On a
+machine with CUDA the buffers are page-locked and device tensors are copied on a side stream; the
+training stream waits for that copy before it runs anything else, so the snapshot is exact while
+the Python call returns at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from resurgo.pipeline.buffers import as_copyable, typed_view
+from resurgo.state.flatten import TensorLeaf
+
+
+class StagingPool:
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self._stream: torch.cuda.Stream | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self._buffers.values())
+
+    def _buffer(self, key: str, nbytes: int, pinned: bool) -> torch.Tensor:
+        with self._lock:
+            buf = self._buffers.get(key)
+            if buf is None or buf.numel() != nbytes or (pinned and not buf.is_pinned()):
+                buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+                self._buffers[key] = buf
+            return buf
+
+    def retain_only(self, keys: Iterable[str]) -> None:
+        """Free the buffers of tensors the state no longer has."""
+        keep = set(keys)
+        with self._lock:
+            for key in [k for k in self._buffers if k not in keep]:
+                del self._buffers[key]
+
+    def copy_in(self, leaf: TensorLeaf) -> np.ndarray:
+        """Copy one tensor's bytes into its staging buffer; return the buffer as flat uint8."""
+        value = leaf.value
+        if isinstance(value, np.ndarray):
+            buf = self._buffer(leaf.key, leaf.nbytes, pinned=False)
+            flat = buf.numpy()
+            np.copyto(flat.view(value.dtype).reshape(value.shape), value)
+            return flat
+        src = value.detach()
+        on_cuda = src.device.type == "cuda"
+        buf = self._buffer(leaf.key, leaf.nbytes, pinned=on_cuda)
+        dst = typed_view(buf.numpy(), src.dtype, tuple(src.shape))
+        if src.is_conj() or src.is_neg():
+            src = src.resolve_conj().resolve_neg()
+        if on_cuda:
+            self._copy_from_cuda(dst, src)
+        else:
+            as_copyable(dst).copy_(as_copyable(src))
+        return buf.numpy()
+
+    def _copy_from_cuda(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        # Side stream: the copy overlaps whatever the host does next; the training stream then
+        # waits on it, so kernels queued after this call cannot change the tensor before it is read.
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=src.device)
+        side = self._stream
+        main = torch.cuda.current_stream(src.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            as_copyable(dst).copy_(as_copyable(src), non_blocking=True)
+            src.record_stream(side)
+        main.wait_stream(side)
+
+    def synchronize(self) -> None:
+        """Wait until every copy issued so far has landed in host memory."""
+        if self._stream is not None:
+            self._stream.synchronize()
