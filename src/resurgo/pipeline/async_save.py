@@ -58,6 +58,8 @@ class AsyncSaveHandle:
         """Block until the checkpoint is committed; return its report or raise its error."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"asynchronous save to {self.path} still running after {timeout} s")
+        if self._thread is not None:
+            self._thread.join()  # it has only its clean-up left; the next save then starts at once
         if self._error is not None:
             self._error_seen = True
             raise self._error
