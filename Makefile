@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow bench install clean
+.PHONY: demo test test-slow bench bench-async install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,9 @@ test-slow: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_save_load.py
+
+bench-async: $(STAMP)
+	$(BIN)/python benchmarks/bench_async.py
 
 clean:
 	rm -rf $(VENV)
