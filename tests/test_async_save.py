@@ -245,3 +245,36 @@ def test_errors_in_the_call_raise_at_once(tmp_path):
     with pytest.raises(resurgo.UnsupportedValueError):
         resurgo.async_save({"a": object()}, tmp_path / "bad")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exists"]
+
+
+def test_guard_hook_is_never_removed_while_step_runs_hooks(tmp_path):
+    """A slow user hook before ours: the save commits while step() iterates its hooks."""
+    import time
+
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    slow = {"on": False}
+    opt.register_step_pre_hook(lambda *_: time.sleep(0.5) if slow["on"] else None)
+    h = resurgo.async_save({"model": model, "optimizer": opt}, tmp_path / "c", guard=opt)
+    slow["on"] = True
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()  # raised "OrderedDict mutated during iteration" when the writer removed the hook
+    h.wait()
+    assert len(opt._optimizer_step_pre_hooks) == 1  # ours is gone, the user's stays
+    opt.step()
+
+
+def test_background_writer_runs_at_lower_priority(tmp_path, monkeypatch):
+    import os
+
+    seen = []
+    real = async_mod._lower_priority
+
+    def spy():
+        real()
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    monkeypatch.setattr(async_mod, "_lower_priority", spy)
+    resurgo.async_save({"a": torch.ones(3)}, tmp_path / "c").wait()
+    assert seen and seen[0] >= 10
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 10  # the caller is untouched

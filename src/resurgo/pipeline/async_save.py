@@ -17,6 +17,7 @@ helper process would need (see the closing note of issue 4 for measurements).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -45,6 +46,14 @@ class AsyncSaveHandle:
         self._error: BaseException | None = None
         self._error_seen = False
         self._thread: threading.Thread | None = None
+        self._hook: Any = None  # the guard's step pre-hook, removed by the caller's thread
+
+    def _remove_hook(self) -> None:
+        # Never from the background thread: removing while step() iterates its hooks raises
+        # "OrderedDict mutated during iteration". Once staged, the hook does nothing anyway.
+        hook, self._hook = self._hook, None
+        if hook is not None:
+            hook.remove()
 
     def staged(self) -> bool:
         """True once every tensor is copied out: training may then change anything."""
@@ -60,6 +69,7 @@ class AsyncSaveHandle:
             raise TimeoutError(f"asynchronous save to {self.path} still running after {timeout} s")
         if self._thread is not None:
             self._thread.join()  # it has only its clean-up left; the next save then starts at once
+        self._remove_hook()
         if self._error is not None:
             self._error_seen = True
             raise self._error
@@ -73,6 +83,7 @@ class AsyncSaveHandle:
         self._done.wait()
         if self._thread is not None:
             self._thread.join()  # fully ended: nothing of it may still run at interpreter exit
+        self._remove_hook()
         if self._error is not None and not self._error_seen:
             self._error_seen = True
             raise self._error
@@ -80,6 +91,17 @@ class AsyncSaveHandle:
     def __repr__(self) -> str:
         state = "failed" if self._error else "committed" if self.done() else "staged" if self.staged() else "staging"
         return f"AsyncSaveHandle({self.path!r}, {state})"
+
+
+def _lower_priority() -> None:
+    """Let training threads win the CPU: the writer thread's hashing and copying yield to them.
+
+    Linux gives each thread its own nice value; elsewhere this does nothing.
+    """
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
@@ -133,12 +155,12 @@ def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: 
         prep.staging.abort()
         raise
     if deferred:
-        hook = guard.register_step_pre_hook(lambda *_: handle.wait_staged())
+        handle._hook = guard.register_step_pre_hook(lambda *_: handle.wait_staged())
     else:
-        hook = None
         handle._staged.set()
 
     def run() -> None:
+        _lower_priority()
         try:
             if deferred:
                 t1 = time.perf_counter()
@@ -157,8 +179,6 @@ def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: 
             prep.staging.abort()
             handle._error = e
         finally:
-            if hook is not None:
-                hook.remove()
             handle._done.set()
 
     # Not a daemon: the interpreter joins it before exiting, so an in-flight save always commits.
