@@ -14,7 +14,6 @@ checkpoints is the baseline for the overhead. See benchmarks/README.md for how t
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import inspect
 import json
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import jsonable  # noqa: E402
 
 SCHEMA = "resurgo-bench-async/1"
 REPO = Path(__file__).resolve().parent.parent
@@ -496,25 +496,6 @@ def availability(name: str) -> str | None:
     except (ImportError, AttributeError) as e:
         return f"not importable: {type(e).__name__}: {e}"
     return None
-
-
-def jsonable(obj, depth: int = 0):
-    """Best-effort JSON form of a report object (dataclass, pydantic model, plain object)."""
-    if depth > 6:
-        return repr(obj)
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, (list, tuple)):
-        return [jsonable(x, depth + 1) for x in obj]
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v, depth + 1) for k, v in obj.items()}
-    if isinstance(obj, Path):
-        return str(obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: jsonable(getattr(obj, f.name), depth + 1) for f in dataclasses.fields(obj)}
-    if hasattr(obj, "__dict__"):
-        return {k: jsonable(v, depth + 1) for k, v in vars(obj).items() if not k.startswith("_")}
-    return repr(obj)
 
 
 # --------------------------------------------------------------------------------------------

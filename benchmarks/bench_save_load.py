@@ -10,7 +10,6 @@ as per-repetition paired ratios. See benchmarks/README.md for how to read the ou
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -23,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from common import GB, KiB, MiB  # noqa: E402
+from common import GB, KiB, MiB, jsonable  # noqa: E402
 
 SCHEMA = "resurgo-bench-save-load/1"
 REPO = Path(__file__).resolve().parent.parent
@@ -214,30 +213,6 @@ REFERENCE = "raw"
 # --------------------------------------------------------------------------------------------
 # running
 # --------------------------------------------------------------------------------------------
-
-
-def jsonable(obj, depth: int = 0):
-    """Best-effort JSON form of a report object (dataclass, pydantic model, plain object)."""
-    if depth > 6:
-        return repr(obj)
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, (list, tuple)):
-        return [jsonable(x, depth + 1) for x in obj]
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v, depth + 1) for k, v in obj.items()}
-    if isinstance(obj, Path):
-        return str(obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: jsonable(getattr(obj, f.name), depth + 1) for f in dataclasses.fields(obj)}
-    if hasattr(obj, "model_dump"):
-        try:
-            return jsonable(obj.model_dump(), depth + 1)
-        except Exception:  # noqa: BLE001
-            pass
-    if hasattr(obj, "__dict__"):
-        return {k: jsonable(v, depth + 1) for k, v in vars(obj).items() if not k.startswith("_")}
-    return repr(obj)
 
 
 def new_record(m: Mechanism) -> dict:

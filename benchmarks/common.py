@@ -8,6 +8,7 @@ to stay outside the timed regions except :func:`fsync_tree`, which is part of ev
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import ctypes.util
 import gc
 import math
@@ -420,3 +421,27 @@ def fmt_bytes(n: float | None) -> str:
         if abs(n) >= div:
             return f"{n / div:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def jsonable(obj, depth: int = 0):
+    """Best-effort JSON form of a report object (dataclass, pydantic model, plain object)."""
+    if depth > 6:
+        return repr(obj)
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(x, depth + 1) for x in obj]
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, Path):
+        return str(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: jsonable(getattr(obj, f.name), depth + 1) for f in dataclasses.fields(obj)}
+    if hasattr(obj, "model_dump"):
+        try:
+            return jsonable(obj.model_dump(), depth + 1)
+        except Exception:  # noqa: BLE001
+            pass
+    if hasattr(obj, "__dict__"):
+        return {k: jsonable(v, depth + 1) for k, v in vars(obj).items() if not k.startswith("_")}
+    return repr(obj)
