@@ -278,3 +278,10 @@ def test_background_writer_runs_at_lower_priority(tmp_path, monkeypatch):
     resurgo.async_save({"a": torch.ones(3)}, tmp_path / "c").wait()
     assert seen and seen[0] >= 10
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 10  # the caller is untouched
+
+
+def test_report_carries_the_stall(tmp_path):
+    h = resurgo.async_save({"a": torch.ones(10)}, tmp_path / "c")
+    report = h.wait()
+    assert report.seconds["stall"] == h.stall_seconds > 0
+    assert report.seconds["total"] >= report.seconds["stall"]

@@ -185,8 +185,8 @@ def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: 
     thread = threading.Thread(target=run, name="resurgo-async-save", daemon=False)
     handle._thread = thread
     inflight.register(handle)
+    handle.stall_seconds = time.perf_counter() - t_start  # before start(): the report reads it
     thread.start()
-    handle.stall_seconds = time.perf_counter() - t_start
     return handle
 
 
