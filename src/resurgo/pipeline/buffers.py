@@ -19,19 +19,61 @@ def as_copyable(t: torch.Tensor) -> torch.Tensor:
     return t.view(alias) if alias is not None and t.dtype != alias else t
 
 
-def source_bytes(value: Array) -> np.ndarray:
-    """A flat uint8 array with the value's bytes in row-major order (copies only when it must:
-    non-CPU, non-contiguous, or lazily conjugated/negated tensors)."""
+def source_for_write(value: Array) -> "np.ndarray | TensorStream":
+    """The tensor's own bytes when they are one flat host buffer (no copy), else a stream."""
     if isinstance(value, np.ndarray):
         return np.ascontiguousarray(value).reshape(-1).view(np.uint8)
     t = value.detach()
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    if t.is_conj() or t.is_neg():
-        t = t.resolve_conj().resolve_neg()
-    if not t.is_contiguous():
-        t = as_copyable(t).contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy()
+    if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+        return t.reshape(-1).view(torch.uint8).numpy()
+    return TensorStream(t)
+
+
+class TensorStream:
+    """A tensor whose bytes are not one flat host buffer (on a device, strided, lazily
+    conjugated): its row-major bytes are copied out a slice at a time into a buffer the writer
+    owns, so writing it never holds a second full copy."""
+
+    def __init__(self, tensor: torch.Tensor):
+        t = tensor.detach()
+        if t.is_conj() or t.is_neg():
+            t = t.resolve_conj().resolve_neg()  # rare: a lazily conjugated view is materialized
+        self.tensor = t
+        self.nbytes = t.numel() * t.element_size()
+
+    def read_into(self, offset: int, out: np.ndarray) -> memoryview:
+        """Copy bytes ``[offset, offset + len(out))`` (item-aligned) into ``out``; return them."""
+        size = self.tensor.element_size()
+        first, count = offset // size, len(out) // size
+        dst = as_copyable(typed_view(out, self.tensor.dtype, (count,)))
+        copy_flat_range(as_copyable(self.tensor), first, first + count, dst)
+        return out.data.cast("B")
+
+
+def copy_flat_range(t: torch.Tensor, start: int, stop: int, out: torch.Tensor) -> None:
+    """Copy elements ``[start, stop)`` of ``t`` in row-major order into the 1-d ``out``, using no
+    memory beyond ``out``: whole rows in one strided copy, partial rows by recursion."""
+    if stop <= start:
+        return
+    if t.is_contiguous() or t.dim() <= 1:
+        out.copy_(t.reshape(-1)[start:stop] if t.is_contiguous() else t[start:stop])
+        return
+    inner = t[0].numel()
+    pos = 0
+    row = start // inner
+    while start < stop:
+        lo, hi = start - row * inner, min(stop - row * inner, inner)
+        if lo == 0 and hi == inner:  # a run of whole rows
+            rows = min((stop - start) // inner, t.shape[0] - row)
+            out[pos : pos + rows * inner].view(rows, *t.shape[1:]).copy_(t[row : row + rows])
+            n = rows * inner
+            row += rows
+        else:
+            n = hi - lo
+            copy_flat_range(t[row], lo, hi, out[pos : pos + n])
+            row += 1
+        pos += n
+        start += n
 
 
 def writable_bytes(dest: Array) -> np.ndarray | None:

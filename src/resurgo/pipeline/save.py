@@ -33,7 +33,7 @@ from resurgo.format.manifest import (
     json_depth_exceeds,
 )
 from resurgo.layout.box import ChunkBox
-from resurgo.pipeline.buffers import source_bytes
+from resurgo.pipeline.buffers import TensorStream, source_for_write
 from resurgo.pipeline.writer import WrittenFile, write_data_file
 from resurgo.plan.save_plan import SavePlan, WriteItem, plan_files
 from resurgo.reports import SaveReport
@@ -98,14 +98,15 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
 
 
 class LazySources(Mapping):
-    """Each tensor's bytes, made when its writer asks: a copy (GPU, non-contiguous) lives only
-    while that tensor is written, so a synchronous save never holds a second copy of the state."""
+    """Each tensor's bytes as its writer asks for them: a host tensor's own memory, or a
+    :class:`TensorStream` copied slice by slice (device, strided), so a synchronous save holds no
+    copy of the state beyond one slice buffer per writer thread."""
 
     def __init__(self, leaves: dict[str, TensorLeaf]):
         self._leaves = leaves
 
-    def __getitem__(self, key: str) -> np.ndarray:
-        return source_bytes(self._leaves[key].value)
+    def __getitem__(self, key: str) -> "np.ndarray | TensorStream":
+        return source_for_write(self._leaves[key].value)
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(self._leaves)

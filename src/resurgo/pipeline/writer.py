@@ -7,6 +7,7 @@ fsyncs its own file, so fsyncs overlap the other files' writes.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ import numpy as np
 
 from resurgo.format import checksum
 from resurgo.format.safetensors_file import build_header
+from resurgo.pipeline.buffers import TensorStream
 from resurgo.plan.save_plan import FilePlan, WriteItem
 from resurgo.storage.local import LocalStaging
 
@@ -40,8 +42,10 @@ class WrittenFile:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-def write_data_file(staging: LocalStaging, plan: FilePlan, sources: Mapping[str, np.ndarray]) -> WrittenFile:
+def write_data_file(staging: LocalStaging, plan: FilePlan,
+                    sources: Mapping[str, "np.ndarray | TensorStream"]) -> WrittenFile:
     t_write = t_hash = 0.0
+    slice_buffer: np.ndarray | None = None  # reused by every streamed tensor of this file
     header, ranges = build_header(plan.items)
     handle = staging.create(plan.path)
     try:
@@ -50,13 +54,21 @@ def write_data_file(staging: LocalStaging, plan: FilePlan, sources: Mapping[str,
         t_write += time.perf_counter() - t0
         chunks = []
         for item, byte_range in zip(plan.items, ranges):
-            data = sources[item.key].data.cast("B")
-            assert len(data) == item.nbytes, (item.key, len(data), item.nbytes)
+            source = sources[item.key]
             block_bytes = item.block_bytes
-            step = max(block_bytes, SLICE_BYTES // block_bytes * block_bytes)
+            # Streamed slices must also hold whole elements.
+            unit = math.lcm(block_bytes, source.tensor.element_size()) if isinstance(source, TensorStream) else block_bytes
+            step = max(unit, SLICE_BYTES // unit * unit)
+            if isinstance(source, TensorStream) and (slice_buffer is None or len(slice_buffer) < step):
+                slice_buffer = np.empty(step, dtype=np.uint8)
             digests: list[str] = []
-            for off in range(0, len(data), step):
-                piece = data[off : off + step]
+            for off in range(0, item.nbytes, step):
+                n = min(step, item.nbytes - off)
+                if isinstance(source, TensorStream):
+                    assert slice_buffer is not None
+                    piece = source.read_into(off, slice_buffer[:n])
+                else:
+                    piece = source.data.cast("B")[off : off + n]
                 t0 = time.perf_counter()
                 digests.extend(checksum.block_digests(piece, block_bytes))
                 t1 = time.perf_counter()
