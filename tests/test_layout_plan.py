@@ -15,18 +15,9 @@ from resurgo.format.safetensors_file import build_header
 from resurgo.layout.box import ChunkBox, FlatRange, covers_exactly_once
 from resurgo.plan.load_plan import plan_reads
 from resurgo.plan.save_plan import WriteItem, plan_files
+from strategies import boxes_in
 
 shapes = st.lists(st.integers(0, 6), min_size=0, max_size=3).map(tuple)
-
-
-@st.composite
-def box_in(draw, shape):
-    offsets, sizes = [], []
-    for d in shape:
-        o = draw(st.integers(0, d))
-        offsets.append(o)
-        sizes.append(draw(st.integers(0, d - o)))
-    return ChunkBox(tuple(offsets), tuple(sizes))
 
 
 def mask(box: ChunkBox, shape) -> np.ndarray:
@@ -38,7 +29,7 @@ def mask(box: ChunkBox, shape) -> np.ndarray:
 @given(st.data())
 def test_box_intersection_matches_brute_force(data):
     shape = data.draw(shapes)
-    a, b = data.draw(box_in(shape)), data.draw(box_in(shape))
+    a, b = data.draw(boxes_in(shape)), data.draw(boxes_in(shape))
     expected = mask(a, shape) & mask(b, shape)
     got = a.intersect(b)
     if got is None:

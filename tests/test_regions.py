@@ -21,18 +21,10 @@ from resurgo.layout.regions import (
     coalesce,
 )
 
+from strategies import boxes_in  # noqa: E402
+
 shapes = st.lists(st.integers(0, 6), min_size=0, max_size=4).map(tuple)
 itemsizes = st.sampled_from([1, 2, 4, 8])
-
-
-@st.composite
-def boxes_in(draw, shape):
-    offsets, sizes = [], []
-    for d in shape:
-        o = draw(st.integers(0, d))
-        offsets.append(o)
-        sizes.append(draw(st.integers(0, d - o)))
-    return ChunkBox(tuple(offsets), tuple(sizes))
 
 
 @st.composite

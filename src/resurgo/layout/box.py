@@ -74,14 +74,6 @@ class FlatRange:
 Place = Union[ChunkBox, FlatRange]
 
 
-def places_overlap(a: Place, b: Place) -> bool:
-    if isinstance(a, ChunkBox) and isinstance(b, ChunkBox):
-        return a.intersect(b) is not None
-    if isinstance(a, FlatRange) and isinstance(b, FlatRange):
-        return a.intersect(b) is not None
-    raise TypeError("a box and a flat range cannot be compared without the global shape")
-
-
 def covers_exactly_once(places: list[Place], global_shape: tuple[int, ...]) -> bool:
     """True when the places tile the global tensor: inside it, disjoint, and summing to its size.
 
