@@ -86,7 +86,7 @@ def test_inspect_json_exact(saved: Path):
     assert doc["metadata"] == {"run": "r1", "lr": 0.5}
     assert doc["library"]["resurgo"] == resurgo.__version__
     assert doc["library"]["torch"] == torch.__version__
-    assert doc["world"] == {"size": 1, "rank": 0}
+    assert doc["world"] == {"size": 1}
     assert doc["pickled"] is False
     assert doc["warnings"] == []
     assert doc["created_at"] == resurgo.read_manifest(saved).created_at

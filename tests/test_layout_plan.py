@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from resurgo.format.manifest import ChunkEntry, TensorEntry
 from resurgo.format.safetensors_file import build_header
 from resurgo.layout.box import ChunkBox, FlatRange, covers_exactly_once
-from resurgo.plan.load_plan import plan_reads
+from resurgo.layout.box import ChunkBox as _Box
+from resurgo.plan.load_plan import Target, plan_reads
 from resurgo.plan.save_plan import WriteItem, plan_files
 from strategies import boxes_in
 
@@ -111,7 +112,8 @@ def test_read_plan_covers_every_byte_once_block_aligned(chunks, piece):
             box={"offsets": [0], "shape": [nbytes]}, file="data/x.safetensors", name=f"t{i}",
             byte_range=[pos, pos + nbytes], block_bytes=block, checksums=["0" * 32] * math.ceil(nbytes / block))])
         pos += nbytes
-    ops = plan_reads(entries, max_piece_bytes=piece)
+    targets = [Target(k, _Box.whole(tuple(e.shape)), e.chunks[0].nbytes) for k, e in entries.items()]
+    ops = plan_reads(targets, entries, max_piece_bytes=piece)
     parts = []
     for op in ops:
         assert op.length == sum(p.length for p in op.parts)
@@ -122,12 +124,12 @@ def test_read_plan_covers_every_byte_once_block_aligned(chunks, piece):
             offset += p.length
     for key, e in entries.items():
         c = e.chunks[0]
-        mine = sorted(((p, off) for p, off in parts if p.key == key), key=lambda x: x[0].buffer_offset)
+        mine = sorted(((p, off) for p, off in parts if p.key == key), key=lambda x: x[0].dst_offset)
         covered = 0
         for p, off in mine:
-            assert p.into == "dest"
-            assert p.buffer_offset == covered and off == c.byte_range[0] + covered
-            assert p.buffer_offset % c.block_bytes == 0 and p.first_block == p.buffer_offset // c.block_bytes
+            assert p.target is not None and not p.scatters  # one whole chunk: read straight into place
+            assert p.dst_offset == covered and off == c.byte_range[0] + covered
+            assert p.dst_offset % c.block_bytes == 0 and p.first_block == p.dst_offset // c.block_bytes
             covered += p.length
         assert covered == c.nbytes
     # Coalescing: back-to-back small chunks share reads.

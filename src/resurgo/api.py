@@ -10,10 +10,11 @@ import os
 import time
 from typing import Any
 
+from resurgo.dist import comm as dist_comm
 from resurgo.errors import KeyMismatchError, PickleNotAllowedError
 from resurgo.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from resurgo.pipeline import inflight
-from resurgo.pipeline.reader import read_destinations
+from resurgo.pipeline.reader import ReadResult, read_destinations
 from resurgo.pipeline.save import LazySources, prepare_save, write_and_commit
 from resurgo.reports import LoadReport, SaveReport
 from resurgo.state.unflatten import Restorer
@@ -54,22 +55,30 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
 
 def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool, allow_pickle: bool,
              io_threads: int) -> tuple[Any, LoadReport]:
+    """Plan, check and read everything, then fill the target. In a distributed job every rank reads
+    only what its own layout needs; if any rank fails before the target is touched, all raise."""
     t_start = time.perf_counter()
-    ckpt = CheckpointDir(path)
-    manifest = parse_manifest(ckpt.read_manifest_bytes(), str(ckpt.path / MANIFEST_NAME))
-    if manifest.pickled and not allow_pickle:
-        raise PickleNotAllowedError(
-            f"{ckpt.path}: holds pickled values; loading them could run code from the file. "
-            "Pass allow_pickle=True only if you trust this checkpoint."
-        )
-    ckpt.check_sizes({name: f.bytes for name, f in manifest.files.items()})  # before any allocation
-    restorer = Restorer(manifest, allow_pickle=allow_pickle, strict=strict)
-    result = restorer.restore(target)
-    if strict and (restorer.missing or restorer.unexpected):
-        raise KeyMismatchError(_key_mismatch_message(ckpt, restorer.missing, restorer.unexpected),
-                               restorer.missing, restorer.unexpected)
-    t_plan = time.perf_counter() - t_start
-    read = read_destinations(ckpt, manifest, restorer.destinations, verify=verify, threads=io_threads)
+    comm = dist_comm.current()
+
+    def plan_and_read() -> tuple[Restorer, Any, ReadResult, Manifest, float]:
+        ckpt = CheckpointDir(path)
+        manifest = parse_manifest(ckpt.read_manifest_bytes(), str(ckpt.path / MANIFEST_NAME))
+        if manifest.pickled and not allow_pickle:
+            raise PickleNotAllowedError(
+                f"{ckpt.path}: holds pickled values; loading them could run code from the file. "
+                "Pass allow_pickle=True only if you trust this checkpoint."
+            )
+        ckpt.check_sizes({name: f.bytes for name, f in manifest.files.items()})  # before any allocation
+        restorer = Restorer(manifest, allow_pickle=allow_pickle, strict=strict, rank=comm.rank, world=comm.size)
+        result = restorer.restore(target)
+        if strict and (restorer.missing or restorer.unexpected):
+            raise KeyMismatchError(_key_mismatch_message(ckpt, restorer.missing, restorer.unexpected),
+                                   restorer.missing, restorer.unexpected)
+        t_plan = time.perf_counter() - t_start
+        return restorer, result, read_destinations(ckpt, manifest, restorer.destinations, verify=verify,
+                                                   threads=io_threads), manifest, t_plan
+
+    restorer, result, read, manifest, t_plan = comm.agree(plan_and_read)
     restorer.run_actions()
     seconds = dict(read.seconds)
     seconds["plan"] = t_plan + seconds.get("plan", 0.0)

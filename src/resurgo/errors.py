@@ -78,3 +78,16 @@ class MemoryBudgetError(ResurgoError, MemoryError):
 
 class StorageError(ResurgoError, OSError):
     """The storage backend failed (disk full, permission denied, I/O error)."""
+
+
+class ShardingError(ResurgoError, ValueError):
+    """The shards the ranks declared for a tensor do not tile it exactly once, or disagree on its
+    dtype or global shape."""
+
+
+class WorldSizeMismatchError(ResurgoError):
+    """A value saved per rank cannot be loaded by this many ranks without a resize policy."""
+
+
+class RankFailedError(ResurgoError):
+    """Another rank of a collective save or load failed; every rank raises this same error."""

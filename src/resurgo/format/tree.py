@@ -38,6 +38,7 @@ FIELDS: dict[str, frozenset[str]] = {
     "ordered_dict": frozenset({"items"}),
     "list": frozenset({"items"}),
     "tuple": frozenset({"items"}),
+    "per_rank": frozenset({"items"}),  # one subtree per saving rank, in rank order
     "stateful": frozenset({"class", "state"}),
     "tensor": frozenset({"key"}),
     "ndarray": frozenset({"key"}),
@@ -71,7 +72,9 @@ def validate_tree(tree: Any, tensor_kinds: Mapping[str, str], pickled: bool, sou
                     _check_fields(pair[0], f"{where} key {i}")
                     _scalar(pair[0], f"{where} key {i}")
                 stack.append((pair[1], depth + 1, f"{at}/{i}"))
-        elif t in ("list", "tuple"):
+        elif t in ("list", "tuple", "per_rank"):
+            if t == "per_rank" and not _list(node, where):
+                raise ManifestError(f"{where}: a per_rank node needs one item per saving rank")
             stack.extend((v, depth + 1, f"{at}/{i}") for i, v in enumerate(_list(node, where)))
         elif t == "stateful":
             if not isinstance(node["class"], str):

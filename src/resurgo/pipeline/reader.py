@@ -17,9 +17,9 @@ import torch
 from resurgo.errors import CorruptCheckpointError
 from resurgo.format import checksum, dtypes
 from resurgo.format.manifest import Manifest
-from resurgo.layout.box import ChunkBox
 from resurgo.pipeline.buffers import as_copyable, typed_view, writable_bytes
-from resurgo.plan.load_plan import ReadOp, plan_reads, reads_whole_into_dest
+from resurgo.plan.load_plan import ReadOp, Scatter, Target, plan_reads
+from resurgo.state.flatten import Array
 from resurgo.state.unflatten import Destination
 from resurgo.storage.local import CheckpointDir, ReadHandle
 
@@ -31,37 +31,41 @@ class ReadResult:
     seconds: dict[str, float]
 
 
-def _torch_dtype(entry_dtype: str) -> torch.dtype:
-    return dtypes.TORCH_DTYPES[entry_dtype]
+def _targets(destinations: list[Destination]) -> tuple[list[Target], list[np.ndarray], list[tuple[Array, np.ndarray]]]:
+    """Every place this rank fills, its bytes (the tensor's own memory when it is one flat host
+    buffer, else a staging array copied in at the end), and the staged ones."""
+    targets: list[Target] = []
+    bufs: list[np.ndarray] = []
+    staged: list[tuple[Array, np.ndarray]] = []
+    for d in destinations:
+        itemsize = dtypes.itemsize(d.entry.dtype)
+        for piece in d.local_pieces():
+            nbytes = piece.place.numel * itemsize
+            mem = writable_bytes(piece.tensor)
+            if mem is None:
+                mem = np.empty(nbytes, dtype=np.uint8)
+                staged.append((piece.tensor, mem))
+            targets.append(Target(d.key, piece.place, nbytes))
+            bufs.append(mem)
+    return targets, bufs, staged
 
 
 def read_destinations(ckpt: CheckpointDir, manifest: Manifest, destinations: list[Destination],
                       verify: bool = True, threads: int = 4) -> ReadResult:
     t_start = time.perf_counter()
     by_key = {d.key: d for d in destinations}
-    ops = plan_reads({d.key: d.entry for d in destinations})
-    # Where each destination's bytes land: its own memory, or a staging array copied in afterwards.
-    flat: dict[str, np.ndarray] = {}
-    staged: list[Destination] = []
-    chunk_bufs: dict[tuple[str, int], np.ndarray] = {}
-    for d in destinations:
-        mem = writable_bytes(d.tensor)
-        if mem is None:
-            nbytes = sum(c.nbytes for c in d.entry.chunks)
-            mem = np.empty(nbytes, dtype=np.uint8)
-            staged.append(d)
-        flat[d.key] = mem
-        if not reads_whole_into_dest(d.entry):
-            for ci, c in enumerate(d.entry.chunks):
-                chunk_bufs[(d.key, ci)] = np.empty(c.nbytes, dtype=np.uint8)
+    targets, bufs, staged = _targets(destinations)
+    ops = plan_reads(targets, {d.key: d.entry for d in destinations})
     handles = _open_files(ckpt, manifest, {op.file for op in ops}, verify)
     seconds = {"plan": time.perf_counter() - t_start, "read": 0.0, "checksum": 0.0}
 
-    def run(op: ReadOp) -> tuple[float, float]:
+    def run(op: ReadOp) -> tuple[float, float, float]:
         views = []
         for part in op.parts:
-            buf = flat[part.key] if part.into == "dest" else chunk_bufs[(part.key, part.chunk)]
-            views.append(buf.data[part.buffer_offset : part.buffer_offset + part.length])
+            if part.target is not None:
+                views.append(bufs[part.target].data[part.dst_offset : part.dst_offset + part.length])
+            else:
+                views.append(np.empty(part.length, dtype=np.uint8).data)
         t0 = time.perf_counter()
         handles[op.file].read_into_many(op.file_offset, views)
         t1 = time.perf_counter()
@@ -76,7 +80,11 @@ def read_destinations(ckpt: CheckpointDir, manifest: Manifest, destinations: lis
                         f"(file bytes {start}..{min(start + chunk.block_bytes, chunk.byte_range[1])}) "
                         f"does not match its xxh3-128 checksum"
                     )
-        return t1 - t0, time.perf_counter() - t1
+        t2 = time.perf_counter()
+        for part, view in zip(op.parts, views):
+            if part.scatters:
+                scatter(np.frombuffer(view, dtype=np.uint8), part.scatters, bufs)
+        return t1 - t0, t2 - t1, time.perf_counter() - t2
 
     try:
         if threads <= 1 or len(ops) <= 1:
@@ -90,12 +98,37 @@ def read_destinations(ckpt: CheckpointDir, manifest: Manifest, destinations: lis
     seconds["read"] = sum(r[0] for r in results)
     seconds["checksum"] = sum(r[1] for r in results)
     t0 = time.perf_counter()
-    _assemble(destinations, flat, chunk_bufs)
-    for d in staged:
-        _copy_back(d, flat[d.key])
-    seconds["assemble"] = time.perf_counter() - t0
+    for tensor, mem in staged:
+        _copy_back(tensor, mem)
+    seconds["assemble"] = time.perf_counter() - t0 + sum(r[2] for r in results)
     seconds["total"] = time.perf_counter() - t_start
     return ReadResult(sum(op.length for op in ops), sorted(handles), seconds)
+
+
+def scatter(scratch: np.ndarray, scatters: tuple[Scatter, ...], bufs: list[np.ndarray]) -> None:
+    """Copy the runs out of a read; runs with one length and constant strides (the rows of a box)
+    go as one strided numpy copy instead of one copy per row."""
+    i, n = 0, len(scatters)
+    while i < n:
+        s = scatters[i]
+        j = i + 1
+        src_step = dst_step = 0
+        if j < n:
+            s2 = scatters[j]
+            src_step, dst_step = s2.src_offset - s.src_offset, s2.dst_offset - s.dst_offset
+            while (j < n and scatters[j].length == s.length and scatters[j].target == s.target
+                   and scatters[j].src_offset == s.src_offset + (j - i) * src_step
+                   and scatters[j].dst_offset == s.dst_offset + (j - i) * dst_step):
+                j += 1
+        rows = j - i
+        if rows >= 2 and src_step >= s.length and dst_step >= s.length:
+            src = np.lib.stride_tricks.as_strided(scratch[s.src_offset:], (rows, s.length), (src_step, 1))
+            dst = np.lib.stride_tricks.as_strided(bufs[s.target][s.dst_offset:], (rows, s.length), (dst_step, 1))
+            dst[...] = src
+        else:
+            rows = 1
+            bufs[s.target][s.dst_offset : s.dst_offset + s.length] = scratch[s.src_offset : s.src_offset + s.length]
+        i += rows
 
 
 def _open_files(ckpt: CheckpointDir, manifest: Manifest, names: set[str], verify: bool) -> dict[str, ReadHandle]:
@@ -127,25 +160,9 @@ def check_header(ckpt: CheckpointDir, manifest: Manifest, name: str, handle: Rea
         )
 
 
-def _assemble(destinations: list[Destination], flat: dict[str, np.ndarray],
-              chunk_bufs: dict[tuple[str, int], np.ndarray]) -> None:
-    for d in destinations:
-        if reads_whole_into_dest(d.entry):
-            continue
-        dt = _torch_dtype(d.entry.dtype)
-        whole = typed_view(flat[d.key], dt, tuple(d.entry.shape))
-        for ci, c in enumerate(d.entry.chunks):
-            place = c.place
-            part = as_copyable(typed_view(chunk_bufs[(d.key, ci)], dt, tuple(place.shape) if isinstance(place, ChunkBox) else (place.numel,)))
-            if isinstance(place, ChunkBox):
-                as_copyable(whole)[place.slices()] = part
-            else:
-                as_copyable(whole).view(-1)[place.start : place.stop] = part
-
-
-def _copy_back(d: Destination, mem: np.ndarray) -> None:
-    if isinstance(d.tensor, np.ndarray):
-        np.copyto(d.tensor, mem.view(d.tensor.dtype).reshape(d.tensor.shape))
+def _copy_back(tensor: Array, mem: np.ndarray) -> None:
+    if isinstance(tensor, np.ndarray):
+        np.copyto(tensor, mem.view(tensor.dtype).reshape(tensor.shape))
         return
     with torch.no_grad():
-        as_copyable(d.tensor).copy_(as_copyable(typed_view(mem, d.tensor.dtype, tuple(d.tensor.shape))))
+        as_copyable(tensor).copy_(as_copyable(typed_view(mem, tensor.dtype, tuple(tensor.shape))))

@@ -11,10 +11,11 @@ import json
 import os
 import platform
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,20 +23,24 @@ import torch
 
 from resurgo.errors import UnsupportedValueError
 from resurgo.format import checksum
+from resurgo.dist import comm as dist_comm
+from resurgo.dist.comm import Comm
 from resurgo.format.manifest import (
     MANIFEST_NAME,
     MAX_METADATA_DEPTH,
     BoxPlace,
     ChunkEntry,
     FileEntry,
+    FlatPlace,
     Manifest,
     TensorEntry,
     json_depth_exceeds,
 )
-from resurgo.layout.box import ChunkBox
+from resurgo.layout.box import ChunkBox, FlatRange
 from resurgo.pipeline.buffers import TensorStream, source_for_write
-from resurgo.pipeline.writer import WrittenFile, write_data_file
-from resurgo.plan.save_plan import SavePlan, WriteItem, plan_files
+from resurgo.pipeline.writer import WrittenChunk, WrittenFile, write_data_file
+from resurgo.plan.global_plan import GlobalPlan, RankDecl, RankWrite, TensorDecl, TensorMeta, plan_global
+from resurgo.plan.save_plan import SavePlan, plan_files
 from resurgo.reports import SaveReport
 from resurgo.state.flatten import TensorLeaf, flatten_state
 from resurgo.storage.local import CheckpointDir, LocalStaging
@@ -47,13 +52,15 @@ class PreparedSave:
     """Everything decided before any tensor byte is written."""
 
     path: str
-    tree: dict
-    leaves: dict[str, TensorLeaf]
+    tree: dict  # the whole job's tree (per-rank values merged in)
+    tensors: dict[str, TensorMeta]  # every tensor of the checkpoint, by manifest key
+    leaves: dict[str, TensorLeaf]  # what this rank writes, by chunk name in its data files
     pickled: bool
     step: int | None
     metadata: dict | None
-    plan: SavePlan
+    plan: SavePlan  # this rank's data files
     staging: LocalStaging
+    comm: Comm = field(default_factory=lambda: Comm(0, 1))
     seconds: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -81,20 +88,73 @@ def check_metadata(metadata: dict | None, step: int | None) -> None:
         raise UnsupportedValueError(f"metadata must be plain JSON (str, int, float, bool, None, list, dict): {e}") from None
 
 
+AUTO_PER_RANK_BYTES = 1 << 20  # plain tensors up to this size are compared across ranks
+
+
+def _declare(leaf: TensorLeaf, compare: bool) -> TensorDecl:
+    if leaf.pieces is not None:
+        return TensorDecl(leaf.key, leaf.kind, leaf.dtype, leaf.shape, tuple(p.place for p in leaf.pieces), True)
+    digest = None
+    if compare and leaf.nbytes <= AUTO_PER_RANK_BYTES:
+        src = source_for_write(leaf.value)
+        if isinstance(src, TensorStream):
+            buf = np.empty(src.nbytes, dtype=np.uint8)
+            src.read_into(0, buf)
+            src = buf
+        digest = checksum.digest(src.data.cast("B"))
+    return TensorDecl(leaf.key, leaf.kind, leaf.dtype, leaf.shape, (ChunkBox.whole(leaf.shape),), False, digest)
+
+
+def _write_leaf(leaf: TensorLeaf, w: RankWrite) -> TensorLeaf:
+    """The local tensor holding one chunk this rank writes, under the chunk's name."""
+    value = leaf.value
+    if leaf.pieces is not None:
+        value = next(p.tensor for p in leaf.pieces if p.place == w.local_place)
+    return TensorLeaf(w.item.name, value, leaf.kind, leaf.dtype, tuple(value.shape))
+
+
 def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_pickle: bool,
-                 step: int | None, metadata: dict | None, io_threads: int, block_bytes: int | None) -> PreparedSave:
+                 step: int | None, metadata: dict | None, io_threads: int, block_bytes: int | None,
+                 comm: Comm | None = None) -> PreparedSave:
     """Flatten and check the state (plain values are encoded now: a snapshot), plan the files and
-    open the staging directory. Raises before anything is written when the state or path is bad."""
+    open the staging directory. Raises before anything is written when the state or path is bad.
+
+    In a distributed job this is collective: every rank sends its declarations (metadata only) to
+    rank 0, which validates and plans the whole checkpoint (:mod:`resurgo.plan.global_plan`) and
+    opens the staging directory; every rank gets the plan back, or the same error."""
     t0 = time.perf_counter()
-    check_metadata(metadata, step)
-    tree, leaves, pickled = flatten_state(state, allow_pickle=allow_pickle)
-    items = [WriteItem(key, key, leaf.dtype, ChunkBox.whole(leaf.shape), leaf.nbytes,
-                       block_bytes or checksum.block_bytes_for(leaf.nbytes))
-             for key, leaf in leaves.items()]
-    plan = plan_files(items, rank=0, max_files=max(1, io_threads))
-    staging = CheckpointDir(path).stage(overwrite)
-    return PreparedSave(str(path), tree, leaves, pickled, step, dict(metadata) if metadata else None,
-                        plan, staging, {"flatten": time.perf_counter() - t0})
+    comm = comm or dist_comm.current()
+
+    def local() -> tuple[dict, dict[str, TensorLeaf], RankDecl, bool]:
+        check_metadata(metadata, step)
+        tree, leaves, pickled = flatten_state(state, allow_pickle=allow_pickle)
+        return tree, leaves, RankDecl(tree, tuple(_declare(leaf, comm.size > 1) for leaf in leaves.values())), pickled
+
+    tree, leaves, decl, pickled = comm.agree(local)
+    gathered = comm.gather((decl, pickled))
+    if block_bytes is not None:
+        block_fn: Callable[[int], int] = lambda n: block_bytes
+    else:
+        block_fn = checksum.block_bytes_for if comm.size == 1 else checksum.block_bytes_for_resharding
+
+    def coordinate() -> tuple[GlobalPlan, bool, str] | None:
+        if not comm.is_coordinator:
+            return None
+        assert gathered is not None
+        plan = plan_global([d for d, _ in gathered], block_fn)
+        staging = CheckpointDir(path).stage(overwrite)
+        return plan, any(p for _, p in gathered), str(staging.tmp)
+
+    decided = comm.broadcast(comm.agree(coordinate))
+    assert decided is not None
+    plan, pickled, tmp = decided
+    staging = LocalStaging(Path(path), Path(tmp), overwrite)
+    writes = plan.writes[comm.rank]
+    own = {w.item.name: _write_leaf(leaves[w.local_key], w) for w in writes}
+    files = plan_files([w.item for w in writes], rank=comm.rank, max_files=max(1, io_threads))
+    return PreparedSave(str(path), plan.tree, plan.tensors, own, pickled, step,
+                        dict(metadata) if metadata else None, files, staging, comm,
+                        {"flatten": time.perf_counter() - t0})
 
 
 class LazySources(Mapping):
@@ -115,23 +175,37 @@ class LazySources(Mapping):
         return len(self._leaves)
 
 
-def write_and_commit(prep: PreparedSave, sources: Mapping[str, np.ndarray]) -> SaveReport:
-    """Write every data file (one thread per file), then the manifest, then commit. On any failure
-    the staging directory is removed and nothing is committed."""
+def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | TensorStream"]) -> SaveReport:
+    """Write this rank's data files (one thread per file); once every rank's are durable, rank 0
+    writes the manifest and commits. On any failure, on any rank, the staging directory is removed,
+    nothing is committed, and every rank raises the same error."""
     t_start = time.perf_counter()
-    try:
+    comm = prep.comm
+
+    def write() -> list[WrittenFile]:
         files = prep.plan.files
         if len(files) == 1:
-            written = [write_data_file(prep.staging, files[0], sources)]
-        else:
-            with ThreadPoolExecutor(len(files), thread_name_prefix="resurgo-write") as pool:
-                written = list(pool.map(lambda f: write_data_file(prep.staging, f, sources), files))
-        raw = build_manifest(prep, written).to_json_bytes()
+            return [write_data_file(prep.staging, files[0], sources)]
+        with ThreadPoolExecutor(len(files), thread_name_prefix="resurgo-write") as pool:
+            return list(pool.map(lambda f: write_data_file(prep.staging, f, sources), files))
+
+    def commit() -> tuple[int, float]:
+        if not comm.is_coordinator:
+            return 0, 0.0
+        assert everyone is not None
+        raw = build_manifest(prep, [w for ws in everyone for w in ws]).to_json_bytes()
         t0 = time.perf_counter()
         prep.staging.commit(raw)
-        t_commit = time.perf_counter() - t0
+        return len(raw), time.perf_counter() - t0
+
+    everyone: list[list[WrittenFile]] | None = None
+    try:
+        written = comm.agree(write)
+        everyone = comm.gather(written)
+        manifest_bytes, t_commit = comm.agree(commit)
     except BaseException:
-        prep.staging.abort()
+        if comm.is_coordinator:
+            prep.staging.abort()
         raise
     seconds = dict(prep.seconds)
     seconds["commit"] = t_commit
@@ -140,33 +214,41 @@ def write_and_commit(prep: PreparedSave, sources: Mapping[str, np.ndarray]) -> S
     seconds["write_and_commit"] = time.perf_counter() - t_start
     return SaveReport(
         path=prep.path,
-        bytes_written=sum(w.nbytes for w in written) + len(raw),
+        bytes_written=sum(w.nbytes for w in written) + manifest_bytes,
         tensor_bytes=prep.tensor_bytes,
-        files=[w.path for w in written] + [MANIFEST_NAME],
-        num_tensors=len(prep.leaves),
+        files=[w.path for w in written] + ([MANIFEST_NAME] if comm.is_coordinator else []),
+        num_tensors=len(prep.tensors),
         seconds=seconds,
     )
 
 
+def _entry(c: WrittenChunk) -> ChunkEntry:
+    place = c.item.place
+    box = BoxPlace(offsets=list(place.offsets), shape=list(place.shape)) if isinstance(place, ChunkBox) else None
+    flat = FlatPlace(start=place.start, stop=place.stop) if isinstance(place, FlatRange) else None
+    return ChunkEntry(box=box, flat=flat, file=c.file, name=None if c.item.name == c.item.key else c.item.name,
+                      byte_range=list(c.byte_range), block_bytes=c.block_bytes, checksums=c.checksums)
+
+
+def _place_order(c: WrittenChunk) -> tuple:
+    p = c.item.place
+    return tuple(p.offsets) if isinstance(p, ChunkBox) else (p.start,)
+
+
 def build_manifest(prep: PreparedSave, written: list[WrittenFile]) -> Manifest:
-    chunks: dict[str, list[ChunkEntry]] = {key: [] for key in prep.leaves}
+    chunks: dict[str, list[WrittenChunk]] = {key: [] for key in prep.tensors}
     for w in written:
         for c in w.chunks:
-            place = c.item.place
-            assert isinstance(place, ChunkBox)
-            chunks[c.item.key].append(ChunkEntry(
-                box=BoxPlace(offsets=list(place.offsets), shape=list(place.shape)),
-                file=c.file, name=None if c.item.name == c.item.key else c.item.name,
-                byte_range=list(c.byte_range), block_bytes=c.block_bytes, checksums=c.checksums,
-            ))
-    tensors = {key: TensorEntry(kind=leaf.kind, dtype=leaf.dtype, shape=list(leaf.shape), chunks=chunks[key])
-               for key, leaf in prep.leaves.items()}
+            chunks[c.item.key].append(c)
+    tensors = {key: TensorEntry(kind=meta.kind, dtype=meta.dtype, shape=list(meta.shape),
+                                chunks=[_entry(c) for c in sorted(chunks[key], key=_place_order)])
+               for key, meta in prep.tensors.items()}
     return Manifest(
         format="resurgo.checkpoint", version=1,
         created_at=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
         step=prep.step, metadata=dict(prep.metadata or {}), library=library_versions(),
-        world={"size": 1, "rank": 0}, checksum_algorithm="xxh3-128", pickled=prep.pickled,
+        world={"size": prep.comm.size}, checksum_algorithm="xxh3-128", pickled=prep.pickled,
         files={w.path: FileEntry(bytes=w.nbytes, header_bytes=w.header_bytes, header_checksum=w.header_checksum)
-               for w in written},
+               for w in sorted(written, key=lambda w: w.path)},
         tensors=tensors, tree=prep.tree,
     )

@@ -54,7 +54,7 @@ def write_data_file(staging: LocalStaging, plan: FilePlan,
         t_write += time.perf_counter() - t0
         chunks = []
         for item, byte_range in zip(plan.items, ranges):
-            source = sources[item.key]
+            source = sources[item.name]
             block_bytes = item.block_bytes
             # Streamed slices must also hold whole elements.
             unit = math.lcm(block_bytes, source.tensor.element_size()) if isinstance(source, TensorStream) else block_bytes

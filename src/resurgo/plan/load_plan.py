@@ -1,38 +1,74 @@
-"""Load plan: which byte ranges to read from which file, into which buffer.
+"""Load plan: which byte ranges of which file to read, and where their bytes go.
 
-Pure data. A tensor stored as one whole chunk is read straight into its destination's memory;
-a tensor stored in several chunks is read chunk by chunk into chunk buffers and assembled. Large
-chunks are split into block-aligned pieces so that several threads share one big tensor and each
-piece can be verified on its own; small chunks that lie back to back in a file are coalesced
-into one vectored read (``preadv``), so a state of many small tensors costs few system calls.
+Pure data. A *target* is a place of a global tensor that this rank fills (a whole tensor, or one
+local piece of a sharded one). For every saved chunk overlapping a target, the layout geometry
+(:func:`resurgo.layout.regions.byte_runs`) gives the byte runs they share:
+
+- when the whole chunk lands as one contiguous run of the target (same place, a whole tensor, or
+  a dim-0 shard of it), its bytes are read straight into the target's memory;
+- otherwise only the checksum blocks holding shared bytes are read (nearby ranges coalesced),
+  into a scratch buffer, verified, then scattered into the target. A rank never reads a chunk it
+  does not overlap, nor materializes a tensor it does not own.
+
+Large reads are split into block-aligned pieces so several threads share one big chunk and each
+piece can be verified alone; small pieces back to back in a file are coalesced into one vectored
+read (``preadv``), so a state of many small tensors costs few system calls.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
+from resurgo.format import dtypes
 from resurgo.format.manifest import TensorEntry
-from resurgo.layout.box import ChunkBox, FlatRange
+from resurgo.layout.box import Place
+from resurgo.layout.regions import ByteRun, block_aligned_reads, byte_runs
 
 MAX_PIECE_BYTES = 16 << 20
 MAX_PARTS_PER_READ = 512  # well under IOV_MAX (1024 on Linux)
+GAP_BYTES = 64 << 10  # reading a gap this small costs less than a second request
+
+
+@dataclass(frozen=True)
+class Target:
+    """A place of tensor ``key`` that this rank fills; its bytes are ``place``'s, row-major."""
+
+    key: str
+    place: Place
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Scatter:
+    """Copy ``length`` bytes from ``src_offset`` of a part's scratch buffer to ``dst_offset`` of a target."""
+
+    src_offset: int
+    target: int
+    dst_offset: int
+    length: int
 
 
 @dataclass(frozen=True)
 class ReadPart:
-    """A block-aligned piece of one chunk, landing at ``buffer_offset`` of its buffer."""
+    """A block-aligned piece of chunk ``chunk`` of tensor ``key``, verifiable from ``first_block``.
+
+    Direct (``target`` is not None): it lands at ``dst_offset`` of that target. Otherwise it is
+    read into scratch and ``scatters`` copy the shared bytes out.
+    """
 
     key: str
     chunk: int
-    into: str  # "dest": the destination's bytes; "chunk": a buffer holding the whole chunk
-    buffer_offset: int
     length: int
     first_block: int
+    target: int | None
+    dst_offset: int = 0
+    scatters: tuple[Scatter, ...] = ()
 
 
 @dataclass(frozen=True)
 class ReadOp:
-    """One vectored read: ``length`` bytes at ``file_offset``, scattered over ``parts`` in order."""
+    """One vectored read: ``length`` bytes at ``file_offset``, laid over ``parts`` in order."""
 
     file: str
     file_offset: int
@@ -40,44 +76,65 @@ class ReadOp:
     parts: tuple[ReadPart, ...]
 
 
-def reads_whole_into_dest(entry: TensorEntry) -> bool:
-    """True when one chunk holds the whole tensor, so its bytes are the destination's bytes."""
-    if len(entry.chunks) != 1:
-        return False
-    place = entry.chunks[0].place
-    if isinstance(place, ChunkBox):
-        return place.is_whole(tuple(entry.shape))
-    return isinstance(place, FlatRange) and place.start == 0
+def _pieces(start: int, stop: int, block: int, max_piece_bytes: int) -> list[tuple[int, int]]:
+    step = max(block, max_piece_bytes // block * block)
+    return [(off, min(off + step, stop)) for off in range(start, stop, step)]
 
 
-def plan_reads(entries: dict[str, TensorEntry], max_piece_bytes: int = MAX_PIECE_BYTES) -> list[ReadOp]:
+def _scatters(runs: list[ByteRun], starts: list[int], lo: int, hi: int, target: int) -> tuple[Scatter, ...]:
+    """The parts of ``runs`` (sorted by source) that fall in source bytes ``[lo, hi)``."""
+    out = []
+    i = max(0, bisect.bisect_right(starts, lo) - 1)
+    while i < len(runs) and runs[i].src_offset < hi:
+        r = runs[i]
+        a, b = max(r.src_offset, lo), min(r.src_stop, hi)
+        if b > a:
+            out.append(Scatter(a - lo, target, r.dst_offset + (a - r.src_offset), b - a))
+        i += 1
+    return tuple(out)
+
+
+def plan_reads(targets: list[Target], entries: dict[str, TensorEntry], max_piece_bytes: int = MAX_PIECE_BYTES,
+               gap: int = GAP_BYTES) -> list[ReadOp]:
     pieces: list[tuple[str, int, ReadPart]] = []  # (file, file offset, part)
-    for key, entry in entries.items():
-        into = "dest" if reads_whole_into_dest(entry) else "chunk"
+    for ti, t in enumerate(targets):
+        entry = entries[t.key]
+        shape = tuple(entry.shape)
+        itemsize = dtypes.itemsize(entry.dtype)
         for ci, chunk in enumerate(entry.chunks):
-            block = chunk.block_bytes
-            step = max(block, max_piece_bytes // block * block)
-            start, stop = chunk.byte_range
-            for off in range(0, stop - start, step):
-                n = min(step, stop - start - off)
-                pieces.append((chunk.file, start + off, ReadPart(key, ci, into, off, n, off // block)))
+            runs = byte_runs(shape, itemsize, chunk.place, t.place)
+            if not runs:
+                continue
+            block, base = chunk.block_bytes, chunk.byte_range[0]
+            if len(runs) == 1 and runs[0].length == chunk.nbytes:
+                for a, b in _pieces(0, chunk.nbytes, block, max_piece_bytes):
+                    pieces.append((chunk.file, base + a, ReadPart(t.key, ci, b - a, a // block, ti, runs[0].dst_offset + a)))
+                continue
+            starts = [r.src_offset for r in runs]
+            for read in block_aligned_reads(runs, block, chunk.nbytes, gap):
+                for a, b in _pieces(read.start, read.stop, block, max_piece_bytes):
+                    part = ReadPart(t.key, ci, b - a, a // block, None, 0, _scatters(runs, starts, a, b, ti))
+                    pieces.append((chunk.file, base + a, part))
     pieces.sort(key=lambda p: (p[0], p[1]))
     ops: list[ReadOp] = []
     group: list[tuple[str, int, ReadPart]] = []
+    group_bytes = 0
 
     def flush() -> None:
         if group:
-            ops.append(ReadOp(group[0][0], group[0][1], sum(p[2].length for p in group), tuple(p[2] for p in group)))
+            ops.append(ReadOp(group[0][0], group[0][1], group_bytes, tuple(p[2] for p in group)))
             group.clear()
 
     for piece in pieces:
         if group:
-            file, offset, _ = group[-1]
-            contiguous = piece[0] == file and piece[1] == offset + group[-1][2].length
-            fits = sum(p[2].length for p in group) + piece[2].length <= max_piece_bytes
+            file, offset, last = group[-1]
+            contiguous = piece[0] == file and piece[1] == offset + last.length
+            fits = group_bytes + piece[2].length <= max_piece_bytes
             if not (contiguous and fits and len(group) < MAX_PARTS_PER_READ):
                 flush()
+                group_bytes = 0
         group.append(piece)
+        group_bytes += piece[2].length
     flush()
     # Largest first keeps the thread pool busy to the end.
     ops.sort(key=lambda op: -op.length)

@@ -18,6 +18,8 @@ import torch
 from resurgo.errors import UnsupportedValueError
 from resurgo.format import dtypes, values
 from resurgo.format.tree import MAX_TREE_DEPTH
+from resurgo.layout.shards import LocalPiece, is_sharded, local_layout
+from resurgo.state.per_rank import PerRank
 from resurgo.state.stateful import class_name, is_stateful
 
 Array = Union[torch.Tensor, np.ndarray]
@@ -31,7 +33,8 @@ class TensorLeaf:
     value: Array
     kind: Literal["torch", "numpy"]
     dtype: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # the global shape
+    pieces: tuple[LocalPiece, ...] | None = None  # what this rank holds of a sharded tensor; None: all of it
 
     @property
     def nbytes(self) -> int:
@@ -58,8 +61,6 @@ def describe_tensor(value: Array, key: str) -> TensorLeaf:
         raise UnsupportedValueError(f"key {key!r}: quantized dtype {value.dtype} is not supported")
     if value.device.type == "meta":
         raise UnsupportedValueError(f"key {key!r}: a meta tensor has no data to save")
-    if type(value).__name__ == "DTensor":
-        raise UnsupportedValueError(f"key {key!r}: DTensor needs a distributed save (not yet supported)")
     return TensorLeaf(key, value, "torch", dtypes.TORCH_DTYPE_NAMES[value.dtype], tuple(value.shape))
 
 
@@ -77,8 +78,10 @@ class Flattener:
         where = f"key {path_key(path)!r}"
         if depth > MAX_TREE_DEPTH:
             raise UnsupportedValueError(f"{where}: containers nested deeper than {MAX_TREE_DEPTH} (the format's limit)")
-        if isinstance(obj, (torch.Tensor, np.ndarray)):
+        if isinstance(obj, (torch.Tensor, np.ndarray)) or is_sharded(obj):
             return self._tensor(obj, path)
+        if isinstance(obj, PerRank):
+            return {"type": "per_rank", "items": [self._node(obj.value, path, depth + 1)]}
         scalar = values.encode_scalar(obj)
         if scalar is not None:
             return scalar
@@ -116,7 +119,12 @@ class Flattener:
             raise UnsupportedValueError(
                 f"key {key!r}: two different paths flatten to the same key (for example int 0 and str '0')"
             )
-        leaf = describe_tensor(obj, key)
+        if is_sharded(obj):
+            layout = local_layout(obj, key)
+            local = describe_tensor(layout.local, key)
+            leaf = TensorLeaf(key, layout.local, "torch", local.dtype, layout.global_shape, layout.pieces)
+        else:
+            leaf = describe_tensor(obj, key)
         self.leaves[key] = leaf
         return {"type": "tensor" if leaf.kind == "torch" else "ndarray", "key": key}
 

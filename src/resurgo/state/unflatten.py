@@ -17,11 +17,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from resurgo.errors import DTypeMismatchError, ManifestError, ShapeMismatchError, TypeMismatchError
+from resurgo.errors import (
+    DTypeMismatchError,
+    ManifestError,
+    ShapeMismatchError,
+    TypeMismatchError,
+    WorldSizeMismatchError,
+)
 from resurgo.format import dtypes, values
 from resurgo.format.manifest import Manifest, TensorEntry
 from resurgo.format.tree import MAX_TREE_DEPTH
+from resurgo.layout.box import ChunkBox
+from resurgo.layout.shards import LocalPiece, is_sharded, local_layout
 from resurgo.state.flatten import Array, path_key
+from resurgo.state.per_rank import PerRank
 from resurgo.state.stateful import is_stateful
 
 
@@ -32,7 +41,13 @@ class Destination:
 
     key: str
     entry: TensorEntry
-    tensor: Array  # the final home of the values
+    tensor: Array  # the final home of the values (a sharded target's local tensor)
+    pieces: tuple[LocalPiece, ...] | None = None  # what this rank holds of a sharded target; None: all
+
+    def local_pieces(self) -> tuple[LocalPiece, ...]:
+        if self.pieces is not None:
+            return self.pieces
+        return (LocalPiece(ChunkBox.whole(tuple(self.entry.shape)), self.tensor),)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -45,6 +60,8 @@ class Restorer:
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
     strict: bool = True
+    rank: int = 0
+    world: int = 1
     _seen: set = field(default_factory=set)
 
     # -- public ---------------------------------------------------------------------------------
@@ -71,6 +88,8 @@ class Restorer:
             return target
         if t == "stateful":
             return self._node(node.get("state"), target, path, depth + 1)
+        if t == "per_rank":
+            return self._per_rank(node, target, path, depth)
         if t in ("tensor", "ndarray"):
             return self._tensor(node, target, path)
         if t in ("dict", "ordered_dict"):
@@ -154,6 +173,35 @@ class Restorer:
                 return target
         return tuple(out) if node["type"] == "tuple" else out
 
+    def _per_rank(self, node: dict, target: Any, path: tuple, depth: int) -> Any:
+        """A value saved once per rank: this rank's own, or ``on_resize`` of all of them."""
+        items = self._items(node, path)
+        wrapper = target if isinstance(target, PerRank) else None
+        inner = wrapper.value if wrapper is not None else target
+        if target is not None and len(items) == self.world:
+            own = self._node(items[self.rank], inner, path, depth + 1)
+            if wrapper is None:
+                return own
+            self.actions.append(lambda: setattr(wrapper, "value", own))
+            return wrapper
+        if target is not None and (wrapper is None or wrapper.on_resize is None):
+            raise WorldSizeMismatchError(
+                f"key {path_key(path)!r}: saved per rank by {len(items)} ranks, loaded by {self.world}; "
+                "wrap the target in resurgo.PerRank(value, on_resize=...) to say how its values carry over")
+        saved = [self._node(item, None, path, depth + 1) for item in items]
+        out = wrapper if wrapper is not None else PerRank(None)
+        rank, world = self.rank, self.world
+
+        def settle() -> None:
+            out.saved = saved
+            if wrapper is not None and wrapper.on_resize is not None:
+                out.value = wrapper.on_resize(saved, rank, world)
+            else:
+                out.value = saved[rank] if rank < len(saved) else None
+
+        self.actions.append(settle)
+        return out
+
     def _type_mismatch(self, path: tuple, target: Any, expected: str) -> None:
         if isinstance(target, (torch.Tensor, np.ndarray, Mapping, list, tuple)) or is_stateful(target):
             raise TypeMismatchError(
@@ -171,6 +219,19 @@ class Restorer:
         if node["type"] == "tensor" and entry.kind != "torch" or node["type"] == "ndarray" and entry.kind != "numpy":
             raise ManifestError(f"manifest tree: node type {node['type']} of {key!r} disagrees with its entry kind {entry.kind}")
         shape = tuple(entry.shape)
+        if is_sharded(target):
+            layout = local_layout(target, key)
+            tdtype = dtypes.TORCH_DTYPE_NAMES.get(layout.local.dtype)
+            if tdtype != entry.dtype:
+                return self._mismatch(DTypeMismatchError(
+                    f"key {key!r}: checkpoint dtype {entry.dtype}, target dtype {tdtype or layout.local.dtype} (resurgo never casts)"
+                ), key, target)
+            if layout.global_shape != shape:
+                return self._mismatch(ShapeMismatchError(
+                    f"key {key!r}: checkpoint shape {list(shape)}, target global shape {list(layout.global_shape)}"
+                ), key, target)
+            self.destinations.append(Destination(key, entry, layout.local, layout.pieces))
+            return target
         if isinstance(target, (torch.Tensor, np.ndarray)):
             tdtype = (dtypes.TORCH_DTYPE_NAMES.get(target.dtype) if isinstance(target, torch.Tensor)
                       else dtypes.numpy_dtype_name(target.dtype))

@@ -1,0 +1,238 @@
+"""The coordinator's save plan for a distributed job: one tree, every tensor covered exactly once,
+each replicated chunk written by one rank, bytes balanced across ranks.
+
+Pure data in, pure data out: every rank sends a :class:`RankDecl` (its tree and, per tensor, the
+places it holds; metadata only, never tensor data), :func:`plan_global` validates and decides,
+and every rank gets the same :class:`GlobalPlan` back. Values that differ between ranks become
+``per_rank`` nodes of the tree (their tensors saved once per rank, under ``key@rankN``) instead of
+collapsing into one copy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from resurgo.errors import ShardingError
+from resurgo.format import dtypes
+from resurgo.layout.box import ChunkBox, FlatRange, Place, covers_exactly_once
+from resurgo.plan.save_plan import WriteItem
+
+
+@dataclass(frozen=True)
+class TensorDecl:
+    """What one rank holds of one tensor."""
+
+    key: str
+    kind: Literal["torch", "numpy"]
+    dtype: str
+    shape: tuple[int, ...]  # global
+    places: tuple[Place, ...]
+    sharded: bool  # DTensor / Shard / FlatShard (a plain tensor is the whole of itself)
+    digest: str | None = None  # of a small plain tensor's bytes: replicas that differ are kept per rank
+
+
+@dataclass(frozen=True)
+class RankDecl:
+    tree: dict
+    tensors: tuple[TensorDecl, ...]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    kind: Literal["torch", "numpy"]
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RankWrite:
+    """A chunk a rank writes: the item, and which of its local tensors (key, place) holds the bytes."""
+
+    item: WriteItem
+    local_key: str
+    local_place: Place
+
+
+@dataclass(frozen=True)
+class GlobalPlan:
+    tree: dict
+    tensors: dict[str, TensorMeta]  # manifest keys (per-rank tensors as key@rankN)
+    writes: tuple[tuple[RankWrite, ...], ...]  # per rank
+
+    def bytes_per_rank(self) -> list[int]:
+        return [sum(w.item.nbytes for w in ws) for ws in self.writes]
+
+
+def per_rank_key(key: str, rank: int) -> str:
+    return f"{key}@rank{rank}"
+
+
+def _place_text(place: Place) -> str:
+    if isinstance(place, ChunkBox):
+        return f"box offsets {list(place.offsets)} shape {list(place.shape)}"
+    return f"flat range [{place.start}, {place.stop})"
+
+
+# -- trees ---------------------------------------------------------------------------------------
+def _mentions(node: Any, keys: set[str]) -> bool:
+    if not keys:
+        return False
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, dict):
+            if n.get("type") in ("tensor", "ndarray") and n.get("key") in keys:
+                return True
+            stack.extend(n.values())
+        elif isinstance(n, list):
+            stack.extend(n)
+    return False
+
+
+def merge_trees(trees: list[dict], differing: set[str]) -> tuple[dict, set[str]]:
+    """One tree for all ranks: equal parts kept once, parts that differ (or mention a tensor in
+    ``differing``, or sit under a PerRank) as ``per_rank`` nodes. Returns the tree and the keys of
+    the tensors saved per rank."""
+    per_rank: set[str] = set()
+
+    def rename(node: Any, rank: int) -> Any:
+        if isinstance(node, dict):
+            if node.get("type") in ("tensor", "ndarray") and isinstance(node.get("key"), str):
+                per_rank.add(node["key"])
+                return {**node, "key": per_rank_key(node["key"], rank)}
+            return {k: rename(v, rank) for k, v in node.items()}
+        if isinstance(node, list):
+            return [rename(v, rank) for v in node]
+        return node
+
+    def split(nodes: list[dict]) -> dict:
+        items = [rename(n["items"][0] if n.get("type") == "per_rank" else n, r) for r, n in enumerate(nodes)]
+        return {"type": "per_rank", "items": items}
+
+    def merge(nodes: list[dict]) -> dict:
+        first = nodes[0]
+        t = first.get("type")
+        if any(n.get("type") == "per_rank" for n in nodes):
+            return split(nodes)
+        if all(n == first for n in nodes[1:]) and not _mentions(first, differing):
+            return first
+        if all(n.get("type") == t for n in nodes):
+            if t in ("dict", "ordered_dict"):
+                keys = [p[0] for p in first["items"]]
+                if all([p[0] for p in n["items"]] == keys for n in nodes[1:]):
+                    return {"type": t, "items": [[k, merge([n["items"][i][1] for n in nodes])] for i, k in enumerate(keys)]}
+            elif t in ("list", "tuple"):
+                if all(len(n["items"]) == len(first["items"]) for n in nodes[1:]):
+                    return {"type": t, "items": [merge([n["items"][i] for n in nodes]) for i in range(len(first["items"]))]}
+            elif t == "stateful" and all(n["class"] == first["class"] for n in nodes[1:]):
+                return {"type": t, "class": first["class"], "state": merge([n["state"] for n in nodes])}
+        return split(nodes)
+
+    return merge(trees), per_rank
+
+
+# -- tensors -------------------------------------------------------------------------------------
+def _differing_replicas(decls: list[RankDecl]) -> set[str]:
+    seen: dict[str, str] = {}
+    out = set()
+    for d in decls:
+        for t in d.tensors:
+            if t.digest is None:
+                continue
+            if seen.setdefault(t.key, t.digest) != t.digest:
+                out.add(t.key)
+    return out
+
+
+def _check_consistent(key: str, holders: list[tuple[int, TensorDecl]]) -> TensorMeta:
+    r0, t0 = holders[0]
+    for r, t in holders[1:]:
+        if (t.kind, t.dtype) != (t0.kind, t0.dtype):
+            raise ShardingError(f"tensor {key!r}: rank {r0} holds {t0.kind} {t0.dtype}, rank {r} holds {t.kind} {t.dtype}")
+        if t.shape != t0.shape:
+            raise ShardingError(f"tensor {key!r}: rank {r0} declares global shape {list(t0.shape)}, rank {r} {list(t.shape)}")
+    return TensorMeta(t0.kind, t0.dtype, t0.shape)
+
+
+def _check_tiling(key: str, shape: tuple[int, ...], owners: dict[Place, list[int]]) -> None:
+    places = list(owners)
+    if covers_exactly_once(places, shape):
+        return
+    for p in places:
+        if not p.fits_in(shape):
+            raise ShardingError(f"tensor {key!r}: rank {owners[p][0]} holds {_place_text(p)}, outside the shape {list(shape)}")
+    if len({type(p) for p in places if p.numel}) > 1:
+        raise ShardingError(f"tensor {key!r}: ranks mix block shards and flat shards "
+                            f"(block: ranks {sorted({r for p in places if isinstance(p, ChunkBox) for r in owners[p]})}, "
+                            f"flat: ranks {sorted({r for p in places if isinstance(p, FlatRange) for r in owners[p]})})")
+    total = sum(p.numel for p in places)
+    need = math.prod(shape)
+    overlap = _find_overlap(places)
+    if overlap is not None:
+        a, b = overlap
+        raise ShardingError(f"tensor {key!r}: the shards of ranks {owners[a]} ({_place_text(a)}) and ranks "
+                            f"{owners[b]} ({_place_text(b)}) overlap but are not the same shard")
+    raise ShardingError(f"tensor {key!r}: the ranks' shards hold {total} of its {need} elements "
+                        f"(global shape {list(shape)}): some part is held by no rank")
+
+
+def _find_overlap(places: list[Place]) -> tuple[Place, Place] | None:
+    ne = [p for p in places if p.numel]
+    for i, a in enumerate(ne):  # only on the error path
+        for b in ne[i + 1:]:
+            if type(a) is type(b) and a.intersect(b) is not None:  # type: ignore[arg-type]
+                return a, b
+    return None
+
+
+def plan_global(decls: list[RankDecl], block_bytes_for: Callable[[int], int]) -> GlobalPlan:
+    """Validate every rank's declarations and decide who writes what (see the module docstring).
+
+    ``block_bytes_for(global_nbytes)`` gives the checksum block size of a tensor's chunks.
+    Raises ShardingError naming the tensor and the ranks when the shards do not fit together.
+    """
+    tree, per_rank = merge_trees([d.tree for d in decls], _differing_replicas(decls))
+    by_key: dict[str, list[tuple[int, TensorDecl]]] = {}
+    for r, d in enumerate(decls):
+        for t in d.tensors:
+            by_key.setdefault(t.key, []).append((r, t))
+    tensors: dict[str, TensorMeta] = {}
+    writes: list[list[RankWrite]] = [[] for _ in decls]
+    load = [0] * len(decls)
+    # (nbytes, key, place, holders) of every chunk to assign, replicated ones deduplicated
+    to_assign: list[tuple[int, str, str, Place, list[int], int]] = []
+    for key, holders in by_key.items():
+        meta = _check_consistent(key, holders)
+        itemsize = dtypes.itemsize(meta.dtype)
+        block = block_bytes_for(math.prod(meta.shape) * itemsize)
+        if key in per_rank:
+            for r, t in holders:
+                if t.sharded:
+                    raise ShardingError(f"tensor {key!r}: sharded, but it sits in a part of the state that differs "
+                                        f"between ranks (saved per rank); only plain tensors can be saved per rank")
+                k = per_rank_key(key, r)
+                tensors[k] = meta
+                whole = ChunkBox.whole(meta.shape)
+                item = WriteItem(k, k, meta.dtype, whole, whole.numel * itemsize, block_bytes_for(whole.numel * itemsize))
+                writes[r].append(RankWrite(item, key, whole))
+                load[r] += item.nbytes
+            continue
+        tensors[key] = meta
+        owners: dict[Place, list[int]] = {}
+        for r, t in holders:
+            for p in t.places:
+                owners.setdefault(p, []).append(r)
+        _check_tiling(key, meta.shape, owners)
+        ordered = sorted(owners, key=lambda p: (p.offsets, p.shape) if isinstance(p, ChunkBox) else ((p.start,), (p.stop,)))
+        for i, p in enumerate(ordered):
+            name = key if len(ordered) == 1 else f"{key}#{i}"
+            to_assign.append((p.numel * itemsize, key, name, p, owners[p], block))
+    # Largest first, each to its least loaded holder (LPT): balances bytes written per rank.
+    for nbytes, key, name, place, holders_of, block in sorted(to_assign, key=lambda a: (-a[0], a[1], a[2])):
+        r = min(holders_of, key=lambda h: (load[h], h))
+        load[r] += nbytes
+        writes[r].append(RankWrite(WriteItem(key, name, tensors[key].dtype, place, nbytes, block), key, place))
+    return GlobalPlan(tree, tensors, tuple(tuple(w) for w in writes))
