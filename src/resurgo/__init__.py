@@ -16,19 +16,25 @@ from resurgo.errors import (
     MemoryBudgetError,
     NotACheckpointError,
     PickleNotAllowedError,
+    RankFailedError,
     ResurgoError,
     SaveInFlightError,
     ShapeMismatchError,
+    ShardingError,
     StorageError,
     TypeMismatchError,
     UnsupportedValueError,
+    WorldSizeMismatchError,
 )
+from resurgo.layout.shards import FlatShard, Shard
 from resurgo.pipeline.async_save import AsyncSaveHandle, async_save
 from resurgo.reports import LoadReport, SaveReport
+from resurgo.state.per_rank import PerRank
 from resurgo.state.train_state import TrainState
 
 __all__ = [
     "__version__", "save", "async_save", "AsyncSaveHandle", "load", "load_dict", "read_manifest", "TrainState", "SaveReport", "LoadReport",
+    "Shard", "FlatShard", "PerRank", "ShardingError", "WorldSizeMismatchError", "RankFailedError",
     "ResurgoError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "DTypeMismatchError", "IncompleteCheckpointError", "KeyMismatchError", "ManifestError",
     "NotACheckpointError", "PickleNotAllowedError", "ShapeMismatchError", "StorageError",

@@ -135,8 +135,10 @@ def _dtensor_layout(dt: Any, key: str) -> LocalLayout:
             continue
         d = p.dim
         n = mesh.size(mesh_dim)
-        parts = p._split_tensor(index[d], n, with_padding=False)[0]
-        index[d] = parts[coords[mesh_dim]] if coords[mesh_dim] < len(parts) else index[d][:0]
+        # Split an index vector laid along dim d exactly as DTensor splits the tensor.
+        along = index[d].reshape([-1 if i == d else 1 for i in range(len(global_shape))])
+        parts = p._split_tensor(along, n, with_padding=False)[0]
+        index[d] = parts[coords[mesh_dim]].reshape(-1) if coords[mesh_dim] < len(parts) else index[d][:0]
     if tuple(len(i) for i in index) != tuple(local.shape):
         raise UnsupportedValueError(
             f"key {key!r}: DTensor local shape {list(local.shape)} differs from the {[len(i) for i in index]} its "

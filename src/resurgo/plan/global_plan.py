@@ -77,14 +77,13 @@ def _place_text(place: Place) -> str:
 
 
 # -- trees ---------------------------------------------------------------------------------------
-def _mentions(node: Any, keys: set[str]) -> bool:
-    if not keys:
-        return False
+def _must_split(node: Any, keys: set[str]) -> bool:
+    """True when ``node`` holds a per_rank node or a tensor whose replicas differ."""
     stack = [node]
     while stack:
         n = stack.pop()
         if isinstance(n, dict):
-            if n.get("type") in ("tensor", "ndarray") and n.get("key") in keys:
+            if n.get("type") == "per_rank" or n.get("type") in ("tensor", "ndarray") and n.get("key") in keys:
                 return True
             stack.extend(n.values())
         elif isinstance(n, list):
@@ -117,7 +116,7 @@ def merge_trees(trees: list[dict], differing: set[str]) -> tuple[dict, set[str]]
         t = first.get("type")
         if any(n.get("type") == "per_rank" for n in nodes):
             return split(nodes)
-        if all(n == first for n in nodes[1:]) and not _mentions(first, differing):
+        if all(n == first for n in nodes[1:]) and not _must_split(first, differing):
             return first
         if all(n.get("type") == t for n in nodes):
             if t in ("dict", "ordered_dict"):

@@ -1,0 +1,184 @@
+"""Functions the multi-rank tests run on every rank (see dist_harness.run_ranks).
+
+A *layout* says how a global tensor is held: ``plain`` (every rank holds it all), ``dt_s0`` /
+``dt_s1`` / ``dt_rep`` (DTensor on a 1-D mesh), ``dt_2d`` (DTensor on a 2-D mesh, Shard(0) x
+Shard(1)), ``manual`` (resurgo.Shard: uneven row blocks), ``flat`` (resurgo.FlatShard: uneven
+ranges of the flattened tensor).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+import resurgo
+
+LAYOUTS = ["plain", "dt_s0", "dt_s1", "dt_rep", "dt_2d", "manual", "flat"]
+DIM0_LAYOUTS = ["dt_s0", "manual", "flat"]
+
+
+def reference() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    return {
+        "a": torch.randn(64, 48, generator=g),
+        "b": torch.randn(33, 17, generator=g).to(torch.bfloat16),  # uneven on every world size
+        "c": torch.randint(0, 1 << 30, (5, 3, 4), generator=g, dtype=torch.int64),
+        "d": torch.randn(512, 1024, generator=g),  # 2 MiB: the byte-count check
+        "e": torch.randn(7, generator=g).to(torch.float64),
+    }
+
+
+def _bounds(n: int, parts: int, rank: int) -> tuple[int, int]:
+    """Uneven contiguous split: earlier ranks get one more (like numpy.array_split)."""
+    base, extra = divmod(n, parts)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def hold(layout: str, full: torch.Tensor, rank: int, world: int) -> object:
+    """``full`` as this rank holds it in ``layout`` (a fresh copy)."""
+    if layout == "plain":
+        return full.clone()
+    if layout in ("dt_s0", "dt_s1", "dt_rep"):
+        mesh = init_device_mesh("cpu", (world,))
+        placement = {"dt_s0": Shard(0), "dt_s1": Shard(1 if full.dim() > 1 else 0), "dt_rep": Replicate()}[layout]
+        return distribute_tensor(full.clone(), mesh, [placement], src_data_rank=None)
+    if layout == "dt_2d":
+        rows = 2 if world % 2 == 0 else 1
+        mesh = init_device_mesh("cpu", (rows, world // rows), mesh_dim_names=("dp", "tp"))
+        placements = [Shard(0), Shard(1 if full.dim() > 1 else 0)]
+        return distribute_tensor(full.clone(), mesh, placements, src_data_rank=None)
+    if layout == "manual":
+        a, b = _bounds(full.shape[0], world, rank)
+        offsets = (a,) + (0,) * (full.dim() - 1)
+        return resurgo.Shard(full[a:b].clone(), full.shape, offsets)
+    if layout == "flat":
+        a, b = _bounds(full.numel(), world, rank)
+        return resurgo.FlatShard(full.reshape(-1)[a:b].clone(), full.shape, a)
+    raise ValueError(layout)
+
+
+def local_of(held: object) -> torch.Tensor:
+    if isinstance(held, (resurgo.Shard, resurgo.FlatShard)):
+        return held.local
+    if type(held).__name__ == "DTensor":
+        return held.to_local()  # type: ignore[attr-defined]
+    assert isinstance(held, torch.Tensor)
+    return held
+
+
+def state(layout: str, rank: int, world: int, fill: bool) -> dict:
+    ref = reference()
+    out: dict = {}
+    for k, v in ref.items():
+        held = hold(layout, v if fill else torch.zeros_like(v), rank, world)
+        out[k] = held
+    out["step"] = 11 if fill else 0
+    return out
+
+
+def bits(t: torch.Tensor) -> bytes:
+    t = t.detach().contiguous()
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def save_layouts(rank: int, world: int, root: str, layouts: list[str]) -> dict:
+    reports = {}
+    for layout in layouts:
+        s = state(layout, rank, world, fill=True)
+        s["rank_value"] = rank  # differs between ranks: kept per rank
+        s["rng"] = resurgo.PerRank(torch.full((4,), rank, dtype=torch.int32))
+        r = resurgo.save(s, f"{root}/n{world}-{layout}")
+        reports[layout] = (r.bytes_written, r.tensor_bytes)
+    return reports
+
+
+def load_layouts(rank: int, world: int, root: str, saved: list[tuple[int, str]], layouts: list[str]) -> dict:
+    """Load every saved checkpoint into every layout; return mismatches and the bytes read for "d"."""
+    ref = reference()
+    problems: list[str] = []
+    d_bytes: dict[str, tuple[int, int]] = {}
+    for n, save_layout in saved:
+        path = f"{root}/n{n}-{save_layout}"
+        for layout in layouts:
+            target = state(layout, rank, world, fill=False)
+            report = resurgo.load(target, path, strict=False)
+            expected = state(layout, rank, world, fill=True)
+            for k in ref:
+                if bits(local_of(target[k])) != bits(local_of(expected[k])):
+                    problems.append(f"{path} -> {layout} world {world} rank {rank}: {k} differs")
+            if target["step"] != 11:
+                problems.append(f"{path} -> {layout}: step {target['step']}")
+            if report.missing_keys or report.unexpected_keys != ["rank_value", "rng"]:
+                problems.append(f"{path} -> {layout}: keys {report.missing_keys} {report.unexpected_keys}")
+            # bytes read for "d" alone
+            only_d = {"d": hold(layout, torch.zeros_like(ref["d"]), rank, world)}
+            rep = resurgo.load(only_d, path, strict=False)
+            need = local_of(only_d["d"]).numel() * 4
+            d_bytes[f"n{n}-{save_layout}->{layout}"] = (rep.bytes_read, need)
+    return {"problems": problems, "d_bytes": d_bytes}
+
+
+def per_rank_roundtrip(rank: int, world: int, path: str, saved_world: int) -> dict:
+    """Load the per-rank values of a checkpoint saved by ``saved_world`` ranks."""
+    out: dict = {}
+    target = {"rank_value": -1, "rng": resurgo.PerRank(torch.zeros(4, dtype=torch.int32))}
+    if saved_world == world:
+        resurgo.load(target, path, strict=False)
+        out["rank_value"] = target["rank_value"]
+        out["rng"] = target["rng"].value.tolist()
+        return out
+    try:
+        resurgo.load({"rng": resurgo.PerRank(torch.zeros(4, dtype=torch.int32))}, path, strict=False)
+        out["plain_error"] = None
+    except resurgo.WorldSizeMismatchError as e:
+        out["plain_error"] = str(e)
+    resized = {"rng": resurgo.PerRank(torch.zeros(4, dtype=torch.int32),
+                                      on_resize=lambda saved, r, w: saved[r % len(saved)] + 100)}
+    resurgo.load(resized, path, strict=False)
+    out["resized"] = resized["rng"].value.tolist()
+    out["saved_count"] = len(resized["rng"].saved)
+    return out
+
+
+def overlapping_shards(rank: int, world: int, path: str) -> str:
+    # Rank r declares rows [r, r + 2): neighbours overlap.
+    full = torch.arange(world + 1, dtype=torch.float32)
+    s = {"x": resurgo.Shard(full[rank:rank + 2].clone(), (world + 1,), (rank,))}
+    try:
+        resurgo.save(s, path)
+    except resurgo.ShardingError as e:
+        return f"ShardingError: {e}"
+    return "saved"
+
+
+def failing_rank(rank: int, world: int, path: str, bad_rank: int) -> str:
+    """Save, with fsync failing (ENOSPC) on ``bad_rank``; return what this rank raised."""
+    import os
+
+    real = os.fsync
+
+    def broken(fd: int) -> None:
+        raise OSError(28, "No space left on device (injected)")
+
+    if rank == bad_rank:
+        os.fsync = broken
+    s = {"x": hold("dt_s0", torch.arange(64, dtype=torch.float32).reshape(8, 8), rank, world)}
+    try:
+        resurgo.save(s, path)
+    except Exception as e:  # noqa: BLE001 - the test compares type and message across ranks
+        return f"{type(e).__name__}: {e}"
+    finally:
+        os.fsync = real
+    return "saved"
+
+
+def world_size_of(path: str) -> int:
+    return resurgo.read_manifest(path).world["size"]
+
+
+__all__ = ["LAYOUTS", "DIM0_LAYOUTS", "math", "dist"]
