@@ -15,12 +15,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from resurgo import PerRank
+
 _SCALARS = (int, float, bool, str, bytes, type(None))
 
 
 def assert_plain(tree: Any, key: str = "") -> None:
     """Every leaf is a tensor, a NumPy array/scalar or a Python scalar; containers are plain."""
     if isinstance(tree, (torch.Tensor, np.ndarray, np.generic) + _SCALARS):
+        return
+    if isinstance(tree, PerRank):  # one rank's value of a per-rank leaf (a world of one here)
+        assert_plain(tree.value, key)
         return
     if isinstance(tree, dict):
         for k, v in tree.items():
@@ -42,6 +47,10 @@ def save(stateful: Any) -> Any:
 
 
 def _fill(dst: Any, src: Any, key: str) -> Any:
+    if isinstance(dst, PerRank):
+        assert isinstance(src, PerRank), f"{key}: PerRank expected, got {type(src).__name__}"
+        dst.value = _fill(dst.value, src.value, key)
+        return dst
     if isinstance(dst, torch.Tensor):
         assert isinstance(src, torch.Tensor), f"{key}: tensor expected, got {type(src).__name__}"
         assert dst.dtype == src.dtype, f"{key}: dtype {dst.dtype} != {src.dtype}"

@@ -68,7 +68,7 @@ def test_roundtrip_reproduces_streams(gauss_pending: bool) -> None:
 
 
 def test_state_is_plain_with_fixed_shapes() -> None:
-    sd = RNGState().state_dict()
+    sd = RNGState().state_dict().value
     core.assert_plain(sd)
     assert set(sd) == {"python", "numpy", "torch", "cuda"}
     assert sd["python"]["state"].dtype == np.uint32 and sd["python"]["state"].shape == (625,)
@@ -77,7 +77,7 @@ def test_state_is_plain_with_fixed_shapes() -> None:
     random.gauss(0, 1)  # computes two values: one returned, one kept in gauss_next ...
     if random.getstate()[2] is None:
         random.gauss(0, 1)  # ... unless one was already kept, which this call used up
-    sd2 = RNGState().state_dict()  # gauss_next now set: the leaf kinds must not change
+    sd2 = RNGState().state_dict().value  # gauss_next now set: the leaf kinds must not change
     assert type(sd2["python"]["gauss_next"]) is float and sd2["python"]["has_gauss_next"] is True
     assert type(sd["python"]["gauss_next"]) is float
     if not torch.cuda.is_available():

@@ -12,12 +12,15 @@ right shape for the checkpoint to be read into (see :class:`RNGState`).
 from __future__ import annotations
 
 import random
+import warnings
 from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 from resurgo.errors import TypeMismatchError
+from resurgo.state.per_rank import PerRank
 
 __all__ = ["RNGState", "capture_rng_state", "restore_rng_state"]
 
@@ -123,19 +126,52 @@ def restore_rng_state(sd: dict[str, Any]) -> None:
         _restore_cuda(sd["cuda"])
 
 
+def carry_over_rng(saved: list[dict[str, Any]], rank: int, world: int) -> dict[str, Any]:
+    """The RNG state of ``rank`` in a job of ``world`` ranks resumed from ``len(saved)`` ranks.
+
+    Ranks that existed keep their own stream. A new rank gets fresh Python, NumPy and torch CPU
+    streams seeded from the xxh64 of (the saved torch state of rank ``rank % len(saved)``, rank),
+    so they are deterministic, differ between ranks, and never repeat a saved stream. CUDA states
+    of new ranks are left as the process has them. When the job shrinks, the streams of ranks
+    ``world..len(saved)-1`` are not used (rank 0 warns).
+    """
+    if rank == 0 and world < len(saved):
+        warnings.warn(f"resurgo: resuming {len(saved)} ranks' RNG states on {world} ranks: "
+                      f"the streams of ranks {world}..{len(saved) - 1} are not used", stacklevel=2)
+    if rank < len(saved):
+        return saved[rank]
+    base = saved[rank % len(saved)].get("torch")
+    h = xxhash.xxh64(np.asarray(base, dtype=np.uint8).tobytes() if base is not None else b"")
+    h.update(rank.to_bytes(8, "little"))
+    seed = h.intdigest()
+    kept = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    try:
+        random.seed(seed)
+        np.random.seed(seed % (1 << 32))
+        torch.manual_seed(seed % (1 << 63))
+        derived = {"python": _capture_python(), "numpy": _capture_numpy(), "torch": torch.get_rng_state()}
+    finally:
+        random.setstate(kept[0])
+        np.random.set_state(kept[1])
+        torch.set_rng_state(kept[2])
+    return derived
+
+
 class RNGState:
     """Stateful view of the process-global RNGs (Python, NumPy, torch CPU, CUDA).
 
-    ``state_dict()`` captures them now; ``load_state_dict(sd)`` sets them. Restoring makes the
-    following draws identical to those that followed the capture. Put it last in restore order:
-    anything restored after it that draws random numbers would shift the streams.
+    ``state_dict()`` captures them now, as a :class:`~resurgo.PerRank` value (every rank's streams
+    are its own); ``load_state_dict(sd)`` sets them, on another number of ranks through
+    :func:`carry_over_rng`. Restoring makes the following draws identical to those that followed
+    the capture. Put it last in restore order: anything restored after it that draws random
+    numbers would shift the streams.
     """
 
-    def state_dict(self) -> dict[str, Any]:
-        return capture_rng_state()
+    def state_dict(self) -> PerRank:
+        return PerRank(capture_rng_state(), on_resize=carry_over_rng)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        restore_rng_state(state_dict)
+    def load_state_dict(self, state_dict: Any) -> None:
+        restore_rng_state(state_dict.value if isinstance(state_dict, PerRank) else state_dict)
 
     def __repr__(self) -> str:
         return "RNGState()"
