@@ -115,7 +115,9 @@ def load_layouts(rank: int, world: int, root: str, saved: list[tuple[int, str]],
                 problems.append(f"{path} -> {layout}: step {target['step']}")
             if report.missing_keys or report.unexpected_keys != ["rank_value", "rng"]:
                 problems.append(f"{path} -> {layout}: keys {report.missing_keys} {report.unexpected_keys}")
-            # bytes read for "d" alone
+            # bytes read for "d" alone, for dim-0 resharding
+            if layout not in DIM0_LAYOUTS or save_layout not in DIM0_LAYOUTS + ["plain", "dt_rep"]:
+                continue
             only_d = {"d": hold(layout, torch.zeros_like(ref["d"]), rank, world)}
             rep = resurgo.load(only_d, path, strict=False)
             need = local_of(only_d["d"]).numel() * 4

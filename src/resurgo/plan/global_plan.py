@@ -10,6 +10,7 @@ collapsing into one copy.
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -193,6 +194,18 @@ def plan_global(decls: list[RankDecl], block_bytes_for: Callable[[int], int]) ->
     ``block_bytes_for(global_nbytes)`` gives the checksum block size of a tensor's chunks.
     Raises ShardingError naming the tensor and the ranks when the shards do not fit together.
     """
+    # Planning allocates an object per chunk and keeps them all: with the collector on, each full
+    # collection rescans every one, and planning for thousands of ranks turns quadratic.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _plan_global(decls, block_bytes_for)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _plan_global(decls: list[RankDecl], block_bytes_for: Callable[[int], int]) -> GlobalPlan:
     tree, per_rank = merge_trees([d.tree for d in decls], _differing_replicas(decls))
     by_key: dict[str, list[tuple[int, TensorDecl]]] = {}
     for r, d in enumerate(decls):
