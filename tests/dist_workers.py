@@ -184,3 +184,17 @@ def world_size_of(path: str) -> int:
 
 
 __all__ = ["LAYOUTS", "DIM0_LAYOUTS", "math", "dist"]
+
+
+def async_then_load(rank: int, world: int, path: str) -> list[str]:
+    """async_save on every rank, mutate right after the call, then load into another layout."""
+    ref = reference()
+    s = {k: hold("dt_s0", v, rank, world) for k, v in ref.items()}
+    handle = resurgo.async_save(s, path)
+    for v in s.values():  # the checkpoint must hold the values of the moment of the call
+        local_of(v).zero_()
+    handle.wait()
+    target = {k: hold("dt_s1", torch.zeros_like(v), rank, world) for k, v in ref.items()}
+    resurgo.load(target, path)
+    expected = {k: hold("dt_s1", v, rank, world) for k, v in ref.items()}
+    return [k for k in ref if bits(local_of(target[k])) != bits(local_of(expected[k]))]

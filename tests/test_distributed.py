@@ -124,3 +124,9 @@ def test_a_failing_rank_fails_every_rank_and_keeps_the_old_checkpoint(tmp_path):
     assert not (tmp_path / "new").exists()
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no temporary directory left behind
     assert (path / "manifest.json").read_bytes() == before
+
+
+def test_async_save_on_every_rank_snapshots_and_reshards(tmp_path):
+    results = run_ranks(3, "dist_workers:async_then_load", str(tmp_path / "async"))
+    assert results == [[], [], []]
+    assert resurgo.read_manifest(tmp_path / "async").world == {"size": 3}
