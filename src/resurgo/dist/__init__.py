@@ -1,0 +1,1 @@
+"""Coordination over torch.distributed (gather plans, barrier, broadcast); a no-op in one process."""

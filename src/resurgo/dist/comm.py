@@ -1,0 +1,118 @@
+"""Coordination over torch.distributed: gather, broadcast, and agreeing on success or failure.
+
+This module owns every collective resurgo makes. Only small Python objects (plans, checksums,
+error descriptions) travel through it, never tensor data. Collectives run on a gloo group of
+resurgo's own, created once, so they work beside NCCL training and from a background thread
+(asynchronous saves) without interleaving with the training's own collectives. Alone (no
+process group), every call is a local no-op with rank 0 of a world of 1.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from resurgo import errors
+from resurgo.errors import RankFailedError, ResurgoError
+
+T = TypeVar("T")
+_lock = threading.Lock()
+_groups: dict[int, Any] = {}
+
+
+@dataclass(frozen=True)
+class Comm:
+    rank: int
+    size: int
+    group: Any = None  # None: a world of one
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    def gather(self, obj: T) -> list[T] | None:
+        """Every rank's ``obj`` on rank 0 (None elsewhere)."""
+        if self.size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] | None = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=_global_rank(self.group, 0), group=self.group)
+        return out
+
+    def all_gather(self, obj: T) -> list[T]:
+        if self.size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast(self, obj: T) -> T:
+        """Rank 0's ``obj`` on every rank."""
+        if self.size == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
+    def agree(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` here; if it failed on any rank, every rank raises the same error (the first
+        failing rank's, naming that rank). Collective: every rank must call it."""
+        failure: tuple[str, str, int] | None = None
+        result: Any = None
+        original: BaseException | None = None
+        try:
+            result = fn()
+        except BaseException as e:  # noqa: BLE001 - reported to every rank, then raised
+            original = e
+            failure = (type(e).__name__, str(e), self.rank)
+        if self.size == 1:
+            if original is not None:
+                raise original
+            return result
+        failures = [f for f in self.all_gather(failure) if f is not None]
+        if failures:
+            raise _rebuild(*failures[0]) from original
+        return result
+
+
+def _global_rank(group: Any, group_rank: int) -> int:
+    import torch.distributed as dist
+
+    return dist.get_global_rank(group, group_rank) if group is not None else group_rank
+
+
+def _rebuild(name: str, message: str, rank: int) -> BaseException:
+    """The same error class on every rank when it is one of ours, else RankFailedError."""
+    text = f"rank {rank} failed: {message}"
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, ResurgoError):
+        try:
+            return cls(text)
+        except TypeError:  # a class whose constructor needs more than a message
+            pass
+    return RankFailedError(f"{text} ({name})")
+
+
+def current() -> Comm:
+    """This process's place in the job: the default process group, or a world of one."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return Comm(0, 1)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return Comm(0, 1)
+    default = dist.group.WORLD
+    with _lock:
+        group = _groups.get(id(default))
+        if group is None:
+            # Collective: every rank creates it at its first save or load, in the same order.
+            group = dist.new_group(backend="gloo")
+            _groups[id(default)] = group
+    return Comm(dist.get_rank(), dist.get_world_size(), group)
