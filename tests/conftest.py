@@ -2,6 +2,11 @@ import os
 import sys
 
 import pytest
+from hypothesis import settings
+
+# A shared 2-core machine stalls single examples for seconds at times: no per-example deadline.
+settings.register_profile("resurgo", deadline=None)
+settings.load_profile("resurgo")
 
 # Tests import helper scripts from tests/scripts.
 sys.path.insert(0, os.path.dirname(__file__))

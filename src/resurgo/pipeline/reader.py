@@ -18,7 +18,7 @@ from resurgo.errors import CorruptCheckpointError
 from resurgo.format import checksum, dtypes
 from resurgo.format.manifest import Manifest
 from resurgo.pipeline.buffers import as_copyable, typed_view, writable_bytes
-from resurgo.plan.load_plan import ReadOp, Scatter, Target, plan_reads
+from resurgo.plan.load_plan import BoxCopy, ReadOp, Scatter, Target, plan_reads
 from resurgo.state.flatten import Array
 from resurgo.state.unflatten import Destination
 from resurgo.storage.local import CheckpointDir, ReadHandle
@@ -84,6 +84,8 @@ def read_destinations(ckpt: CheckpointDir, manifest: Manifest, destinations: lis
         for part, view in zip(op.parts, views):
             if part.scatters:
                 scatter(np.frombuffer(view, dtype=np.uint8), part.scatters, bufs)
+            if part.box is not None:
+                copy_box(np.frombuffer(view, dtype=np.uint8), part.box, bufs)
         return t1 - t0, t2 - t1, time.perf_counter() - t2
 
     try:
@@ -103,6 +105,13 @@ def read_destinations(ckpt: CheckpointDir, manifest: Manifest, destinations: lis
     seconds["assemble"] = time.perf_counter() - t0 + sum(r[2] for r in results)
     seconds["total"] = time.perf_counter() - t_start
     return ReadResult(sum(op.length for op in ops), sorted(handles), seconds)
+
+
+def copy_box(scratch: np.ndarray, box: BoxCopy, bufs: list[np.ndarray]) -> None:
+    shape = box.shape + (box.itemsize,)
+    src = np.lib.stride_tricks.as_strided(scratch[box.src_offset:], shape, box.src_strides + (1,), writeable=False)
+    dst = np.lib.stride_tricks.as_strided(bufs[box.target][box.dst_offset:], shape, box.dst_strides + (1,))
+    dst[...] = src
 
 
 def scatter(scratch: np.ndarray, scatters: tuple[Scatter, ...], bufs: list[np.ndarray]) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from resurgo.format import dtypes
 from resurgo.format.manifest import TensorEntry
-from resurgo.layout.box import Place
+from resurgo.layout.box import ChunkBox, Place
 from resurgo.layout.regions import ByteRun, block_aligned_reads, byte_runs
 
 MAX_PIECE_BYTES = 16 << 20
@@ -50,11 +50,26 @@ class Scatter:
 
 
 @dataclass(frozen=True)
+class BoxCopy:
+    """Copy a box of elements out of a part's scratch buffer in one strided copy: ``shape``
+    elements of ``itemsize`` bytes, at byte ``src_offset`` with byte strides ``src_strides``, to
+    byte ``dst_offset`` of target ``target`` with byte strides ``dst_strides``."""
+
+    target: int
+    shape: tuple[int, ...]
+    itemsize: int
+    src_offset: int
+    src_strides: tuple[int, ...]
+    dst_offset: int
+    dst_strides: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ReadPart:
     """A block-aligned piece of chunk ``chunk`` of tensor ``key``, verifiable from ``first_block``.
 
     Direct (``target`` is not None): it lands at ``dst_offset`` of that target. Otherwise it is
-    read into scratch and ``scatters`` copy the shared bytes out.
+    read into scratch and ``scatters`` (runs) or ``box`` (one strided box) copy the shared bytes out.
     """
 
     key: str
@@ -64,6 +79,7 @@ class ReadPart:
     target: int | None
     dst_offset: int = 0
     scatters: tuple[Scatter, ...] = ()
+    box: BoxCopy | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +110,51 @@ def _scatters(runs: list[ByteRun], starts: list[int], lo: int, hi: int, target: 
     return tuple(out)
 
 
+def _strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    out, acc = [], itemsize
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= d
+    return tuple(reversed(out))
+
+
+def _lands_contiguously(src: ChunkBox, dst: ChunkBox) -> bool:
+    """Whether box ``src`` (inside ``dst``) is one contiguous byte range of ``dst``'s storage: past
+    its first dimension of extent > 1, it spans ``dst`` fully."""
+    dims = [d for d, n in enumerate(src.shape) if n > 1]
+    return not dims or all(src.shape[d] == dst.shape[d] for d in range(dims[0] + 1, len(src.shape)))
+
+
+def _box_slabs(src: ChunkBox, dst: ChunkBox, itemsize: int, block: int, chunk_nbytes: int, gap: int,
+               max_piece_bytes: int, target: int) -> list[tuple[int, tuple]] | None:
+    """Reads of a box-to-box overlap as slabs of its outer dimension, each one block-aligned span
+    copied out with one strided copy; or None when the shared bytes are too sparse in the chunk
+    (a gap between two runs wider than ``gap``: reading per run wastes less)."""
+    common = src.intersect(dst)
+    if common is None or not common.shape:
+        return None
+    s_str, d_str = _strides(src.shape, itemsize), _strides(dst.shape, itemsize)
+    inner = [(c - 1) * st for c, st in zip(common.shape, s_str)]
+    for d in range(len(common.shape)):  # the widest jump between runs, dimension by dimension
+        if common.shape[d] > 1 and s_str[d] - sum(inner[d + 1:]) - itemsize > gap:
+            return None
+    src0 = sum((o - b) * st for o, b, st in zip(common.offsets, src.offsets, s_str))
+    dst0 = sum((o - b) * st for o, b, st in zip(common.offsets, dst.offsets, d_str))
+    rows_per_slab = max(1, max_piece_bytes // max(1, s_str[0]))
+    tail = sum(inner[1:]) + itemsize  # bytes from a row's first shared element to past its last
+    out = []
+    for a in range(0, common.shape[0], rows_per_slab):
+        b = min(common.shape[0], a + rows_per_slab)
+        first = src0 + a * s_str[0]
+        last = first + (b - a - 1) * s_str[0] + tail
+        start = first // block * block
+        stop = min(-(-last // block) * block, chunk_nbytes)
+        copy = BoxCopy(target, (b - a,) + common.shape[1:], itemsize, first - start, s_str,
+                       dst0 + a * d_str[0], d_str)
+        out.append((start, (stop - start, start // block, None, 0, (), copy)))
+    return out
+
+
 def plan_reads(targets: list[Target], entries: dict[str, TensorEntry], max_piece_bytes: int = MAX_PIECE_BYTES,
                gap: int = GAP_BYTES) -> list[ReadOp]:
     pieces: list[tuple[str, int, ReadPart]] = []  # (file, file offset, part)
@@ -102,10 +163,26 @@ def plan_reads(targets: list[Target], entries: dict[str, TensorEntry], max_piece
         shape = tuple(entry.shape)
         itemsize = dtypes.itemsize(entry.dtype)
         for ci, chunk in enumerate(entry.chunks):
-            runs = byte_runs(shape, itemsize, chunk.place, t.place)
+            block, base = chunk.block_bytes, chunk.byte_range[0]
+            src, dst = chunk.place, t.place
+            if isinstance(src, ChunkBox) and isinstance(dst, ChunkBox):
+                # Boxes: decided from the intersection, without listing every run.
+                common = src.intersect(dst)
+                if common is None:
+                    continue
+                if common == src and _lands_contiguously(src, dst):
+                    dst_offset = sum((a - b) * st for a, b, st in zip(src.offsets, dst.offsets, _strides(dst.shape, itemsize)))
+                    for a, b in _pieces(0, chunk.nbytes, block, max_piece_bytes):
+                        pieces.append((chunk.file, base + a, ReadPart(t.key, ci, b - a, a // block, ti, dst_offset + a)))
+                    continue
+                slabs = _box_slabs(src, dst, itemsize, block, chunk.nbytes, gap, max_piece_bytes, ti)
+                if slabs is not None:
+                    for start, part in slabs:
+                        pieces.append((chunk.file, base + start, ReadPart(t.key, ci, *part)))
+                    continue
+            runs = byte_runs(shape, itemsize, src, dst)
             if not runs:
                 continue
-            block, base = chunk.block_bytes, chunk.byte_range[0]
             if len(runs) == 1 and runs[0].length == chunk.nbytes:
                 for a, b in _pieces(0, chunk.nbytes, block, max_piece_bytes):
                     pieces.append((chunk.file, base + a, ReadPart(t.key, ci, b - a, a // block, ti, runs[0].dst_offset + a)))
