@@ -150,7 +150,7 @@ def _to_safetensors(ckpt: CheckpointDir, manifest: Manifest, dst: Path, to: str,
             if raw:
                 metadata = {**metadata, "resurgo.raw_dtypes": json.dumps(raw)}
                 raw_keys.extend(i.key for i in items if i.name in raw)
-            bytes_written += _write_file(output, rel, items, metadata, stream.pieces(keys), seconds, progress)
+            bytes_written += _write_file(output, rel, items, metadata, keys, stream, seconds, progress)
             written.append(rel or dst.name)
         if len(files) > 1:
             index = {"metadata": {"total_size": sum(tensor_nbytes(manifest.tensors[k]) for k in names)},
@@ -207,23 +207,26 @@ def _output_item(name: str, key: str, manifest: Manifest) -> WriteItem:
 
 
 def _write_file(output: AtomicOutput, rel: str | None, items: list[WriteItem], metadata: dict[str, str],
-                pieces: Iterator[memoryview], seconds: dict[str, float],
+                keys: list[str], stream: TensorByteStream, seconds: dict[str, float],
                 progress: Callable[[int], None] | None) -> int:
     """Header first, then every tensor's bytes as the stream delivers them, then fsync."""
     header, _ = build_header(items, metadata)
     handle = output.create(rel)
+    waited_since = time.perf_counter()
+
+    def write(piece: memoryview) -> None:
+        nonlocal waited_since
+        t0 = time.perf_counter()
+        handle.write(piece)
+        seconds["read"] += t0 - waited_since
+        waited_since = time.perf_counter()
+        seconds["write"] += waited_since - t0
+        if progress is not None:
+            progress(len(piece))
+
     try:
         handle.write(memoryview(header))
-        t0 = time.perf_counter()
-        for piece in pieces:
-            t1 = time.perf_counter()
-            handle.write(piece)
-            t2 = time.perf_counter()
-            seconds["read"] += t1 - t0
-            seconds["write"] += t2 - t1
-            if progress is not None:
-                progress(len(piece))
-            t0 = time.perf_counter()
+        stream.copy_to(keys, write)
         handle.fsync()
         return handle.bytes_written
     finally:

@@ -1,7 +1,8 @@
 """Streaming whole tensors out of a checkpoint, verified, within a memory budget.
 
-:class:`TensorByteStream` yields the row-major bytes of a sequence of tensors, in order, as
-consecutive pieces, for a writer to append to a file. Tensors are read in batches whose bytes fit
+:class:`TensorByteStream` hands the row-major bytes of a sequence of tensors, in order, as
+consecutive pieces to a writer that appends them to a file (a callback, so no reference to a
+piece outlives its write and each buffer is freed before the next is filled). Tensors are read in batches whose bytes fit
 the budget, through :func:`~resurgo.pipeline.reader.read_destinations` (which assembles tensors
 stored in several chunks and verifies every checksum). A tensor too large for the budget is read
 a window of its flattened elements at a time: each window's bytes in every chunk
@@ -13,7 +14,7 @@ about the budget whatever the sizes, and no byte reaches the output unverified.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -51,16 +52,19 @@ class TensorByteStream:
         self.bytes_read = 0
         self.peak_buffer_bytes = 0
 
-    def pieces(self, keys: Sequence[str]) -> Iterator[memoryview]:
-        """The bytes of ``keys``' tensors, in order, back to back. Each piece is valid until the
-        next one is requested (its buffer is then released or reused)."""
+    def copy_to(self, keys: Sequence[str], write: Callable[[memoryview], None]) -> None:
+        """Call ``write`` with the bytes of ``keys``' tensors, in order, back to back. A piece is
+        valid only during its call (its buffer is then freed or reused)."""
         entries = self.manifest.tensors
         plan = plan_batches([(k, tensor_nbytes(entries[k]), read_cost(entries[k])) for k in keys], self.budget)
         for batch in plan:
-            yield from self._window_pieces(batch.keys[0]) if batch.windowed else self._batch_pieces(batch)
+            if batch.windowed:
+                self._copy_windows(batch.keys[0], write)
+            else:
+                self._copy_batch(batch, write)
 
     # -- batches of whole tensors ---------------------------------------------------------------
-    def _batch_pieces(self, batch: Batch) -> Iterator[memoryview]:
+    def _copy_batch(self, batch: Batch, write: Callable[[memoryview], None]) -> None:
         arena = np.empty(batch.nbytes, dtype=np.uint8)
         destinations = []
         offset = 0
@@ -72,11 +76,10 @@ class TensorByteStream:
         self._hold(sum(read_cost(self.manifest.tensors[k]) for k in batch.keys))
         self.bytes_read += read_destinations(self.ckpt, self.manifest, destinations, verify=True,
                                              threads=self.threads).bytes_read
-        yield arena.data
-        del arena
+        write(arena.data)
 
     # -- one large tensor, window by window -----------------------------------------------------
-    def _window_pieces(self, key: str) -> Iterator[memoryview]:
+    def _copy_windows(self, key: str, write: Callable[[memoryview], None]) -> None:
         entry = self.manifest.tensors[key]
         itemsize = dtypes.itemsize(entry.dtype)
         shape = tuple(entry.shape)
@@ -92,7 +95,7 @@ class TensorByteStream:
         out = np.empty(window * itemsize, dtype=np.uint8)
         for start in range(0, numel, window):
             stop = min(numel, start + window)
-            yield self._read_window(key, entry, FlatRange(start, stop), out, itemsize)
+            write(self._read_window(key, entry, FlatRange(start, stop), out, itemsize))
 
     def _read_window(self, key: str, entry: TensorEntry, window: FlatRange, out: np.ndarray,
                      itemsize: int) -> memoryview:
@@ -104,7 +107,8 @@ class TensorByteStream:
             for read in block_aligned_reads(runs, chunk.block_bytes, chunk.nbytes):
                 buf = np.empty(read.length, dtype=np.uint8)
                 part = _byte_range_entry(chunk, read.start, read.stop, read.first_block)
-                name = f"{key} (chunk {ci}, bytes {read.start}..{read.stop})"
+                # read_destinations numbers the blocks of this part from 0: the name says from where.
+                name = f"{key} (chunk {ci}; blocks counted from its block {read.first_block})"
                 destinations.append(Destination(name, part, buf))
                 scatter.append((buf, read.start, [r for r in runs if read.start <= r.src_offset < read.stop]))
         self._hold(len(out) + sum(len(b) for b, _, _ in scatter))
