@@ -72,6 +72,22 @@ def _replace_directory(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _publish(tmp: Path, final: Path, overwrite: bool, doing: str) -> None:
+    """Rename the finished ``tmp`` (a durable file or directory) onto ``final``, replacing an
+    existing one atomically when ``overwrite``, then fsync the parent. ``doing`` names the
+    operation in the message when ``final`` appeared meanwhile."""
+    if final.exists():
+        if not overwrite:
+            raise CheckpointExistsError(f"{final}: appeared while {doing}; refusing to replace it")
+        if tmp.is_dir():
+            _replace_directory(tmp, final)
+        else:
+            os.replace(tmp, final)  # atomic for a file
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(final.parent)
+
+
 def is_temporary(path: Path) -> bool:
     return TMP_MARKER in path.name
 
@@ -252,20 +268,11 @@ class LocalStaging:
                 h.close()
             _fsync_dir(self.tmp / "data")
             _fsync_dir(self.tmp)
-            if self.final.exists():
-                if not self.overwrite:
-                    raise CheckpointExistsError(f"{self.final}: appeared while saving; refusing to replace it")
-                self._replace()
-            else:
-                os.rename(self.tmp, self.final)
-            _fsync_dir(self.final.parent)
+            _publish(self.tmp, self.final, self.overwrite, "saving")
         except OSError as e:
             if isinstance(e, ResurgoError):
                 raise
             raise StorageError(e.errno, f"{self.final}: commit failed: {e.strerror}") from None
-
-    def _replace(self) -> None:
-        _replace_directory(self.tmp, self.final)
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -316,16 +323,7 @@ class AtomicOutput:
         try:
             if self.directory:
                 _fsync_dir(self.tmp)
-            if self.final.exists():
-                if not self.overwrite:
-                    raise CheckpointExistsError(f"{self.final}: appeared while converting; refusing to replace it")
-                if self.directory:
-                    _replace_directory(self.tmp, self.final)
-                else:
-                    os.replace(self.tmp, self.final)  # atomic for a file
-            else:
-                os.rename(self.tmp, self.final)
-            _fsync_dir(self.final.parent)
+            _publish(self.tmp, self.final, self.overwrite, "converting")
         except OSError as e:
             if isinstance(e, ResurgoError):
                 raise
