@@ -134,7 +134,7 @@ def _to_safetensors(ckpt: CheckpointDir, manifest: Manifest, dst: Path, to: str,
         if manifest.step is not None:
             extra["resurgo.step"] = str(manifest.step)
         if manifest.metadata:
-            extra["resurgo.metadata"] = json.dumps(manifest.metadata, allow_nan=False)
+            extra["resurgo.metadata"] = json.dumps(manifest.metadata)
         files = [(None, list(names), extra)]
     output = AtomicOutput(dst, directory=(to == "hf"), overwrite=overwrite)
     stream = TensorByteStream(ckpt, manifest, budget, threads)
