@@ -2,13 +2,15 @@
 
 :class:`TensorByteStream` hands the row-major bytes of a sequence of tensors, in order, as
 consecutive pieces to a writer that appends them to a file (a callback, so no reference to a
-piece outlives its write and each buffer is freed before the next is filled). Tensors are read in batches whose bytes fit
-the budget, through :func:`~resurgo.pipeline.reader.read_destinations` (which assembles tensors
-stored in several chunks and verifies every checksum). A tensor too large for the budget is read
-a window of its flattened elements at a time: each window's bytes in every chunk
-(:func:`~resurgo.layout.regions.byte_runs`), widened to whole checksum blocks, are read and
-verified through ``read_destinations`` too, then scattered into the window. So memory stays
-about the budget whatever the sizes, and no byte reaches the output unverified.
+piece outlives its write and each buffer is freed before the next is filled). Tensors are read in
+batches whose bytes fit the budget, through :func:`~resurgo.pipeline.reader.read_destinations`,
+which assembles tensors stored in several chunks and verifies every checksum. A tensor larger than
+the budget is read a window of its flattened elements at a time: the window is a partial
+destination (a :class:`~resurgo.layout.box.FlatRange` piece), so the reader fetches only the
+checksum blocks that hold it. The reader reads a chunk straight into place when it lands there
+as one contiguous run, else into scratch buffers it scatters from: such tensors (and windows)
+count twice against the budget. Memory stays about the budget whatever the tensor sizes, and no
+byte reaches the output unverified.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ import numpy as np
 
 from resurgo.errors import MemoryBudgetError
 from resurgo.format import dtypes
-from resurgo.format.manifest import BoxPlace, ChunkEntry, Manifest, TensorEntry
-from resurgo.layout.box import FlatRange
-from resurgo.layout.regions import ByteRun, block_aligned_reads, byte_runs
+from resurgo.format.manifest import Manifest, TensorEntry
+from resurgo.layout.box import ChunkBox, FlatRange
+from resurgo.layout.regions import byte_runs
+from resurgo.layout.shards import LocalPiece
+from resurgo.pipeline.buffers import typed_view
 from resurgo.pipeline.reader import read_destinations
 from resurgo.plan.convert_plan import Batch, plan_batches
-from resurgo.plan.load_plan import reads_whole_into_dest
 from resurgo.state.unflatten import Destination
 from resurgo.storage.local import CheckpointDir
 
@@ -35,14 +38,20 @@ def tensor_nbytes(entry: TensorEntry) -> int:
 
 
 def read_cost(entry: TensorEntry) -> int:
-    """Memory ``read_destinations`` needs for the whole tensor: its bytes, twice when its chunks
-    are read into buffers and assembled."""
-    n = tensor_nbytes(entry)
-    return n if reads_whole_into_dest(entry) else 2 * n
+    """Memory reading the whole tensor needs: its bytes when every chunk lands in it as one
+    contiguous run (read straight into place), twice that otherwise (the reader's scratch)."""
+    shape = tuple(entry.shape)
+    itemsize = dtypes.itemsize(entry.dtype)
+    whole = ChunkBox.whole(shape)
+    for c in entry.chunks:
+        runs = byte_runs(shape, itemsize, c.place, whole)
+        if c.nbytes and not (len(runs) == 1 and runs[0].length == c.nbytes):
+            return 2 * tensor_nbytes(entry)
+    return tensor_nbytes(entry)
 
 
 class TensorByteStream:
-    """Reads tensors of one checkpoint; counts what it read and the most memory it held."""
+    """Reads tensors of one checkpoint; counts what it read and the most memory it needed."""
 
     def __init__(self, ckpt: CheckpointDir, manifest: Manifest, budget: int, threads: int):
         self.ckpt = ckpt
@@ -63,9 +72,14 @@ class TensorByteStream:
             else:
                 self._copy_batch(batch, write)
 
-    # -- batches of whole tensors ---------------------------------------------------------------
+    def _read(self, destinations: list[Destination]) -> None:
+        result = read_destinations(self.ckpt, self.manifest, destinations, verify=True, threads=self.threads)
+        self.bytes_read += result.bytes_read
+
     def _copy_batch(self, batch: Batch, write: Callable[[memoryview], None]) -> None:
         arena = np.empty(batch.nbytes, dtype=np.uint8)
+        cost = sum(read_cost(self.manifest.tensors[k]) for k in batch.keys)
+        self.peak_buffer_bytes = max(self.peak_buffer_bytes, cost)
         destinations = []
         offset = 0
         for key in batch.keys:
@@ -73,63 +87,24 @@ class TensorByteStream:
             n = tensor_nbytes(entry)
             destinations.append(Destination(key, entry, arena[offset : offset + n]))
             offset += n
-        self._hold(sum(read_cost(self.manifest.tensors[k]) for k in batch.keys))
-        self.bytes_read += read_destinations(self.ckpt, self.manifest, destinations, verify=True,
-                                             threads=self.threads).bytes_read
+        self._read(destinations)
         write(arena.data)
 
-    # -- one large tensor, window by window -----------------------------------------------------
     def _copy_windows(self, key: str, write: Callable[[memoryview], None]) -> None:
         entry = self.manifest.tensors[key]
         itemsize = dtypes.itemsize(entry.dtype)
-        shape = tuple(entry.shape)
-        numel = math.prod(shape)
-        # Reading a window's bytes may widen each chunk's part by up to a block at either end.
-        reserve = 2 * sum(min(c.block_bytes, c.nbytes) for c in entry.chunks)
-        window = (self.budget - reserve) // 2 // itemsize  # elements; the reads, then the window
+        window = self.budget // 2 // itemsize  # elements: half for the window, half for the reads' scratch
         if window < 1:
             raise MemoryBudgetError(
-                f"{self.ckpt.path}: tensor {key!r} ({tensor_nbytes(entry)} bytes in {len(entry.chunks)} chunks, "
-                f"checksum blocks of up to {max(c.block_bytes for c in entry.chunks)} bytes) cannot be read and "
-                f"verified within memory_budget={self.budget}; it needs at least {reserve + 2 * itemsize} bytes")
+                f"{self.ckpt.path}: tensor {key!r} has elements of {itemsize} bytes; memory_budget={self.budget} "
+                f"cannot hold a window of one and its read (at least {2 * itemsize} bytes)")
         out = np.empty(window * itemsize, dtype=np.uint8)
+        self.peak_buffer_bytes = max(self.peak_buffer_bytes, 2 * len(out))
+        dtype = dtypes.TORCH_DTYPES[entry.dtype]
+        numel = math.prod(entry.shape)
         for start in range(0, numel, window):
             stop = min(numel, start + window)
-            write(self._read_window(key, entry, FlatRange(start, stop), out, itemsize))
-
-    def _read_window(self, key: str, entry: TensorEntry, window: FlatRange, out: np.ndarray,
-                     itemsize: int) -> memoryview:
-        shape = tuple(entry.shape)
-        destinations: list[Destination] = []
-        scatter: list[tuple[np.ndarray, int, list[ByteRun]]] = []  # (buffer, its chunk offset, runs)
-        for ci, chunk in enumerate(entry.chunks):
-            runs = byte_runs(shape, itemsize, chunk.place, window)
-            for read in block_aligned_reads(runs, chunk.block_bytes, chunk.nbytes):
-                buf = np.empty(read.length, dtype=np.uint8)
-                part = _byte_range_entry(chunk, read.start, read.stop, read.first_block)
-                # read_destinations numbers the blocks of this part from 0: the name says from where.
-                name = f"{key} (chunk {ci}; blocks counted from its block {read.first_block})"
-                destinations.append(Destination(name, part, buf))
-                scatter.append((buf, read.start, [r for r in runs if read.start <= r.src_offset < read.stop]))
-        self._hold(len(out) + sum(len(b) for b, _, _ in scatter))
-        self.bytes_read += read_destinations(self.ckpt, self.manifest, destinations, verify=True,
-                                             threads=self.threads).bytes_read
-        for buf, base, runs in scatter:
-            for r in runs:
-                out[r.dst_offset : r.dst_stop] = buf[r.src_offset - base : r.src_stop - base]
-        return out.data[: window.numel * itemsize]
-
-    def _hold(self, nbytes: int) -> None:
-        self.peak_buffer_bytes = max(self.peak_buffer_bytes, nbytes)
-
-
-def _byte_range_entry(chunk: ChunkEntry, start: int, stop: int, first_block: int) -> TensorEntry:
-    """Bytes ``[start, stop)`` of a chunk (block-aligned) as a tensor entry of its own: a uint8
-    vector in one whole chunk, with the chunk's checksums of those blocks, so reading it
-    through ``read_destinations`` verifies it."""
-    count = -(-(stop - start) // chunk.block_bytes)
-    first = chunk.byte_range[0]
-    return TensorEntry(kind="torch", dtype="uint8", shape=[stop - start], chunks=[ChunkEntry(
-        box=BoxPlace(offsets=[0], shape=[stop - start]), file=chunk.file,
-        byte_range=[first + start, first + stop], block_bytes=chunk.block_bytes,
-        checksums=list(chunk.checksums[first_block : first_block + count]))])
+            nbytes = (stop - start) * itemsize
+            view = typed_view(out[:nbytes], dtype, (stop - start,))
+            self._read([Destination(key, entry, view, (LocalPiece(FlatRange(start, stop), view),))])
+            write(out.data[:nbytes])

@@ -4,7 +4,7 @@ Pure data, no I/O. :func:`plan_shards` splits tensors into Hugging Face shards t
 ``huggingface_hub.split_torch_state_dict_into_shards`` does (greedy, in order, a tensor larger
 than the limit alone in its shard) and :func:`shard_file_names` names them as ``transformers``
 does. :func:`plan_batches` groups consecutive tensors so that the bytes held in memory at once
-stay within a budget; a tensor that alone exceeds it is read window by window.
+stay within a budget (the same rule); a tensor that alone exceeds it is read window by window.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def plan_shards(sizes: Sequence[tuple[str, int]], max_shard_bytes: int) -> list[
     unless it holds one tensor larger than that. Like huggingface_hub, no bin packing: a new
     shard starts when the next tensor would not fit."""
     if max_shard_bytes <= 0:
-        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        raise ValueError(f"the limit must be positive, got {max_shard_bytes}")
     shards: list[list[str]] = []
     current: list[str] = []
     current_bytes = 0
@@ -67,27 +67,14 @@ class Batch:
 
 
 def plan_batches(tensors: Sequence[tuple[str, int, int]], budget: int) -> list[Batch]:
-    """Consecutive tensors ``(key, nbytes, cost)`` grouped so that each batch costs at most
-    ``budget``, in order. ``cost`` is the memory reading the tensor needs (its bytes, plus
-    assembly buffers when it is stored in several chunks)."""
-    if budget <= 0:
-        raise ValueError(f"budget must be positive, got {budget}")
-    batches: list[Batch] = []
-    keys: list[str] = []
-    nbytes = cost_sum = 0
-    for key, size, cost in tensors:
-        if cost > budget:
-            if keys:
-                batches.append(Batch(tuple(keys), nbytes))
-                keys, nbytes, cost_sum = [], 0, 0
-            batches.append(Batch((key,), size, windowed=True))
-            continue
-        if keys and cost_sum + cost > budget:
-            batches.append(Batch(tuple(keys), nbytes))
-            keys, nbytes, cost_sum = [], 0, 0
-        keys.append(key)
-        nbytes += size
-        cost_sum += cost
-    if keys:
-        batches.append(Batch(tuple(keys), nbytes))
+    """Consecutive tensors ``(key, nbytes, cost)`` grouped, in order, into batches that cost at
+    most ``budget`` (the shards' rule); a tensor costing more is a windowed batch of its own.
+    ``cost`` is the memory reading the tensor needs: its bytes, plus the reader's scratch when its
+    chunks do not land straight in it."""
+    info = {key: (nbytes, cost) for key, nbytes, cost in tensors}
+    batches = []
+    for keys in plan_shards([(key, cost) for key, _, cost in tensors], budget):
+        if keys:
+            cost = sum(info[k][1] for k in keys)
+            batches.append(Batch(tuple(keys), sum(info[k][0] for k in keys), windowed=cost > budget))
     return batches
