@@ -186,6 +186,12 @@ def test_plain_values_follow_the_tree_and_the_prefix():
     assert plain_values(tree, "model.") == ({"cfg.depth": 2}, [])
     node = values.encode_scalar(float("inf"))
     assert plain_values({"type": "dict", "items": [["a", node]]}) == ({}, ["a"])
+    # Values saved per rank are keyed like their tensors: <key>@rank<r>.
+    per_rank = {"type": "per_rank", "items": [{"type": "dict", "items": [["seed", values.encode_scalar(r)],
+                                                                          ["raw", values.encode_scalar(b"x")]]}
+                                              for r in (5, 6)]}
+    assert plain_values({"type": "dict", "items": [["rng", per_rank]]}) == (
+        {"rng.seed@rank0": 5, "rng.seed@rank1": 6}, ["rng.raw@rank0", "rng.raw@rank1"])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -267,24 +267,28 @@ def plain_values(tree: dict, only: str | None = None) -> tuple[dict[str, Any], l
     return kept, dropped
 
 
-def _value_leaves(node: dict, path: tuple) -> Iterator[tuple[str, dict]]:
-    """(flat key, node) of every non-tensor leaf; the manifest was validated, so depth is bounded."""
+def _value_leaves(node: dict, path: tuple, suffix: str = "") -> Iterator[tuple[str, dict]]:
+    """(flat key, node) of every non-tensor leaf; the manifest was validated, so depth is bounded.
+    Values saved per rank are keyed ``<key>@rank<r>``, as their tensors are."""
     t = node["type"]
     if t in ("tensor", "ndarray"):
         return
     if t == "stateful":
-        yield from _value_leaves(node["state"], path)
+        yield from _value_leaves(node["state"], path, suffix)
+    elif t == "per_rank":
+        for r, item in enumerate(node["items"]):
+            yield from _value_leaves(item, path, f"{suffix}@rank{r}")
     elif t in ("dict", "ordered_dict", "list", "tuple"):
         items = node["items"]
         if not items:
-            yield path_key(path), node
+            yield path_key(path) + suffix, node
         for i, item in enumerate(items):
             if t in ("dict", "ordered_dict"):
-                yield from _value_leaves(item[1], path + (values.decode_key(item[0], path_key(path)),))
+                yield from _value_leaves(item[1], path + (values.decode_key(item[0], path_key(path)),), suffix)
             else:
-                yield from _value_leaves(item, path + (i,))
+                yield from _value_leaves(item, path + (i,), suffix)
     else:
-        yield path_key(path), node
+        yield path_key(path) + suffix, node
 
 
 # -- torch --------------------------------------------------------------------------------------
