@@ -578,6 +578,8 @@ def test_cli_convert(tmp_path):
 
     r = runner.invoke(app, ["convert", str(tmp_path / "ck"), str(tmp_path / "hf"), "--to", "hf"])
     assert r.exit_code == 2 and "already exists" in r.output
+    r = runner.invoke(app, ["convert", str(tmp_path / "ck"), str(tmp_path / "p.pt"), "--to", "torch", "--progress"])
+    assert r.exit_code == 0 and bits_equal(torch.load(tmp_path / "p.pt", weights_only=True)["model"]["w"], torch.arange(6.0))
     r = runner.invoke(app, ["convert", str(tmp_path / "ck"), str(tmp_path / "x"), "--to", "onnx"])
     assert r.exit_code == 2 and "--to must be one of safetensors, hf, torch" in r.output
     r = runner.invoke(app, ["convert", str(tmp_path / "ck"), str(tmp_path / "x"), "--to", "hf", "--max-shard-size", "lots"])
