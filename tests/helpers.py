@@ -38,6 +38,14 @@ def bits_equal(a, b) -> bool:
     return a == b
 
 
+def random_tensor(dtype: torch.dtype, shape, seed=0) -> torch.Tensor:
+    """A tensor of ``dtype`` whose bytes are random (any bit pattern: NaN payloads included)."""
+    g = torch.Generator().manual_seed(seed)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+    return raw.view(dtype).reshape(shape)
+
+
 def nan_with_payload(payload: int) -> float:
     return struct.unpack("<d", struct.pack("<Q", 0x7FF0000000000000 | payload))[0]
 

@@ -11,14 +11,7 @@ import torch
 
 import resurgo
 from resurgo.format import dtypes
-from helpers import bits_equal, nan_with_payload
-
-
-def random_tensor(dtype: torch.dtype, shape, seed=0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
-    return raw.view(dtype).reshape(shape)
+from helpers import bits_equal, nan_with_payload, random_tensor
 
 
 ALL_DTYPES = sorted(dtypes.TORCH_DTYPES.values(), key=str)

@@ -1,10 +1,11 @@
 """resurgo: checkpoint/restart for deep-learning training.
 
-Public API (see README.md and docs/): ``save``, ``load``, ``load_dict``, ``TrainState``,
-``ResurgoError`` and its subclasses, ``SaveReport``, ``LoadReport``.
+Public API (see README.md and docs/): ``save``, ``load``, ``load_dict``, ``convert``,
+``TrainState``, ``ResurgoError`` and its subclasses, ``SaveReport``, ``LoadReport``, ``ConvertReport``.
 """
 
 from resurgo.api import __version__, load, load_dict, read_manifest, save
+from resurgo.convert import convert
 from resurgo.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -28,13 +29,13 @@ from resurgo.errors import (
 )
 from resurgo.layout.shards import FlatShard, Shard
 from resurgo.pipeline.async_save import AsyncSaveHandle, async_save
-from resurgo.reports import LoadReport, SaveReport
+from resurgo.reports import ConvertReport, LoadReport, SaveReport
 from resurgo.state.per_rank import PerRank
 from resurgo.state.train_state import TrainState
 
 __all__ = [
-    "__version__", "save", "async_save", "AsyncSaveHandle", "load", "load_dict", "read_manifest", "TrainState", "SaveReport", "LoadReport",
-    "Shard", "FlatShard", "PerRank", "ShardingError", "WorldSizeMismatchError", "RankFailedError",
+    "__version__", "save", "async_save", "AsyncSaveHandle", "load", "load_dict", "read_manifest", "convert", "TrainState", "SaveReport", "LoadReport",
+    "ConvertReport", "Shard", "FlatShard", "PerRank", "ShardingError", "WorldSizeMismatchError", "RankFailedError",
     "ResurgoError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "DTypeMismatchError", "IncompleteCheckpointError", "KeyMismatchError", "ManifestError",
     "NotACheckpointError", "PickleNotAllowedError", "ShapeMismatchError", "StorageError",

@@ -1,12 +1,14 @@
-"""The command line: ``resurgo inspect | verify | ls``.
+"""The command line: ``resurgo inspect | verify | ls | convert``.
 
 Every command reads only the manifest unless it has to read data (``verify``, ``ls --verify``),
 never unpickles anything, and turns a :class:`~resurgo.errors.ResurgoError` into a one-line red
 message on stderr and exit code 2 (no traceback). ``--json`` prints a machine-readable summary on
 stdout instead of the tables.
 
-Exit codes: 0 success (for ``verify``: the checkpoint is clean); 1 ``verify`` found corruption;
-2 the path is not a readable checkpoint (missing, incomplete, invalid manifest) or bad usage.
+Exit codes: 0 success (for ``verify``: the checkpoint is clean); 1 ``verify`` found corruption, or
+``convert`` met corrupt data (nothing written); 2 the path is not a readable checkpoint (missing,
+incomplete, invalid manifest), the conversion was refused (destination exists, memory budget,
+pickled values) or bad usage.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from resurgo.errors import CheckpointNotFoundError, NotACheckpointError, ResurgoError
+from resurgo.convert import TARGETS, convert as convert_checkpoint, parse_size
+from resurgo.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError, ResurgoError
 from resurgo.format import values
 from resurgo.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from resurgo.format.tree import MAX_TREE_DEPTH
@@ -37,12 +40,12 @@ from resurgo.pipeline.verify import VerifyReport, verify_checkpoint
 from resurgo.state.flatten import path_key
 from resurgo.storage.local import CheckpointDir, is_temporary
 
-PROGRESS_THRESHOLD_BYTES = 64 << 20  # verify shows a progress bar above this much tensor data
+PROGRESS_THRESHOLD_BYTES = 64 << 20  # verify and convert show a progress bar above this much tensor data
 MAX_VALUE_CHARS = 72  # non-tensor values are clipped to this many characters
 
 app = typer.Typer(
     name="resurgo",
-    help="Inspect, verify and list resurgo checkpoints.",
+    help="Inspect, verify, list and convert resurgo checkpoints.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -63,13 +66,14 @@ def _error(message: str) -> None:
 
 
 @contextmanager
-def _fail_cleanly() -> Iterator[None]:
-    """ResurgoError (and OS errors) become one red line and exit code 2, never a traceback."""
+def _fail_cleanly(corrupt_code: int = 2) -> Iterator[None]:
+    """ResurgoError (and OS errors) become one red line and exit code 2, never a traceback.
+    ``corrupt_code``: the exit code of CorruptCheckpointError instead (``convert``: 1)."""
     try:
         yield
     except ResurgoError as e:
         _error(str(e))
-        raise typer.Exit(2) from None
+        raise typer.Exit(corrupt_code if isinstance(e, CorruptCheckpointError) else 2) from None
     except OSError as e:
         _error(f"{e.filename or ''}: {e.strerror or e}".lstrip(": "))
         raise typer.Exit(2) from None
@@ -550,6 +554,91 @@ def ls(
         table.add_row(escape(e.path), "-" if e.step is None else str(e.step), human_bytes(e.bytes),
                       _format_time(e.created_at), f"[{_STATUS_STYLE[e.status]}]{status}[/]", escape(_clip(e.detail, 160)))
     out.print(table)
+
+
+# -- convert ----------------------------------------------------------------------------------
+def _size_option(value: Optional[str], what: str) -> Optional[int]:
+    if value is None:
+        return None
+    try:
+        return parse_size(value, what)
+    except ValueError as e:
+        _error(str(e))
+        raise typer.Exit(2) from None
+
+
+@app.command("convert")
+def convert_command(
+    src: Path = typer.Argument(..., help="A checkpoint directory."),
+    dst: Path = typer.Argument(..., help="The output: a file (safetensors, torch) or a directory (hf)."),
+    to: str = typer.Option(..., "--to", help="safetensors (one file) | hf (sharded, with index) | torch (torch.save)."),
+    max_shard_size: Optional[str] = typer.Option(
+        None, "--max-shard-size", help="hf: the most tensor bytes per shard, e.g. 5GB (the default) or 500MB."),
+    memory_budget: Optional[str] = typer.Option(
+        None, "--memory-budget",
+        help="The most tensor bytes held in memory at once, e.g. 2GB (safetensors/hf default: 1GiB; torch: the whole state must fit)."),
+    only: Optional[str] = typer.Option(
+        None, "--only", help="Keep the tensors whose key starts with this prefix, without it (e.g. 'model.')."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output (atomically)."),
+    allow_pickle: bool = typer.Option(False, "--allow-pickle", help="torch: load pickled values (trusted checkpoints only)."),
+    progress: Optional[bool] = typer.Option(
+        None, "--progress/--no-progress",
+        help=f"Show a progress bar (default: on a terminal, above {human_bytes(PROGRESS_THRESHOLD_BYTES)} of data)."),
+    as_json: bool = typer.Option(False, "--json", help="Print a machine-readable report."),
+) -> None:
+    """Convert a checkpoint to one safetensors file, Hugging Face shards or a torch.save file.
+
+    Exit 0 done, 1 corrupt data in the checkpoint (nothing written), 2 refused or unreadable."""
+    if to not in TARGETS:
+        _error(f"--to must be one of {', '.join(TARGETS)}, not {to!r}")
+        raise typer.Exit(2)
+    shard_bytes = _size_option(max_shard_size, "--max-shard-size")
+    budget = _size_option(memory_budget, "--memory-budget")
+    with _fail_cleanly(corrupt_code=1):
+        try:
+            total = read_tensor_bytes(src, only)
+            show = progress if progress is not None else (
+                total > PROGRESS_THRESHOLD_BYTES and _console(stderr=True).is_terminal and not as_json)
+            kwargs: dict[str, Any] = dict(to=to, memory_budget=budget, max_shard_bytes=shard_bytes, only=only,
+                                          overwrite=overwrite, allow_pickle=allow_pickle)
+            if show:
+                columns = (TextColumn(f"converting to {to}"), BarColumn(), DownloadColumn(binary_units=True),
+                           TransferSpeedColumn(), TimeRemainingColumn())
+                with Progress(*columns, console=_console(stderr=True), transient=True) as bar:
+                    task = bar.add_task("convert", total=total)
+                    report = convert_checkpoint(src, dst, progress=lambda n: bar.advance(task, n), **kwargs)
+            else:
+                report = convert_checkpoint(src, dst, **kwargs)
+        except ValueError as e:  # arguments that do not fit the target
+            if isinstance(e, ResurgoError):
+                raise
+            _error(str(e))
+            raise typer.Exit(2) from None
+    if as_json:
+        _print_json(asdict(report))
+        return
+    out = _console()
+    out.print(f"[bold green]OK[/bold green] {escape(str(src))} -> {escape(str(dst))} ({to}): "
+              f"{_plural(report.num_tensors, 'tensor')}, {human_bytes(report.tensor_bytes)} in "
+              f"{_plural(len(report.files), 'file')}, {report.seconds['total']:.2f} s", soft_wrap=True)
+    err = _console(stderr=True)
+    if report.tensors_skipped:
+        err.print(f"note: {_plural(len(report.tensors_skipped), 'tensor')} outside --only {only!r} not converted",
+                  markup=False, soft_wrap=True)
+    if report.raw_dtype_keys:
+        err.print(f"note: stored as raw bytes (U8; dtype and shape under __metadata__ 'resurgo.raw_dtypes'): "
+                  f"{_clip(', '.join(report.raw_dtype_keys), 400)}", markup=False, soft_wrap=True)
+    if report.values_dropped:
+        err.print(f"warning: {_plural(len(report.values_dropped), 'non-tensor value')} not kept by {to}: "
+                  f"{_clip(', '.join(k or '(root)' for k in report.values_dropped), 400)}", style="yellow",
+                  markup=False, soft_wrap=True)
+
+
+def read_tensor_bytes(src: Path, only: Optional[str]) -> int:
+    """Tensor bytes a conversion of ``src`` writes (for the progress bar): from the manifest."""
+    manifest, _ = _load_manifest(src)
+    return sum(sum(c.nbytes for c in t.chunks) for k, t in manifest.tensors.items()
+               if only is None or k.startswith(only))
 
 
 def main() -> None:

@@ -73,7 +73,8 @@ class SaveInFlightError(ResurgoError):
 
 
 class MemoryBudgetError(ResurgoError, MemoryError):
-    """An asynchronous snapshot would need more staging memory than ``memory_budget`` allows."""
+    """An operation would need more memory than its ``memory_budget`` allows (an asynchronous
+    snapshot's staging copy, a conversion to torch.save, a tensor a conversion cannot stream)."""
 
 
 class StorageError(ResurgoError, OSError):

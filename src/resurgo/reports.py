@@ -33,3 +33,21 @@ class LoadReport:
     unexpected_keys: list[str] = field(default_factory=list)
     mismatched_keys: list[str] = field(default_factory=list)
     step: int | None = None
+
+
+@dataclass
+class ConvertReport:
+    src: str
+    dst: str
+    to: str  # "safetensors", "hf" or "torch"
+    files: list[str]  # the files written: the file's name, or for hf the names inside dst
+    num_tensors: int
+    tensor_bytes: int  # bytes of tensor data written
+    bytes_written: int  # every byte of every file, headers and index included
+    bytes_read: int  # bytes read from the checkpoint (checksum blocks at window edges included)
+    peak_buffer_bytes: int  # the most memory held for tensor data at once (the reader's scratch at its bound)
+    tensors_skipped: list[str] = field(default_factory=list)  # keys outside the ``only`` prefix
+    values_dropped: list[str] = field(default_factory=list)  # non-tensor values the target does not hold
+    raw_dtype_keys: list[str] = field(default_factory=list)  # stored as U8 bytes (dtype safetensors lacks)
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Phases: read (waiting for verified tensor bytes), write, total."""

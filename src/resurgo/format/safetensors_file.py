@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from resurgo.plan.save_plan import WriteItem
@@ -18,9 +18,12 @@ from resurgo.plan.save_plan import WriteItem
 METADATA = {"format": "pt", "producer": "resurgo"}
 
 
-def build_header(items: Sequence[WriteItem]) -> tuple[bytes, list[tuple[int, int]]]:
-    """(header bytes including the length prefix, absolute byte range of each item in the file)."""
-    header: dict = {"__metadata__": METADATA}
+def build_header(items: Sequence[WriteItem], metadata: Mapping[str, str] | None = None) -> tuple[bytes, list[tuple[int, int]]]:
+    """(header bytes including the length prefix, absolute byte range of each item in the file).
+
+    ``metadata`` adds string entries to ``__metadata__`` (safetensors allows only strings there).
+    """
+    header: dict = {"__metadata__": {**METADATA, **(metadata or {})}}
     offset = 0
     relative = []
     for item in items:

@@ -59,6 +59,35 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
+def _replace_directory(tmp: Path, final: Path) -> None:
+    """Put directory ``tmp`` at ``final`` (which exists), atomically where the system can, then
+    delete the old one. Without renameat2 the old one is first renamed aside, so ``final`` names
+    either directory at every moment but one rename apart."""
+    if _exchange(tmp, final):
+        shutil.rmtree(tmp, ignore_errors=True)  # now holds the old directory
+        return
+    old = final.parent / f".{final.name}{TMP_MARKER}old-{uuid.uuid4().hex[:12]}"
+    os.rename(final, old)
+    os.rename(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _publish(tmp: Path, final: Path, overwrite: bool, doing: str) -> None:
+    """Rename the finished ``tmp`` (a durable file or directory) onto ``final``, replacing an
+    existing one atomically when ``overwrite``, then fsync the parent. ``doing`` names the
+    operation in the message when ``final`` appeared meanwhile."""
+    if final.exists():
+        if not overwrite:
+            raise CheckpointExistsError(f"{final}: appeared while {doing}; refusing to replace it")
+        if tmp.is_dir():
+            _replace_directory(tmp, final)
+        else:
+            os.replace(tmp, final)  # atomic for a file
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(final.parent)
+
+
 def is_temporary(path: Path) -> bool:
     return TMP_MARKER in path.name
 
@@ -239,26 +268,69 @@ class LocalStaging:
                 h.close()
             _fsync_dir(self.tmp / "data")
             _fsync_dir(self.tmp)
-            if self.final.exists():
-                if not self.overwrite:
-                    raise CheckpointExistsError(f"{self.final}: appeared while saving; refusing to replace it")
-                self._replace()
-            else:
-                os.rename(self.tmp, self.final)
-            _fsync_dir(self.final.parent)
+            _publish(self.tmp, self.final, self.overwrite, "saving")
         except OSError as e:
             if isinstance(e, ResurgoError):
                 raise
             raise StorageError(e.errno, f"{self.final}: commit failed: {e.strerror}") from None
 
-    def _replace(self) -> None:
-        if _exchange(self.tmp, self.final):
-            shutil.rmtree(self.tmp, ignore_errors=True)  # now holds the old checkpoint
-            return
-        old = self.final.parent / f".{self.final.name}{TMP_MARKER}old-{uuid.uuid4().hex[:12]}"
-        os.rename(self.final, old)
-        os.rename(self.tmp, self.final)
-        shutil.rmtree(old, ignore_errors=True)
-
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class AtomicOutput:
+    """A file or a directory of files that appears at ``final`` only once complete (conversions).
+
+    Everything is written under a temporary sibling (``.<name>.resurgo-tmp-<id>``: the same
+    filesystem, so the final rename is atomic), fsynced, then renamed onto ``final``; replacing
+    an existing output (``overwrite=True``) swaps it atomically like a checkpoint. A crash or an
+    error leaves at worst the temporary sibling, never a half-written file under the final name.
+    """
+
+    def __init__(self, final: str | os.PathLike, *, directory: bool, overwrite: bool):
+        self.final = Path(final)
+        self.directory = directory
+        self.overwrite = overwrite
+        kind = "directory" if directory else "file"
+        if self.final.exists() or self.final.is_symlink():
+            if not overwrite:
+                raise CheckpointExistsError(f"{self.final}: already exists; pass overwrite=True (--overwrite) to replace it")
+            if self.final.is_dir() != directory or self.final.is_symlink():
+                raise CheckpointExistsError(
+                    f"{self.final}: exists and is not a {kind}; refusing to replace it with a {kind}")
+        parent = self.final.parent
+        self.tmp = parent / f".{self.final.name}{TMP_MARKER}{uuid.uuid4().hex[:12]}"
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            if directory:
+                self.tmp.mkdir()
+        except OSError as e:
+            raise StorageError(e.errno, f"{self.final}: cannot create a temporary {kind}: {e.strerror}") from None
+
+    def path(self, rel: str | None = None) -> Path:
+        """Where to write: the temporary file itself, or ``rel`` inside the temporary directory."""
+        return self.tmp if rel is None else self.tmp / rel
+
+    def create(self, rel: str | None = None) -> WriteHandle:
+        label = f"{self.final} (writing {rel})" if rel else f"{self.final} (writing)"
+        try:
+            return WriteHandle(self.path(rel), label=label)
+        except OSError as e:
+            raise StorageError(e.errno, f"{label}: cannot create the file: {e.strerror}") from None
+
+    def publish(self) -> None:
+        """Make the files durable (each was fsynced by its writer), then rename onto ``final``."""
+        try:
+            if self.directory:
+                _fsync_dir(self.tmp)
+            _publish(self.tmp, self.final, self.overwrite, "converting")
+        except OSError as e:
+            if isinstance(e, ResurgoError):
+                raise
+            raise StorageError(e.errno, f"{self.final}: publishing the output failed: {e.strerror}") from None
+
+    def abort(self) -> None:
+        if self.tmp.is_dir():
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        else:
+            self.tmp.unlink(missing_ok=True)

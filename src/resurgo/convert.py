@@ -1,0 +1,338 @@
+"""``resurgo.convert``: a checkpoint as one safetensors file, Hugging Face sharded safetensors, or a
+torch.save file.
+
+Every tensor is read through the load pipeline (so chunks are assembled and every checksum is
+verified) and the output appears atomically: it is written under a temporary sibling name and
+renamed at the end. The safetensors targets stream: the header is written first (sizes are known
+from the manifest), then the tensors' bytes, a batch within ``memory_budget`` at a time
+(:mod:`resurgo.pipeline.stream_read`). A torch.save file needs every tensor as an object, so
+``to="torch"`` holds the whole state in memory.
+
+What each target keeps (docs/guide.md, "Converting"):
+- safetensors: every tensor under its flat key; in ``__metadata__``, the plain non-tensor values
+  (None, bool, int, str, finite float) as one JSON object under ``resurgo.values``, the step and
+  the user metadata; other values (bytes, complex, NaN, numpy scalars, pickles, ...) are dropped
+  and listed in the report. Dtypes safetensors lacks are stored as resurgo stores them in its
+  own data files: raw bytes (``U8``, shape ``[nbytes]``), with the real dtype and shape under
+  ``resurgo.raw_dtypes``.
+- hf: tensors only, in shards named and indexed as ``transformers`` writes them.
+- torch: the exact nested structure ``resurgo.load_dict`` returns.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import math
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from resurgo.api import DEFAULT_IO_THREADS, load_dict
+from resurgo.errors import CheckpointExistsError, KeyMismatchError, MemoryBudgetError, UnsupportedValueError
+from resurgo.format import dtypes, values
+from resurgo.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
+from resurgo.format.safetensors_file import build_header
+from resurgo.layout.box import ChunkBox
+from resurgo.pipeline.stream_read import TensorByteStream, tensor_nbytes
+from resurgo.plan.convert_plan import HF_INDEX_FILE, is_hf_output_file, plan_shards, shard_file_names
+from resurgo.plan.save_plan import WriteItem
+from resurgo.reports import ConvertReport
+from resurgo.state.flatten import path_key
+from resurgo.storage.local import AtomicOutput, CheckpointDir
+
+TARGETS = ("safetensors", "hf", "torch")
+DEFAULT_MEMORY_BUDGET = 1 << 30
+DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # "5GB", the default of transformers and huggingface_hub
+SAFETENSORS_RESERVED = "__metadata__"
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
+
+
+def parse_size(value: int | str, what: str = "size") -> int:
+    """Bytes from an int or a string like ``"5GB"`` (10^9, as Hugging Face counts) or ``"2GiB"`` (2^30)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be a number of bytes or a string like '5GB', not {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = _SIZE.fullmatch(str(value))
+        unit = m.group(2).upper() if m else None
+        if m is None or unit not in _UNITS:
+            raise ValueError(f"{what}: {value!r} is not a size (examples: 1048576, '500MB', '5GB', '2GiB')")
+        n = int(float(m.group(1)) * _UNITS[unit])
+    if n <= 0:
+        raise ValueError(f"{what} must be positive, got {value!r}")
+    return n
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, memory_budget: int | str | None = None,
+            max_shard_bytes: int | str | None = None, only: str | None = None, overwrite: bool = False,
+            allow_pickle: bool = False, io_threads: int = DEFAULT_IO_THREADS,
+            progress: Callable[[int], None] | None = None) -> ConvertReport:
+    """Convert the checkpoint at ``src`` into ``dst``; returns a :class:`ConvertReport`.
+
+    ``to``: ``"safetensors"`` (one file), ``"hf"`` (a directory of ``model-0000i-of-0000N.safetensors``
+    shards of at most ``max_shard_bytes`` tensor bytes each, default 5GB, plus
+    ``model.safetensors.index.json``; a single shard is ``model.safetensors``) or ``"torch"`` (one
+    torch.save file). ``only``: keep the tensors whose key starts with this prefix, stripped
+    (``only="model."`` gives names a Hugging Face model loads); safetensors and hf only.
+    ``memory_budget`` (bytes or ``"2GB"``): the most tensor bytes held at once, default 1 GiB for
+    the streaming targets; for ``"torch"``, which holds the whole state, a budget smaller than the
+    state raises MemoryBudgetError before anything is read. Refuses an existing ``dst`` unless
+    ``overwrite=True``; then replaces it atomically. ``allow_pickle`` is needed only for
+    ``"torch"`` from a checkpoint with pickled values (the other targets never unpickle: such
+    values are dropped). ``progress`` is called with each number of tensor bytes written.
+    """
+    t_start = time.perf_counter()
+    if to not in TARGETS:
+        raise ValueError(f"to must be one of {', '.join(map(repr, TARGETS))}, not {to!r}")
+    if max_shard_bytes is not None and to != "hf":
+        raise ValueError(f"max_shard_bytes applies to to='hf' only, not to={to!r}")
+    if only is not None and to == "torch":
+        raise ValueError("only= applies to the safetensors and hf targets; to='torch' keeps the whole structure")
+    budget = None if memory_budget is None else parse_size(memory_budget, "memory_budget")
+    ckpt = CheckpointDir(src)
+    manifest = parse_manifest(ckpt.read_manifest_bytes(), str(ckpt.path / MANIFEST_NAME))
+    if os.path.realpath(dst) == os.path.realpath(src):
+        raise CheckpointExistsError(f"{dst}: is the source checkpoint; convert into another path")
+    ckpt.check_sizes({name: f.bytes for name, f in manifest.files.items()})  # before any output exists
+    if to == "torch":
+        report = _to_torch(ckpt, manifest, Path(dst), budget, overwrite, allow_pickle, io_threads, progress)
+    else:
+        shard_limit = DEFAULT_MAX_SHARD_BYTES if max_shard_bytes is None else parse_size(max_shard_bytes, "max_shard_bytes")
+        report = _to_safetensors(ckpt, manifest, Path(dst), to, only, shard_limit,
+                                 DEFAULT_MEMORY_BUDGET if budget is None else budget, overwrite, io_threads, progress)
+    report.seconds["total"] = time.perf_counter() - t_start
+    return report
+
+
+# -- safetensors and hf -------------------------------------------------------------------------
+def _to_safetensors(ckpt: CheckpointDir, manifest: Manifest, dst: Path, to: str, only: str | None,
+                    shard_limit: int, budget: int, overwrite: bool, threads: int,
+                    progress: Callable[[int], None] | None) -> ConvertReport:
+    names = select_tensors(manifest, only, str(ckpt.path))
+    kept, dropped = plain_values(manifest.tree, only)
+    if to == "hf":
+        _check_hf_destination(dst, overwrite)
+        shards = plan_shards([(k, tensor_nbytes(manifest.tensors[k])) for k in names], shard_limit)
+        files: list[tuple[str | None, list[str], dict[str, str]]] = [
+            (name, keys, {}) for name, keys in zip(shard_file_names(len(shards)), shards)]
+        dropped = list(kept) + dropped  # a model directory holds weights only
+    else:
+        extra: dict[str, str] = {}
+        if kept:
+            extra["resurgo.values"] = json.dumps(kept, allow_nan=False)
+        if manifest.step is not None:
+            extra["resurgo.step"] = str(manifest.step)
+        if manifest.metadata:
+            extra["resurgo.metadata"] = json.dumps(manifest.metadata)
+        files = [(None, list(names), extra)]
+    output = AtomicOutput(dst, directory=(to == "hf"), overwrite=overwrite)
+    stream = TensorByteStream(ckpt, manifest, budget, threads)
+    seconds = {"read": 0.0, "write": 0.0}
+    written: list[str] = []
+    bytes_written = 0
+    raw_keys: list[str] = []
+    try:
+        for rel, keys, metadata in files:
+            items = [_output_item(names[k], k, manifest) for k in keys]
+            raw = {i.name: {"dtype": i.dtype, "shape": list(manifest.tensors[i.key].shape)}
+                   for i in items if i.safetensors_dtype == "U8" and i.dtype != "uint8"}
+            if raw:
+                metadata = {**metadata, "resurgo.raw_dtypes": json.dumps(raw)}
+                raw_keys.extend(i.key for i in items if i.name in raw)
+            bytes_written += _write_file(output, rel, items, metadata, keys, stream, seconds, progress)
+            written.append(rel or dst.name)
+        if len(files) > 1:
+            index = {"metadata": {"total_size": sum(tensor_nbytes(manifest.tensors[k]) for k in names)},
+                     "weight_map": {names[k]: rel for rel, keys, _ in files for k in keys}}
+            bytes_written += _write_bytes(output, HF_INDEX_FILE,
+                                          (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+            written.append(HF_INDEX_FILE)
+        output.publish()
+    except BaseException:
+        output.abort()
+        raise
+    return ConvertReport(
+        src=str(ckpt.path), dst=str(dst), to=to, files=written, num_tensors=len(names),
+        tensor_bytes=sum(tensor_nbytes(manifest.tensors[k]) for k in names), bytes_written=bytes_written,
+        bytes_read=stream.bytes_read, peak_buffer_bytes=stream.peak_buffer_bytes,
+        tensors_skipped=[k for k in manifest.tensors if k not in names], values_dropped=dropped,
+        raw_dtype_keys=raw_keys, seconds=seconds)
+
+
+def select_tensors(manifest: Manifest, only: str | None, where: str) -> dict[str, str]:
+    """{tensor key: its name in the output}, in manifest order: the keys under ``only``, stripped."""
+    if only is None:
+        names = {k: k for k in manifest.tensors}
+    else:
+        names = {k: k[len(only):] for k in manifest.tensors if k.startswith(only)}
+        if not names:
+            firsts = sorted({k.split(".")[0] + "." for k in manifest.tensors})
+            raise KeyMismatchError(
+                f"{where}: no tensor key starts with {only!r} (the keys start with: "
+                f"{', '.join(map(repr, firsts[:10])) or 'no tensors at all'})", missing=[only])
+    for key, name in names.items():
+        if name in ("", SAFETENSORS_RESERVED):
+            raise UnsupportedValueError(
+                f"{where}: tensor {key!r} would be named {name!r} in a safetensors file, which is not allowed"
+                + (f" (choose a shorter prefix than only={only!r})" if only else ""))
+    return names
+
+
+def _check_hf_destination(dst: Path, overwrite: bool) -> None:
+    """Replacing a directory deletes it: only one that holds nothing but a previous conversion."""
+    if overwrite and dst.is_dir() and not dst.is_symlink():
+        others = sorted(n for n in os.listdir(dst) if not is_hf_output_file(n))
+        if others:
+            raise CheckpointExistsError(
+                f"{dst}: holds files a conversion to hf did not write ({', '.join(map(repr, others[:5]))}"
+                f"{', ...' if len(others) > 5 else ''}); refusing to replace the directory")
+
+
+def _output_item(name: str, key: str, manifest: Manifest) -> WriteItem:
+    entry = manifest.tensors[key]
+    # block_bytes: converted files carry no checksums.
+    return WriteItem(key=key, name=name, dtype=entry.dtype, place=ChunkBox.whole(tuple(entry.shape)),
+                     nbytes=tensor_nbytes(entry), block_bytes=0)
+
+
+def _write_file(output: AtomicOutput, rel: str | None, items: list[WriteItem], metadata: dict[str, str],
+                keys: list[str], stream: TensorByteStream, seconds: dict[str, float],
+                progress: Callable[[int], None] | None) -> int:
+    """Header first, then every tensor's bytes as the stream delivers them, then fsync."""
+    header, _ = build_header(items, metadata)
+    handle = output.create(rel)
+    waited_since = time.perf_counter()
+
+    def write(piece: memoryview) -> None:
+        nonlocal waited_since
+        t0 = time.perf_counter()
+        handle.write(piece)
+        seconds["read"] += t0 - waited_since
+        waited_since = time.perf_counter()
+        seconds["write"] += waited_since - t0
+        if progress is not None:
+            progress(len(piece))
+
+    try:
+        handle.write(memoryview(header))
+        stream.copy_to(keys, write)
+        handle.fsync()
+        return handle.bytes_written
+    finally:
+        handle.close()
+
+
+def _write_bytes(output: AtomicOutput, rel: str, data: bytes) -> int:
+    handle = output.create(rel)
+    try:
+        handle.write(memoryview(data))
+        handle.fsync()
+        return handle.bytes_written
+    finally:
+        handle.close()
+
+
+# -- non-tensor values --------------------------------------------------------------------------
+_PLAIN = ("none", "bool", "int", "str", "float")
+
+
+def plain_values(tree: dict, only: str | None = None) -> tuple[dict[str, Any], list[str]]:
+    """({key: value} of the plain non-tensor leaves, keys of the other non-tensor leaves), in tree
+    order, restricted to keys under ``only`` (stripped). Plain: None, bool, int, str, finite
+    float (exact in JSON). Empty containers and everything else are not plain. Nothing is
+    unpickled."""
+    kept: dict[str, Any] = {}
+    dropped: list[str] = []
+    for key, node in _value_leaves(tree, ()):
+        if only is not None:
+            if not key.startswith(only):
+                continue
+            key = key[len(only):]
+        value = values.decode_scalar(node, f"tree node {key!r}", allow_pickle=False) if node["type"] in _PLAIN else None
+        if node["type"] in _PLAIN and not (isinstance(value, float) and not math.isfinite(value)):
+            kept[key] = value
+        else:
+            dropped.append(key)
+    return kept, dropped
+
+
+def _value_leaves(node: dict, path: tuple, suffix: str = "") -> Iterator[tuple[str, dict]]:
+    """(flat key, node) of every non-tensor leaf; the manifest was validated, so depth is bounded.
+    Values saved per rank are keyed ``<key>@rank<r>``, as their tensors are."""
+    t = node["type"]
+    if t in ("tensor", "ndarray"):
+        return
+    if t == "stateful":
+        yield from _value_leaves(node["state"], path, suffix)
+    elif t == "per_rank":
+        for r, item in enumerate(node["items"]):
+            yield from _value_leaves(item, path, f"{suffix}@rank{r}")
+    elif t in ("dict", "ordered_dict", "list", "tuple"):
+        items = node["items"]
+        if not items:
+            yield path_key(path) + suffix, node
+        for i, item in enumerate(items):
+            if t in ("dict", "ordered_dict"):
+                yield from _value_leaves(item[1], path + (values.decode_key(item[0], path_key(path)),), suffix)
+            else:
+                yield from _value_leaves(item, path + (i,), suffix)
+    else:
+        yield path_key(path) + suffix, node
+
+
+# -- torch --------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def torch_save_supports(dtype: str) -> bool:
+    """Whether torch.save can store a tensor of this dtype (it cannot the sub-byte placeholders)."""
+    try:
+        torch.save(torch.empty(0, dtype=dtypes.TORCH_DTYPES[dtype]), io.BytesIO())
+    except Exception:
+        return False
+    return True
+
+
+def _to_torch(ckpt: CheckpointDir, manifest: Manifest, dst: Path, budget: int | None, overwrite: bool,
+              allow_pickle: bool, threads: int, progress: Callable[[int], None] | None) -> ConvertReport:
+    total = manifest.tensor_bytes
+    if budget is not None and total > budget:
+        raise MemoryBudgetError(
+            f"{ckpt.path}: a torch.save file needs the whole state in memory ({total} bytes of tensors), "
+            f"more than memory_budget={budget}; raise the budget, or convert to safetensors or hf, which stream")
+    for key, entry in manifest.tensors.items():
+        if entry.kind == "torch" and not torch_save_supports(entry.dtype):
+            raise UnsupportedValueError(
+                f"{ckpt.path}: tensor {key!r} has dtype {entry.dtype}, which torch.save cannot store; "
+                "convert to safetensors instead (it keeps the raw bytes)")
+    output = AtomicOutput(dst, directory=False, overwrite=overwrite)
+    seconds: dict[str, float] = {}
+    try:
+        t0 = time.perf_counter()
+        state = load_dict(ckpt.path, verify=True, allow_pickle=allow_pickle, io_threads=threads)
+        t1 = time.perf_counter()
+        with open(output.path(), "xb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+            size = f.tell()
+        seconds = {"read": t1 - t0, "write": time.perf_counter() - t1}
+        output.publish()
+    except BaseException:
+        output.abort()
+        raise
+    if progress is not None:
+        progress(total)
+    return ConvertReport(
+        src=str(ckpt.path), dst=str(dst), to="torch", files=[dst.name], num_tensors=len(manifest.tensors),
+        tensor_bytes=total, bytes_written=size, bytes_read=total,  # load_dict reads every stored byte once
+        peak_buffer_bytes=total, tensors_skipped=[], values_dropped=[], raw_dtype_keys=[], seconds=seconds)
