@@ -126,9 +126,9 @@ def _lands_contiguously(src: ChunkBox, dst: ChunkBox) -> bool:
 
 
 def _box_slabs(src: ChunkBox, dst: ChunkBox, itemsize: int, block: int, chunk_nbytes: int, gap: int,
-               max_piece_bytes: int, target: int) -> list[tuple[int, tuple]] | None:
+               max_piece_bytes: int, target: int) -> list[tuple[int, int, BoxCopy]] | None:
     """Reads of a box-to-box overlap as slabs of its outer dimension, each one block-aligned span
-    copied out with one strided copy; or None when the shared bytes are too sparse in the chunk
+    (start, stop) copied out with one strided copy; or None when the shared bytes are too sparse in the chunk
     (a gap between two runs wider than ``gap``: reading per run wastes less)."""
     common = src.intersect(dst)
     if common is None or not common.shape:
@@ -151,7 +151,7 @@ def _box_slabs(src: ChunkBox, dst: ChunkBox, itemsize: int, block: int, chunk_nb
         stop = min(-(-last // block) * block, chunk_nbytes)
         copy = BoxCopy(target, (b - a,) + common.shape[1:], itemsize, first - start, s_str,
                        dst0 + a * d_str[0], d_str)
-        out.append((start, (stop - start, start // block, None, 0, (), copy)))
+        out.append((start, stop, copy))
     return out
 
 
@@ -177,8 +177,8 @@ def plan_reads(targets: list[Target], entries: dict[str, TensorEntry], max_piece
                     continue
                 slabs = _box_slabs(src, dst, itemsize, block, chunk.nbytes, gap, max_piece_bytes, ti)
                 if slabs is not None:
-                    for start, part in slabs:
-                        pieces.append((chunk.file, base + start, ReadPart(t.key, ci, *part)))
+                    for start, stop, copy in slabs:
+                        pieces.append((chunk.file, base + start, ReadPart(t.key, ci, stop - start, start // block, None, box=copy)))
                     continue
             runs = byte_runs(shape, itemsize, src, dst)
             if not runs:
