@@ -84,3 +84,32 @@ def resume(rank: int, world: int, root: str, steps: int) -> dict:
     local_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     return {"losses": losses, "mismatched": mismatched, "missing": missing, "step": ts.step,
             "bytes_read": report.bytes_read, "local_param_bytes": local_bytes}
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+
+
+def save_fsdp_over_tp(rank: int, world: int, root: str) -> list[str]:
+    """2-D: tensor parallel on the inner mesh dim, FSDP2 on the outer: the dim-0 parameters are
+    split twice along dim 0 (a strided shard). Returns each parameter's placements."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(mlp(), mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    resurgo.save({"model": model.state_dict()}, f"{root}/ckpt2d")
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    if rank == 0:
+        torch.save(full, f"{root}/reference2d.pt")
+    return [f"{k}: {v.placements}" for k, v in model.state_dict().items()]
+
+
+def load_fsdp_only(rank: int, world: int, root: str) -> list[str]:
+    model = fully_shard(mlp())
+    sd = model.state_dict()
+    resurgo.load({"model": sd}, f"{root}/ckpt2d")
+    reference = torch.load(f"{root}/reference2d.pt", weights_only=True)
+    return sorted(k for k, v in model.state_dict().items() if not torch.equal(v.full_tensor(), reference[k]))

@@ -119,3 +119,30 @@ def test_cuda_roundtrip() -> None:
     torch.cuda.manual_seed_all(5)
     core.load(RNGState(), saved)
     assert torch.equal(torch.rand(8, device="cuda"), expected)
+
+
+def test_carry_over_keeps_existing_ranks_and_derives_distinct_new_ones() -> None:
+    import warnings as _warnings
+
+    from resurgo.state.rng import capture_rng_state, carry_over_rng
+
+    saved = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed)
+        saved.append(capture_rng_state())
+    before = capture_rng_state()
+    assert carry_over_rng(saved, 1, 4) is saved[1]  # an existing rank keeps its own stream
+    new2, new3 = carry_over_rng(saved, 2, 4), carry_over_rng(saved, 3, 4)
+    again = carry_over_rng(saved, 2, 4)
+    assert torch.equal(new2["torch"], again["torch"])  # deterministic
+    assert not torch.equal(new2["torch"], new3["torch"])  # distinct per rank
+    assert all(not torch.equal(new2["torch"], s["torch"]) for s in saved)  # never a saved stream
+    assert new2["python"]["state"].tolist() != new3["python"]["state"].tolist() and set(new2) == {"python", "numpy", "torch"}
+    after = capture_rng_state()  # deriving does not disturb this process's streams
+    assert torch.equal(before["torch"], after["torch"]) and before["python"]["state"].tolist() == after["python"]["state"].tolist()
+    with _warnings.catch_warnings(record=True) as caught:
+        _warnings.simplefilter("always")
+        carry_over_rng(saved + saved, 0, 2)
+    assert any("ranks 2..3 are not used" in str(w.message) for w in caught)

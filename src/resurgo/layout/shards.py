@@ -121,7 +121,7 @@ def _dtensor_layout(dt: Any, key: str) -> LocalLayout:
             raise UnsupportedValueError(
                 f"key {key!r}: a DTensor with a Partial placement holds unreduced values; reduce it "
                 "(full_tensor() or redistribute to Shard/Replicate) before saving")
-        if not (p.is_shard() or p.is_replicate()):
+        if not (p.is_shard() or p.is_replicate() or _is_strided_shard(p)):
             raise UnsupportedValueError(f"key {key!r}: DTensor placement {p} is not supported")
     mesh = dt.device_mesh
     coords = mesh.get_coordinate()
@@ -153,6 +153,11 @@ def _dtensor_layout(dt: Any, key: str) -> LocalLayout:
     if not pieces and local.numel() == 0:
         pieces = [LocalPiece(ChunkBox(tuple(0 for _ in global_shape), tuple(local.shape)), local)]
     return LocalLayout(global_shape, tuple(pieces), local)
+
+
+def _is_strided_shard(p: Any) -> bool:
+    # FSDP2 over tensor parallelism: a dim split twice; torch calls it _StridedShard (private).
+    return type(p).__name__ == "_StridedShard" and hasattr(p, "dim") and hasattr(p, "_split_tensor")
 
 
 def _runs(indices: list[int]) -> list[tuple[int, int, int]]:
