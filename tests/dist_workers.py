@@ -198,3 +198,7 @@ def async_then_load(rank: int, world: int, path: str) -> list[str]:
     resurgo.load(target, path)
     expected = {k: hold("dt_s1", v, rank, world) for k, v in ref.items()}
     return [k for k in ref if bits(local_of(target[k])) != bits(local_of(expected[k]))]
+
+
+def good_then_failing(rank: int, world: int, good: str, bad: str, bad_rank: int) -> tuple[str, str]:
+    return failing_rank(rank, world, good, -1), failing_rank(rank, world, bad, bad_rank)
