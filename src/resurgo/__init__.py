@@ -1,7 +1,8 @@
 """resurgo: checkpoint/restart for deep-learning training.
 
 Public API (see README.md and docs/): ``save``, ``load``, ``load_dict``, ``convert``,
-``TrainState``, ``ResurgoError`` and its subclasses, ``SaveReport``, ``LoadReport``, ``ConvertReport``.
+``TrainState``, ``ElasticSampler``, ``elastic_state``, ``ResurgoError`` and its subclasses,
+``SaveReport``, ``LoadReport``, ``ConvertReport``.
 """
 
 from resurgo.api import __version__, load, load_dict, read_manifest, save
@@ -10,6 +11,7 @@ from resurgo.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    DataPositionError,
     DTypeMismatchError,
     IncompleteCheckpointError,
     KeyMismatchError,
@@ -31,11 +33,14 @@ from resurgo.layout.shards import FlatShard, Shard
 from resurgo.pipeline.async_save import AsyncSaveHandle, async_save
 from resurgo.reports import ConvertReport, LoadReport, SaveReport
 from resurgo.state.per_rank import PerRank
+from resurgo.state.elastic_loader import elastic_state
+from resurgo.state.elastic_sampler import ElasticSampler
 from resurgo.state.train_state import TrainState
 
 __all__ = [
     "__version__", "save", "async_save", "AsyncSaveHandle", "load", "load_dict", "read_manifest", "convert", "TrainState", "SaveReport", "LoadReport",
     "ConvertReport", "Shard", "FlatShard", "PerRank", "ShardingError", "WorldSizeMismatchError", "RankFailedError",
+    "ElasticSampler", "elastic_state", "DataPositionError",
     "ResurgoError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "DTypeMismatchError", "IncompleteCheckpointError", "KeyMismatchError", "ManifestError",
     "NotACheckpointError", "PickleNotAllowedError", "ShapeMismatchError", "StorageError",

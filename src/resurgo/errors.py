@@ -92,3 +92,8 @@ class WorldSizeMismatchError(ResurgoError):
 
 class RankFailedError(ResurgoError):
     """Another rank of a collective save or load failed; every rank raises this same error."""
+
+
+class DataPositionError(ResurgoError, ValueError):
+    """A sampler's arguments are invalid, or a saved data position does not fit the sampler or
+    loader it is loaded into (another dataset length or shuffle flag, a count out of range)."""

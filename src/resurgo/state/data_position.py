@@ -29,6 +29,17 @@ workers (their RNG lives in the worker processes) are not reproduced exactly.
 ``torchdata``'s ``StatefulDataLoader`` has its own ``state_dict``; it keeps it, and only its first
 ``iter()`` after a load is guarded so that the base seed it redraws (then overwrites with the saved
 one) does not shift the restored RNG streams.
+
+With an :class:`~resurgo.state.elastic_sampler.ElasticSampler` (as ``sampler=`` or inside
+``batch_sampler=``), the state also has ``"elastic"``: the sampler's global position as of the
+batches handed to the loop, ``start + batches * batch_size * num_replicas`` for the pass the epoch
+started at (the whole epoch once its last batch was handed out), whatever the workers prefetched.
+A mid-epoch load then resumes through the sampler instead of replaying batches, so the number of
+ranks may differ; the epoch-start RNG is still set while the iterator is built, so the worker base
+seed and the restored RNG streams are as in the original epoch. (Random augmentation in workers is
+then not reproduced bit for bit: the workers do not replay the batches before the checkpoint.)
+A StatefulDataLoader with an ElasticSampler gets the batches since its last snapshot folded into
+the position when it is loaded on another world size (see ``elastic_loader``).
 """
 
 from __future__ import annotations
@@ -40,6 +51,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from resurgo.errors import TypeMismatchError, UnsupportedValueError
+from resurgo.state.elastic_loader import find_elastic_sampler, fold_snapshot_steps, samples_per_batch
+from resurgo.state.elastic_sampler import ElasticSampler, EpochPass
 
 __all__ = ["track_dataloader", "is_tracked"]
 
@@ -52,7 +65,8 @@ class _Position:
     """Where a tracked loader stands in its current epoch (kept on the loader instance)."""
 
     __slots__ = ("epoch_rng", "batches_yielded", "epoch_active", "epoch", "reset_iterator",
-                 "persistent_iterator", "generation", "pending")
+                 "persistent_iterator", "generation", "pending", "elastic_pass", "elastic_base",
+                 "elastic_loaded")
 
     def __init__(self) -> None:
         self.epoch_rng: dict[str, Any] | None = None  # RNG states just before the epoch's iter()
@@ -63,6 +77,11 @@ class _Position:
         self.persistent_iterator = False  # loaded: persistent workers were alive at save time
         self.generation = 0  # which iterator is the live one; older iterators stop counting
         self.pending = False  # load_state_dict() was called; the next iter() resumes
+        # With an ElasticSampler: the pass the current epoch's iterator draws (or, after a load, the
+        # pass it will resume), batches_yielded when that pass started, and the loaded position.
+        self.elastic_pass: EpochPass | None = None
+        self.elastic_base = 0
+        self.elastic_loaded: dict[str, Any] | None = None
 
 
 def _generators(loader: DataLoader) -> dict[str, torch.Generator]:
@@ -247,10 +266,14 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
                 self._resurgo_build_iterator_silently()
             will_reset = self._resurgo_will_reset()
             epoch_rng = _capture_epoch_rng(self)  # before construction: it draws from these
+            elastic = find_elastic_sampler(self)
+            # Before construction: building the iterator starts the sampler's pass.
+            elastic_pass = elastic.next_pass() if elastic is not None else None
             it = self._resurgo_base_class.__iter__(self)
             _prime(self, it)
             pos.epoch_rng = epoch_rng
             pos.batches_yielded = 0
+            pos.elastic_pass, pos.elastic_base = elastic_pass, 0
             pos.epoch_active = True
             pos.reset_iterator = will_reset
             pos.epoch += 1
@@ -286,8 +309,17 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
                 elif not pos.reset_iterator and getattr(self, "_iterator", None) is not None:
                     self._iterator = None  # the original epoch built a new iterator: do the same
             _set_epoch_rng(self, pos.epoch_rng)
-            it = self._resurgo_base_class.__iter__(self)
-            _skip(self, it, pos.batches_yielded)
+            elastic = find_elastic_sampler(self)
+            if elastic is not None and pos.elastic_loaded is not None:
+                # Resume through the sampler's global position: nothing is replayed. Loaded again
+                # here because starting persistent workers above may have begun a pass.
+                elastic.load_state_dict(pos.elastic_loaded)
+                pos.elastic_pass, pos.elastic_base = elastic.next_pass(), pos.batches_yielded
+                it = self._resurgo_base_class.__iter__(self)
+                _prime(self, it)
+            else:
+                it = self._resurgo_base_class.__iter__(self)
+                _skip(self, it, pos.batches_yielded)
         finally:
             # Only the global RNG goes back: the training stream continues as restored by
             # RNGState. The loader's own generators stay where the replay left them, which is
@@ -296,12 +328,24 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
         return it
 
     # -- Stateful ----------------------------------------------------------------------------
+    def _resurgo_elastic_position(self, sampler: ElasticSampler) -> dict[str, Any]:
+        """The sampler's global position as of the batches handed to the loop."""
+        pos = _position(self)
+        if pos.epoch_active and pos.elastic_pass is not None:
+            taken = (pos.batches_yielded - pos.elastic_base) * samples_per_batch(self)
+            return sampler.position(pos.elastic_pass.epoch, pos.elastic_pass.consumed(taken))
+        # Between epochs or never iterated: where the next iter() starts.
+        upcoming = sampler.next_pass()
+        return sampler.position(upcoming.epoch, upcoming.start)
+
     def state_dict(self) -> dict[str, Any]:
         """Position in the current epoch, as plain data (tensors, ints, bools)."""
         pos = _position(self)
         # Never iterated: the current states stand in, so the tree has the same shapes as one
         # from a loader mid-epoch (a fresh loader is the destination of a load).
         epoch_rng = pos.epoch_rng if pos.epoch_rng is not None else _capture_epoch_rng(self)
+        elastic = find_elastic_sampler(self)
+        extra = {"elastic": self._resurgo_elastic_position(elastic)} if elastic is not None else {}
         return {
             "version": _FORMAT_VERSION,
             "epoch_rng": _clone_rng(epoch_rng),
@@ -313,6 +357,7 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
             # so the next epoch's order depends on these.
             "generators": {name: g.get_state() for name, g in _generators(self).items()},
             "persistent_iterator": bool(self._resurgo_will_reset()),
+            **extra,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -342,6 +387,17 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
         n = sd["batches_yielded"]
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise TypeMismatchError(f"dataloader.batches_yielded: expected an int >= 0, got {n!r}")
+        elastic = find_elastic_sampler(self)
+        if (elastic is not None) != ("elastic" in sd):
+            raise TypeMismatchError(
+                "dataloader.elastic: the checkpoint "
+                + ("has no ElasticSampler position, this DataLoader's sampler is an ElasticSampler"
+                   if elastic is not None else
+                   "has an ElasticSampler position, this DataLoader's sampler is not an ElasticSampler")
+                + "; build the loader the same way as when saving")
+        if elastic is not None:
+            elastic_loaded = dict(sd["elastic"])
+            elastic.load_state_dict(elastic_loaded)  # validates before anything below changes
         pos = _position(self)
         pos.generation += 1  # an iterator already handed out no longer moves the position
         pos.epoch_rng = rng
@@ -351,6 +407,9 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
         pos.reset_iterator = bool(sd.get("reset_iterator", False))
         pos.persistent_iterator = bool(sd.get("persistent_iterator", False))
         pos.pending = True
+        if elastic is not None:
+            pos.elastic_loaded = elastic_loaded
+            pos.elastic_pass, pos.elastic_base = elastic.next_pass(), n
         if not pos.epoch_active:
             # Between epochs: the next epoch starts from the generators' saved states. (Mid-epoch,
             # the replay from the epoch start brings them there.)
@@ -389,6 +448,11 @@ _RESUMING = "_resurgo_resuming"
 
 
 def _guarded_load_state_dict(self: Any, state_dict: Any) -> Any:
+    elastic = find_elastic_sampler(self)
+    if elastic is not None and isinstance(state_dict, dict):
+        # torchdata replays the batches since its last snapshot: on another world size those would
+        # be other samples, so there they become part of the global position instead.
+        state_dict = fold_snapshot_steps(state_dict, elastic, samples_per_batch(self), resized_only=True)
     result = self._resurgo_base_class.load_state_dict(self, state_dict)
     self.__dict__[_RESUMING] = True
     return result
