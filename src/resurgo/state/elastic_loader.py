@@ -148,17 +148,17 @@ def elastic_state(loader: Any) -> dict[str, Any]:
             f"elastic_state: a {type(loader).__name__} whose sampler is not an ElasticSampler has no global "
             "data position")
     if _is_stateful_dataloader(loader):
-        state = fold_snapshot_steps(loader.state_dict(), sampler, samples_per_batch(loader))
-        positions = _positions_in(state)
+        folded = fold_snapshot_steps(loader.state_dict(), sampler, samples_per_batch(loader))
+        positions = _positions_in(folded)
         if len(positions) != 1:
             raise DataPositionError(
                 f"elastic_state: expected one ElasticSampler position in the StatefulDataLoader state, found "
                 f"{len(positions)}")
         return dict(positions[0])
     state_dict = getattr(loader, "state_dict", None)
-    state = state_dict() if callable(state_dict) else None
-    if not isinstance(state, dict) or "elastic" not in state:
+    tracked = state_dict() if callable(state_dict) else None
+    if not isinstance(tracked, dict) or "elastic" not in tracked:
         raise UnsupportedValueError(
             f"elastic_state: a {type(loader).__name__} is not tracked; pass it to resurgo.TrainState(dataloader=...) "
             "(or track_dataloader) before iterating it")
-    return dict(state["elastic"])
+    return dict(tracked["elastic"])
