@@ -414,6 +414,36 @@ def test_stateful_dataloader_between_epochs_starts_the_next_epoch(tmp_path: Path
     check_epoch(run_steps(fresh, None, 1), 1, pad=(-N) % 3)
 
 
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+def test_stateful_dataloader_with_a_torch_batch_sampler_is_refused() -> None:
+    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def make(world: int, rank: int):
+        sampler = ElasticSampler(list(range(N)), num_replicas=world, rank=rank, seed=SEED)
+        return track_dataloader(sdl.StatefulDataLoader(list(range(N)), batch_sampler=BatchSampler(sampler, B, False)))
+
+    saved = make(4, 0)
+    it = iter(saved)
+    next(it)
+    state = saved.state_dict()
+    with pytest.raises(DataPositionError, match="holds no ElasticSampler position.*pass the ElasticSampler as sampler="):
+        make(2, 0).load_state_dict(state)
+    with pytest.raises(DataPositionError, match="expected one ElasticSampler position in the StatefulDataLoader state, found 0"):
+        resurgo.elastic_state(saved)
+
+
+def test_saved_after_the_last_batch_resumes_to_the_next_epoch(tmp_path: Path) -> None:
+    """Saved when the last batch was handed out but before StopIteration: the epoch is consumed."""
+    loaders = [track_dataloader(make_dataloader("workers0", 4, r)) for r in range(4)]
+    head = run_steps(loaders, 5, 0)  # 13 indices per rank: batches of 3, 3, 3, 3, 1
+    check_epoch(head, 0, pad=2)
+    assert save_ranks(loaders, tmp_path, 0)[0]["elastic"]["consumed"] == N
+    fresh = [track_dataloader(make_dataloader("workers0", 3, r)) for r in range(3)]
+    load_ranks(fresh, tmp_path, 4)
+    assert run_steps(fresh, None, 0) == []
+    check_epoch(run_steps(fresh, None, 1), 1, pad=(-N) % 3)
+
+
 def test_fold_keys_are_torchdatas() -> None:
     sdl = pytest.importorskip("torchdata.stateful_dataloader.stateful_dataloader")
     it = sdl._StatefulMultiProcessingDataLoaderIter

@@ -51,7 +51,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from resurgo.errors import TypeMismatchError, UnsupportedValueError
-from resurgo.state.elastic_loader import find_elastic_sampler, fold_snapshot_steps, samples_per_batch
+from resurgo.state.elastic_loader import find_elastic_sampler, prepare_stateful_load, samples_per_batch
 from resurgo.state.elastic_sampler import ElasticSampler, EpochPass
 
 __all__ = ["track_dataloader", "is_tracked"]
@@ -452,7 +452,7 @@ def _guarded_load_state_dict(self: Any, state_dict: Any) -> Any:
     if elastic is not None and isinstance(state_dict, dict):
         # torchdata replays the batches since its last snapshot: on another world size those would
         # be other samples, so there they become part of the global position instead.
-        state_dict = fold_snapshot_steps(state_dict, elastic, samples_per_batch(self), resized_only=True)
+        state_dict = prepare_stateful_load(state_dict, elastic, samples_per_batch(self))
     result = self._resurgo_base_class.load_state_dict(self, state_dict)
     self.__dict__[_RESUMING] = True
     return result

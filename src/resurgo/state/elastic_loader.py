@@ -21,7 +21,8 @@ from typing import Any
 from resurgo.errors import DataPositionError, UnsupportedValueError
 from resurgo.state.elastic_sampler import POSITION_KEYS, ElasticSampler, consumed_after, per_rank_count
 
-__all__ = ["elastic_state", "find_elastic_sampler", "samples_per_batch", "fold_snapshot_steps"]
+__all__ = ["elastic_state", "find_elastic_sampler", "samples_per_batch", "fold_snapshot_steps",
+           "prepare_stateful_load"]
 
 # torchdata 0.11 StatefulDataLoader state keys (stateful_dataloader.py); a test checks them against
 # torchdata's own constants so a rename fails loudly.
@@ -122,6 +123,21 @@ def fold_snapshot_steps(state: dict[str, Any], sampler: ElasticSampler, batch_si
     position["consumed"] = consumed_after(n, consumed, saved_world, count, steps * batch_size)
     out[STEPS_SINCE_SNAPSHOT] = 0
     return out
+
+
+def prepare_stateful_load(state: dict[str, Any], sampler: ElasticSampler, batch_size: int) -> dict[str, Any]:
+    """A StatefulDataLoader state ready to load into a loader drawing from ``sampler``.
+
+    The state must hold the sampler's position (torchdata saves it only for ``sampler=``: a
+    ``batch_sampler=`` of torch's own would be fast-forwarded by a per-rank count). Batches since the
+    last snapshot are folded into the position when the world size changed.
+    """
+    if state and not _positions_in(state):
+        raise DataPositionError(
+            "dataloader: the StatefulDataLoader state holds no ElasticSampler position, so it cannot resume on "
+            "another world size; pass the ElasticSampler as sampler= (with batch_size=) so that torchdata's "
+            "stateful batch sampler saves its state")
+    return fold_snapshot_steps(state, sampler, batch_size, resized_only=True)
 
 
 def _is_stateful_dataloader(loader: Any) -> bool:
