@@ -498,3 +498,25 @@ def test_gloo_ranks_save_then_resume_on_another_world_size(tmp_path: Path) -> No
     head = interleave([t["batches"] for t in train])
     tail = interleave([r["batches"] for r in resume])
     check_epoch(head + tail, 0, pad=(-(N - STEPS * B * 2)) % 3)
+
+
+def test_collective_save_holds_the_position_once_and_resumes_on_another_world_size(tmp_path: Path) -> None:
+    """3 ranks save one checkpoint together; 2 ranks load it: the position is stored once (it is the
+    same on every rank), and the resumed ranks finish the epoch's global order."""
+    from dist_harness import run_ranks
+
+    from scripts.elastic_ranks import STEPS
+
+    path = str(tmp_path / "ckpt")
+    train = run_ranks(3, "scripts.elastic_ranks:collective_train", path)
+    consumed = STEPS * B * 3
+    assert all(t["position"] == train[0]["position"] for t in train)
+    assert train[0]["position"]["consumed"] == consumed
+    stored = resurgo.load_dict(path)["dataloader"]["elastic"]
+    assert stored == train[0]["position"]  # one plain copy, not one per rank
+    resume = run_ranks(2, "scripts.elastic_ranks:collective_resume", path)
+    # The loop ran to the epoch's end: the next pass starts at 0.
+    assert all(r["position"] == {**train[0]["position"], "consumed": 0, "num_replicas": 2} for r in resume)
+    head = interleave([t["batches"] for t in train])
+    tail = interleave([r["batches"] for r in resume])
+    check_epoch(head + tail, 0, pad=(-(N - consumed)) % 2)

@@ -6,15 +6,21 @@ own TrainState with resurgo.save to <dir>/rank<r> (per-rank files, outside any c
 "resume": a world of 3; rank r loads <dir>/rank<r % 2> before joining the group, then finishes the
 epoch, checking after every step (all_gather) that every rank holds the same global position.
 Each rank writes what its loop received to <dir>/<phase><r>.json.
+
+collective_train / collective_resume run under tests/dist_harness.py: every rank calls the
+collective resurgo.save / resurgo.load of one checkpoint.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import random
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
@@ -66,6 +72,32 @@ def run_rank(rank: int, world: int, phase: str, workdir: str) -> None:
         out["positions_agree"] = agree
     out["batches"] = batches
     (root / f"{phase}{rank}.json").write_text(json.dumps(out))
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def collective_train(rank: int, world: int, path: str) -> dict:
+    """Under the harness's process group: STEPS batches, then ONE collective resurgo.save of the TrainState."""
+    _seed_all(0)  # the same on every rank: every value of the TrainState is then replicated
+    loader = _loader()
+    ts = resurgo.TrainState(dataloader=loader, epoch=0)
+    loader.sampler.set_epoch(0)
+    batches = [b.tolist() for b in itertools.islice(loader, STEPS)]
+    resurgo.save(ts, path)
+    return {"batches": batches, "position": resurgo.elastic_state(loader)}
+
+
+def collective_resume(rank: int, world: int, path: str) -> dict:
+    _seed_all(1000 + rank)
+    loader = _loader()
+    ts = resurgo.TrainState(dataloader=loader, epoch=-1)
+    resurgo.load(ts, path)
+    loader.sampler.set_epoch(ts.epoch)
+    return {"batches": [b.tolist() for b in loader], "position": resurgo.elastic_state(loader)}
 
 
 if __name__ == "__main__":  # manual run: python tests/scripts/elastic_ranks.py DIR
