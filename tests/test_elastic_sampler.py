@@ -470,6 +470,26 @@ def test_loader_built_differently_is_refused() -> None:
         other_length.load_state_dict(elastic.state_dict())
 
 
+def test_loader_rng_is_per_rank_and_carries_over_to_new_ranks() -> None:
+    from resurgo.state.data_position import _carry_over_epoch_rng
+
+    loader = track_dataloader(make_dataloader("workers0", 2, 0))
+    sd = loader.state_dict()
+    assert isinstance(sd["epoch_rng"], resurgo.PerRank) and isinstance(sd["generators"], resurgo.PerRank)
+    saved = []
+    for seed in (10, 11):
+        torch.manual_seed(seed)
+        saved.append({"torch": torch.get_rng_state(), "generators": {"loader_generator": torch.tensor([seed])}})
+    before = torch.get_rng_state()
+    assert _carry_over_epoch_rng(saved, 1, 3) is saved[1]  # an old rank keeps its own
+    new = _carry_over_epoch_rng(saved, 2, 3)
+    assert torch.equal(torch.get_rng_state(), before)  # deriving moves no global stream
+    assert all(not torch.equal(new["torch"], s["torch"]) for s in saved)  # its own stream...
+    assert torch.equal(_carry_over_epoch_rng(saved, 2, 3)["torch"], new["torch"])  # ...deterministically
+    assert not torch.equal(_carry_over_epoch_rng(saved, 4, 5)["torch"], new["torch"])
+    assert new["generators"] is saved[0]["generators"]
+
+
 def test_elastic_state_refuses_other_loaders() -> None:
     with pytest.raises(UnsupportedValueError, match="whose sampler is not an ElasticSampler"):
         resurgo.elastic_state(DataLoader(list(range(N)), batch_size=B))
@@ -501,22 +521,24 @@ def test_gloo_ranks_save_then_resume_on_another_world_size(tmp_path: Path) -> No
 
 
 def test_collective_save_holds_the_position_once_and_resumes_on_another_world_size(tmp_path: Path) -> None:
-    """3 ranks save one checkpoint together; 2 ranks load it: the position is stored once (it is the
-    same on every rank), and the resumed ranks finish the epoch's global order."""
+    """2 ranks save one checkpoint together; 3 ranks load it: the position is stored once (it is the
+    same on every rank) while the loader's RNG states are per rank (carried over to the new rank),
+    and the resumed ranks finish the epoch's global order."""
     from dist_harness import run_ranks
 
     from scripts.elastic_ranks import STEPS
 
     path = str(tmp_path / "ckpt")
-    train = run_ranks(3, "scripts.elastic_ranks:collective_train", path)
-    consumed = STEPS * B * 3
+    train = run_ranks(2, "scripts.elastic_ranks:collective_train", path)
+    consumed = STEPS * B * 2
     assert all(t["position"] == train[0]["position"] for t in train)
     assert train[0]["position"]["consumed"] == consumed
-    stored = resurgo.load_dict(path)["dataloader"]["elastic"]
-    assert stored == train[0]["position"]  # one plain copy, not one per rank
-    resume = run_ranks(2, "scripts.elastic_ranks:collective_resume", path)
+    stored = resurgo.load_dict(path)["dataloader"]
+    assert stored["elastic"] == train[0]["position"]  # one plain copy, not one per rank
+    assert isinstance(stored["epoch_rng"], resurgo.PerRank) and len(stored["epoch_rng"].saved) == 2
+    resume = run_ranks(3, "scripts.elastic_ranks:collective_resume", path)
     # The loop ran to the epoch's end: the next pass starts at 0.
-    assert all(r["position"] == {**train[0]["position"], "consumed": 0, "num_replicas": 2} for r in resume)
+    assert all(r["position"] == {**train[0]["position"], "consumed": 0, "num_replicas": 3} for r in resume)
     head = interleave([t["batches"] for t in train])
     tail = interleave([r["batches"] for r in resume])
-    check_epoch(head + tail, 0, pad=(-(N - consumed)) % 2)
+    check_epoch(head + tail, 0, pad=(-(N - consumed)) % 3)

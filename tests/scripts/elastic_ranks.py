@@ -82,7 +82,7 @@ def _seed_all(seed: int) -> None:
 
 def collective_train(rank: int, world: int, path: str) -> dict:
     """Under the harness's process group: STEPS batches, then ONE collective resurgo.save of the TrainState."""
-    _seed_all(0)  # the same on every rank: every value of the TrainState is then replicated
+    _seed_all(rank)  # ranks seeded differently: their RNG states are per rank, the position is not
     loader = _loader()
     ts = resurgo.TrainState(dataloader=loader, epoch=0)
     loader.sampler.set_epoch(0)

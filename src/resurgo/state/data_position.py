@@ -38,8 +38,11 @@ A mid-epoch load then resumes through the sampler instead of replaying batches, 
 ranks may differ; the epoch-start RNG is still set while the iterator is built, so the worker base
 seed and the restored RNG streams are as in the original epoch. (Random augmentation in workers is
 then not reproduced bit for bit: the workers do not replay the batches before the checkpoint.)
-A StatefulDataLoader with an ElasticSampler gets the batches since its last snapshot folded into
-the position when it is loaded on another world size (see ``elastic_loader``).
+The RNG parts of such a loader's state (``epoch_rng``, ``generators``) are the rank's own, so they
+are :class:`~resurgo.PerRank` values with a carry-over policy: on another number of ranks an old
+rank keeps its own and a new rank derives its own. A StatefulDataLoader with an ElasticSampler
+gets the batches since its last snapshot folded into the position when it is loaded on another
+world size (see ``elastic_loader``).
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ from torch.utils.data import DataLoader
 from resurgo.errors import TypeMismatchError, UnsupportedValueError
 from resurgo.state.elastic_loader import find_elastic_sampler, prepare_stateful_load, samples_per_batch
 from resurgo.state.elastic_sampler import ElasticSampler, EpochPass
+from resurgo.state.per_rank import PerRank
+from resurgo.state.rng import carry_over_rng
 
 __all__ = ["track_dataloader", "is_tracked"]
 
@@ -346,16 +351,23 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
         epoch_rng = pos.epoch_rng if pos.epoch_rng is not None else _capture_epoch_rng(self)
         elastic = find_elastic_sampler(self)
         extra = {"elastic": self._resurgo_elastic_position(elastic)} if elastic is not None else {}
+        epoch_rng_out: Any = _clone_rng(epoch_rng)
+        generators_out: Any = {name: g.get_state() for name, g in _generators(self).items()}
+        if elastic is not None:
+            # The position is global, but these RNG states are the rank's own (ranks are often
+            # seeded differently): kept per rank, and carried over to another number of ranks.
+            epoch_rng_out = PerRank(epoch_rng_out, on_resize=_carry_over_epoch_rng)
+            generators_out = PerRank(generators_out, on_resize=_carry_over_generators)
         return {
             "version": _FORMAT_VERSION,
-            "epoch_rng": _clone_rng(epoch_rng),
+            "epoch_rng": epoch_rng_out,
             "batches_yielded": int(pos.batches_yielded),
             "epoch_active": bool(pos.epoch_active),
             "epoch": int(pos.epoch),
             "reset_iterator": bool(pos.reset_iterator),
             # The loader's own generators as they are now: between epochs nothing is replayed,
             # so the next epoch's order depends on these.
-            "generators": {name: g.get_state() for name, g in _generators(self).items()},
+            "generators": generators_out,
             "persistent_iterator": bool(self._resurgo_will_reset()),
             **extra,
         }
@@ -369,13 +381,13 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
         missing = [k for k in ("epoch_rng", "batches_yielded", "epoch_active") if k not in sd]
         if missing:
             raise TypeMismatchError(f"dataloader: state has no {', '.join(missing)}; not a DataLoader position")
-        epoch_rng = sd["epoch_rng"]
+        epoch_rng = _own(sd["epoch_rng"])
         rng: dict[str, Any] = {
             "torch": _as_uint8(epoch_rng["torch"], "epoch_rng.torch").clone(),
             "generators": {k: _as_uint8(v, f"epoch_rng.generators.{k}").clone()
                            for k, v in (epoch_rng.get("generators") or {}).items()},
         }
-        now = {k: _as_uint8(v, f"generators.{k}") for k, v in (sd.get("generators") or {}).items()}
+        now = {k: _as_uint8(v, f"generators.{k}") for k, v in (_own(sd.get("generators")) or {}).items()}
         # Fail now, not at the next iter(), if the loader is built differently.
         gens = _generators(self)
         for key, saved in (("epoch_rng.generators", rng["generators"]), ("generators", now)):
@@ -415,6 +427,29 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
             # the replay from the epoch start brings them there.)
             for name, g in gens.items():
                 g.set_state(now[name])
+
+
+def _own(value: Any) -> Any:
+    """This rank's value of a per-rank entry (a plain value passes through)."""
+    return value.value if isinstance(value, PerRank) else value
+
+
+def _carry_over_epoch_rng(saved: list[dict[str, Any]], rank: int, world: int) -> dict[str, Any]:
+    """Epoch-start RNG of ``rank`` in a job resumed from ``len(saved)`` ranks (ElasticSampler loaders).
+
+    A rank that existed keeps its own. A new rank gets a torch state derived from rank
+    ``rank % len(saved)``'s and its own rank number (as :func:`carry_over_rng` derives new ranks'
+    streams), so its workers' base seed is its own; the loader's generators are those of that rank.
+    """
+    if rank < len(saved):
+        return saved[rank]
+    derived = carry_over_rng([{"torch": s["torch"]} for s in saved], rank, world)
+    return {"torch": derived["torch"], "generators": saved[rank % len(saved)]["generators"]}
+
+
+def _carry_over_generators(saved: list[Any], rank: int, world: int) -> Any:
+    """The loader's generator states for ``rank``: its own, or for a new rank those of ``rank % len(saved)``."""
+    return saved[rank] if rank < len(saved) else saved[rank % len(saved)]
 
 
 def _position(loader: Any) -> _Position:
