@@ -490,6 +490,25 @@ def test_loader_rng_is_per_rank_and_carries_over_to_new_ranks() -> None:
     assert new["generators"] is saved[0]["generators"]
 
 
+def test_distributed_sampler_position_refuses_another_world_size() -> None:
+    """A DistributedSampler's position is per rank: resuming it on another number of ranks is refused."""
+    def make(world: int) -> DataLoader:
+        sampler = DistributedSampler(list(range(N)), num_replicas=world, rank=0, seed=SEED)
+        return track_dataloader(DataLoader(list(range(N)), batch_size=B, sampler=sampler))
+
+    saved = make(4)
+    next(iter(saved))
+    state = saved.state_dict()
+    assert state["distributed_num_replicas"] == 4
+    with pytest.raises(DataPositionError, match="saved by 4 ranks, this DistributedSampler has num_replicas=2; "
+                                                ".* use resurgo.ElasticSampler"):
+        make(2).load_state_dict(state)
+    same = make(4)
+    same.load_state_dict(state)  # the same number of ranks resumes as before
+    assert torch.equal(next(iter(same)), torch.tensor(list(DistributedSampler(
+        list(range(N)), num_replicas=4, rank=0, seed=SEED))[B:2 * B]))
+
+
 def test_elastic_state_refuses_other_loaders() -> None:
     with pytest.raises(UnsupportedValueError, match="whose sampler is not an ElasticSampler"):
         resurgo.elastic_state(DataLoader(list(range(N)), batch_size=B))

@@ -43,6 +43,9 @@ are :class:`~resurgo.PerRank` values with a carry-over policy: on another number
 rank keeps its own and a new rank derives its own. A StatefulDataLoader with an ElasticSampler
 gets the batches since its last snapshot folded into the position when it is loaded on another
 world size (see ``elastic_loader``).
+
+A ``DistributedSampler``'s position is a per-rank count: the state records its ``num_replicas``
+(``"distributed_num_replicas"``) and a load on another number of ranks is refused.
 """
 
 from __future__ import annotations
@@ -51,10 +54,15 @@ import itertools
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
-from resurgo.errors import TypeMismatchError, UnsupportedValueError
-from resurgo.state.elastic_loader import find_elastic_sampler, prepare_stateful_load, samples_per_batch
+from resurgo.errors import DataPositionError, TypeMismatchError, UnsupportedValueError
+from resurgo.state.elastic_loader import (
+    find_elastic_sampler,
+    find_sampler,
+    prepare_stateful_load,
+    samples_per_batch,
+)
 from resurgo.state.elastic_sampler import ElasticSampler, EpochPass
 from resurgo.state.per_rank import PerRank
 from resurgo.state.rng import carry_over_rng
@@ -350,7 +358,12 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
         # from a loader mid-epoch (a fresh loader is the destination of a load).
         epoch_rng = pos.epoch_rng if pos.epoch_rng is not None else _capture_epoch_rng(self)
         elastic = find_elastic_sampler(self)
-        extra = {"elastic": self._resurgo_elastic_position(elastic)} if elastic is not None else {}
+        extra: dict[str, Any] = {}
+        if elastic is not None:
+            extra["elastic"] = self._resurgo_elastic_position(elastic)
+        distributed = find_sampler(self, DistributedSampler)
+        if distributed is not None:
+            extra["distributed_num_replicas"] = int(distributed.num_replicas)
         epoch_rng_out: Any = _clone_rng(epoch_rng)
         generators_out: Any = {name: g.get_state() for name, g in _generators(self).items()}
         if elastic is not None:
@@ -407,6 +420,15 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
                    if elastic is not None else
                    "has an ElasticSampler position, this DataLoader's sampler is not an ElasticSampler")
                 + "; build the loader the same way as when saving")
+        distributed = find_sampler(self, DistributedSampler)
+        if distributed is not None and "distributed_num_replicas" in sd \
+                and sd["distributed_num_replicas"] != distributed.num_replicas:
+            # Its position is a per-rank count: on another number of ranks the replay would take
+            # other samples (some twice, some never).
+            raise DataPositionError(
+                f"dataloader.distributed_num_replicas: saved by {sd['distributed_num_replicas']} ranks, this "
+                f"DistributedSampler has num_replicas={distributed.num_replicas}; a DistributedSampler's position "
+                "is per rank and cannot change the number of ranks: use resurgo.ElasticSampler")
         if elastic is not None:
             elastic_loaded = dict(sd["elastic"])
             elastic.load_state_dict(elastic_loaded)  # validates before anything below changes

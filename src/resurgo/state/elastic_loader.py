@@ -16,12 +16,14 @@ delivered to the training loop (never of what workers prefetched):
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, TypeVar
 
 from resurgo.errors import DataPositionError, UnsupportedValueError
 from resurgo.state.elastic_sampler import POSITION_KEYS, ElasticSampler, consumed_after, per_rank_count
 
-__all__ = ["elastic_state", "find_elastic_sampler", "samples_per_batch", "fold_snapshot_steps",
+T = TypeVar("T")
+
+__all__ = ["elastic_state", "find_sampler", "find_elastic_sampler", "samples_per_batch", "fold_snapshot_steps",
            "prepare_stateful_load"]
 
 # torchdata 0.11 StatefulDataLoader state keys (stateful_dataloader.py); a test checks them against
@@ -37,14 +39,19 @@ SAMPLER_ITER_STATE = "_sampler_iter_state"
 SAMPLES_YIELDED = "samples_yielded"  # torchdata's BatchSampler iterator: samples drawn
 
 
-def find_elastic_sampler(loader: Any) -> ElasticSampler | None:
-    """The ElasticSampler a DataLoader draws from (``sampler=`` or inside ``batch_sampler=``), if any."""
+def find_sampler(loader: Any, kind: type[T]) -> T | None:
+    """The sampler of class ``kind`` a DataLoader draws from (``sampler=`` or inside ``batch_sampler=``)."""
     # With batch_sampler=, DataLoader.sampler is a SequentialSampler it made up: look inside first.
     for candidate in (getattr(getattr(loader, "batch_sampler", None), "sampler", None),
                       getattr(loader, "sampler", None)):
-        if isinstance(candidate, ElasticSampler):
+        if isinstance(candidate, kind):
             return candidate
     return None
+
+
+def find_elastic_sampler(loader: Any) -> ElasticSampler | None:
+    """The ElasticSampler a DataLoader draws from, if any."""
+    return find_sampler(loader, ElasticSampler)
 
 
 def samples_per_batch(loader: Any) -> int:
