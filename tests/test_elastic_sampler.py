@@ -518,46 +518,31 @@ def test_elastic_state_refuses_other_loaders() -> None:
 
 
 # -- real processes -----------------------------------------------------------------------------------
-def test_gloo_ranks_save_then_resume_on_another_world_size(tmp_path: Path) -> None:
-    """2 ranks train, each saves its own file; 3 ranks resume; the global sequence is the epoch's order."""
-    import torch.multiprocessing as mp
-
-    from scripts.elastic_ranks import STEPS, run_rank
-
-    mp.spawn(run_rank, args=(2, "train", str(tmp_path)), nprocs=2, join=True)
-    mp.spawn(run_rank, args=(3, "resume", str(tmp_path)), nprocs=3, join=True)
-    train = [json.loads((tmp_path / f"train{r}.json").read_text()) for r in range(2)]
-    resume = [json.loads((tmp_path / f"resume{r}.json").read_text()) for r in range(3)]
-    # Phase 1 ran under torch.distributed: the sampler took its world size and rank from it, and the
-    # position every rank saved is the same.
-    assert [t["world"] for t in train] == [[2, 0], [2, 1]]
-    assert train[0]["position"] == train[1]["position"]
-    assert train[0]["position"]["consumed"] == STEPS * B * 2
-    assert all(r["positions_agree"] for r in resume)
-    head = interleave([t["batches"] for t in train])
-    tail = interleave([r["batches"] for r in resume])
-    check_epoch(head + tail, 0, pad=(-(N - STEPS * B * 2)) % 3)
-
-
-def test_collective_save_holds_the_position_once_and_resumes_on_another_world_size(tmp_path: Path) -> None:
-    """2 ranks save one checkpoint together; 3 ranks load it: the position is stored once (it is the
-    same on every rank) while the loader's RNG states are per rank (carried over to the new rank),
-    and the resumed ranks finish the epoch's global order."""
+def test_gloo_ranks_resume_on_another_world_size(tmp_path: Path) -> None:
+    """2 ranks train and save (one collective checkpoint, and a file per rank); 3 ranks resume from
+    each: the global sequence is the epoch's order. The position is stored once in the collective
+    checkpoint; the loader's RNG states are per rank (carried over to the new rank)."""
     from dist_harness import run_ranks
 
     from scripts.elastic_ranks import STEPS
 
-    path = str(tmp_path / "ckpt")
-    train = run_ranks(2, "scripts.elastic_ranks:collective_train", path)
+    train = run_ranks(2, "scripts.elastic_ranks:train", str(tmp_path))
     consumed = STEPS * B * 2
-    assert all(t["position"] == train[0]["position"] for t in train)
+    # The sampler took its world size and rank from torch.distributed; every rank holds one position.
+    assert [t["world"] for t in train] == [[2, 0], [2, 1]]
+    assert train[0]["position"] == train[1]["position"]
     assert train[0]["position"]["consumed"] == consumed
-    stored = resurgo.load_dict(path)["dataloader"]
+    stored = resurgo.load_dict(tmp_path / "ckpt")["dataloader"]
     assert stored["elastic"] == train[0]["position"]  # one plain copy, not one per rank
     assert isinstance(stored["epoch_rng"], resurgo.PerRank) and len(stored["epoch_rng"].saved) == 2
-    resume = run_ranks(3, "scripts.elastic_ranks:collective_resume", path)
+    assert all(resurgo.load_dict(tmp_path / f"rank{r}")["dataloader"]["elastic"] == train[0]["position"]
+               for r in range(2))
+
+    resume = run_ranks(3, "scripts.elastic_ranks:resume", str(tmp_path))
+    assert all(r["positions_agree"] for r in resume)
     # The loop ran to the epoch's end: the next pass starts at 0.
-    assert all(r["position"] == {**train[0]["position"], "consumed": 0, "num_replicas": 3} for r in resume)
+    assert all(r["end_position"] == {**train[0]["position"], "consumed": 0, "num_replicas": 3} for r in resume)
     head = interleave([t["batches"] for t in train])
-    tail = interleave([r["batches"] for r in resume])
-    check_epoch(head + tail, 0, pad=(-(N - consumed)) % 3)
+    for source in ("collective", "from_file"):
+        tail = interleave([r[source] for r in resume])
+        check_epoch(head + tail, 0, pad=(-(N - consumed)) % 3)
