@@ -212,7 +212,7 @@ def tree(tmp_path: Path) -> Path:
 
 
 EXPECTED_LS = [
-    ("a/.step-5.resurgo-tmp-0123456789ab", "incomplete", None),
+    ("a/.step-5.resurgo-tmp-0123456789ab", "temporary", None),
     ("a/step-1", "committed", 1),
     ("a/step-2", "corrupt", 2),
     ("a/step-3", "corrupt", None),  # the step is unknown: the manifest is not JSON
@@ -256,7 +256,7 @@ def test_ls_verify_finds_flipped_byte(tree: Path):
     plain = json.loads(runner.invoke(app, ["ls", str(tree), "--json"]).stdout)["checkpoints"]
     assert {r["path"]: r["status"] for r in plain}["b/deep/step-9"] == "committed"  # ls reads no data
     result = runner.invoke(app, ["ls", str(tree), "--json", "--verify"])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 1, result.output  # corruption found
     rows = {r["path"]: r for r in json.loads(result.stdout)["checkpoints"]}
     assert rows["b/deep/step-9"]["status"] == "corrupt"
     assert "tensor 'w'" in rows["b/deep/step-9"]["detail"]

@@ -1,14 +1,14 @@
-"""The command line: ``resurgo inspect | verify | ls | convert``.
+"""The command line: ``resurgo inspect | verify | ls | gc | convert``.
 
 Every command reads only the manifest unless it has to read data (``verify``, ``ls --verify``),
 never unpickles anything, and turns a :class:`~resurgo.errors.ResurgoError` into a one-line red
 message on stderr and exit code 2 (no traceback). ``--json`` prints a machine-readable summary on
 stdout instead of the tables.
 
-Exit codes: 0 success (for ``verify``: the checkpoint is clean); 1 ``verify`` found corruption, or
-``convert`` met corrupt data (nothing written); 2 the path is not a readable checkpoint (missing,
-incomplete, invalid manifest), the conversion was refused (destination exists, memory budget,
-pickled values) or bad usage.
+Exit codes: 0 success (for ``verify``: the checkpoint is clean); 1 ``verify`` or ``ls --verify``
+found corruption, or ``convert`` met corrupt data (nothing written); 2 the path is not a readable
+checkpoint (missing, incomplete, invalid manifest), the conversion was refused (destination
+exists, memory budget, pickled values) or bad usage.
 """
 
 from __future__ import annotations
@@ -38,14 +38,19 @@ from resurgo.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from resurgo.format.tree import MAX_TREE_DEPTH
 from resurgo.pipeline.verify import VerifyReport, verify_checkpoint
 from resurgo.state.flatten import path_key
-from resurgo.storage.local import CheckpointDir, is_temporary
+from resurgo.manager import catalog
+from resurgo.manager.catalog import file_size_problems
+from resurgo.manager.gc import DELETE, plan_gc
+from resurgo.manager.removal import remove_checkpoint
+from resurgo.manager.retention import shortcut_policy
+from resurgo.storage.local import CheckpointDir
 
 PROGRESS_THRESHOLD_BYTES = 64 << 20  # verify and convert show a progress bar above this much tensor data
 MAX_VALUE_CHARS = 72  # non-tensor values are clipped to this many characters
 
 app = typer.Typer(
     name="resurgo",
-    help="Inspect, verify, list and convert resurgo checkpoints.",
+    help="Inspect, verify, list, garbage-collect and convert resurgo checkpoints.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -225,24 +230,6 @@ def _place_json(chunk) -> dict:
     return {"flat": {"start": chunk.flat.start, "stop": chunk.flat.stop}}
 
 
-def _file_warnings(path: str | os.PathLike, manifest: Manifest) -> list[str]:
-    """Data files that are missing or of another size than the manifest says (a stat, no reads)."""
-    ckpt = CheckpointDir(path)
-    warnings = []
-    for name, entry in manifest.files.items():
-        try:
-            size = ckpt.resolve(name).stat().st_size
-        except ResurgoError as e:
-            warnings.append(str(e))
-            continue
-        except OSError:
-            warnings.append(f"{name}: missing")
-            continue
-        if size != entry.bytes:
-            warnings.append(f"{name}: {size} bytes on disk, the manifest says {entry.bytes}")
-    return warnings
-
-
 def inspect_summary(path: str | os.PathLike, with_chunks: bool = False) -> dict:
     """Everything ``inspect --json`` prints: read from the manifest only."""
     manifest, manifest_bytes = _load_manifest(path)
@@ -276,7 +263,7 @@ def inspect_summary(path: str | os.PathLike, with_chunks: bool = False) -> dict:
             "manifest_bytes": manifest_bytes,
             "bytes_on_disk": data_bytes + manifest_bytes,
         },
-        "warnings": _file_warnings(path, manifest),
+        "warnings": file_size_problems(path, manifest),
     }
 
 
@@ -421,59 +408,12 @@ def verify(
 @dataclass
 class Listed:
     path: str  # relative to the listed directory ("." for the directory itself)
-    status: str  # committed | incomplete | corrupt
+    status: str  # committed | incomplete | temporary | corrupt
     step: Optional[int]
     bytes: int  # every file under the directory, as found on disk
     created_at: Optional[str]
     detail: str
-
-
-def _dir_bytes(d: Path) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(d, onerror=lambda e: None):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_size
-            except OSError:
-                pass
-    return total
-
-
-def _lenient_manifest_fields(d: Path) -> tuple[Optional[int], Optional[str]]:
-    """step and created_at from a manifest that may not validate (best effort, for display)."""
-    try:
-        raw = (d / MANIFEST_NAME).read_bytes()
-        doc = json.loads(raw) if len(raw) <= (64 << 20) else None
-    except (OSError, ValueError, RecursionError):
-        return None, None
-    if not isinstance(doc, dict):
-        return None, None
-    step = doc.get("step")
-    created = doc.get("created_at")
-    return (step if type(step) is int else None), (created if isinstance(created, str) else None)
-
-
-def classify(d: Path) -> Optional[tuple[str, Optional[int], Optional[str], str]]:
-    """(status, step, created_at, detail) when ``d`` is a checkpoint or the remains of a save, else None."""
-    has_manifest = (d / MANIFEST_NAME).exists()
-    if is_temporary(d):
-        step, created = _lenient_manifest_fields(d) if has_manifest else (None, None)
-        return "incomplete", step, created, "temporary directory left by an interrupted save"
-    if not has_manifest:
-        if (d / "data").is_dir():
-            return "incomplete", None, None, f"data/ but no {MANIFEST_NAME}: the save never committed"
-        return None
-    ckpt = CheckpointDir(d)
-    try:
-        manifest = parse_manifest(ckpt.read_manifest_bytes(), MANIFEST_NAME)
-    except ResurgoError as e:
-        step, created = _lenient_manifest_fields(d)
-        return "corrupt", step, created, str(e)
-    problems = _file_warnings(d, manifest)
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        return "corrupt", manifest.step, manifest.created_at, problems[0] + more
-    return "committed", manifest.step, manifest.created_at, ""
+    metrics: dict  # what a CheckpointManager stored with the checkpoint (metadata "metrics")
 
 
 def list_checkpoints(root: Path) -> list[Listed]:
@@ -490,11 +430,10 @@ def list_checkpoints(root: Path) -> list[Listed]:
     stack = [root]
     while stack:
         d = stack.pop()
-        c = classify(d)
+        c = catalog.classify(d)
         if c is not None:
-            status, step, created, detail = c
             rel = d.relative_to(root).as_posix() if d != root else "."
-            found.append(Listed(rel, status, step, _dir_bytes(d), created, detail))
+            found.append(Listed(rel, c.status, c.step, catalog.dir_bytes(d), c.created_at, c.detail, c.metrics))
             continue
         try:
             with os.scandir(d) as it:
@@ -507,7 +446,12 @@ def list_checkpoints(root: Path) -> list[Listed]:
     return found
 
 
-_STATUS_STYLE = {"committed": "green", "incomplete": "yellow", "corrupt": "bold red"}
+_STATUS_STYLE = {"committed": "green", "incomplete": "yellow", "temporary": "yellow", "corrupt": "bold red"}
+
+
+def _format_metrics(metrics: dict) -> str:
+    return ", ".join(f"{k}={'-' if v is None else format(v, '.6g') if isinstance(v, (int, float)) else v}"
+                     for k, v in metrics.items())
 
 
 @app.command("ls")
@@ -516,28 +460,32 @@ def ls(
     verify_all: bool = typer.Option(False, "--verify", help="Also verify every checksum of committed checkpoints."),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable list."),
 ) -> None:
-    """Every checkpoint at or below DIRECTORY: path, step, size, creation time and status."""
+    """Every checkpoint at or below DIRECTORY: path, step, size, creation time, status and metrics.
+
+    Exit 0; with --verify, 1 when a checkpoint is corrupt.
+    """
     with _fail_cleanly():
         entries = list_checkpoints(directory)
         if verify_all:
             for e in entries:
-                if e.status != "committed":
+                if e.status != catalog.COMMITTED:
                     continue
                 try:
                     report = verify_checkpoint(directory / e.path)
                 except ResurgoError as err:  # changed since it was listed
-                    e.status, e.detail = "corrupt", str(err)
+                    e.status, e.detail = catalog.CORRUPT, str(err)
                     continue
                 if not report.ok:
                     more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
-                    e.status, e.detail = "corrupt", report.problems[0] + more
+                    e.status, e.detail = catalog.CORRUPT, report.problems[0] + more
+    exit_code = 1 if verify_all and any(e.status == catalog.CORRUPT for e in entries) else 0
     if as_json:
         docs = [asdict(e) for e in entries]
         if verify_all:
             for doc in docs:
-                doc["verified"] = doc["status"] == "committed"
+                doc["verified"] = doc["status"] == catalog.COMMITTED
         _print_json({"root": str(directory), "checkpoints": docs})
-        return
+        raise typer.Exit(exit_code)
     out = _console()
     if not entries:
         out.print(f"no checkpoints at or below {escape(str(directory))}")
@@ -548,12 +496,73 @@ def ls(
     table.add_column("size", justify="right")
     table.add_column("created (UTC)")
     table.add_column("status")
+    table.add_column("metrics", overflow="fold")
     table.add_column("detail", overflow="fold", style="dim")
     for e in entries:
-        status = e.status + (" (verified)" if verify_all and e.status == "committed" else "")
+        status = e.status + (" (verified)" if verify_all and e.status == catalog.COMMITTED else "")
         table.add_row(escape(e.path), "-" if e.step is None else str(e.step), human_bytes(e.bytes),
-                      _format_time(e.created_at), f"[{_STATUS_STYLE[e.status]}]{status}[/]", escape(_clip(e.detail, 160)))
+                      _format_time(e.created_at), f"[{_STATUS_STYLE[e.status]}]{status}[/]",
+                      escape(_clip(_format_metrics(e.metrics), 80)), escape(_clip(e.detail, 160)))
     out.print(table)
+    raise typer.Exit(exit_code)
+
+
+# -- gc ---------------------------------------------------------------------------------------
+@app.command("gc")
+def gc(
+    root: Path = typer.Argument(..., help="A CheckpointManager root (directories step_NNNNNNNNN)."),
+    keep_last: int = typer.Option(..., "--keep-last", min=1, help="Keep the N newest committed checkpoints."),
+    keep_every: Optional[int] = typer.Option(None, "--keep-every", min=1,
+                                             help="Also keep every checkpoint whose step is a multiple of N."),
+    stale_after: float = typer.Option(3600.0, "--stale-after", min=0.0,
+                                      help="Remove incomplete checkpoints and temporary directories unchanged "
+                                           "for this many seconds (younger ones may belong to a running save)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Show what would be deleted; delete nothing."),
+    as_json: bool = typer.Option(False, "--json", help="Print a machine-readable plan."),
+) -> None:
+    """Delete old checkpoints of a manager root by retention (never the newest committed one),
+    incomplete checkpoints and stale temporary directories; corrupt ones are kept."""
+    with _fail_cleanly():
+        if not root.exists():
+            raise CheckpointNotFoundError(f"{root}: no such directory")
+        if not root.is_dir():
+            raise NotACheckpointError(f"{root}: is a file, expected a CheckpointManager root directory")
+        entries = catalog.scan_root(root)
+        policy = shortcut_policy(keep_last=keep_last, keep_every=keep_every)
+        plan = plan_gc(entries, policy, now=time.time(), stale_after=stale_after, mtime=catalog.newest_mtime)
+        sizes = {id(item): catalog.dir_bytes(item.entry.path) for item in plan}
+        if not dry_run:
+            for item in plan:
+                if item.action == DELETE:
+                    remove_checkpoint(item.entry.path)
+    doomed = [item for item in plan if item.action == DELETE]
+    freed = sum(sizes[id(item)] for item in doomed)
+    verb = "would delete" if dry_run else "deleted"
+    if as_json:
+        _print_json({"root": str(root), "dry_run": dry_run, "bytes_freed": 0 if dry_run else freed, "items": [
+            {"path": item.entry.path.name, "step": item.entry.step, "status": item.entry.status,
+             "action": item.action, "bytes": sizes[id(item)], "reason": item.reason} for item in plan]})
+        return
+    out = _console()
+    if not plan:
+        out.print(f"no checkpoints in {escape(str(root))}")
+        return
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False)
+    table.add_column("path", overflow="fold")
+    table.add_column("step", justify="right")
+    table.add_column("size", justify="right")
+    table.add_column("status")
+    table.add_column("action")
+    table.add_column("why", overflow="fold", style="dim")
+    for item in plan:
+        e = item.entry
+        action = verb if item.action == DELETE else "keep"
+        table.add_row(escape(e.path.name), "-" if e.step is None else str(e.step), human_bytes(sizes[id(item)]),
+                      f"[{_STATUS_STYLE[e.status]}]{e.status}[/]",
+                      f"[bold red]{action}[/]" if item.action == DELETE else action, escape(item.reason))
+    out.print(table)
+    out.print(f"{verb} {len(doomed)} of {len(plan)}, {human_bytes(freed)}"
+              + (" (dry run: nothing was deleted)" if dry_run else ""))
 
 
 # -- convert ----------------------------------------------------------------------------------

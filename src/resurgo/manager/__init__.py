@@ -1,0 +1,26 @@
+"""The checkpoint manager: save policies, retention, restore, preemption (see ``manager.py``).
+
+``CheckpointManager`` and ``daly_interval`` are also exported by the ``resurgo`` package.
+"""
+
+from resurgo.manager.daly import daly_interval
+from resurgo.manager.manager import MTBF_ENV, CheckpointManager
+from resurgo.manager.policies import (
+    AllOf,
+    AnyOf,
+    AtSteps,
+    DalyInterval,
+    EveryNSteps,
+    EverySeconds,
+    OnPreemption,
+    SaveContext,
+    SavePolicy,
+)
+from resurgo.manager.retention import KeepAny, KeepBest, KeepEvery, KeepLast, Kept, RetentionPolicy, steps_to_delete
+
+__all__ = [
+    "CheckpointManager", "daly_interval", "MTBF_ENV",
+    "SavePolicy", "SaveContext", "EveryNSteps", "EverySeconds", "AtSteps", "OnPreemption", "DalyInterval",
+    "AnyOf", "AllOf",
+    "RetentionPolicy", "Kept", "KeepLast", "KeepEvery", "KeepBest", "KeepAny", "steps_to_delete",
+]

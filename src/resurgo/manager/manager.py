@@ -1,0 +1,480 @@
+"""CheckpointManager: when to save, what to keep, what to restore, and what to do on preemption.
+
+The manager owns one root directory of checkpoints named by step (see
+:mod:`resurgo.manager.catalog`). It composes the pieces of this package: save policies decide at
+each ``maybe_save``, retention policies choose what to delete after each commit, deletions run
+in a background thread and are crash-safe (:mod:`resurgo.manager.removal`), and in a multi-rank
+job the ranks agree on every decision (:mod:`resurgo.manager.agreement`). One job per root: the
+manager removes temporary directories it finds there when it starts.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import signal
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from resurgo.api import DEFAULT_IO_THREADS, load, read_manifest, save
+from resurgo.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ManifestError,
+    NotACheckpointError,
+    ResurgoError,
+    StorageError,
+    UnsupportedValueError,
+)
+from resurgo.manager import agreement
+from resurgo.manager.catalog import COMMITTED, CORRUPT, INCOMPLETE, TEMPORARY, checkpoint_name, classify_step_dir, scan_root
+from resurgo.manager.daly import daly_interval
+from resurgo.manager.policies import (
+    AnyOf,
+    AtSteps,
+    DalyInterval,
+    EveryNSteps,
+    EverySeconds,
+    SaveContext,
+    SavePolicy,
+)
+from resurgo.manager.removal import remove_checkpoint, remove_temporary
+from resurgo.manager.retention import Kept, KeepAny, RetentionPolicy, shortcut_policy, steps_to_delete
+from resurgo.pipeline.async_save import AsyncSaveHandle, async_save
+
+log = logging.getLogger("resurgo.manager")
+
+MTBF_ENV = "RESURGO_MTBF_SECONDS"
+COST_SMOOTHING = 0.3  # weight of the newest measurement in the running estimate of δ
+
+# A checkpoint that cannot be read: restore tries an older one. Any other error (the caller's
+# state has other keys, dtypes or shapes) is the caller's to fix and is raised at once.
+_UNREADABLE = (NotACheckpointError, ManifestError, CorruptCheckpointError, CheckpointNotFoundError, StorageError)
+_OK, _UNREADABLE_HERE, _FATAL = 0, 1, 2
+
+
+class _Janitor:
+    """Runs jobs one after another in a background thread that lives only while there is work.
+
+    Not a daemon: an interpreter exiting normally finishes the deletions it started (they are
+    crash-safe anyway). Errors are kept for the owner's thread to report.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: deque[Callable[[], None]] = deque()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._errors: list[BaseException] = []
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            self._jobs.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="resurgo-manager-janitor", daemon=False)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._jobs:
+                    self._thread = None
+                    return
+                job = self._jobs.popleft()
+            try:
+                job()
+            except Exception as e:  # noqa: BLE001 - reported by the owner's next call
+                with self._lock:
+                    self._errors.append(e)
+
+    def join(self) -> None:
+        while True:
+            with self._lock:
+                thread = self._thread
+            if thread is None:
+                return
+            thread.join()
+
+    def take_errors(self) -> list[BaseException]:
+        with self._lock:
+            errors, self._errors = self._errors, []
+        return errors
+
+
+def _plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float | None]:
+    """Metrics as JSON numbers (0-d tensors and numpy scalars too); NaN and inf become None."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise UnsupportedValueError(f"metrics must be a mapping of names to numbers, not {type(metrics).__name__}")
+    out: dict[str, float | None] = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str):
+            raise UnsupportedValueError(f"metrics: names must be str, not {name!r}")
+        try:
+            number = float(value.item() if hasattr(value, "item") else value)
+        except (TypeError, ValueError, RuntimeError):
+            raise UnsupportedValueError(f"metrics[{name!r}]: expected a number, got {type(value).__name__}") from None
+        out[name] = number if math.isfinite(number) else None
+    return out
+
+
+def _mtbf_from(mtbf: float | None) -> float:
+    if mtbf is not None:
+        return mtbf
+    raw = os.environ.get(MTBF_ENV)
+    if raw is None:
+        raise ValueError(f"interval='auto' needs the mean time between failures: pass mtbf= (seconds) or set {MTBF_ENV}")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{MTBF_ENV}={raw!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{MTBF_ENV}={raw!r}: must be a positive number of seconds")
+    return value
+
+
+class CheckpointManager:
+    """Saves by policy into ``root/step_NNNNNNNNN``, keeps what retention says, restores the
+    newest checkpoint that verifies, and saves-then-stops on preemption.
+
+    Keyword shortcuts (combined with ``policy=`` / ``retention=`` when both are given):
+    ``every_steps=n``, ``every_seconds=t``, ``at_steps=[...]``, ``interval="auto"`` with
+    ``mtbf=`` seconds (or the ``RESURGO_MTBF_SECONDS`` environment variable) for Daly's optimal
+    interval; ``keep_last=k``, ``keep_every=n``, ``keep_best=(metric, "min"|"max"[, k])``. Without
+    any retention every checkpoint is kept. ``signals`` are the preemption signals (handlers are
+    installed only when created on the main thread). ``guard`` and ``io_threads`` are passed to
+    the saves.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, every_steps: int | None = None,
+                 every_seconds: float | None = None, at_steps: Iterable[int] | None = None,
+                 interval: str | None = None, mtbf: float | None = None, keep_last: int | None = None,
+                 keep_every: int | None = None, keep_best: tuple | None = None, async_save: bool = True,
+                 policy: SavePolicy | None = None, retention: RetentionPolicy | None = None,
+                 signals: Iterable[int] = (signal.SIGTERM,), guard: Any = None,
+                 io_threads: int = DEFAULT_IO_THREADS) -> None:
+        self.root = Path(root)
+        self.save_policy = self._compose_policy(policy, every_steps, every_seconds, at_steps, interval, mtbf)
+        shortcuts = shortcut_policy(keep_last, keep_every, keep_best)
+        parts = [p for p in (retention, shortcuts) if p is not None]
+        self.retention: RetentionPolicy | None = parts[0] if len(parts) == 1 else KeepAny(*parts) if parts else None
+        self.async_save = bool(async_save)
+        self._guard = guard
+        self._io_threads = io_threads
+        self._rank, self._world_size = agreement.world()
+        self._pending: AsyncSaveHandle | None = None
+        self._pending_step: int | None = None
+        self._last_save_step: int | None = None
+        self._last_save_time = time.monotonic()
+        self._save_cost: float | None = None
+        self._preempt_requested = False
+        self._should_stop = False
+        self._unreadable_steps: set[int] = set()  # found corrupt by restore: never counted by retention
+        self._janitor = _Janitor()
+        self._closed = False
+        self._previous_handlers: dict[int, Any] = {}
+        self._install_signal_handlers(tuple(signals))
+        if self._rank == 0:
+            for entry in scan_root(self.root):
+                if entry.status == TEMPORARY:  # of a save or a deletion that was interrupted
+                    self._janitor.submit(functools.partial(self._remove_leftover, entry.path))
+
+    # -- configuration ----------------------------------------------------------------------------
+    def _compose_policy(self, policy: SavePolicy | None, every_steps: int | None, every_seconds: float | None,
+                        at_steps: Iterable[int] | None, interval: str | None, mtbf: float | None) -> SavePolicy | None:
+        parts: list[SavePolicy] = [policy] if policy is not None else []
+        if every_steps is not None:
+            parts.append(EveryNSteps(every_steps))
+        if every_seconds is not None:
+            parts.append(EverySeconds(every_seconds))
+        if at_steps is not None:
+            parts.append(AtSteps(at_steps))
+        self._daly: DalyInterval | None = None
+        if interval is not None:
+            if interval != "auto":
+                raise ValueError(f"interval must be 'auto' or None, not {interval!r} (for a fixed time use every_seconds=)")
+            self._daly = DalyInterval(_mtbf_from(mtbf))
+            parts.append(self._daly)
+        elif mtbf is not None:
+            raise ValueError("mtbf= is used with interval='auto' only")
+        if not parts:
+            return None  # saves happen on preemption and by save() only
+        return parts[0] if len(parts) == 1 else AnyOf(*parts)
+
+    # -- public state -----------------------------------------------------------------------------
+    @property
+    def should_stop(self) -> bool:
+        """True once a preemption was handled: its checkpoint is committed; end the loop."""
+        return self._should_stop
+
+    @property
+    def save_cost_seconds(self) -> float | None:
+        """The running estimate of one checkpoint's cost δ (None before any save was measured)."""
+        return self._save_cost
+
+    @property
+    def interval_seconds(self) -> float | None:
+        """With ``interval="auto"``: the current optimal interval, once δ is known."""
+        if self._daly is None or self._save_cost is None:
+            return None
+        return daly_interval(self._save_cost, self._daly.mtbf_seconds)
+
+    def path_for(self, step: int) -> Path:
+        return self.root / checkpoint_name(step)
+
+    def steps(self) -> list[int]:
+        """Steps of the committed checkpoints in the root, oldest first (reads manifests, no data)."""
+        return [e.step for e in scan_root(self.root) if e.status == COMMITTED and e.step is not None]
+
+    def notify_preemption(self) -> None:
+        """Ask for a save-and-stop at the next ``maybe_save``, as a preemption signal does."""
+        self._preempt_requested = True
+
+    # -- restore ----------------------------------------------------------------------------------
+    def restore(self, state: Any, step: int | None = None, *, strict: bool = True) -> int | None:
+        """Load the newest committed checkpoint that verifies into ``state``; return its step, or
+        None when the root holds no committed checkpoint (a fresh start).
+
+        Incomplete and corrupt checkpoints are skipped with a warning saying why, never loaded and
+        never deleted. ``step=`` loads that step or raises. Every rank restores the same step:
+        rank 0 chooses, and a checkpoint that fails on any rank is skipped on all.
+        """
+        self._check_open()
+        candidates = None
+        if self._rank == 0:
+            candidates = [step] if step is not None else self._restore_candidates()
+        candidates = agreement.from_rank0(candidates)
+        assert candidates is not None
+        failures = []
+        for s in candidates:
+            path = self.path_for(s)
+            outcome, error = self._try_load(state, path, s, strict)
+            (outcome,) = agreement.max_over_ranks([outcome])
+            if outcome == _OK:
+                self._restored(path, s)
+                return s
+            if error is None:  # it loaded here, not on another rank
+                error = CorruptCheckpointError(f"{path}: could not be restored on another rank (see its error)")
+            if outcome == _FATAL or step is not None:
+                raise error
+            warnings.warn(f"resurgo: not restoring {path}: {error}; trying an older checkpoint, this one is left "
+                          f"in place", stacklevel=2)
+            self._unreadable_steps.add(s)
+            failures.append(s)
+        if not candidates:
+            return None
+        raise CorruptCheckpointError(
+            f"{self.root}: none of the committed checkpoints could be restored (steps {failures}; the warnings say "
+            "why). Repair or remove them (`resurgo verify`, `resurgo gc`), or start without restore.")
+
+    def _restore_candidates(self) -> list[int]:
+        """Committed steps, newest first; warns about each incomplete or corrupt checkpoint."""
+        candidates = []
+        for entry in reversed(scan_root(self.root)):
+            assert entry.step is not None
+            if entry.status == COMMITTED:
+                candidates.append(entry.step)
+            elif entry.status in (INCOMPLETE, CORRUPT):
+                if entry.status == CORRUPT:
+                    self._unreadable_steps.add(entry.step)
+                warnings.warn(f"resurgo: not restoring {entry.path}: {entry.status}: {entry.detail}; left in place "
+                              "(see `resurgo ls`, remove with `resurgo gc`)", stacklevel=3)
+        return candidates
+
+    @staticmethod
+    def _try_load(state: Any, path: Path, step: int, strict: bool) -> tuple[int, ResurgoError | None]:
+        try:
+            report = load(state, path, strict=strict, verify=True)
+        except _UNREADABLE as e:
+            return _UNREADABLE_HERE, e
+        except ResurgoError as e:
+            return _FATAL, e
+        if report.step != step:
+            return _UNREADABLE_HERE, CorruptCheckpointError(
+                f"{path}: its manifest says step {report.step}, its name says step {step}")
+        return _OK, None
+
+    def _restored(self, path: Path, step: int) -> None:
+        self._last_save_step = step
+        self._last_save_time = time.monotonic()
+        cost = read_manifest(path).metadata.get("save_cost_seconds")
+        if isinstance(cost, (int, float)) and not isinstance(cost, bool) and math.isfinite(cost) and cost >= 0:
+            self._save_cost = float(cost)  # the interval survives restarts without a measuring save
+        log.info("restored step %d from %s", step, path)
+
+    # -- saving -----------------------------------------------------------------------------------
+    def maybe_save(self, step: int, state: Any, metrics: Mapping[str, Any] | None = None) -> bool:
+        """Save if the policy says so, or a preemption is pending (then also wait for the commit
+        and set ``should_stop``). True when a save was started. Every rank calls it."""
+        self._check_open()
+        self._reap()
+        ctx = SaveContext(step=step, now=time.monotonic(), last_save_step=self._last_save_step,
+                          last_save_time=self._last_save_time, preempted=self._preempt_requested,
+                          save_cost=self._save_cost)
+        wanted = self.save_policy.should_save(ctx) if self.save_policy is not None else False
+        preempted, wanted = agreement.any_rank([ctx.preempted, wanted])
+        fresh = step != self._last_save_step  # never the same step twice (e.g. right after a restore)
+        if preempted:
+            self._preempt_requested = False
+            if fresh:
+                self._save(step, state, metrics)
+            self._wait_commit()
+            self._should_stop = True
+            log.info("preempted: step %d is committed; should_stop is set", self._last_save_step)
+            return fresh
+        if wanted and fresh:
+            self._save(step, state, metrics)
+            return True
+        return False
+
+    def save(self, step: int, state: Any, metrics: Mapping[str, Any] | None = None) -> None:
+        """Save now, whatever the policy (asynchronously unless ``async_save=False``)."""
+        self._check_open()
+        self._reap()
+        self._save(step, state, metrics)
+
+    def _save(self, step: int, state: Any, metrics: Mapping[str, Any] | None) -> None:
+        t_start = time.monotonic()
+        path = self.path_for(step)
+        metadata = {"metrics": _plain_metrics(metrics), "save_cost_seconds": self._save_cost}
+        self._wait_commit()  # the previous save: its error is raised here, its retention starts
+        overwrite = self._make_way(path, step)
+        log.info("saving step %d to %s", step, path)
+        if self.async_save:
+            self._pending = async_save(state, path, step=step, metadata=metadata, overwrite=overwrite,
+                                       guard=self._guard, io_threads=self._io_threads)
+            self._pending_step = step
+            log.info("staged step %d; writing in the background", step)
+        else:
+            save(state, path, step=step, metadata=metadata, overwrite=overwrite, io_threads=self._io_threads)
+            self._committed(step)
+        cost = time.monotonic() - t_start  # the stall of an async save, the whole of a sync one
+        self._save_cost = cost if self._save_cost is None else (
+            COST_SMOOTHING * cost + (1 - COST_SMOOTHING) * self._save_cost)
+        self._last_save_step = step
+        self._last_save_time = time.monotonic()
+        self._unreadable_steps.discard(step)
+
+    def _make_way(self, path: Path, step: int) -> bool:
+        """Whether the save must replace something already at ``path`` (it warns what)."""
+        if not (path.exists() or path.is_symlink()):
+            return False
+        self._janitor.join()  # no deletion of this very path may still be running
+        if not (path.exists() or path.is_symlink()):
+            return False
+        entry = classify_step_dir(path, step)
+        detail = f": {entry.detail}" if entry.detail else ""
+        warnings.warn(f"resurgo: replacing {path} ({entry.status}{detail}) with a new save of step {step}; "
+                      "the replacement is atomic", stacklevel=4)
+        return True
+
+    def _reap(self) -> None:
+        """Finish a background save that has ended (raising its error) and report deletion errors."""
+        if self._pending is not None and self._pending.done():
+            self._wait_commit()
+        for e in self._janitor.take_errors():
+            warnings.warn(f"resurgo: background clean-up failed: {e}", stacklevel=3)
+
+    def _wait_commit(self) -> None:
+        handle, step = self._pending, self._pending_step
+        if handle is None or step is None:
+            return
+        self._pending, self._pending_step = None, None
+        handle.wait()  # raises the save's error, once
+        self._committed(step)
+
+    def _committed(self, step: int) -> None:
+        log.info("committed step %d", step)
+        if self._rank == 0 and self.retention is not None:
+            unreadable = frozenset(self._unreadable_steps)
+            self._janitor.submit(lambda: self._apply_retention(step, unreadable))
+
+    # -- background clean-up (janitor thread) ------------------------------------------------------
+    def _apply_retention(self, just_committed: int, unreadable: frozenset[int]) -> None:
+        committed = [Kept(e.step, e.metrics) for e in scan_root(self.root)
+                     if e.status == COMMITTED and e.step is not None and e.step not in unreadable]
+        for s in steps_to_delete(committed, self.retention, protect=(just_committed,)):
+            path = self.path_for(s)
+            log.info("deleting step %d (%s)", s, path)
+            if remove_checkpoint(path):
+                log.info("deleted step %d", s)
+
+    @staticmethod
+    def _remove_leftover(path: Path) -> None:
+        log.info("removing leftover temporary directory %s", path)
+        remove_temporary(path)
+
+    # -- preemption signals -----------------------------------------------------------------------
+    def _install_signal_handlers(self, signals: tuple[int, ...]) -> None:
+        if not signals:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            warnings.warn("resurgo: CheckpointManager created outside the main thread: no preemption signal "
+                          "handler installed (Python allows them on the main thread only); call "
+                          "notify_preemption() yourself", stacklevel=3)
+            return
+        for sig in signals:
+            self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Only a flag here: a signal handler runs between two bytecodes of the training loop.
+        self._preempt_requested = True
+        previous = self._previous_handlers.get(signum)
+        # Chain to a Python handler installed before us (logging, another manager), but not to
+        # default actions: terminating (SIG_DFL) or raising KeyboardInterrupt would defeat the save.
+        if callable(previous) and previous is not signal.default_int_handler:
+            previous(signum, frame)
+
+    def _restore_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, previous in self._previous_handlers.items():
+            if signal.getsignal(sig) == self._on_signal:  # only if nobody replaced ours since
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous_handlers.clear()
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"CheckpointManager({str(self.root)!r}) is closed")
+
+    def wait(self) -> None:
+        """Block until the save in flight is committed (raising its error) and deletions are done."""
+        self._wait_commit()
+        self._janitor.join()
+        self._reap()
+
+    def close(self) -> None:
+        """Wait for everything in flight, then restore the previous signal handlers."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._janitor.join()
+            self._restore_signal_handlers()
+            self._closed = True
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # the exception already propagating is the one to see; a save error is not lost either
+            self.close()
+        except Exception as e:  # noqa: BLE001
+            warnings.warn(f"resurgo: closing the manager while handling {exc_type.__name__} failed: {e}",
+                          stacklevel=2)
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({str(self.root)!r}, policy={self.save_policy!r}, retention={self.retention!r})"
