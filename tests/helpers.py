@@ -1,13 +1,15 @@
-"""Shared test helpers: exact (bitwise) comparison of nested states."""
+"""Shared test helpers: exact (bitwise) comparison of nested states; damaging a checkpoint."""
 
 from __future__ import annotations
 
 import math
 import struct
+from pathlib import Path
 
 import numpy as np
 import torch
 
+import resurgo
 from resurgo.pipeline.buffers import as_copyable
 
 
@@ -51,3 +53,13 @@ def nan_with_payload(payload: int) -> float:
 
 
 assert math.isnan(nan_with_payload(5))
+
+
+def flip_stored_bit(path: Path, key: str) -> str:
+    """Flip one bit inside the stored bytes of tensor ``key``; returns the data file's name."""
+    chunk = resurgo.read_manifest(path).tensors[key].chunks[0]
+    f = Path(path) / chunk.file
+    raw = bytearray(f.read_bytes())
+    raw[chunk.byte_range[0] + 1] ^= 0x10
+    f.write_bytes(bytes(raw))
+    return chunk.file

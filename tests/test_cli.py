@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 import resurgo
 from resurgo.cli import app, human_bytes
+from helpers import flip_stored_bit
 
 runner = CliRunner()
 
@@ -41,16 +42,6 @@ def saved(tmp_path: Path) -> Path:
 
 def _data_files(path: Path) -> list[Path]:
     return sorted((path / "data").iterdir())
-
-
-def _flip_byte_in(path: Path, key: str) -> str:
-    """Flip one bit inside the stored bytes of tensor ``key``; returns the data file's name."""
-    chunk = resurgo.read_manifest(path).tensors[key].chunks[0]
-    f = path / chunk.file
-    raw = bytearray(f.read_bytes())
-    raw[chunk.byte_range[0] + 1] ^= 0x10
-    f.write_bytes(bytes(raw))
-    return chunk.file
 
 
 def _no_traceback(result) -> None:
@@ -155,7 +146,7 @@ def test_verify_clean(saved: Path):
 
 
 def test_verify_flipped_byte(saved: Path):
-    name = _flip_byte_in(saved, "model.weight")
+    name = flip_stored_bit(saved, "model.weight")
     result = runner.invoke(app, ["verify", str(saved)])
     assert result.exit_code == 1, result.output
     assert f"tensor 'model.weight' chunk 0 in {name}: block 0 does not match its checksum" in result.stdout
@@ -252,7 +243,7 @@ def test_ls_text(tree: Path):
 
 
 def test_ls_verify_finds_flipped_byte(tree: Path):
-    _flip_byte_in(tree / "b" / "deep" / "step-9", "w")
+    flip_stored_bit(tree / "b" / "deep" / "step-9", "w")
     plain = json.loads(runner.invoke(app, ["ls", str(tree), "--json"]).stdout)["checkpoints"]
     assert {r["path"]: r["status"] for r in plain}["b/deep/step-9"] == "committed"  # ls reads no data
     result = runner.invoke(app, ["ls", str(tree), "--json", "--verify"])
