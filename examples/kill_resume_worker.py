@@ -22,6 +22,7 @@ import argparse
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -70,9 +71,10 @@ class SmallCNN(nn.Module):
         return self.head(self.features(x))
 
 
-def build(seed: int = 0, samples: int = 256, batch_size: int = 16, num_workers: int = 0) -> TrainState:
+def build(seed: int = 0, samples: int = 256, batch_size: int = 16, num_workers: int = 0,
+          model_cls: Callable[[], nn.Module] = SmallCNN) -> TrainState:
     torch.manual_seed(seed)
-    model = SmallCNN()
+    model = model_cls()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.7)
     scaler = torch.amp.GradScaler("cpu", enabled=False)  # mixed precision is off on CPU
@@ -98,7 +100,8 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
 
 
 def train(ts: TrainState, steps: int, *, ckpt_dir: Path | None = None, save_every: int = 0,
-          step_delay: float = 0.0) -> list[float]:
+          step_delay: float = 0.0, after_step: Callable[[TrainState, float], None] | None = None) -> list[float]:
+    """Train to ``steps``; ``after_step(ts, loss)`` runs after each step (e.g. a CheckpointManager)."""
     model, opt, sched, scaler = ts.model, ts.optimizer, ts.scheduler, ts.scaler
     model.train()
     losses: list[float] = []
@@ -117,6 +120,8 @@ def train(ts: TrainState, steps: int, *, ckpt_dir: Path | None = None, save_ever
                 path = Path(ckpt_dir) / f"step_{ts.step:05d}"
                 resurgo.save(ts, path, step=ts.step)
                 print(f"SAVED {ts.step} {path}", flush=True)
+            if after_step is not None:
+                after_step(ts, losses[-1])
             if step_delay:
                 time.sleep(step_delay)  # only so that a kill lands mid-run; no effect on numbers
             if ts.step >= steps:
