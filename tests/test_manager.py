@@ -460,7 +460,7 @@ def test_ls_and_gc_on_a_manager_root(tmp_path):
     assert result.exit_code == 0, result.output
     rows = {r["path"]: r for r in json.loads(result.stdout)["checkpoints"]}
     assert [(p, r["status"], r["step"]) for p, r in rows.items()] == [
-        (".step_000000008.resurgo-tmp-abcdefabcdef", "temporary", None)] + [
+        (".step_000000008.resurgo-tmp-abcdefabcdef", "temporary", 8)] + [
         (checkpoint_name(s), "committed", s) for s in range(1, 7)] + [(checkpoint_name(7), "incomplete", None)]
     assert rows[checkpoint_name(4)]["metrics"] == {"loss": 4.0}
     text = runner.invoke(app, ["ls", str(tmp_path)]).stdout

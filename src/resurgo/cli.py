@@ -496,13 +496,16 @@ def ls(
     table.add_column("size", justify="right")
     table.add_column("created (UTC)")
     table.add_column("status")
-    table.add_column("metrics", overflow="fold")
+    show_metrics = any(e.metrics for e in entries)  # checkpoints of a CheckpointManager
+    if show_metrics:
+        table.add_column("metrics", overflow="fold")
     table.add_column("detail", overflow="fold", style="dim")
     for e in entries:
         status = e.status + (" (verified)" if verify_all and e.status == catalog.COMMITTED else "")
+        metrics = [escape(_clip(_format_metrics(e.metrics), 80))] if show_metrics else []
         table.add_row(escape(e.path), "-" if e.step is None else str(e.step), human_bytes(e.bytes),
-                      _format_time(e.created_at), f"[{_STATUS_STYLE[e.status]}]{status}[/]",
-                      escape(_clip(_format_metrics(e.metrics), 80)), escape(_clip(e.detail, 160)))
+                      _format_time(e.created_at), f"[{_STATUS_STYLE[e.status]}]{status}[/]", *metrics,
+                      escape(_clip(e.detail, 160)))
     out.print(table)
     raise typer.Exit(exit_code)
 

@@ -144,6 +144,8 @@ def classify(d: Path) -> Entry | None:
     has_manifest = (d / MANIFEST_NAME).exists()
     if is_temporary(d):
         step, created = _lenient_manifest_fields(d) if has_manifest else (None, None)
+        if step is None:  # a manager's: the step is in the name
+            step = step_of(temporary_target(d.name) or "")
         return Entry(d, TEMPORARY, step, created, _temporary_detail(d.name))
     if not has_manifest:
         if (d / "data").is_dir():
