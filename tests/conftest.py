@@ -15,3 +15,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 @pytest.fixture
 def ckpt_dir(tmp_path):
     return tmp_path / "ckpt"
+
+
+@pytest.fixture(autouse=True)
+def no_save_left_behind():
+    """An asynchronous save a test left in flight ends with the test (its error, if any, is the test's)."""
+    yield
+    from resurgo.pipeline import inflight
+
+    try:
+        inflight.settle("wait")
+    except Exception:
+        pass

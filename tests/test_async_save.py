@@ -14,20 +14,11 @@ import torch
 import resurgo
 from resurgo.errors import MemoryBudgetError, SaveInFlightError, StorageError
 from resurgo.pipeline import async_save as async_mod
-from resurgo.pipeline import inflight, writer
+from resurgo.pipeline import writer
 from resurgo.storage import local
 from helpers import bits_equal
 
 SCRIPTS = Path(__file__).parent / "scripts"
-
-
-@pytest.fixture(autouse=True)
-def no_save_left_behind():
-    yield
-    try:
-        inflight.settle("wait")
-    except Exception:
-        pass
 
 
 def make_state():

@@ -28,23 +28,13 @@ from resurgo.errors import (
     StorageError,
     UnsupportedValueError,
 )
-from resurgo.manager import CheckpointManager, EveryNSteps, KeepLast, catalog, removal
+from resurgo.manager import CheckpointManager, catalog, removal
 from resurgo.manager.catalog import COMMITTED, TEMPORARY, checkpoint_name, scan_root
 from resurgo.pipeline import async_save as async_mod
-from resurgo.pipeline import inflight
 from resurgo.storage import local
 from helpers import bits_equal, flip_stored_bit
 
 runner = CliRunner()
-
-
-@pytest.fixture(autouse=True)
-def no_save_left_behind():
-    yield
-    try:
-        inflight.settle("wait")
-    except Exception:
-        pass
 
 
 def state_at(step: int) -> dict:

@@ -290,7 +290,7 @@ def test_disk_full_on_a_real_tmpfs(tmp_path):
     if not _can_mount_tmpfs(mount):
         pytest.skip("cannot mount a tmpfs here (no unshare -rm); test_disk_full_injected covers the scenario")
     proc = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size=8m tmpfs "$1" && exec "$2" "$3" "$1"', "sh",
+        ["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=8m tmpfs "$1" && exec "$2" "$3" "$1"', "sh",
          str(mount), sys.executable, str(SCRIPTS / "disk_full.py")],
         capture_output=True, text=True, env=_env(), timeout=240)
     assert proc.returncode == 0, proc.stderr

@@ -446,6 +446,18 @@ def list_checkpoints(root: Path) -> list[Listed]:
     return found
 
 
+def _listing_table(columns: list[str], note: str) -> Table:
+    """A table of checkpoints: path, step, size, then ``columns``, then a dim ``note`` column."""
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False)
+    table.add_column("path", overflow="fold")
+    table.add_column("step", justify="right")
+    table.add_column("size", justify="right")
+    for name in columns:
+        table.add_column(name, overflow="fold")
+    table.add_column(note, overflow="fold", style="dim")
+    return table
+
+
 _STATUS_STYLE = {"committed": "green", "incomplete": "yellow", "temporary": "yellow", "corrupt": "bold red"}
 
 
@@ -490,16 +502,8 @@ def ls(
     if not entries:
         out.print(f"no checkpoints at or below {escape(str(directory))}")
         return
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False)
-    table.add_column("path", overflow="fold")
-    table.add_column("step", justify="right")
-    table.add_column("size", justify="right")
-    table.add_column("created (UTC)")
-    table.add_column("status")
     show_metrics = any(e.metrics for e in entries)  # checkpoints of a CheckpointManager
-    if show_metrics:
-        table.add_column("metrics", overflow="fold")
-    table.add_column("detail", overflow="fold", style="dim")
+    table = _listing_table(["created (UTC)", "status"] + (["metrics"] if show_metrics else []), "detail")
     for e in entries:
         status = e.status + (" (verified)" if verify_all and e.status == catalog.COMMITTED else "")
         metrics = [escape(_clip(_format_metrics(e.metrics), 80))] if show_metrics else []
@@ -550,13 +554,7 @@ def gc(
     if not plan:
         out.print(f"no checkpoints in {escape(str(root))}")
         return
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False)
-    table.add_column("path", overflow="fold")
-    table.add_column("step", justify="right")
-    table.add_column("size", justify="right")
-    table.add_column("status")
-    table.add_column("action")
-    table.add_column("why", overflow="fold", style="dim")
+    table = _listing_table(["status", "action"], "why")
     for item in plan:
         e = item.entry
         action = verb if item.action == DELETE else "keep"
