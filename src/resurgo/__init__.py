@@ -2,8 +2,7 @@
 
 Public API (see README.md and docs/): ``save``, ``load``, ``load_dict``, ``convert``,
 ``TrainState``, ``ElasticSampler``, ``elastic_state``, ``CheckpointManager``, ``daly_interval``,
-``ResurgoError`` and its subclasses,
-``SaveReport``, ``LoadReport``, ``ConvertReport``.
+``ResurgoError`` and its subclasses, ``SaveReport``, ``LoadReport``, ``ConvertReport``.
 """
 
 from resurgo.api import __version__, load, load_dict, read_manifest, save
