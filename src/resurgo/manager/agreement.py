@@ -1,56 +1,30 @@
 """How the ranks of a job agree, for the manager: combined save decisions, one step to restore.
 
 Alone (torch.distributed not initialized, or a world of one) every function is local and free.
-Otherwise the collectives run on a gloo group (the default group when its backend is gloo, else
-one created at the first call, which every rank makes at the same point of the program), so
-they need no accelerator and never interleave with the training's own NCCL collectives.
+Otherwise they use resurgo's own gloo group (:mod:`resurgo.dist.comm`), so they need no
+accelerator and never interleave with the training's own collectives.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
-import torch
+from resurgo.dist import comm as dist_comm
 
 T = TypeVar("T")
-_lock = threading.Lock()
-_gloo: dict[str, Any] = {}
-
-
-def _dist() -> Any:
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
 
 
 def world() -> tuple[int, int]:
     """(rank, world size); (0, 1) without a process group."""
-    dist = _dist()
-    if dist is None:
-        return 0, 1
-    return dist.get_rank(), dist.get_world_size()
-
-
-def _group() -> Any:
-    dist = _dist()
-    if dist.get_backend() == "gloo":
-        return None  # the default group
-    with _lock:
-        if "group" not in _gloo:
-            _gloo["group"] = dist.new_group(backend="gloo")
-        return _gloo["group"]
+    comm = dist_comm.current()
+    return comm.rank, comm.size
 
 
 def max_over_ranks(values: Sequence[int]) -> list[int]:
     """The element-wise maximum of ``values`` over all ranks (every rank gets the same list)."""
-    if world()[1] == 1:
-        return list(values)
-    dist = _dist()
-    t = torch.tensor(list(values), dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_group())
-    return [int(v) for v in t.tolist()]
+    everyone = dist_comm.current().all_gather([int(v) for v in values])
+    return [max(column) for column in zip(*everyone)] if values else []
 
 
 def any_rank(flags: Sequence[bool]) -> list[bool]:
@@ -60,8 +34,4 @@ def any_rank(flags: Sequence[bool]) -> list[bool]:
 
 def from_rank0(obj: T) -> T:
     """Rank 0's ``obj`` on every rank (small picklable values only)."""
-    if world()[1] == 1:
-        return obj
-    box = [obj]
-    _dist().broadcast_object_list(box, src=0, group=_group())
-    return box[0]
+    return dist_comm.current().broadcast(obj)
