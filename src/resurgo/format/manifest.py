@@ -10,7 +10,6 @@ more than the files hold.
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import re
@@ -21,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from resurgo.errors import ManifestError
 from resurgo.format import checksum, dtypes
 from resurgo.format.tree import validate_tree
+from resurgo.gcpause import collector_paused
 from resurgo.layout.box import ChunkBox, FlatRange, Place, covers_exactly_once
 
 FORMAT_NAME = "resurgo.checkpoint"
@@ -114,13 +114,8 @@ def parse_manifest(raw: bytes, source: str = MANIFEST_NAME) -> Manifest:
     """Parse and fully validate untrusted manifest bytes; raise ManifestError naming ``source``."""
     # Parsing creates an object per JSON value; with the collector on, a big manifest triggers
     # collections that scan every live object of the training process (2x the parse time).
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():
         return _parse_manifest(raw, source)
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _parse_manifest(raw: bytes, source: str) -> Manifest:

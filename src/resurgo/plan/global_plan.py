@@ -10,7 +10,6 @@ collapsing into one copy.
 
 from __future__ import annotations
 
-import gc
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from typing import Any, Literal
 
 from resurgo.errors import ShardingError
 from resurgo.format import dtypes
+from resurgo.gcpause import collector_paused
 from resurgo.layout.box import ChunkBox, FlatRange, Place, covers_exactly_once
 from resurgo.plan.save_plan import WriteItem
 
@@ -194,15 +194,8 @@ def plan_global(decls: list[RankDecl], block_bytes_for: Callable[[int], int]) ->
     ``block_bytes_for(global_nbytes)`` gives the checksum block size of a tensor's chunks.
     Raises ShardingError naming the tensor and the ranks when the shards do not fit together.
     """
-    # Planning allocates an object per chunk and keeps them all: with the collector on, each full
-    # collection rescans every one, and planning for thousands of ranks turns quadratic.
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():  # an object per chunk, all kept: see resurgo.gcpause
         return _plan_global(decls, block_bytes_for)
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _plan_global(decls: list[RankDecl], block_bytes_for: Callable[[int], int]) -> GlobalPlan:
