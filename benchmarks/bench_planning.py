@@ -58,7 +58,7 @@ def main() -> None:
         times = []
         for _ in range(args.repeats):
             t0 = time.perf_counter()
-            plan = plan_global(decls, checksum.block_bytes_for_resharding)
+            plan = plan_global(decls, checksum.block_bytes_for)
             times.append(time.perf_counter() - t0)
         per_rank = plan.bytes_per_rank()
         balance = max(per_rank) / (sum(per_rank) / len(per_rank))

@@ -49,7 +49,7 @@ def sharded_job(draw):
 @given(sharded_job())
 def test_every_chunk_written_once_by_a_holder(job):
     tensors, holdings, decls = job
-    plan = plan_global(decls, checksum.block_bytes_for_resharding)
+    plan = plan_global(decls, checksum.block_bytes_for)
     written = [(w.item.key, w.item.place, r) for r, ws in enumerate(plan.writes) for w in ws]
     for key, shape in tensors.items():
         places = [p for k, p, _ in written if k == key]
@@ -70,14 +70,14 @@ def test_overlap_and_hole_name_the_tensor_and_ranks():
     a = RankDecl(_tree(["x"]), (TensorDecl("x", "torch", "float32", (4, 2), (ChunkBox((0, 0), (3, 2)),), True),))
     b = RankDecl(_tree(["x"]), (TensorDecl("x", "torch", "float32", (4, 2), (ChunkBox((2, 0), (2, 2)),), True),))
     with pytest.raises(ShardingError, match=r"tensor 'x': the shards of ranks \[0\] .* and ranks \[1\] .* overlap"):
-        plan_global([a, b], checksum.block_bytes_for_resharding)
+        plan_global([a, b], checksum.block_bytes_for)
     c = RankDecl(_tree(["x"]), (TensorDecl("x", "torch", "float32", (4, 2), (ChunkBox((3, 0), (1, 2)),), True),))
     with pytest.raises(ShardingError, match=r"tensor 'x': the ranks' shards hold 6 of its 8 elements .*held by no rank"):
         plan_global([RankDecl(a.tree, (TensorDecl("x", "torch", "float32", (4, 2), (ChunkBox((0, 0), (2, 2)),), True),)), c],
-                     checksum.block_bytes_for_resharding)
+                     checksum.block_bytes_for)
     d = RankDecl(_tree(["x"]), (TensorDecl("x", "torch", "bfloat16", (4, 2), (ChunkBox((3, 0), (1, 2)),), True),))
     with pytest.raises(ShardingError, match=r"tensor 'x': rank 0 holds torch float32, rank 1 holds torch bfloat16"):
-        plan_global([a, d], checksum.block_bytes_for_resharding)
+        plan_global([a, d], checksum.block_bytes_for)
 
 
 def test_values_that_differ_become_per_rank_and_equal_ones_stay_single():

@@ -163,11 +163,14 @@ def test_default_block_size(nbytes):
     from resurgo.format import checksum
 
     b = checksum.block_bytes_for(nbytes)
-    assert b & (b - 1) == 0 and (1 << 16) <= b <= (1 << 20)
-    # At most 64 blocks unless the block is already at its maximum; never fewer than 32 otherwise.
-    assert checksum.block_count(nbytes, b) <= 64 or b == 1 << 20
-    if b > 1 << 16:
-        assert checksum.block_count(nbytes, b) > 32
+    assert b & (b - 1) == 0 and (1 << 12) <= b <= (1 << 20)
+    if nbytes < 1 << 20:
+        assert b == 1 << 16  # small tensors: at most 16 blocks
+    else:
+        # at most 1/256 of the tensor (the resharded-read bound); 256 to 512 blocks below the cap
+        assert b * 256 <= nbytes
+        assert checksum.block_count(nbytes, b) <= 512 or b == 1 << 20
+        assert checksum.block_count(nbytes, b) >= 256
 
 
 def test_boxes_of_different_rank_do_not_intersect():

@@ -34,7 +34,7 @@ def save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_
     onto an existing checkpoint raises CheckpointExistsError unless ``overwrite=True``; even then
     the old checkpoint is replaced atomically, never modified in place. Values that are not plain
     data raise UnsupportedValueError unless ``allow_pickle=True``. ``block_bytes`` fixes the
-    checksum block size (default: per chunk, see :func:`resurgo.format.checksum.block_bytes_for`).
+    checksum block size (default: from each tensor's size, see :func:`resurgo.format.checksum.block_bytes_for`).
     An asynchronous save still in flight is waited for first (its error, if any, is raised here).
     """
     t_start = time.perf_counter()

@@ -12,36 +12,26 @@ import xxhash
 ALGORITHM = "xxh3-128"
 MIN_BLOCK_BYTES = 1 << 16
 MAX_DEFAULT_BLOCK_BYTES = 1 << 20
-BLOCKS_PER_CHUNK = 64
 
 
-def block_bytes_for(nbytes: int) -> int:
-    """The default block size of a chunk: about 64 blocks, a power of two in [64 KiB, 1 MiB].
-
-    Small blocks bound what a partial read must fetch beyond what it needs (one block at each
-    end, at most 1/64 of the chunk); large ones keep the manifest small (32 hex digits per block:
-    at most 0.05% of the data) and let xxhash hash without holding the GIL.
-    """
-    size = MIN_BLOCK_BYTES
-    while size < MAX_DEFAULT_BLOCK_BYTES and size * BLOCKS_PER_CHUNK < nbytes:
-        size *= 2
-    return size
-
-
-MIN_RESHARD_BLOCK_BYTES = 1 << 12
+MIN_FINE_BLOCK_BYTES = 1 << 12
+FINE_BLOCKS_FROM_BYTES = 1 << 20  # tensors this large get blocks of at most 1/256 of their size
 BLOCKS_PER_TENSOR = 256
 
 
-def block_bytes_for_resharding(tensor_nbytes: int) -> int:
-    """The block size of a distributed save's chunks: the largest power of two at most 1/256 of the
-    whole tensor, within [4 KiB, 1 MiB], whatever the chunk.
+def block_bytes_for(tensor_nbytes: int) -> int:
+    """The default checksum block size of a tensor's chunks, from the size of the whole tensor.
 
-    A load by another layout reads whole blocks: at most one extra block at each end of every
-    range it needs. Sizing blocks by the global tensor (not by the saving rank's chunk) bounds
-    that overhead for any target layout: a rank needing 1/M of a tensor of n >= 1 MiB bytes reads
-    at most 2n/256 extra, under 5% for M <= 6; the manifest holds 256 to 512 digests per tensor.
+    A reader fetching part of a chunk reads whole blocks: at most one extra block at each end of a
+    range it needs. Tensors of 1 MiB or more get the largest power of two at most 1/256 of the
+    tensor (within [4 KiB, 1 MiB]), whatever the chunk, so a rank loading 1/M of it in another
+    layout reads at most 2n/256 extra bytes: under 5% for M <= 6. Smaller tensors get 64 KiB
+    blocks (one block for most), which keeps the manifest small where partial reads matter
+    little. 32 hex digits per block: 256 to 512 digests per large tensor.
     """
-    size = MIN_RESHARD_BLOCK_BYTES
+    if tensor_nbytes < FINE_BLOCKS_FROM_BYTES:
+        return MIN_BLOCK_BYTES
+    size = MIN_FINE_BLOCK_BYTES
     while size < MAX_DEFAULT_BLOCK_BYTES and size * 2 * BLOCKS_PER_TENSOR <= tensor_nbytes:
         size *= 2
     return size

@@ -135,7 +135,7 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
     if block_bytes is not None:
         block_fn: Callable[[int], int] = lambda n: block_bytes
     else:
-        block_fn = checksum.block_bytes_for if comm.size == 1 else checksum.block_bytes_for_resharding
+        block_fn = checksum.block_bytes_for
 
     def coordinate() -> tuple[GlobalPlan, bool, str] | None:
         if not comm.is_coordinator:
