@@ -202,3 +202,17 @@ def async_then_load(rank: int, world: int, path: str) -> list[str]:
 
 def good_then_failing(rank: int, world: int, good: str, bad: str, bad_rank: int) -> tuple[str, str]:
     return failing_rank(rank, world, good, -1), failing_rank(rank, world, bad, bad_rank)
+
+
+def refused_layouts(rank: int, world: int, path: str) -> tuple[str, str]:
+    """(overlapping shards outcome, Partial DTensor outcome)."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh = init_device_mesh("cpu", (world,))
+    partial = DTensor.from_local(torch.ones(3), mesh, [Partial()])
+    try:
+        resurgo.save({"p": partial}, path + "-partial")
+        outcome = "saved"
+    except resurgo.UnsupportedValueError as e:
+        outcome = f"UnsupportedValueError: {e}"
+    return overlapping_shards(rank, world, path), outcome

@@ -121,9 +121,13 @@ def test_per_rank_values_same_world_and_resized(saved):
         assert out["saved_count"] == 3
 
 
-def test_overlapping_shards_fail_on_every_rank_and_commit_nothing(tmp_path):
+def test_overlapping_shards_and_partial_dtensors_fail_on_every_rank_and_commit_nothing(tmp_path):
     path = tmp_path / "overlap"
-    results = run_ranks(2, "dist_workers:overlapping_shards", str(path))
+    outcomes = run_ranks(2, "dist_workers:refused_layouts", str(path))
+    partial = {p for _, p in outcomes}
+    assert len(partial) == 1 and partial.pop().startswith(
+        "UnsupportedValueError: rank 0 failed: key 'p': a DTensor with a Partial placement holds unreduced values")
+    results = [o for o, _ in outcomes]
     assert len(set(results)) == 1, results  # the same error on every rank
     assert results[0].startswith("ShardingError: ") and "tensor 'x'" in results[0] and "overlap" in results[0]
     assert not path.exists() and os.listdir(tmp_path) == []
