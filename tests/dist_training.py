@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import _init_optim_state
 from torch.distributed.fsdp import fully_shard
 
 import resurgo
@@ -72,9 +71,9 @@ def run(rank: int, world: int, root: str, save_at: int, steps: int) -> dict:
 def resume(rank: int, world: int, root: str, steps: int) -> dict:
     model = shard(build())
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    _init_optim_state(opt)  # an FSDP2 optimizer's state must exist (as DTensors) to be loaded into
-    ts = resurgo.TrainState(model=model, optimizer=opt, step=0)
+    ts = resurgo.TrainState(model=model, optimizer=opt, step=0)  # a fresh optimizer: no state yet
     report = resurgo.load(ts, f"{root}/ckpt")
+    sharded = all(type(v).__name__ == "DTensor" for st in opt.state.values() for k, v in st.items() if k != "step")
     loaded = full_state(model, opt)
     reference = torch.load(f"{root}/reference.pt", weights_only=True)
     mismatched = sorted(k for k in reference if not torch.equal(
@@ -82,7 +81,7 @@ def resume(rank: int, world: int, root: str, steps: int) -> dict:
     missing = sorted(set(reference) ^ set(loaded))
     losses = [step_once(model, opt, step, rank, world) for step in range(ts.step, steps)]
     local_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    return {"losses": losses, "mismatched": mismatched, "missing": missing, "step": ts.step,
+    return {"losses": losses, "mismatched": mismatched, "missing": missing, "step": ts.step, "sharded": sharded,
             "bytes_read": report.bytes_read, "local_param_bytes": local_bytes}
 
 

@@ -24,3 +24,24 @@ def is_stateful(obj: Any) -> bool:
 
 def class_name(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def prepare_for_load(obj: Any) -> None:
+    """Give a load target the chance to create state that loading fills in place.
+
+    A Stateful may define ``_resurgo_before_load()`` (TrainState does). A torch optimizer over
+    sharded parameters (DTensor: FSDP2, tensor parallel) with no state yet gets its state created
+    now, as sharded tensors, by one step with zero gradients and a zero learning rate (what
+    ``torch.distributed.checkpoint.state_dict`` does): loading then fills each rank's shards
+    instead of materializing full tensors.
+    """
+    hook = getattr(obj, "_resurgo_before_load", None)
+    if callable(hook):
+        hook()
+        return
+    if isinstance(obj, torch.optim.Optimizer) and not obj.state:
+        params = [p for group in obj.param_groups for p in group["params"]]
+        if any(type(p).__name__ == "DTensor" for p in params):
+            from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+            _init_optim_state(obj)

@@ -13,7 +13,7 @@ from typing import Any
 from resurgo.errors import KeyMismatchError, UnsupportedValueError
 from resurgo.state.data_position import track_dataloader
 from resurgo.state.rng import RNGState
-from resurgo.state.stateful import is_stateful
+from resurgo.state.stateful import is_stateful, prepare_for_load
 
 __all__ = ["TrainState"]
 
@@ -111,6 +111,11 @@ class TrainState:
         if "rng" in self._parts:
             sd["rng"] = self._parts["rng"].state_dict()
         return sd
+
+    def _resurgo_before_load(self) -> None:
+        """Before a load plans its reads: create sharded optimizer state to be filled in place."""
+        for part in self._parts.values():
+            prepare_for_load(part)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore every part: components, then extras, then the RNG last."""

@@ -31,7 +31,7 @@ from resurgo.layout.box import ChunkBox
 from resurgo.layout.shards import LocalPiece, is_sharded, local_layout
 from resurgo.state.flatten import Array, path_key
 from resurgo.state.per_rank import PerRank
-from resurgo.state.stateful import is_stateful
+from resurgo.state.stateful import is_stateful, prepare_for_load
 
 
 
@@ -82,6 +82,7 @@ class Restorer:
             raise ManifestError(f"{where}: every tree node must be an object with a 'type'")
         t = node["type"]
         if target is not None and is_stateful(target) and t in ("stateful", "dict", "ordered_dict"):
+            prepare_for_load(target)
             inner = node["state"] if t == "stateful" else node
             filled = self._node(inner, target.state_dict(), path, depth + 1)
             self.actions.append(lambda: target.load_state_dict(filled))
