@@ -279,3 +279,13 @@ def test_installed_script_end_to_end(tree: Path):
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)["checkpoints"]
     assert [(r["path"], r["status"], r["step"]) for r in rows] == EXPECTED_LS
+
+
+def test_inspect_shows_per_rank_values_under_their_rank(tmp_path: Path):
+    path = tmp_path / "pr"
+    resurgo.save({"seen": resurgo.PerRank(5), "rng": resurgo.PerRank(torch.arange(3))}, path)
+    result = runner.invoke(app, ["inspect", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["values"]["seen@rank0"] == {"type": "int", "value": "5"}
+    assert doc["tensors"]["rng@rank0"]["shape"] == [3]

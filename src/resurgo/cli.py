@@ -211,6 +211,14 @@ def tree_values(tree: Any) -> list[tuple[str, str, str]]:
                 for i, n in enumerate(items):
                     walk(n, path + (i,), depth + 1)
             return
+        if t == "per_rank":  # one value per saving rank: key@rankN, as per-rank tensors are named
+            items = node.get("items")
+            if not isinstance(items, list):
+                out.append((key, t, "<invalid node>"))
+                return
+            for r, n in enumerate(items):
+                walk(n, path[:-1] + (f"{path[-1]}@rank{r}",) if path else (f"@rank{r}",), depth + 1)
+            return
         if t == "torch_size":
             out.append((key, t, _clip(f"torch.Size({node.get('items')!r})")))
             return
