@@ -42,7 +42,7 @@ from resurgo.study.training import (
     JobSpec, Training, build_training, disturb_global_rng, tensor_bytes, timed_steps, train_steps,
 )
 
-__all__ = ["StudyConfig", "quick_config", "full_config", "run_study", "count_units"]
+__all__ = ["StudyConfig", "quick_config", "full_config", "with_steps", "run_study", "count_units"]
 
 ProgressFn = Callable[[int, int, str], None]
 
@@ -103,6 +103,15 @@ def quick_config(**overrides: Any) -> StudyConfig:
     return replace(StudyConfig(width=8, batch_size=8, samples=512, warmup_steps=2, cost_steps=12,
                                checkpoint_every=4, scale_models=("resnet50",), scale_steps=6,
                                scale_every=3, det_steps=12, det_restart=6, preset="quick"), **overrides)
+
+
+def with_steps(cfg: StudyConfig, steps: int) -> StudyConfig:
+    """``cfg`` with every run ``steps`` long (scale runs half as long), about four checkpoints
+    per run and the determinism restart half-way."""
+    if steps < 4:
+        raise StudyError(f"--steps must be at least 4 (a checkpoint, a restart and steps after it), got {steps}")
+    return replace(cfg, cost_steps=steps, checkpoint_every=max(1, steps // 4), det_steps=steps,
+                   det_restart=steps // 2, scale_steps=max(2, steps // 2), scale_every=max(1, steps // 4))
 
 
 def count_units(cfg: StudyConfig) -> int:
