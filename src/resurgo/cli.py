@@ -697,8 +697,9 @@ def study(
         if chosen_models is not None:
             cfg = replace(cfg, models=chosen_models,
                           scale_models=tuple(m for m in cfg.scale_models if m in chosen_models) or chosen_models[:1])
-        if _names(mechanisms) is not None:
-            cfg = replace(cfg, mechanisms=_names(mechanisms))
+        chosen_mechanisms = _names(mechanisms)
+        if chosen_mechanisms is not None:
+            cfg = replace(cfg, mechanisms=chosen_mechanisms)
         if ranks is not None:
             try:
                 cfg = replace(cfg, scale_worlds=tuple(int(n) for n in _names(ranks) or ()))

@@ -35,7 +35,7 @@ import torch
 
 from resurgo.errors import StudyError
 from resurgo.study.data import make_dataset
-from resurgo.study.mechanisms import MECHANISMS, Mechanism, make_mechanism
+from resurgo.study.mechanisms import MECHANISMS, Mechanism, make_mechanism, quiet_single_process
 from resurgo.study.models import MODELS
 from resurgo.study.ranks import run_ranks
 from resurgo.study.training import (
@@ -100,8 +100,8 @@ def full_config(**overrides: Any) -> StudyConfig:
 
 def quick_config(**overrides: Any) -> StudyConfig:
     """Both networks at 1/8 width (every layer kept), batch 8, a few steps: minutes on 2 cores."""
-    return replace(StudyConfig(width=8, batch_size=8, samples=512, warmup_steps=2, cost_steps=12,
-                               checkpoint_every=4, scale_models=("resnet50",), scale_steps=6,
+    return replace(StudyConfig(width=8, batch_size=8, samples=512, warmup_steps=2, cost_steps=24,
+                               checkpoint_every=8, scale_models=("resnet50",), scale_steps=6,
                                scale_every=3, det_steps=12, det_restart=6, preset="quick"), **overrides)
 
 
@@ -345,13 +345,14 @@ def run_study(cfg: StudyConfig, out: Path, on_progress: Optional[ProgressFn] = N
     results: dict[str, Any] = {"config": asdict(cfg), "environment": environment(), "models": {},
                                "cost": [], "formats": [], "scale": [], "determinism": {}}
     try:
-        for model in cfg.models:
-            cost, formats, info = cost_and_formats(cfg, model, dataset, work / "cost" / model, progress)
-            results["models"][model] = info
-            results["cost"] += cost
-            results["formats"] += formats
-            results["determinism"][model] = determinism(cfg, model, dataset, work / "det" / model, progress)
-        results["scale"] = scale(cfg, work / "scale", progress)
+        with quiet_single_process():
+            for model in cfg.models:
+                cost, formats, info = cost_and_formats(cfg, model, dataset, work / "cost" / model, progress)
+                results["models"][model] = info
+                results["cost"] += cost
+                results["formats"] += formats
+                results["determinism"][model] = determinism(cfg, model, dataset, work / "det" / model, progress)
+            results["scale"] = scale(cfg, work / "scale", progress)
     finally:
         _remove(work)
         torch.set_num_threads(threads_before)

@@ -29,7 +29,7 @@ import resurgo
 from resurgo.errors import StudyError
 from resurgo.study.training import Training
 
-__all__ = ["Mechanism", "MECHANISMS", "make_mechanism", "Stores"]
+__all__ = ["Mechanism", "MECHANISMS", "make_mechanism", "Stores", "quiet_single_process"]
 
 
 @dataclass(frozen=True)
@@ -100,8 +100,9 @@ class TorchSave(Mechanism):
 
 
 @contextmanager
-def _quiet_single_process() -> Iterator[None]:
-    """DCP warns on every single-process call that it assumes a single process: it is right."""
+def quiet_single_process() -> Iterator[None]:
+    """DCP warns on every single-process call that it assumes a single process: it is right.
+    (``async_save`` warns from its background thread: wrap the whole run to silence that too.)"""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
@@ -124,7 +125,7 @@ class DcpSync(Mechanism):
     def save(self, job: Training, path: Path) -> None:
         import torch.distributed.checkpoint as dcp
 
-        with _quiet_single_process():
+        with quiet_single_process():
             dcp.save(self._state(job), checkpoint_id=str(path), no_dist=not _distributed())
 
     def load(self, job: Training, path: Path) -> Optional[int]:
@@ -132,7 +133,7 @@ class DcpSync(Mechanism):
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         state = self._state(job)
-        with _quiet_single_process():
+        with quiet_single_process():
             dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
         set_state_dict(job.model, job.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
@@ -158,7 +159,7 @@ class DcpAsync(DcpSync):
             if self._group is None:
                 self._group = dist.new_group(backend="gloo")
             kwargs["process_group"] = self._group
-        with _quiet_single_process():
+        with quiet_single_process():
             result = dcp.async_save(self._state(job), checkpoint_id=str(path), **kwargs)
         self._pending = result if isinstance(result, Future) else result.upload_completion
 

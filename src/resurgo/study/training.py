@@ -83,7 +83,7 @@ def build_training(spec: JobSpec, dataset: Dataset, *, rank: int = 0, world: int
         model = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
     if world > 1:
-        sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=spec.seed)
+        sampler: DistributedSampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=spec.seed)
         loader = DataLoader(dataset, batch_size=spec.batch_size, sampler=sampler, drop_last=True)
     else:
         loader = DataLoader(dataset, batch_size=spec.batch_size, shuffle=True, drop_last=True)
