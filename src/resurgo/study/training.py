@@ -29,7 +29,7 @@ from resurgo.study.models import build_model
 
 __all__ = ["JobSpec", "Training", "build_training", "train_steps", "disturb_global_rng"]
 
-LR = 0.05
+LR = 0.01
 MOMENTUM = 0.9
 WEIGHT_DECAY = 5e-4
 
