@@ -176,12 +176,16 @@ def render_markdown(results: dict) -> str:
     out.append(_table(["model", "mechanism", "format", "files", "size", "raw", "size / raw", "weights",
                        "optimizer", "RNG", "data position", "fsync", "load can run code", "save s", "load s"],
                       rows) + "\n")
-    notes = {r["mechanism"]: (r["label"], r["executes_code_note"]) for r in results["formats"]}
-    for label, note in notes.values():
-        out.append(f"- {label}: {note}.")
+    notes: dict[str, list[str]] = {}  # one line per distinct note, naming every mechanism it is about
+    for r in results["formats"]:
+        labels = notes.setdefault(r["executes_code_note"], [])
+        if r["label"] not in labels:
+            labels.append(r["label"])
+    for note, labels in notes.items():
+        out.append(f"- {', '.join(labels)}: {note}.")
     out.append("\n\\* torch>=2.6 loads with `weights_only=True` by default, which refuses arbitrary "
-               "objects; `weights_only=False`, needed for checkpoints holding other objects, and every "
-               "older torch run code from the file.\n")
+               "objects; with `weights_only=False` (needed when a checkpoint holds other objects) or an "
+               "older torch, loading runs code from the file.\n")
 
     # Table III
     out.append("## 3. Scale (Table III)\n")
