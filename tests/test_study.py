@@ -19,8 +19,9 @@ from resurgo.cli import app
 from resurgo.errors import ResurgoError, StudyError
 from resurgo.study.data import load_cifar10, synthetic_cifar10
 from resurgo.study.experiments import StudyConfig, quick_config
-from resurgo.study.mechanisms import MECHANISMS, make_mechanism
+from resurgo.study.mechanisms import MECHANISMS, make_mechanism, quiet_single_process
 from resurgo.study.models import ResNet50, VGG16
+from resurgo.study.report import render_markdown
 from resurgo.study.training import JobSpec, build_training, tensor_bytes, train_steps
 
 runner = CliRunner()
@@ -83,6 +84,15 @@ def test_results_json_has_every_mechanism(study_out: Path):
         assert row["checkpoints"] == len(row["stall_s"]) > 0 and row["seconds"] > 0
 
 
+def test_report_without_the_scale_experiment(study_out: Path):
+    results = json.loads((study_out / "results.json").read_text())
+    results["scale"] = []  # what `--ranks ""` produces
+    report = render_markdown(results)
+    scale_section = report[report.index(SECTIONS[2]):report.index(SECTIONS[3])]
+    assert "Not run: no rank counts were given" in scale_section and "|" not in scale_section
+    assert "fig4_scale_overhead.png" not in report
+
+
 def test_formats_sizes_match_the_state(study_out: Path):
     results = json.loads((study_out / "results.json").read_text())
     for row in results["formats"]:
@@ -128,8 +138,9 @@ def test_mechanism_round_trip(tmp_path: Path, name: str):
     job = build_training(JobSpec("vgg16", 2, 4, seed=0), data)
     train_steps(job, 3)
     mech = make_mechanism(name)
-    mech.save(job, tmp_path / "ck")
-    mech.wait()
+    with quiet_single_process():  # DCP's async thread warns that it runs in a single process
+        mech.save(job, tmp_path / "ck")
+        mech.wait()
     fresh = build_training(JobSpec("vgg16", 2, 4, seed=5), data)
     step = mech.load(fresh, tmp_path / "ck")
     mech.close()

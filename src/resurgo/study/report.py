@@ -190,18 +190,20 @@ def render_markdown(results: dict) -> str:
     # Table III
     out.append("## 3. Scale (Table III)\n")
     worlds = sorted({r["ranks"] for r in results["scale"]})
-    out.append(f"Data-parallel training (DistributedDataParallel, gloo, CPU) on {', '.join(map(str, worlds))} "
-               f"real processes, {cfg['batch_size']} images per rank, {cfg['scale_steps']} steps per run, a "
-               f"checkpoint every {cfg['scale_every']} steps; every rank calls the save (torch.save and "
-               "safetensors write from rank 0 only, as their users do). Times are the slowest rank's. "
-               f"**The ranks share this machine's {cores} CPU cores** (one thread each): with more ranks than "
-               "cores, ranks wait for CPU, so this measures the mechanisms' coordination and I/O under "
-               "contention, not the speed-up of a cluster.\n")
-    rows = [[_model(r["model"]), str(r["ranks"]), str(r["global_batch"]), r["label"], _s(r["baseline_s"]),
-             _s(r["seconds"]), _s(r["stall_mean_s"]), f"{r['overhead_pct']:+.1f}"] for r in results["scale"]]
-    out.append(_table(["model", "ranks", "global batch", "mechanism", "train, no ckpt (s)",
-                       "train with ckpt (s)", "blocked per ckpt (s)", "overhead %"], rows) + "\n")
-    if results["scale"]:
+    if not worlds:
+        out.append("Not run: no rank counts were given (`--ranks` was empty).\n")
+    else:
+        out.append(f"Data-parallel training (DistributedDataParallel, gloo, CPU) on {', '.join(map(str, worlds))} "
+                   f"real processes, {cfg['batch_size']} images per rank, {cfg['scale_steps']} steps per run, a "
+                   f"checkpoint every {cfg['scale_every']} steps; every rank calls the save (torch.save and "
+                   "safetensors write from rank 0 only, as their users do). Times are the slowest rank's. "
+                   f"**The ranks share this machine's {cores} CPU cores** (one thread each): with more ranks "
+                   "than cores, ranks wait for CPU, so this measures the mechanisms' coordination and I/O under "
+                   "contention, not the speed-up of a cluster.\n")
+        rows = [[_model(r["model"]), str(r["ranks"]), str(r["global_batch"]), r["label"], _s(r["baseline_s"]),
+                 _s(r["seconds"]), _s(r["stall_mean_s"]), f"{r['overhead_pct']:+.1f}"] for r in results["scale"]]
+        out.append(_table(["model", "ranks", "global batch", "mechanism", "train, no ckpt (s)",
+                           "train with ckpt (s)", "blocked per ckpt (s)", "overhead %"], rows) + "\n")
         out.append(f"![Figure 4: overhead by number of ranks]({SCALE_PLOT})\n")
 
     # Figures 2 and 3
