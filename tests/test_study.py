@@ -47,7 +47,7 @@ def _section_tables(report: str) -> dict[str, list[list[str]]]:
 def study_out(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("study")
     result = runner.invoke(app, ["study", "--quick", "--out", str(out), "--width", "2", "--steps", "6",
-                                 "--ranks", "2"])
+                                 "--ranks", "2", "--repeats", "2"])
     assert result.exit_code == 0, result.output + repr(result.exception)
     return out
 
@@ -80,8 +80,13 @@ def test_results_json_has_every_mechanism(study_out: Path):
         assert list(results["determinism"][model]["restarts"]) == names
         assert len(results["determinism"][model]["reference"]) == 6
     assert [r["mechanism"] for r in results["scale"]] == names
-    for row in results["cost"] + results["scale"]:
-        assert row["checkpoints"] == len(row["stall_s"]) > 0 and row["seconds"] > 0
+    for row in results["cost"]:
+        assert row["repeats"] == len(row["runs"]) == len(row["overhead_pct_runs"]) == 2
+        assert row["checkpoints"] == 6 and len(row["stall_s"]) == 12  # --steps 6: one every step, twice
+        assert row["overhead_pct"] == sorted(row["overhead_pct_runs"])[0] + (
+            sorted(row["overhead_pct_runs"])[1] - sorted(row["overhead_pct_runs"])[0]) / 2  # the median of 2
+    for row in results["scale"]:
+        assert row["checkpoints"] == len(row["stall_s"]) == 3 and row["seconds"] > 0  # 3 steps, one every 1
 
 
 def test_report_without_the_scale_experiment(study_out: Path):

@@ -679,6 +679,8 @@ def study(
                                         "experiment (default 1,2,4; empty to skip it)."),
     width: Optional[int] = typer.Option(None, "--width", help="Channels of the first stage (64 = published)."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Steps per training run (>= 4)."),
+    repeats: Optional[int] = typer.Option(None, "--repeats", help="Cost pairs (without, with checkpoints) per "
+                                          "mechanism; medians reported (quick: 3, full: 1)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch threads of the study process (default 1)."),
 ) -> None:
     """Reproduce the checkpointing study (cost, formats and sizes, scale, determinism) with ResNet-50
@@ -709,6 +711,8 @@ def study(
             cfg = replace(cfg, width=width)
         if threads is not None:
             cfg = replace(cfg, threads=threads)
+        if repeats is not None:
+            cfg = replace(cfg, cost_repeats=repeats)
         if data is not None:
             cfg = replace(cfg, data_dir=str(data))
         if steps is not None:

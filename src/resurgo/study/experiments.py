@@ -58,6 +58,7 @@ class StudyConfig:
     samples: int = 4096  # images in the training set (synthetic), or the first N real ones
     warmup_steps: int = 3
     cost_steps: int = 60
+    cost_repeats: int = 1  # pairs (without, with checkpoints) per mechanism; the median is reported
     checkpoint_every: int = 15
     scale_worlds: tuple[int, ...] = (1, 2, 4)
     scale_models: tuple[str, ...] = tuple(MODELS)
@@ -86,8 +87,8 @@ class StudyConfig:
             raise StudyError(f"the restart step must be inside the run: 0 < {self.det_restart} < {self.det_steps}")
         if self.threads < 1:
             raise StudyError(f"threads must be >= 1, got {self.threads}")
-        if self.width < 1 or self.batch_size < 1 or self.checkpoint_every < 1 or self.scale_every < 1:
-            raise StudyError("width, batch size and checkpoint intervals must be >= 1")
+        if self.width < 1 or self.cost_repeats < 1 or self.batch_size < 1 or self.checkpoint_every < 1 or self.scale_every < 1:
+            raise StudyError("width, repeats, batch size and checkpoint intervals must be >= 1")
         if self.samples < self.batch_size * max(self.scale_worlds + (1,)):
             raise StudyError(f"{self.samples} samples cannot fill one batch of {self.batch_size} per rank "
                              f"on {max(self.scale_worlds + (1,))} ranks")
@@ -101,7 +102,7 @@ def full_config(**overrides: Any) -> StudyConfig:
 def quick_config(**overrides: Any) -> StudyConfig:
     """Both networks at 1/8 width (every layer kept), batch 8, a few steps: minutes on 2 cores."""
     return replace(StudyConfig(width=8, batch_size=8, samples=512, warmup_steps=2, cost_steps=24,
-                               checkpoint_every=8, scale_models=("resnet50",), scale_steps=6,
+                               checkpoint_every=8, cost_repeats=3, scale_models=("resnet50",), scale_steps=6,
                                scale_every=3, det_steps=12, det_restart=6, preset="quick"), **overrides)
 
 
@@ -116,7 +117,7 @@ def with_steps(cfg: StudyConfig, steps: int) -> StudyConfig:
 
 def count_units(cfg: StudyConfig) -> int:
     """Units of work reported to ``on_progress``: training runs and spawned rank groups."""
-    per_model = (2 + len(cfg.mechanisms)) + (1 + len(cfg.mechanisms))
+    per_model = cfg.cost_repeats * len(cfg.mechanisms) + (1 + len(cfg.mechanisms))
     return len(cfg.models) * per_model + len(cfg.scale_models) * len(cfg.scale_worlds)
 
 
@@ -208,32 +209,39 @@ def cost_and_formats(cfg: StudyConfig, model: str, dataset: Any, work: Path,
     job = build_training(spec, dataset)
     model_bytes, _ = _state_bytes(job)
     params = sum(p.numel() for p in job.model.parameters())
-    progress.start(f"{model}: cost, no checkpoints")
     train_steps(job, cfg.warmup_steps)
-    baselines = [timed_steps(job, cfg.cost_steps)]
-    cost, formats = [], []
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in cfg.mechanisms}
+    formats: dict[str, dict[str, Any]] = {}
+    for repeat in range(cfg.cost_repeats):
+        # rotate the order between repeats so that no mechanism always runs first or last
+        order = list(cfg.mechanisms[repeat % len(cfg.mechanisms):] + cfg.mechanisms[:repeat % len(cfg.mechanisms)])
+        for name in order:
+            progress.start(f"{model}: cost, {name} ({repeat + 1}/{cfg.cost_repeats})")
+            without = timed_steps(job, cfg.cost_steps)  # its own baseline, just before: same machine load
+            mech = make_mechanism(name)
+            try:
+                run = _checkpointing_run(job, mech, cfg.cost_steps, cfg.checkpoint_every, work / name)
+                if name not in formats:
+                    formats[name] = {"model": model, **_format_row(job, mech, work / name / "alone")}
+            finally:
+                mech.close()
+            runs[name].append({**run, "baseline_s": without})
+    cost = []
     for name in cfg.mechanisms:
-        progress.start(f"{model}: cost, {name}")
-        mech = make_mechanism(name)
-        try:
-            run = _checkpointing_run(job, mech, cfg.cost_steps, cfg.checkpoint_every, work / name)
-            formats.append({"model": model, **_format_row(job, mech, work / name / "alone")})
-        finally:
-            mech.close()
-        cost.append({"model": model, "mechanism": name, "label": mech.label, "steps": cfg.cost_steps,
-                     "every": cfg.checkpoint_every, "seconds": run["seconds"], "checkpoints": run["checkpoints"],
-                     "stall_s": run["stall_s"]})
-    progress.start(f"{model}: cost, no checkpoints (again)")
-    baselines.append(timed_steps(job, cfg.cost_steps))
-    baseline = statistics.fmean(baselines)
-    for row in cost:
-        row["baseline_s"] = baseline
-        row["overhead_pct"] = 100.0 * (row["seconds"] - baseline) / baseline
-        row["stall_mean_s"] = statistics.fmean(row["stall_s"]) if row["stall_s"] else 0.0
+        pairs = runs[name]
+        overheads = [100.0 * (r["seconds"] - r["baseline_s"]) / r["baseline_s"] for r in pairs]
+        stalls = [s for r in pairs for s in r["stall_s"]]
+        cost.append({"model": model, "mechanism": name, "label": MECHANISMS[name].label, "steps": cfg.cost_steps,
+                     "every": cfg.checkpoint_every, "repeats": len(pairs),
+                     "baseline_s": statistics.median(r["baseline_s"] for r in pairs),
+                     "seconds": statistics.median(r["seconds"] for r in pairs),
+                     "checkpoints": pairs[0]["checkpoints"], "stall_s": stalls,
+                     "stall_mean_s": statistics.fmean(stalls) if stalls else 0.0,
+                     "overhead_pct": statistics.median(overheads), "overhead_pct_runs": overheads,
+                     "runs": pairs})
     _, optim_bytes = _state_bytes(job)
-    info = {"parameters": params, "model_state_bytes": model_bytes, "optimizer_state_bytes": optim_bytes,
-            "baseline_runs_s": baselines}
-    return cost, formats, info
+    info = {"parameters": params, "model_state_bytes": model_bytes, "optimizer_state_bytes": optim_bytes}
+    return cost, [formats[name] for name in cfg.mechanisms], info
 
 
 # -- experiment 3: scale ----------------------------------------------------------------------

@@ -147,12 +147,12 @@ def render_markdown(results: dict) -> str:
 
     # Table I
     out.append("## 1. Cost of checkpointing (Table I)\n")
-    out.append(f"Each job trains {cfg['cost_steps']} steps without checkpoints (before and after the "
-               f"mechanisms; the mean is the baseline), then {cfg['cost_steps']} steps per mechanism with a "
-               f"checkpoint every {cfg['checkpoint_every']} steps. *Blocked* is how long the training loop "
-               "waited in the save call; an asynchronous save still running at the end of the run is waited "
-               "for inside the timed run. Single timings on a shared machine: differences of a few percent "
-               "are noise.\n")
+    out.append(f"Per mechanism, the job trains {cfg['cost_steps']} steps without checkpoints, then "
+               f"{cfg['cost_steps']} steps with a checkpoint every {cfg['checkpoint_every']} steps, back to back "
+               f"(the same machine load for both); {cfg['cost_repeats']} such pair(s) per mechanism in rotated "
+               "order, medians shown. *Blocked* is how long the training loop waited in the save call (mean "
+               "over all checkpoints); an asynchronous save still running at the end of the run is waited for "
+               "inside the timed run. On a shared machine, differences of a few percent are noise.\n")
     rows = [[_model(r["model"]), r["label"], _s(r["baseline_s"]), _s(r["seconds"]), str(r["checkpoints"]),
              _s(r["stall_mean_s"]), f"{r['overhead_pct']:+.1f}"] for r in results["cost"]]
     out.append(_table(["model", "mechanism", "train, no ckpt (s)", "train with ckpt (s)", "checkpoints",
