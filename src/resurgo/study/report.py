@@ -152,7 +152,9 @@ def render_markdown(results: dict) -> str:
                f"(the same machine load for both); {cfg['cost_repeats']} such pair(s) per mechanism in rotated "
                "order, medians shown. *Blocked* is how long the training loop waited in the save call (mean "
                "over all checkpoints); an asynchronous save still running at the end of the run is waited for "
-               "inside the timed run. On a shared machine, differences of a few percent are noise.\n")
+               "inside the timed run. torch.save and safetensors, called as their users call them, return "
+               "before the data are durable (no fsync); DCP and resurgo fsync. On a shared machine, "
+               "differences of a few percent are noise.\n")
     rows = [[_model(r["model"]), r["label"], _s(r["baseline_s"]), _s(r["seconds"]), str(r["checkpoints"]),
              _s(r["stall_mean_s"]), f"{r['overhead_pct']:+.1f}"] for r in results["cost"]]
     out.append(_table(["model", "mechanism", "train, no ckpt (s)", "train with ckpt (s)", "checkpoints",
