@@ -1,12 +1,13 @@
 # Two set-up commands for a fresh machine (see README):
-#   make demo   - creates .venv, installs everything, runs the main job
+#   make demo   - creates .venv, installs everything, runs the main job: the quick study
 #   make test   - creates .venv, installs everything, runs the whole test suite
+# make study-full runs the full study; make demo-kill the kill-and-resume demonstration.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow bench bench-async install clean
+.PHONY: demo study study-full demo-kill test test-slow bench bench-async install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -16,7 +17,15 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-demo: $(STAMP)
+demo: study
+
+study: $(STAMP)
+	$(BIN)/resurgo study --quick --out study-results
+
+study-full: $(STAMP)
+	$(BIN)/resurgo study --out study-results-full
+
+demo-kill: $(STAMP)
 	$(BIN)/python examples/demo_kill_resume.py
 
 test: $(STAMP)

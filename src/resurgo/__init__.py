@@ -25,6 +25,7 @@ from resurgo.errors import (
     ShapeMismatchError,
     ShardingError,
     StorageError,
+    StudyError,
     TypeMismatchError,
     UnsupportedValueError,
     WorldSizeMismatchError,
@@ -46,5 +47,5 @@ __all__ = [
     "ResurgoError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "DTypeMismatchError", "IncompleteCheckpointError", "KeyMismatchError", "ManifestError",
     "NotACheckpointError", "PickleNotAllowedError", "ShapeMismatchError", "StorageError",
-    "TypeMismatchError", "UnsupportedValueError", "MemoryBudgetError", "SaveInFlightError",
+    "TypeMismatchError", "UnsupportedValueError", "MemoryBudgetError", "SaveInFlightError", "StudyError",
 ]

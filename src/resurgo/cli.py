@@ -1,6 +1,7 @@
-"""The command line: ``resurgo inspect | verify | ls | gc | convert``.
+"""The command line: ``resurgo inspect | verify | ls | gc | convert | study``.
 
-Every command reads only the manifest unless it has to read data (``verify``, ``ls --verify``),
+``study`` runs the checkpointing study (``resurgo.study``) and writes its report. Every other
+command reads only the manifest unless it has to read data (``verify``, ``ls --verify``),
 never unpickles anything, and turns a :class:`~resurgo.errors.ResurgoError` into a one-line red
 message on stderr and exit code 2 (no traceback). ``--json`` prints a machine-readable summary on
 stdout instead of the tables.
@@ -50,7 +51,7 @@ MAX_VALUE_CHARS = 72  # non-tensor values are clipped to this many characters
 
 app = typer.Typer(
     name="resurgo",
-    help="Inspect, verify, list, garbage-collect and convert resurgo checkpoints.",
+    help="Inspect, verify, list, garbage-collect and convert resurgo checkpoints; run the checkpointing study.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -657,6 +658,81 @@ def read_tensor_bytes(src: Path, only: Optional[str]) -> int:
     manifest, _ = _load_manifest(src)
     return sum(sum(c.nbytes for c in t.chunks) for k, t in manifest.tensors.items()
                if only is None or k.startswith(only))
+
+
+# -- study ------------------------------------------------------------------------------------
+def _names(text: Optional[str]) -> Optional[tuple[str, ...]]:
+    return None if text is None else tuple(n.strip() for n in text.split(",") if n.strip())
+
+
+@app.command()
+def study(
+    quick: bool = typer.Option(False, "--quick", help="Networks at 1/8 width, a few steps: minutes on 2 cores."),
+    out: Path = typer.Option(Path("study-results"), "--out", help="Directory for report.md, the plots, results.json."),
+    data: Optional[Path] = typer.Option(None, "--data", help="A local CIFAR-10 python copy (data_batch_1..5) "
+                                        "instead of synthetic data."),
+    models: Optional[str] = typer.Option(None, "--models", help="Comma-separated: resnet50,vgg16."),
+    mechanisms: Optional[str] = typer.Option(None, "--mechanisms", help="Comma-separated, default all: "
+                                             "torch_save,dcp,dcp_async,safetensors,resurgo,resurgo_async,"
+                                             "resurgo_async_guard."),
+    ranks: Optional[str] = typer.Option(None, "--ranks", help="Comma-separated rank counts for the scale "
+                                        "experiment (default 1,2,4; empty to skip it)."),
+    width: Optional[int] = typer.Option(None, "--width", help="Channels of the first stage (64 = published)."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Steps per training run (>= 4)."),
+    repeats: Optional[int] = typer.Option(None, "--repeats", help="Cost pairs (without, with checkpoints) per "
+                                          "mechanism; medians reported (quick: 3, full: 1)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads of the study process (default 1)."),
+) -> None:
+    """Reproduce the checkpointing study (cost, formats and sizes, scale, determinism) with ResNet-50
+    and VGG-16 on CIFAR-10-shaped data, for torch.save, DCP, safetensors and resurgo."""
+    from dataclasses import replace
+
+    from rich.progress import TimeElapsedColumn
+
+    from resurgo.study.experiments import full_config, quick_config, run_study, with_steps
+    from resurgo.study.report import REPORT, require_matplotlib, write_outputs
+
+    with _fail_cleanly():
+        require_matplotlib()  # before minutes of training, not after
+        cfg = quick_config() if quick else full_config()
+        chosen_models = _names(models)
+        if chosen_models is not None:
+            cfg = replace(cfg, models=chosen_models,
+                          scale_models=tuple(m for m in cfg.scale_models if m in chosen_models) or chosen_models[:1])
+        chosen_mechanisms = _names(mechanisms)
+        if chosen_mechanisms is not None:
+            cfg = replace(cfg, mechanisms=chosen_mechanisms)
+        if ranks is not None:
+            try:
+                cfg = replace(cfg, scale_worlds=tuple(int(n) for n in _names(ranks) or ()))
+            except ValueError:
+                raise typer.BadParameter(f"--ranks takes comma-separated integers, got {ranks!r}") from None
+        if width is not None:
+            cfg = replace(cfg, width=width)
+        if threads is not None:
+            cfg = replace(cfg, threads=threads)
+        if repeats is not None:
+            cfg = replace(cfg, cost_repeats=repeats)
+        if data is not None:
+            cfg = replace(cfg, data_dir=str(data))
+        if steps is not None:
+            cfg = with_steps(cfg, steps)
+        cfg.check()
+        console = _console()
+        columns = (TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TimeElapsedColumn())
+        with Progress(*columns, console=console, transient=False) as progress:
+            task = progress.add_task("starting", total=None)
+
+            def on_progress(done: int, total: int, label: str) -> None:
+                progress.update(task, completed=done, total=total, description=label)
+
+            results = run_study(cfg, out, on_progress)
+        write_outputs(results, out)
+    console.print(f"study done in {results['duration_s']:.0f} s: {escape(str(out / REPORT))}")
+    for model, det in results["determinism"].items():
+        diffs = ", ".join(f"{name} {r['max_abs_diff']:.3g}" for name, r in det["restarts"].items())
+        console.print(f"  {model}: largest loss difference after restart: {escape(diffs)}")
 
 
 def main() -> None:

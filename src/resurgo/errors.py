@@ -97,3 +97,7 @@ class RankFailedError(ResurgoError):
 class DataPositionError(ResurgoError, ValueError):
     """A sampler's arguments are invalid, or a saved data position does not fit the sampler or
     loader it is loaded into (another dataset length or shuffle flag, a count out of range)."""
+
+
+class StudyError(ResurgoError, ValueError):
+    """``resurgo study`` cannot run as asked: an unknown model or mechanism, unreadable data."""

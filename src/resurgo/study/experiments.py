@@ -1,0 +1,370 @@
+"""The study's four experiments (cost, formats and sizes, scale, determinism) and their plan.
+
+This module owns what is measured and how; it returns plain JSON-ready dicts (rendering is
+``report.py``'s job). :class:`StudyConfig` says what to run; :func:`run_study` runs everything,
+calling ``on_progress(done, total, label)`` before each unit of work (one training run or one
+group of spawned ranks) so that a caller can show progress.
+
+1. Cost: the same job trains ``cost_steps`` steps without checkpoints (before and after the
+   mechanisms; the mean is the baseline) and with each mechanism checkpointing every
+   ``checkpoint_every`` steps. An asynchronous save still running at the end is waited for
+   inside the timed run: a run is not done before its last checkpoint is.
+2. Formats and sizes: after its cost run, each mechanism saves the job once more, alone (timed
+   until complete), and loads it back (timed); the files are counted and measured.
+3. Scale: the cost experiment on 1, 2, 4 data-parallel ranks (DDP, gloo, CPU), real processes.
+4. Determinism: an uninterrupted run of ``det_steps`` steps checkpoints with every mechanism at
+   step ``det_restart``; then, per mechanism, fresh objects are built as a new training script
+   builds them, the global RNGs are moved elsewhere, the checkpoint is loaded the way that
+   mechanism's users load it, and training continues to ``det_steps``. The largest absolute
+   difference between the restarted and the uninterrupted losses is recorded.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from resurgo.errors import StudyError
+from resurgo.study.data import make_dataset
+from resurgo.study.mechanisms import MECHANISMS, Mechanism, make_mechanism, quiet_single_process
+from resurgo.study.models import MODELS
+from resurgo.study.ranks import run_ranks
+from resurgo.study.training import (
+    JobSpec, Training, build_training, disturb_global_rng, tensor_bytes, timed_steps, train_steps,
+)
+
+__all__ = ["StudyConfig", "quick_config", "full_config", "with_steps", "run_study", "count_units"]
+
+ProgressFn = Callable[[int, int, str], None]
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    """Everything that decides what the study runs. Step counts are optimizer steps."""
+
+    models: tuple[str, ...] = tuple(MODELS)
+    mechanisms: tuple[str, ...] = tuple(MECHANISMS)
+    width: int = 64  # channels of the first stage (64: the published networks)
+    batch_size: int = 32
+    samples: int = 4096  # images in the training set (synthetic), or the first N real ones
+    warmup_steps: int = 3
+    cost_steps: int = 60
+    cost_repeats: int = 1  # pairs (without, with checkpoints) per mechanism; the median is reported
+    checkpoint_every: int = 15
+    scale_worlds: tuple[int, ...] = (1, 2, 4)
+    scale_models: tuple[str, ...] = tuple(MODELS)
+    scale_steps: int = 20
+    scale_every: int = 10
+    det_steps: int = 60
+    det_restart: int = 30
+    data_dir: Optional[str] = None
+    seed: int = 0
+    threads: int = 1  # torch intra-op threads of the study process (each scale rank uses one)
+    preset: str = "custom"
+
+    def check(self) -> None:
+        """Raise StudyError naming the first option that cannot work."""
+        for m in self.models + self.scale_models:
+            if m not in MODELS:
+                raise StudyError(f"unknown model {m!r}; expected one of {', '.join(MODELS)}")
+        for m in self.mechanisms:
+            if m not in MECHANISMS:
+                raise StudyError(f"unknown mechanism {m!r}; expected one of {', '.join(MECHANISMS)}")
+        if not self.models or not self.mechanisms:
+            raise StudyError("the study needs at least one model and one mechanism")
+        if any(w < 1 for w in self.scale_worlds):
+            raise StudyError(f"scale worlds must be >= 1, got {self.scale_worlds}")
+        if not 0 < self.det_restart < self.det_steps:
+            raise StudyError(f"the restart step must be inside the run: 0 < {self.det_restart} < {self.det_steps}")
+        if self.threads < 1:
+            raise StudyError(f"threads must be >= 1, got {self.threads}")
+        if self.width < 1 or self.cost_repeats < 1 or self.batch_size < 1 or self.checkpoint_every < 1 or self.scale_every < 1:
+            raise StudyError("width, repeats, batch size and checkpoint intervals must be >= 1")
+        if self.samples < self.batch_size * max(self.scale_worlds + (1,)):
+            raise StudyError(f"{self.samples} samples cannot fill one batch of {self.batch_size} per rank "
+                             f"on {max(self.scale_worlds + (1,))} ranks")
+
+
+def full_config(**overrides: Any) -> StudyConfig:
+    """The published networks (width 64) at batch 32: the paper's setting, scaled to one machine."""
+    return replace(StudyConfig(preset="full"), **overrides)
+
+
+def quick_config(**overrides: Any) -> StudyConfig:
+    """Both networks at 1/8 width (every layer kept), batch 8, a few steps: minutes on 2 cores."""
+    return replace(StudyConfig(width=8, batch_size=8, samples=512, warmup_steps=2, cost_steps=24,
+                               checkpoint_every=8, cost_repeats=3, scale_models=("resnet50",), scale_steps=6,
+                               scale_every=3, det_steps=12, det_restart=6, preset="quick"), **overrides)
+
+
+def with_steps(cfg: StudyConfig, steps: int) -> StudyConfig:
+    """``cfg`` with every run ``steps`` long (scale runs half as long), about four checkpoints
+    per run and the determinism restart half-way."""
+    if steps < 4:
+        raise StudyError(f"--steps must be at least 4 (a checkpoint, a restart and steps after it), got {steps}")
+    return replace(cfg, cost_steps=steps, checkpoint_every=max(1, steps // 4), det_steps=steps,
+                   det_restart=steps // 2, scale_steps=max(2, steps // 2), scale_every=max(1, steps // 4))
+
+
+def count_units(cfg: StudyConfig) -> int:
+    """Units of work reported to ``on_progress``: training runs and spawned rank groups."""
+    per_model = cfg.cost_repeats * len(cfg.mechanisms) + (1 + len(cfg.mechanisms))
+    return len(cfg.models) * per_model + len(cfg.scale_models) * len(cfg.scale_worlds)
+
+
+class _Progress:
+    def __init__(self, total: int, fn: Optional[ProgressFn]) -> None:
+        self.total, self.done, self.fn = total, 0, fn
+
+    def start(self, label: str) -> None:
+        if self.fn is not None:
+            self.fn(self.done, self.total, label)
+        self.done += 1
+
+    def finish(self) -> None:
+        if self.fn is not None:
+            self.fn(self.total, self.total, "done")
+
+
+# -- files ------------------------------------------------------------------------------------
+def _files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.is_file())
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def _state_bytes(job: Training) -> tuple[int, int]:
+    """Raw bytes of the model's state_dict tensors and of the optimizer's state tensors."""
+    return tensor_bytes(job.plain_model.state_dict()), tensor_bytes(job.optimizer.state_dict()["state"])
+
+
+# -- experiment 1 + 2: cost, formats and sizes --------------------------------------------------
+def _checkpointing_run(job: Training, mech: Mechanism, steps: int, every: int, root: Path,
+                       cleanup: bool = True) -> dict[str, Any]:
+    """Train ``steps`` steps saving every ``every``; seconds, and the time blocked in each save.
+    The checkpoints are removed afterwards if ``cleanup`` (ranks other than 0 leave it to rank 0)."""
+    start = job.step
+    stalls: list[float] = []
+    saved: list[Path] = []
+
+    def checkpoint(j: Training) -> None:
+        if (j.step - start) % every == 0:
+            path = root / f"step_{j.step:07d}"
+            t0 = time.perf_counter()
+            mech.save(j, path)
+            stalls.append(time.perf_counter() - t0)
+            saved.append(path)
+
+    t0 = time.perf_counter()
+    train_steps(job, steps, checkpoint)
+    mech.wait()  # the run is finished when its last checkpoint is
+    seconds = time.perf_counter() - t0
+    for p in saved if cleanup else ():
+        _remove(p)
+    return {"seconds": seconds, "checkpoints": len(stalls), "stall_s": stalls}
+
+
+def _format_row(job: Training, mech: Mechanism, path: Path) -> dict[str, Any]:
+    """Save once alone (timed to completion), measure the files, load back (timed)."""
+    t0 = time.perf_counter()
+    mech.save(job, path)
+    mech.wait()
+    save_s = time.perf_counter() - t0
+    files = _files(path)
+    total = sum(f.stat().st_size for f in files)
+    model_bytes, optim_bytes = _state_bytes(job)
+    raw = model_bytes + (optim_bytes if mech.stores.optimizer else 0)
+    t0 = time.perf_counter()
+    mech.load(job, path)
+    load_s = time.perf_counter() - t0
+    _remove(path)
+    return {
+        "mechanism": mech.name, "label": mech.label, "files": len(files),
+        "file_names": [str(f.relative_to(path)) for f in files], "bytes": total, "raw_tensor_bytes": raw,
+        "size_over_raw": total / raw, "stores": asdict(mech.stores), "format": mech.file_format,
+        "executes_code": mech.executes_code, "executes_code_note": mech.executes_code_note,
+        "fsync": mech.fsync, "save_s": save_s, "load_s": load_s,
+    }
+
+
+def cost_and_formats(cfg: StudyConfig, model: str, dataset: Any, work: Path,
+                     progress: _Progress) -> tuple[list[dict], list[dict], dict]:
+    spec = JobSpec(model, cfg.width, cfg.batch_size, cfg.seed)
+    job = build_training(spec, dataset)
+    model_bytes, _ = _state_bytes(job)
+    params = sum(p.numel() for p in job.model.parameters())
+    train_steps(job, cfg.warmup_steps)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in cfg.mechanisms}
+    formats: dict[str, dict[str, Any]] = {}
+    for repeat in range(cfg.cost_repeats):
+        # rotate the order between repeats so that no mechanism always runs first or last
+        order = list(cfg.mechanisms[repeat % len(cfg.mechanisms):] + cfg.mechanisms[:repeat % len(cfg.mechanisms)])
+        for name in order:
+            progress.start(f"{model}: cost, {name} ({repeat + 1}/{cfg.cost_repeats})")
+            without = timed_steps(job, cfg.cost_steps)  # its own baseline, just before: same machine load
+            mech = make_mechanism(name)
+            try:
+                run = _checkpointing_run(job, mech, cfg.cost_steps, cfg.checkpoint_every, work / name)
+                if name not in formats:
+                    formats[name] = {"model": model, **_format_row(job, mech, work / name / "alone")}
+            finally:
+                mech.close()
+            runs[name].append({**run, "baseline_s": without})
+    cost = []
+    for name in cfg.mechanisms:
+        pairs = runs[name]
+        overheads = [100.0 * (r["seconds"] - r["baseline_s"]) / r["baseline_s"] for r in pairs]
+        stalls = [s for r in pairs for s in r["stall_s"]]
+        cost.append({"model": model, "mechanism": name, "label": MECHANISMS[name].label, "steps": cfg.cost_steps,
+                     "every": cfg.checkpoint_every, "repeats": len(pairs),
+                     "baseline_s": statistics.median(r["baseline_s"] for r in pairs),
+                     "seconds": statistics.median(r["seconds"] for r in pairs),
+                     "checkpoints": pairs[0]["checkpoints"], "stall_s": stalls,
+                     "stall_mean_s": statistics.fmean(stalls) if stalls else 0.0,
+                     "overhead_pct": statistics.median(overheads), "overhead_pct_runs": overheads,
+                     "runs": pairs})
+    _, optim_bytes = _state_bytes(job)
+    info = {"parameters": params, "model_state_bytes": model_bytes, "optimizer_state_bytes": optim_bytes}
+    return cost, [formats[name] for name in cfg.mechanisms], info
+
+
+# -- experiment 3: scale ----------------------------------------------------------------------
+def scale_worker(rank: int, world: int, arg: dict[str, Any]) -> dict[str, Any]:
+    """One rank of the scale experiment: baseline, then each mechanism, all ranks in step."""
+    import torch.distributed as dist
+
+    cfg: StudyConfig = arg["config"]
+    dataset = make_dataset(cfg.samples, cfg.data_dir, cfg.seed)
+    spec = JobSpec(arg["model"], cfg.width, cfg.batch_size, cfg.seed)
+    job = build_training(spec, dataset, rank=rank, world=world, ddp=True)
+    train_steps(job, cfg.warmup_steps)
+    root = Path(arg["work"])
+    dist.barrier()
+    out: dict[str, Any] = {"baseline_s": [timed_steps(job, cfg.scale_steps)], "mechanisms": {}}
+    for name in cfg.mechanisms:
+        mech = make_mechanism(name)
+        dist.barrier()
+        try:
+            run = _checkpointing_run(job, mech, cfg.scale_steps, cfg.scale_every, root / name, cleanup=False)
+        finally:
+            mech.close()
+        dist.barrier()
+        if rank == 0:
+            _remove(root / name)
+        out["mechanisms"][name] = run
+    dist.barrier()
+    out["baseline_s"].append(timed_steps(job, cfg.scale_steps))
+    return out
+
+
+def scale(cfg: StudyConfig, work: Path, progress: _Progress) -> list[dict]:
+    rows = []
+    for model in cfg.scale_models:
+        for world in cfg.scale_worlds:
+            progress.start(f"{model}: scale, {world} rank{'s' if world > 1 else ''}")
+            ranks = run_ranks(world, scale_worker, {"config": cfg, "model": model, "work": str(work / f"{model}-{world}")})
+            _remove(work / f"{model}-{world}")
+            # a step finishes when its slowest rank does: take the maximum over ranks
+            baseline = statistics.fmean(max(r["baseline_s"][i] for r in ranks) for i in range(2))
+            for name in cfg.mechanisms:
+                runs = [r["mechanisms"][name] for r in ranks]
+                seconds = max(r["seconds"] for r in runs)
+                stalls = [max(r["stall_s"][i] for r in runs) for i in range(len(runs[0]["stall_s"]))]
+                rows.append({"model": model, "ranks": world, "mechanism": name,
+                             "label": MECHANISMS[name].label, "steps": cfg.scale_steps, "every": cfg.scale_every,
+                             "global_batch": cfg.batch_size * world, "baseline_s": baseline, "seconds": seconds,
+                             "checkpoints": len(stalls), "stall_s": stalls,
+                             "stall_mean_s": statistics.fmean(stalls) if stalls else 0.0,
+                             "overhead_pct": 100.0 * (seconds - baseline) / baseline})
+    return rows
+
+
+# -- experiment 4: determinism ------------------------------------------------------------------
+def determinism(cfg: StudyConfig, model: str, dataset: Any, work: Path, progress: _Progress) -> dict[str, Any]:
+    spec = JobSpec(model, cfg.width, cfg.batch_size, cfg.seed)
+    k = cfg.det_restart
+    mechs = [make_mechanism(name) for name in cfg.mechanisms]
+
+    def checkpoint_all(job: Training) -> None:
+        if job.step == k:
+            for m in mechs:
+                m.save(job, work / m.name)
+                m.wait()
+
+    progress.start(f"{model}: determinism, uninterrupted run")
+    reference = train_steps(build_training(spec, dataset), cfg.det_steps, checkpoint_all)
+    restarts: dict[str, Any] = {}
+    for m in mechs:
+        progress.start(f"{model}: determinism, restart with {m.name}")
+        job = build_training(spec, dataset)  # a new script: seeds, builds, then other code runs
+        disturb_global_rng()
+        step = m.load(job, work / m.name)
+        job.step = k if step is None else step  # weights-only users know the step from the file name
+        losses = train_steps(job, cfg.det_steps - k)
+        m.close()
+        if job.step != cfg.det_steps:
+            raise StudyError(f"{m.name}: the checkpoint of step {k} restored step {step}")
+        diffs = [abs(a - b) for a, b in zip(losses, reference[k:])]
+        restarts[m.name] = {"label": m.label, "restored_step": step, "losses": losses,
+                            "max_abs_diff": max(diffs), "identical": losses == reference[k:],
+                            "stores": asdict(m.stores)}
+        _remove(work / m.name)
+    return {"model": model, "steps": cfg.det_steps, "restart_step": k, "reference": reference,
+            "restarts": restarts}
+
+
+# -- the whole study --------------------------------------------------------------------------
+def environment() -> dict[str, Any]:
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {"python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "load_average_1_5_15": list(load) if load else None}
+
+
+def run_study(cfg: StudyConfig, out: Path, on_progress: Optional[ProgressFn] = None) -> dict[str, Any]:
+    """Run every experiment; returns the results (what ``results.json`` holds). Checkpoints are
+    written under ``out/checkpoints`` and removed as soon as they are measured."""
+    cfg.check()
+    out = Path(out)
+    work = out / "checkpoints"
+    _remove(work)
+    work.mkdir(parents=True)
+    progress = _Progress(count_units(cfg), on_progress)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    t0 = time.perf_counter()
+    dataset = make_dataset(cfg.samples, cfg.data_dir, cfg.seed)
+    results: dict[str, Any] = {"config": asdict(cfg), "environment": environment(), "models": {},
+                               "cost": [], "formats": [], "scale": [], "determinism": {}}
+    try:
+        with quiet_single_process():
+            for model in cfg.models:
+                cost, formats, info = cost_and_formats(cfg, model, dataset, work / "cost" / model, progress)
+                results["models"][model] = info
+                results["cost"] += cost
+                results["formats"] += formats
+                results["determinism"][model] = determinism(cfg, model, dataset, work / "det" / model, progress)
+            results["scale"] = scale(cfg, work / "scale", progress)
+    finally:
+        _remove(work)
+        torch.set_num_threads(threads_before)
+    results["environment"]["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    results["duration_s"] = time.perf_counter() - t0
+    progress.finish()
+    return results

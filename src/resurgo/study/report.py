@@ -1,0 +1,251 @@
+"""The study's output: ``results.json`` (everything measured), the PNG plots and ``report.md``
+(the paper's Tables I-III and Figures 2-3 in Markdown, the plots embedded).
+
+This module owns rendering only: it reads the results dict that ``experiments.run_study``
+returns (or that ``results.json`` holds) and measures nothing. Plots use matplotlib's
+non-interactive Agg backend; matplotlib is the ``study`` extra (``pip install 'resurgo[study]'``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from resurgo.errors import StudyError
+from resurgo.study.models import LABELS
+
+__all__ = ["write_outputs", "render_markdown", "require_matplotlib", "COST_PLOT", "SCALE_PLOT",
+           "determinism_plot_name"]
+
+COST_PLOT = "fig1_cost_overhead.png"
+SCALE_PLOT = "fig4_scale_overhead.png"
+RESULTS = "results.json"
+REPORT = "report.md"
+
+
+def determinism_plot_name(index: int, model: str) -> str:
+    """Figure 2 is the first model's loss curves, Figure 3 the second's (the paper's numbering)."""
+    return f"fig{index + 2}_determinism_{model}.png"
+
+
+def require_matplotlib() -> Any:
+    """matplotlib.pyplot on the Agg backend, or a StudyError saying how to install it."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise StudyError("the study's plots need matplotlib: pip install 'resurgo[study]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+# -- formatting -------------------------------------------------------------------------------
+def _human_bytes(n: float) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _s(x: float) -> str:
+    return f"{x:.3f}" if x < 10 else f"{x:.1f}"
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _model(name: str) -> str:
+    return LABELS.get(name, name)
+
+
+# -- plots ------------------------------------------------------------------------------------
+def _plot_cost(plt: Any, results: dict, path: Path) -> None:
+    models = list(results["determinism"]) or sorted({r["model"] for r in results["cost"]})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        rows = [r for r in results["cost"] if r["model"] == model]
+        ax.barh([r["label"] for r in rows], [r["overhead_pct"] for r in rows], color="tab:blue")
+        ax.axvline(0, color="black", linewidth=0.8)
+        ax.invert_yaxis()
+        ax.set_xlabel(f"overhead of checkpointing every {rows[0]['every']} steps (%)" if rows else "overhead (%)")
+        ax.set_title(_model(model))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_scale(plt: Any, results: dict, path: Path) -> None:
+    models = sorted({r["model"] for r in results["scale"]})
+    fig, axes = plt.subplots(1, max(1, len(models)), figsize=(6 * max(1, len(models)), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        rows = [r for r in results["scale"] if r["model"] == model]
+        for mech in dict.fromkeys(r["mechanism"] for r in rows):
+            pts = sorted((r["ranks"], r["overhead_pct"], r["label"]) for r in rows if r["mechanism"] == mech)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=pts[0][2])
+        ax.set_xticks(sorted({r["ranks"] for r in rows}))
+        ax.set_xlabel("data-parallel ranks (processes sharing this machine)")
+        ax.set_ylabel("overhead (%)")
+        ax.set_title(_model(model))
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_determinism(plt: Any, det: dict, path: Path) -> None:
+    ref = det["reference"]
+    k = det["restart_step"]
+    steps = list(range(1, len(ref) + 1))
+    after = steps[k:]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    top.plot(steps, ref, color="black", linewidth=2.5, label="uninterrupted")
+    for i, (name, r) in enumerate(det["restarts"].items()):
+        style = "-" if r["identical"] else "--"
+        top.plot(after, r["losses"], linestyle=style, linewidth=1.2, label=f"restart: {r['label']}")
+        bottom.plot(after, [abs(a - b) for a, b in zip(r["losses"], ref[k:])], marker=".", linestyle=style,
+                    label=r["label"])
+    for ax in (top, bottom):
+        ax.axvline(k, color="grey", linestyle=":", linewidth=1)
+    top.set_ylabel("training loss")
+    top.set_title(f"{_model(det['model'])}: restart from the checkpoint of step {k}")
+    top.legend(fontsize=7)
+    bottom.set_ylabel("|loss - uninterrupted loss|")
+    bottom.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- the report -------------------------------------------------------------------------------
+def render_markdown(results: dict) -> str:
+    cfg, env = results["config"], results["environment"]
+    cores = env.get("cpu_count")
+    models = list(results["determinism"])
+    out: list[str] = []
+    out.append("# resurgo study: the cost, formats, scale and determinism of checkpointing\n")
+    out.append(
+        f"Preset `{cfg['preset']}`: {', '.join(_model(m) for m in cfg['models'])} (CIFAR-10 variants, width "
+        f"{cfg['width']}{'' if cfg['width'] == 64 else ' instead of 64: every layer kept, fewer channels'}), "
+        f"batch {cfg['batch_size']}, SGD with momentum, "
+        f"{'real CIFAR-10 from ' + cfg['data_dir'] if cfg['data_dir'] else 'synthetic CIFAR-10-shaped data'} "
+        f"({cfg['samples']} images, random crop + flip, shuffled). "
+        f"Machine: {cores} CPU cores, torch {env['torch']}, {cfg['threads']} intra-op thread(s) per process, "
+        f"load average {env.get('load_average_1_5_15')} at start. Study duration {results['duration_s']:.0f} s.\n")
+    out.append("Mechanisms, as their users write them: torch.save of the model and optimizer state_dicts; "
+               "PyTorch DCP `save`/`async_save` of `get_state_dict(model, optimizer)`; safetensors "
+               "`save_file(model.state_dict())` (weights only); resurgo `save`/`async_save` of "
+               "`TrainState(model, optimizer, dataloader, step)`, and `async_save(guard=optimizer)`.\n")
+
+    # Table I
+    out.append("## 1. Cost of checkpointing (Table I)\n")
+    out.append(f"Per mechanism, the job trains {cfg['cost_steps']} steps without checkpoints, then "
+               f"{cfg['cost_steps']} steps with a checkpoint every {cfg['checkpoint_every']} steps, back to back "
+               f"(the same machine load for both); {cfg['cost_repeats']} such pair(s) per mechanism in rotated "
+               "order, medians shown. *Blocked* is how long the training loop waited in the save call (mean "
+               "over all checkpoints); an asynchronous save still running at the end of the run is waited for "
+               "inside the timed run. torch.save and safetensors, called as their users call them, return "
+               "before the data are durable (no fsync); DCP and resurgo fsync. On a shared machine, "
+               "differences of a few percent are noise.\n")
+    rows = [[_model(r["model"]), r["label"], _s(r["baseline_s"]), _s(r["seconds"]), str(r["checkpoints"]),
+             _s(r["stall_mean_s"]), f"{r['overhead_pct']:+.1f}"] for r in results["cost"]]
+    out.append(_table(["model", "mechanism", "train, no ckpt (s)", "train with ckpt (s)", "checkpoints",
+                       "blocked per ckpt (s)", "overhead %"], rows) + "\n")
+    out.append(f"![Figure 1: overhead of checkpointing]({COST_PLOT})\n")
+
+    # Table II
+    out.append("## 2. Formats and sizes (Table II)\n")
+    out.append("One checkpoint of the trained job per mechanism, saved alone (*save s*: until complete) and "
+               "loaded back (*load s*). *Raw* is the bytes of the tensors the mechanism stores (model "
+               "state_dict, plus the optimizer state where it stores it). *fsync*: the mechanism makes the "
+               "data durable before returning (torch.save and safetensors do not, as users call them).\n")
+    rows = []
+    for r in results["formats"]:
+        st = r["stores"]
+        rows.append([_model(r["model"]), r["label"], r["format"], str(r["files"]), _human_bytes(r["bytes"]),
+                     _human_bytes(r["raw_tensor_bytes"]), f"{r['size_over_raw']:.3f}", _yes(st["weights"]),
+                     _yes(st["optimizer"]), _yes(st["rng"]), _yes(st["data_position"]), _yes(r["fsync"]),
+                     r["executes_code"] + ("*" if r["mechanism"] == "torch_save" else ""), _s(r["save_s"]),
+                     _s(r["load_s"])])
+    out.append(_table(["model", "mechanism", "format", "files", "size", "raw", "size / raw", "weights",
+                       "optimizer", "RNG", "data position", "fsync", "load can run code", "save s", "load s"],
+                      rows) + "\n")
+    notes: dict[str, list[str]] = {}  # one line per distinct note, naming every mechanism it is about
+    for r in results["formats"]:
+        labels = notes.setdefault(r["executes_code_note"], [])
+        if r["label"] not in labels:
+            labels.append(r["label"])
+    for note, labels in notes.items():
+        out.append(f"- {', '.join(labels)}: {note}.")
+    out.append("\n\\* torch>=2.6 loads with `weights_only=True` by default, which refuses arbitrary "
+               "objects; with `weights_only=False` (needed when a checkpoint holds other objects) or an "
+               "older torch, loading runs code from the file.\n")
+
+    # Table III
+    out.append("## 3. Scale (Table III)\n")
+    worlds = sorted({r["ranks"] for r in results["scale"]})
+    if not worlds:
+        out.append("Not run: no rank counts were given (`--ranks` was empty).\n")
+    else:
+        out.append(f"Data-parallel training (DistributedDataParallel, gloo, CPU) on {', '.join(map(str, worlds))} "
+                   f"real processes, {cfg['batch_size']} images per rank, {cfg['scale_steps']} steps per run, a "
+                   f"checkpoint every {cfg['scale_every']} steps; every rank calls the save (torch.save and "
+                   "safetensors write from rank 0 only, as their users do). Times are the slowest rank's. "
+                   f"**The ranks share this machine's {cores} CPU cores** (one thread each): with more ranks "
+                   "than cores, ranks wait for CPU, so this measures the mechanisms' coordination and I/O under "
+                   "contention, not the speed-up of a cluster.\n")
+        rows = [[_model(r["model"]), str(r["ranks"]), str(r["global_batch"]), r["label"], _s(r["baseline_s"]),
+                 _s(r["seconds"]), _s(r["stall_mean_s"]), f"{r['overhead_pct']:+.1f}"] for r in results["scale"]]
+        out.append(_table(["model", "ranks", "global batch", "mechanism", "train, no ckpt (s)",
+                           "train with ckpt (s)", "blocked per ckpt (s)", "overhead %"], rows) + "\n")
+        out.append(f"![Figure 4: overhead by number of ranks]({SCALE_PLOT})\n")
+
+    # Figures 2 and 3
+    out.append("## 4. Determinism (Figures 2 and 3)\n")
+    out.append(f"An uninterrupted run of {cfg['det_steps']} steps checkpoints with every mechanism at step "
+               f"{cfg['det_restart']}. For each mechanism, fresh objects are built as a new training script "
+               "builds them (seeded), the global RNGs are moved elsewhere (as other code in a new process "
+               "would), the checkpoint is loaded the way that mechanism's users load it, and training "
+               "continues. The loader is iterated again, so it resumes mid-epoch only if its position was "
+               "restored. Training draws random numbers for shuffling, augmentation and dropout (VGG-16).\n")
+    rows = []
+    for model in models:
+        det = results["determinism"][model]
+        for r in det["restarts"].values():
+            st = r["stores"]
+            rows.append([_model(model), r["label"], _yes(st["optimizer"]), _yes(st["rng"]),
+                         _yes(st["data_position"]), repr(r["max_abs_diff"]), _yes(r["identical"])])
+    out.append(_table(["model", "mechanism", "optimizer", "RNG", "data position",
+                       "largest abs. loss difference after restart", "identical curve"], rows) + "\n")
+    for i, model in enumerate(models):
+        out.append(f"![Figure {i + 2}: {_model(model)} loss after restart]({determinism_plot_name(i, model)})\n")
+    return "\n".join(out)
+
+
+def write_outputs(results: dict, out: Path) -> list[Path]:
+    """results.json, the PNG plots and report.md into ``out``; the paths written."""
+    plt = require_matplotlib()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / RESULTS]
+    (out / RESULTS).write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
+    _plot_cost(plt, results, out / COST_PLOT)
+    written.append(out / COST_PLOT)
+    if results["scale"]:
+        _plot_scale(plt, results, out / SCALE_PLOT)
+        written.append(out / SCALE_PLOT)
+    for i, (model, det) in enumerate(results["determinism"].items()):
+        path = out / determinism_plot_name(i, model)
+        _plot_determinism(plt, det, path)
+        written.append(path)
+    (out / REPORT).write_text(render_markdown(results))
+    written.append(out / REPORT)
+    return written

@@ -1,0 +1,218 @@
+"""The study (resurgo.study, ``resurgo study``): a reduced run end to end through the CLI, checked
+for the report's structure, the plots, the raw results and the determinism results; plus the
+networks, the mechanisms' round trips, the CIFAR-10 reader and the option errors."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from helpers import bits_equal
+from resurgo.cli import app
+from resurgo.errors import ResurgoError, StudyError
+from resurgo.study.data import load_cifar10, synthetic_cifar10
+from resurgo.study.experiments import StudyConfig, quick_config
+from resurgo.study.mechanisms import MECHANISMS, make_mechanism, quiet_single_process
+from resurgo.study.models import ResNet50, VGG16
+from resurgo.study.report import render_markdown
+from resurgo.study.training import JobSpec, build_training, tensor_bytes, train_steps
+
+runner = CliRunner()
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+SECTIONS = ("## 1. Cost of checkpointing (Table I)", "## 2. Formats and sizes (Table II)",
+            "## 3. Scale (Table III)", "## 4. Determinism (Figures 2 and 3)")
+FULL_STATE = ("torch_save", "dcp", "dcp_async")  # model + optimizer, no RNG, no data position
+RESURGO = ("resurgo", "resurgo_async", "resurgo_async_guard")
+
+
+def _section_tables(report: str) -> dict[str, list[list[str]]]:
+    """The data rows of the first Markdown table under each section heading."""
+    tables: dict[str, list[list[str]]] = {}
+    for i, heading in enumerate(SECTIONS):
+        start = report.index(heading)
+        end = report.index(SECTIONS[i + 1]) if i + 1 < len(SECTIONS) else len(report)
+        lines = [ln for ln in report[start:end].splitlines() if ln.startswith("|")]
+        tables[heading] = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]
+    return tables
+
+
+@pytest.fixture(scope="module")
+def study_out(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("study")
+    result = runner.invoke(app, ["study", "--quick", "--out", str(out), "--width", "2", "--steps", "6",
+                                 "--ranks", "2", "--repeats", "2"])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    return out
+
+
+def test_report_has_the_four_tables_and_the_plots(study_out: Path):
+    report = (study_out / "report.md").read_text()
+    tables = _section_tables(report)
+    models, mechs = ("ResNet-50", "VGG-16"), [MECHANISMS[n].label for n in MECHANISMS]
+    # Table I, II and the determinism table: one row per model and mechanism, in order
+    for heading in (SECTIONS[0], SECTIONS[1], SECTIONS[3]):
+        assert [(r[0], r[1]) for r in tables[heading]] == [(m, x) for m in models for x in mechs], heading
+    # Table III: ResNet-50 (the quick preset's scale model) on 2 ranks, global batch 2 x 8
+    assert [(r[0], r[1], r[2], r[3]) for r in tables[SECTIONS[2]]] == [("ResNet-50", "2", "16", x) for x in mechs]
+    assert "share this machine's" in report
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report)
+    assert images == ["fig1_cost_overhead.png", "fig4_scale_overhead.png", "fig2_determinism_resnet50.png",
+                      "fig3_determinism_vgg16.png"]
+    for name in images:
+        data = (study_out / name).read_bytes()
+        assert data[:8] == PNG_SIGNATURE and len(data) > 10_000, name
+    assert not (study_out / "checkpoints").exists()  # every checkpoint removed once measured
+
+
+def test_results_json_has_every_mechanism(study_out: Path):
+    results = json.loads((study_out / "results.json").read_text())
+    names = list(MECHANISMS)
+    for model in ("resnet50", "vgg16"):
+        assert [r["mechanism"] for r in results["cost"] if r["model"] == model] == names
+        assert [r["mechanism"] for r in results["formats"] if r["model"] == model] == names
+        assert list(results["determinism"][model]["restarts"]) == names
+        assert len(results["determinism"][model]["reference"]) == 6
+    assert [r["mechanism"] for r in results["scale"]] == names
+    for row in results["cost"]:
+        assert row["repeats"] == len(row["runs"]) == len(row["overhead_pct_runs"]) == 2
+        assert row["checkpoints"] == 6 and len(row["stall_s"]) == 12  # --steps 6: one every step, twice
+        low, high = sorted(row["overhead_pct_runs"])
+        assert row["overhead_pct"] == (low + high) / 2  # the median of two pairs
+    for row in results["scale"]:
+        assert row["checkpoints"] == len(row["stall_s"]) == 3 and row["seconds"] > 0  # 3 steps, one every 1
+
+
+def test_report_without_the_scale_experiment(study_out: Path):
+    results = json.loads((study_out / "results.json").read_text())
+    results["scale"] = []  # what `--ranks ""` produces
+    report = render_markdown(results)
+    scale_section = report[report.index(SECTIONS[2]):report.index(SECTIONS[3])]
+    assert "Not run: no rank counts were given" in scale_section and "|" not in scale_section
+    assert "fig4_scale_overhead.png" not in report
+
+
+def test_formats_sizes_match_the_state(study_out: Path):
+    results = json.loads((study_out / "results.json").read_text())
+    for row in results["formats"]:
+        info = results["models"][row["model"]]
+        full = info["model_state_bytes"] + info["optimizer_state_bytes"]
+        expected_raw = info["model_state_bytes"] if row["mechanism"] == "safetensors" else full
+        assert row["raw_tensor_bytes"] == expected_raw, row
+        assert row["bytes"] > row["raw_tensor_bytes"], row  # every format adds its metadata
+        assert row["size_over_raw"] == row["bytes"] / row["raw_tensor_bytes"]
+    by_mech = {r["mechanism"]: r for r in results["formats"] if r["model"] == "vgg16"}
+    assert by_mech["torch_save"]["file_names"] == ["checkpoint.pt"]
+    assert by_mech["safetensors"]["file_names"] == ["model.safetensors"]
+    assert ".metadata" in by_mech["dcp"]["file_names"]
+    assert "manifest.json" in by_mech["resurgo"]["file_names"]
+    assert {m: r["executes_code"] for m, r in by_mech.items()} == {
+        "torch_save": "yes", "dcp": "yes", "dcp_async": "yes", "safetensors": "no", "resurgo": "no",
+        "resurgo_async": "no", "resurgo_async_guard": "no"}
+
+
+def test_determinism_resurgo_exact_others_diverge(study_out: Path):
+    results = json.loads((study_out / "results.json").read_text())
+    for model, det in results["determinism"].items():
+        ref = det["reference"][det["restart_step"]:]
+        for name in RESURGO:
+            r = det["restarts"][name]
+            assert r["max_abs_diff"] == 0.0 and r["identical"] and r["losses"] == ref, (model, name)
+        # no RNG, no data position: the restarted run draws other batches, flips and dropout masks
+        for name in FULL_STATE + ("safetensors",):
+            assert det["restarts"][name]["max_abs_diff"] > 0.0, (model, name)
+
+
+def test_networks_have_the_published_sizes():
+    assert sum(p.numel() for p in ResNet50().parameters()) == 23_520_842
+    assert sum(p.numel() for p in VGG16().parameters()) == 14_990_922
+    # width-reduced: every layer kept
+    assert len(ResNet50(4).state_dict()) == len(ResNet50().state_dict())
+    assert ResNet50(4)(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+
+
+@pytest.mark.parametrize("name", list(MECHANISMS))
+def test_mechanism_round_trip(tmp_path: Path, name: str):
+    data = synthetic_cifar10(32, seed=1)
+    job = build_training(JobSpec("vgg16", 2, 4, seed=0), data)
+    train_steps(job, 3)
+    mech = make_mechanism(name)
+    with quiet_single_process():  # DCP's async thread warns that it runs in a single process
+        mech.save(job, tmp_path / "ck")
+        mech.wait()
+    fresh = build_training(JobSpec("vgg16", 2, 4, seed=5), data)
+    step = mech.load(fresh, tmp_path / "ck")
+    mech.close()
+    assert bits_equal(fresh.model.state_dict(), job.model.state_dict())
+    momentum_restored = bits_equal(fresh.optimizer.state_dict()["state"], job.optimizer.state_dict()["state"])
+    assert momentum_restored == MECHANISMS[name].stores.optimizer
+    assert step == (None if name == "safetensors" else 3)
+
+
+def _write_cifar(root: Path, per_batch: int = 3) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, (5 * per_batch, 3072), dtype=np.uint8)
+    for i in range(5):
+        batch = {b"data": pixels[i * per_batch:(i + 1) * per_batch], b"labels": list(range(per_batch)),
+                 b"batch_label": b"training batch"}
+        (root / f"data_batch_{i + 1}").write_bytes(pickle.dumps(batch, protocol=2))
+    return pixels
+
+
+def test_cifar10_reader(tmp_path: Path):
+    root = tmp_path / "cifar-10-batches-py"
+    root.mkdir()
+    pixels = _write_cifar(root)
+    ds = load_cifar10(tmp_path, n=7)  # the parent directory is accepted too
+    assert len(ds) == 7 and ds.images.shape == (7, 3, 32, 32) and ds.labels.tolist() == [0, 1, 2, 0, 1, 2, 0]
+    first_red = torch.from_numpy(pixels[0, :1024].astype(np.float32)).reshape(32, 32) / 255
+    assert torch.allclose(ds.images[0, 0], (first_red - 0.4914) / 0.2470)
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (exec, ("import pathlib; pathlib.Path('PWNED').touch()",))
+
+
+def test_cifar10_reader_errors(tmp_path: Path, monkeypatch):
+    with pytest.raises(StudyError, match=re.escape(f"{tmp_path}: no CIFAR-10 python batches found")):
+        load_cifar10(tmp_path)
+    _write_cifar(tmp_path)
+    (tmp_path / "data_batch_3").write_bytes(pickle.dumps({b"data": _RunsCode(), b"labels": []}))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(StudyError, match=r"data_batch_3: not a CIFAR-10 python batch .*refusing to load builtins.exec"):
+        load_cifar10(tmp_path)
+    assert not (tmp_path / "PWNED").exists()
+    (tmp_path / "data_batch_3").write_bytes(pickle.dumps({b"data": np.zeros((2, 5), np.uint8), b"labels": [1, 2]}))
+    with pytest.raises(StudyError, match=r"data_batch_3: expected b'data' of shape \(N, 3072\)"):
+        load_cifar10(tmp_path)
+
+
+def test_config_errors():
+    with pytest.raises(StudyError, match="unknown model 'alexnet'; expected one of resnet50, vgg16"):
+        quick_config(models=("alexnet",)).check()
+    with pytest.raises(StudyError, match="unknown mechanism 'pickle'"):
+        StudyConfig(mechanisms=("pickle",)).check()
+    with pytest.raises(StudyError, match=r"0 < 8 < 8"):
+        StudyConfig(det_steps=8, det_restart=8).check()
+    assert issubclass(StudyError, ResurgoError)
+
+
+def test_cli_bad_options_exit_2(tmp_path: Path):
+    result = runner.invoke(app, ["study", "--models", "alexnet", "--out", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "unknown model 'alexnet'" in result.output
+    result = runner.invoke(app, ["study", "--quick", "--steps", "3", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "--steps must be at least 4" in result.output
+    assert list(tmp_path.iterdir()) == []  # nothing ran
+
+
+def test_tensor_bytes_counts_nested_state():
+    state = {"a": torch.zeros(3, dtype=torch.float64), "b": [torch.zeros(2, dtype=torch.int8), 5], "c": "x"}
+    assert tensor_bytes(state) == 3 * 8 + 2
