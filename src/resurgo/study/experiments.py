@@ -37,7 +37,8 @@ from resurgo.errors import StudyError
 from resurgo.study.data import make_dataset
 from resurgo.study.mechanisms import MECHANISMS, Mechanism, make_mechanism, quiet_single_process
 from resurgo.study.models import MODELS
-from resurgo.study.ranks import run_ranks
+from resurgo.dist.launch import run_ranks
+from resurgo.errors import RankFailedError
 from resurgo.study.training import (
     JobSpec, Training, build_training, disturb_global_rng, tensor_bytes, timed_steps, train_steps,
 )
@@ -278,7 +279,10 @@ def scale(cfg: StudyConfig, work: Path, progress: _Progress) -> list[dict]:
     for model in cfg.scale_models:
         for world in cfg.scale_worlds:
             progress.start(f"{model}: scale, {world} rank{'s' if world > 1 else ''}")
-            ranks = run_ranks(world, scale_worker, {"config": cfg, "model": model, "work": str(work / f"{model}-{world}")})
+            try:
+                ranks = run_ranks(world, scale_worker, {"config": cfg, "model": model, "work": str(work / f"{model}-{world}")})
+            except RankFailedError as e:
+                raise StudyError(f"the scale experiment failed on {world} ranks: {e}") from None
             _remove(work / f"{model}-{world}")
             # a step finishes when its slowest rank does: take the maximum over ranks
             baseline = statistics.fmean(max(r["baseline_s"][i] for r in ranks) for i in range(2))
