@@ -27,3 +27,29 @@ def no_save_left_behind():
         inflight.settle("wait")
     except Exception:
         pass
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory):
+    """One SeaweedFS server with an S3 gateway for the whole session, stopped at its end."""
+    from seaweed import SeaweedServer
+
+    server = SeaweedServer(tmp_path_factory.mktemp("seaweed"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_bucket(seaweed):
+    """A fresh bucket on the session's server: ``(url "s3://bucket", storage_options)``."""
+    import uuid
+
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**seaweed.storage_options)
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    fs.mkdir(name)
+    return f"s3://{name}", dict(seaweed.storage_options)

@@ -21,7 +21,7 @@ from resurgo.pipeline.buffers import as_copyable, typed_view, writable_bytes
 from resurgo.plan.load_plan import BoxCopy, ReadOp, Scatter, Target, plan_reads
 from resurgo.state.flatten import Array
 from resurgo.state.unflatten import Destination
-from resurgo.storage.local import CheckpointDir, ReadHandle
+from resurgo.storage.base import Checkpoint, ReadHandle
 
 
 @dataclass
@@ -50,7 +50,7 @@ def _targets(destinations: list[Destination]) -> tuple[list[Target], list[np.nda
     return targets, bufs, staged
 
 
-def read_destinations(ckpt: CheckpointDir, manifest: Manifest, destinations: list[Destination],
+def read_destinations(ckpt: Checkpoint, manifest: Manifest, destinations: list[Destination],
                       verify: bool = True, threads: int = 4) -> ReadResult:
     t_start = time.perf_counter()
     by_key = {d.key: d for d in destinations}
@@ -140,7 +140,7 @@ def scatter(scratch: np.ndarray, scatters: tuple[Scatter, ...], bufs: list[np.nd
         i += rows
 
 
-def _open_files(ckpt: CheckpointDir, manifest: Manifest, names: set[str], verify: bool) -> dict[str, ReadHandle]:
+def _open_files(ckpt: Checkpoint, manifest: Manifest, names: set[str], verify: bool) -> dict[str, ReadHandle]:
     handles: dict[str, ReadHandle] = {}
     try:
         for name in sorted(names):
@@ -160,7 +160,7 @@ def _open_files(ckpt: CheckpointDir, manifest: Manifest, names: set[str], verify
     return handles
 
 
-def check_header(ckpt: CheckpointDir, manifest: Manifest, name: str, handle: ReadHandle) -> None:
+def check_header(ckpt: Checkpoint, manifest: Manifest, name: str, handle: ReadHandle) -> None:
     """The safetensors header is covered by its own checksum, so every byte of a file is verified."""
     entry = manifest.files[name]
     if checksum.digest(handle.read_at(0, entry.header_bytes)) != entry.header_checksum:
