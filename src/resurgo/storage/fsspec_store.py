@@ -366,6 +366,7 @@ class ObjectStaging:
         self.overwrite = overwrite
         self.file_tag = f"{save_id}-"
         self._ckpt: ObjectCheckpoint | None = None
+        self._created: list[str] = []  # by this process (a copy keeps the source's names)
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "_ckpt"}
@@ -413,6 +414,7 @@ class ObjectStaging:
             raise
 
     def create(self, rel: str) -> "ObjectWriteHandle | S3MultipartWriteHandle":
+        self._created.append(rel)
         return _open_for_write(self.ckpt.fs, self.ckpt.full(rel), f"{self.url}/{rel}")
 
     def commit(self, manifest: bytes) -> None:
@@ -467,7 +469,7 @@ class ObjectStaging:
             mine = [r for r in self.ckpt.listing().files if r.startswith(f"{DATA_DIR}/{self.file_tag}")]
         except Exception:  # noqa: BLE001
             mine = []
-        self._delete(mine + [self.token])
+        self._delete(sorted(set(mine + self._created)) + [self.token])
 
 
 def remove_prefix(fs: Any, root: str, url: str, rels: list[str]) -> None:
