@@ -136,3 +136,40 @@ def test_s3_manager_server_killed_mid_save_then_restarted(seaweed, s3_bucket, mo
     mgr.close()
     assert mgr.steps() == [1, 3]
     assert resurgo.load_dict(f"{root}/step_000000003", storage_options=options)["step"] == 3
+
+
+def test_cli_ls_gc_verify_inspect_on_s3(seaweed, s3_bucket, monkeypatch):
+    """The command line takes URLs; credentials and endpoint come from the environment."""
+    from typer.testing import CliRunner
+
+    from resurgo.cli import app
+
+    bucket, options = s3_bucket
+    for name, value in (("AWS_ENDPOINT_URL", seaweed.endpoint), ("AWS_ACCESS_KEY_ID", options["key"]),
+                        ("AWS_SECRET_ACCESS_KEY", options["secret"]), ("AWS_DEFAULT_REGION", "us-east-1")):
+        monkeypatch.setenv(name, value)
+    root = f"{bucket}/run"
+    with resurgo.CheckpointManager(root, storage_options=options, async_save=False) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+    ObjectCheckpoint(f"{root}/step_000000004", options).stage(overwrite=False)  # a save that died: a token only
+    runner = CliRunner()
+    out = runner.invoke(app, ["ls", root, "--json", "--verify"])
+    assert out.exit_code == 0, out.output
+    import json
+
+    listed = {e["path"]: (e["status"], e["step"]) for e in json.loads(out.output)["checkpoints"]}
+    assert listed == {"step_000000001": ("committed", 1), "step_000000002": ("committed", 2),
+                      "step_000000003": ("committed", 3), "step_000000004": ("incomplete", None)}
+    out = runner.invoke(app, ["verify", f"{root}/step_000000002"])
+    assert out.exit_code == 0 and "OK" in out.output
+    out = runner.invoke(app, ["inspect", f"{root}/step_000000002", "--json"])
+    assert out.exit_code == 0 and json.loads(out.output)["step"] == 2 and json.loads(out.output)["warnings"] == []
+    out = runner.invoke(app, ["gc", root, "--keep-last", "1", "--stale-after", "0", "--json"])
+    assert out.exit_code == 0, out.output
+    actions = {i["path"]: i["action"] for i in json.loads(out.output)["items"]}
+    assert actions == {"step_000000001": "delete", "step_000000002": "delete", "step_000000003": "keep",
+                       "step_000000004": "delete"}
+    assert resurgo.CheckpointManager(root, storage_options=options).steps() == [3]
+    out = runner.invoke(app, ["ls", root, "--json"])
+    assert [e["path"] for e in json.loads(out.output)["checkpoints"]] == ["step_000000003"]

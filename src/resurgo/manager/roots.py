@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from resurgo.errors import ResurgoError
 from resurgo.format.manifest import MANIFEST_NAME, parse_manifest
@@ -27,6 +28,9 @@ from resurgo.manager.catalog import (
 )
 from resurgo.manager.removal import remove_checkpoint, remove_temporary
 from resurgo.storage.open import is_url
+
+if TYPE_CHECKING:
+    from resurgo.storage.fsspec_store import PrefixListing
 
 
 class LocalRoot:
@@ -84,32 +88,8 @@ class ObjectRoot:
         entries = [self._classify(name, listing_of(objs)) for name, objs in groups.items()]
         return sorted(entries, key=lambda e: (e.step, e.status != COMMITTED))
 
-    def _classify(self, name: str, found) -> Entry:  # type: ignore[no-untyped-def]
-        step = step_of(name)
-        url = f"{self.url}/{name}"
-        path = Path(name)
-        if not found.has_manifest:
-            what = "a writer token" if found.writers and not found.has_data else "data objects"
-            return Entry(path, INCOMPLETE, step, None, f"{what} but no {MANIFEST_NAME}: the save never committed "
-                         "(or is still running)", url=url, newest=found.newest, nbytes=found.total_bytes)
-        from resurgo.storage.fsspec_store import ObjectCheckpoint
-
-        try:
-            manifest = parse_manifest(ObjectCheckpoint(url, self.storage_options).read_manifest_bytes(),
-                                      f"{url}/{MANIFEST_NAME}")
-        except ResurgoError as e:
-            return Entry(path, CORRUPT, step, None, str(e), url=url, newest=found.newest, nbytes=found.total_bytes)
-        problems = [f"{f}: missing" if f not in found.files else
-                    f"{f}: {found.files[f]} bytes stored, the manifest says {e.bytes}"
-                    for f, e in manifest.files.items() if found.files.get(f) != e.bytes]
-        if manifest.step != step:
-            problems.append(f"its manifest says step {manifest.step}, its name says step {step}")
-        if problems:
-            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            return Entry(path, CORRUPT, step, manifest.created_at, problems[0] + more, url=url,
-                         newest=found.newest, nbytes=found.total_bytes)
-        return Entry(path, COMMITTED, step, manifest.created_at, "", dict(manifest.metadata), url=url,
-                     newest=found.newest, nbytes=found.total_bytes)
+    def _classify(self, name: str, found: "PrefixListing") -> Entry:
+        return classify_prefix(f"{self.url}/{name}", name, found, self.storage_options, step_of(name))
 
     def scan(self) -> list[Entry]:
         return self._entries()
@@ -131,6 +111,56 @@ class ObjectRoot:
     def remove_leftover(self, entry: Entry) -> None:
         if entry.step is not None:
             self.remove(entry.step)
+
+
+def classify_prefix(url: str, name: str, found: "PrefixListing", storage_options: dict | None,
+                    step: int | None = None) -> Entry:
+    """What the objects under ``url`` (listed in ``found``) are; ``step``: the step its name says
+    (a manager's checkpoint), which the manifest must agree with."""
+    path = Path(name)
+    if not found.has_manifest:
+        what = "a writer token" if found.writers and not found.has_data else "data objects"
+        return Entry(path, INCOMPLETE, step, None, f"{what} but no {MANIFEST_NAME}: the save never committed "
+                     "(or is still running)", url=url, newest=found.newest, nbytes=found.total_bytes)
+    from resurgo.storage.fsspec_store import ObjectCheckpoint
+
+    try:
+        manifest = parse_manifest(ObjectCheckpoint(url, storage_options).read_manifest_bytes(),
+                                  f"{url}/{MANIFEST_NAME}")
+    except ResurgoError as e:
+        return Entry(path, CORRUPT, step, None, str(e), url=url, newest=found.newest, nbytes=found.total_bytes)
+    problems = [f"{f}: missing" if f not in found.files else
+                f"{f}: {found.files[f]} bytes stored, the manifest says {e.bytes}"
+                for f, e in manifest.files.items() if found.files.get(f) != e.bytes]
+    if step is not None and manifest.step != step:
+        problems.append(f"its manifest says step {manifest.step}, its name says step {step}")
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        return Entry(path, CORRUPT, step, manifest.created_at, problems[0] + more, url=url,
+                     newest=found.newest, nbytes=found.total_bytes)
+    return Entry(path, COMMITTED, manifest.step if step is None else step, manifest.created_at, "",
+                 dict(manifest.metadata), url=url, newest=found.newest, nbytes=found.total_bytes)
+
+
+def list_object_checkpoints(url: str, storage_options: dict | None = None) -> list[Entry]:
+    """Every checkpoint (or incomplete save) at or below ``url``, from one listing; an entry's
+    ``path`` is its prefix relative to ``url`` (``.`` for ``url`` itself)."""
+    from resurgo.storage.fsspec_store import DATA_DIR, WRITERS_DIR, list_prefix, listing_of, split_url
+
+    url = url.rstrip("/")
+    fs, root = split_url(url, storage_options)
+    groups: dict[str, dict[str, dict]] = {}
+    for rel, info in list_prefix(fs, root, url).items():
+        parts = rel.split("/")
+        for i, part in enumerate(parts):
+            if part in (DATA_DIR, WRITERS_DIR) and i < len(parts) - 1 or (part == MANIFEST_NAME and i == len(parts) - 1):
+                groups.setdefault("/".join(parts[:i]), {})["/".join(parts[i:])] = info
+                break
+    entries = []
+    for prefix, objects in groups.items():
+        name = prefix or "."
+        entries.append(classify_prefix(f"{url}/{prefix}" if prefix else url, name, listing_of(objects), storage_options))
+    return sorted(entries, key=lambda e: str(e.path))
 
 
 ManagerRoot = LocalRoot | ObjectRoot  # the same methods: location, scan, classify, remove, remove_leftover
