@@ -419,7 +419,8 @@ class CheckpointManager:
         if entry is None:
             return False
         if entry.status == INCOMPLETE and isinstance(self._store, ObjectRoot):
-            self._store.remove(step)  # a save of ours that died: its writer token would refuse the new one
+            if self._rank == 0:  # who stages the save; a save of ours that died: its token would refuse it
+                self._store.remove(step)
             return False
         detail = f": {entry.detail}" if entry.detail else ""
         warnings.warn(f"resurgo: replacing {path} ({entry.status}{detail}) with a new save of step {step}; "
