@@ -56,7 +56,8 @@ def test_manager_on_memory_url_retention_restore_and_incomplete(mem_root):
     mgr.wait()  # the new manager removed the leftover of the dead save (one job per root)
     fs, root = split_url(mem_root, None)
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)) == ["step_000000003", "step_000000004"]
-    mgr.save(5, _state(5))
+    ObjectCheckpoint(f"{mem_root}/step_000000005").stage(overwrite=False)  # dies again: its token would refuse
+    mgr.save(5, _state(5))  # the manager owns the root: it clears its own dead save of that step first
     mgr.close()
     assert mgr.steps() == [4, 5]
 
