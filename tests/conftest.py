@@ -42,14 +42,22 @@ def seaweed(tmp_path_factory):
         server.stop()
 
 
-@pytest.fixture
-def s3_bucket(seaweed):
-    """A fresh bucket on the session's server: ``(url "s3://bucket", storage_options)``."""
+@pytest.fixture(scope="session")
+def seaweed_bucket(seaweed):
+    """One bucket for the session (each bucket takes several volumes of the server)."""
     import uuid
 
     import s3fs
 
     fs = s3fs.S3FileSystem(**seaweed.storage_options)
-    name = f"t-{uuid.uuid4().hex[:12]}"
+    name = f"resurgo-tests-{uuid.uuid4().hex[:8]}"
     fs.mkdir(name)
-    return f"s3://{name}", dict(seaweed.storage_options)
+    return name
+
+
+@pytest.fixture
+def s3_bucket(seaweed, seaweed_bucket):
+    """A fresh prefix in the session's bucket: ``(url "s3://bucket/prefix", storage_options)``."""
+    import uuid
+
+    return f"s3://{seaweed_bucket}/{uuid.uuid4().hex[:12]}", dict(seaweed.storage_options)

@@ -72,7 +72,8 @@ class SeaweedServer:
                 f"-volume.port={self.volume_port}", f"-volume.port.grpc={v}",
                 f"-filer.port={self.filer_port}", f"-filer.port.grpc={f}",
                 "-s3", f"-s3.port={self.s3_port}", f"-s3.port.grpc={s}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-                "-master.volumeSizeLimitMB=256", "-volume.max=32", "-volume.preStopSeconds=0"]
+                # Small volumes, as many as the disk holds (a collection per bucket takes several).
+                "-master.volumeSizeLimitMB=64", "-volume.max=0", "-volume.preStopSeconds=0"]
 
     def start(self, timeout: float = 90) -> None:
         (self.dir / "data").mkdir(exist_ok=True)
