@@ -27,3 +27,37 @@ def no_save_left_behind():
         inflight.settle("wait")
     except Exception:
         pass
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory):
+    """One SeaweedFS server with an S3 gateway for the whole session, stopped at its end."""
+    from seaweed import SeaweedServer
+
+    server = SeaweedServer(tmp_path_factory.mktemp("seaweed"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def seaweed_bucket(seaweed):
+    """One bucket for the session (each bucket takes several volumes of the server)."""
+    import uuid
+
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**seaweed.storage_options)
+    name = f"resurgo-tests-{uuid.uuid4().hex[:8]}"
+    fs.mkdir(name)
+    return name
+
+
+@pytest.fixture
+def s3_bucket(seaweed, seaweed_bucket):
+    """A fresh prefix in the session's bucket: ``(url "s3://bucket/prefix", storage_options)``."""
+    import uuid
+
+    return f"s3://{seaweed_bucket}/{uuid.uuid4().hex[:12]}", dict(seaweed.storage_options)

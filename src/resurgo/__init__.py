@@ -1,7 +1,7 @@
 """resurgo: checkpoint/restart for deep-learning training.
 
 Public API (see README.md and docs/): ``save``, ``load``, ``load_dict``, ``convert``,
-``TrainState``, ``ElasticSampler``, ``elastic_state``, ``CheckpointManager``, ``daly_interval``,
+``TrainState``, ``ElasticSampler``, ``elastic_state``, ``CheckpointManager``, ``Tier``, ``daly_interval``,
 ``ResurgoError`` and its subclasses, ``SaveReport``, ``LoadReport``, ``ConvertReport``.
 """
 
@@ -31,7 +31,7 @@ from resurgo.errors import (
     WorldSizeMismatchError,
 )
 from resurgo.layout.shards import FlatShard, Shard
-from resurgo.manager import CheckpointManager, daly_interval
+from resurgo.manager import CheckpointManager, Tier, daly_interval
 from resurgo.pipeline.async_save import AsyncSaveHandle, async_save
 from resurgo.reports import ConvertReport, LoadReport, SaveReport
 from resurgo.state.per_rank import PerRank
@@ -43,7 +43,7 @@ __all__ = [
     "__version__", "save", "async_save", "AsyncSaveHandle", "load", "load_dict", "read_manifest", "convert", "TrainState", "SaveReport", "LoadReport",
     "ConvertReport", "Shard", "FlatShard", "PerRank", "ShardingError", "WorldSizeMismatchError", "RankFailedError",
     "ElasticSampler", "elastic_state", "DataPositionError",
-    "CheckpointManager", "daly_interval",
+    "CheckpointManager", "Tier", "daly_interval",
     "ResurgoError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "DTypeMismatchError", "IncompleteCheckpointError", "KeyMismatchError", "ManifestError",
     "NotACheckpointError", "PickleNotAllowedError", "ShapeMismatchError", "StorageError",

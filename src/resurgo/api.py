@@ -18,7 +18,8 @@ from resurgo.pipeline.reader import ReadResult, read_destinations
 from resurgo.pipeline.save import LazySources, prepare_save, write_and_commit
 from resurgo.reports import LoadReport, SaveReport
 from resurgo.state.unflatten import Restorer
-from resurgo.storage.local import CheckpointDir
+from resurgo.storage.base import Checkpoint
+from resurgo.storage.open import open_checkpoint
 
 from resurgo.version import __version__
 
@@ -27,8 +28,11 @@ DEFAULT_IO_THREADS = 4
 
 def save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_pickle: bool = False,
          step: int | None = None, metadata: dict | None = None, io_threads: int = DEFAULT_IO_THREADS,
-         block_bytes: int | None = None) -> SaveReport:
+         block_bytes: int | None = None, storage_options: dict | None = None) -> SaveReport:
     """Save ``state`` as a checkpoint directory at ``path``; returns a :class:`SaveReport`.
+
+    ``path`` is a local path or an fsspec URL (``s3://bucket/run/step_100``, ``memory://...``);
+    ``storage_options`` go to fsspec for URLs (credentials, ``endpoint_url``, ...).
 
     The checkpoint exists only once every byte is durable (see docs/format.md, "Commit"). Saving
     onto an existing checkpoint raises CheckpointExistsError unless ``overwrite=True``; even then
@@ -40,29 +44,30 @@ def save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_
     t_start = time.perf_counter()
     inflight.settle(if_busy="wait")
     prep = prepare_save(state, path, overwrite=overwrite, allow_pickle=allow_pickle, step=step,
-                        metadata=metadata, io_threads=io_threads, block_bytes=block_bytes)
+                        metadata=metadata, io_threads=io_threads, block_bytes=block_bytes,
+                        storage_options=storage_options)
     report = write_and_commit(prep, LazySources(prep.leaves))
     report.seconds["stage"] = 0.0  # tensors are written from their own memory, copied only when they must be
     report.seconds["total"] = time.perf_counter() - t_start
     return report
 
 
-def read_manifest(path: str | os.PathLike) -> Manifest:
-    """The validated manifest of the checkpoint at ``path``."""
-    ckpt = CheckpointDir(path)
-    return parse_manifest(ckpt.read_manifest_bytes(), str(ckpt.path / MANIFEST_NAME))
+def read_manifest(path: str | os.PathLike, *, storage_options: dict | None = None) -> Manifest:
+    """The validated manifest of the checkpoint at ``path`` (a local path or a URL)."""
+    ckpt = open_checkpoint(path, storage_options)
+    return parse_manifest(ckpt.read_manifest_bytes(), ckpt.describe(MANIFEST_NAME))
 
 
 def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool, allow_pickle: bool,
-             io_threads: int) -> tuple[Any, LoadReport]:
+             io_threads: int, storage_options: dict | None = None) -> tuple[Any, LoadReport]:
     """Plan, check and read everything, then fill the target. In a distributed job every rank reads
     only what its own layout needs; if any rank fails before the target is touched, all raise."""
     t_start = time.perf_counter()
     comm = dist_comm.current()
 
     def plan_and_read() -> tuple[Restorer, Any, ReadResult, Manifest, float]:
-        ckpt = CheckpointDir(path)
-        manifest = parse_manifest(ckpt.read_manifest_bytes(), str(ckpt.path / MANIFEST_NAME))
+        ckpt = open_checkpoint(path, storage_options)
+        manifest = parse_manifest(ckpt.read_manifest_bytes(), ckpt.describe(MANIFEST_NAME))
         if manifest.pickled and not allow_pickle:
             raise PickleNotAllowedError(
                 f"{ckpt.path}: holds pickled values; loading them could run code from the file. "
@@ -90,7 +95,7 @@ def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool
     )
 
 
-def _key_mismatch_message(ckpt: CheckpointDir, missing: list[str], unexpected: list[str]) -> str:
+def _key_mismatch_message(ckpt: Checkpoint, missing: list[str], unexpected: list[str]) -> str:
     parts = [f"{ckpt.path}: keys differ between the target state and the checkpoint (strict=True)."]
     if missing:
         parts.append(f"Missing from the checkpoint ({len(missing)}): {', '.join(map(repr, missing))}.")
@@ -101,7 +106,8 @@ def _key_mismatch_message(ckpt: CheckpointDir, missing: list[str], unexpected: l
 
 
 def load(state: Any, path: str | os.PathLike, *, strict: bool = True, verify: bool = True,
-         allow_pickle: bool = False, io_threads: int = DEFAULT_IO_THREADS) -> LoadReport:
+         allow_pickle: bool = False, io_threads: int = DEFAULT_IO_THREADS,
+         storage_options: dict | None = None) -> LoadReport:
     """Load the checkpoint at ``path`` into ``state`` in place; returns a :class:`LoadReport`.
 
     Tensors are filled in place (dtype and shape must match: resurgo never casts), plain values
@@ -109,12 +115,14 @@ def load(state: Any, path: str | os.PathLike, *, strict: bool = True, verify: bo
     present on one side only raises KeyMismatchError listing all of them. Checksums are verified
     unless ``verify=False``.
     """
-    _, report = _restore(state, path, strict=strict, verify=verify, allow_pickle=allow_pickle, io_threads=io_threads)
+    _, report = _restore(state, path, strict=strict, verify=verify, allow_pickle=allow_pickle, io_threads=io_threads,
+                         storage_options=storage_options)
     return report
 
 
 def load_dict(path: str | os.PathLike, *, verify: bool = True, allow_pickle: bool = False,
-              io_threads: int = DEFAULT_IO_THREADS) -> Any:
+              io_threads: int = DEFAULT_IO_THREADS, storage_options: dict | None = None) -> Any:
     """The whole checkpoint as new values: nested containers of full tensors and plain values."""
-    result, _ = _restore(None, path, strict=True, verify=verify, allow_pickle=allow_pickle, io_threads=io_threads)
+    result, _ = _restore(None, path, strict=True, verify=verify, allow_pickle=allow_pickle, io_threads=io_threads,
+                         storage_options=storage_options)
     return result

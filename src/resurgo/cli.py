@@ -44,7 +44,8 @@ from resurgo.manager.catalog import file_size_problems
 from resurgo.manager.gc import DELETE, plan_gc
 from resurgo.manager.removal import remove_checkpoint
 from resurgo.manager.retention import shortcut_policy
-from resurgo.storage.local import CheckpointDir
+from resurgo.manager.roots import ObjectRoot, list_object_checkpoints
+from resurgo.storage.open import is_url, join, open_checkpoint
 
 PROGRESS_THRESHOLD_BYTES = 64 << 20  # verify and convert show a progress bar above this much tensor data
 MAX_VALUE_CHARS = 72  # non-tensor values are clipped to this many characters
@@ -125,9 +126,9 @@ def _format_time(iso: Optional[str]) -> str:
 
 def _load_manifest(path: str | os.PathLike) -> tuple[Manifest, int]:
     """The validated manifest of ``path`` and its size in bytes."""
-    ckpt = CheckpointDir(path)
+    ckpt = open_checkpoint(path)  # a URL: credentials from the environment / ~/.aws (s3fs)
     raw = ckpt.read_manifest_bytes()
-    return parse_manifest(raw, str(ckpt.path / MANIFEST_NAME)), len(raw)
+    return parse_manifest(raw, ckpt.describe(MANIFEST_NAME)), len(raw)
 
 
 # -- the tree's non-tensor values, decoded without reading data or unpickling ------------------
@@ -239,6 +240,15 @@ def _place_json(chunk) -> dict:
     return {"flat": {"start": chunk.flat.start, "stop": chunk.flat.stop}}
 
 
+def _object_size_problems(url: str, manifest: Manifest) -> list[str]:
+    """Data objects missing or of another size than the manifest says (one listing, no reads)."""
+    from resurgo.storage.fsspec_store import ObjectCheckpoint
+
+    stored = ObjectCheckpoint(url).listing().files
+    return [f"{name}: missing" if name not in stored else f"{name}: {stored[name]} bytes stored, the manifest says {e.bytes}"
+            for name, e in manifest.files.items() if stored.get(name) != e.bytes]
+
+
 def inspect_summary(path: str | os.PathLike, with_chunks: bool = False) -> dict:
     """Everything ``inspect --json`` prints: read from the manifest only."""
     manifest, manifest_bytes = _load_manifest(path)
@@ -272,7 +282,7 @@ def inspect_summary(path: str | os.PathLike, with_chunks: bool = False) -> dict:
             "manifest_bytes": manifest_bytes,
             "bytes_on_disk": data_bytes + manifest_bytes,
         },
-        "warnings": file_size_problems(path, manifest),
+        "warnings": _object_size_problems(str(path), manifest) if is_url(path) else file_size_problems(path, manifest),
     }
 
 
@@ -353,7 +363,7 @@ def _print_inspect(s: dict, with_chunks: bool) -> None:
 
 @app.command()
 def inspect(
-    path: Path = typer.Argument(..., help="A checkpoint directory."),
+    path: str = typer.Argument(..., help="A checkpoint directory or URL (s3://bucket/run/step_100)."),
     chunks: bool = typer.Option(False, "--chunks", help="List every chunk: its place, file and byte range."),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary."),
 ) -> None:
@@ -367,7 +377,7 @@ def inspect(
 
 
 # -- verify -----------------------------------------------------------------------------------
-def _verify_with_progress(path: Path, total: int, show: bool) -> VerifyReport:
+def _verify_with_progress(path: str, total: int, show: bool) -> VerifyReport:
     if not show:
         return verify_checkpoint(path)
     columns = (TextColumn("verifying"), BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(),
@@ -379,7 +389,7 @@ def _verify_with_progress(path: Path, total: int, show: bool) -> VerifyReport:
 
 @app.command()
 def verify(
-    path: Path = typer.Argument(..., help="A checkpoint directory."),
+    path: str = typer.Argument(..., help="A checkpoint directory or URL (s3://bucket/run/step_100)."),
     progress: Optional[bool] = typer.Option(
         None, "--progress/--no-progress",
         help=f"Show a progress bar (default: on a terminal, above {human_bytes(PROGRESS_THRESHOLD_BYTES)} of data).",
@@ -455,6 +465,12 @@ def list_checkpoints(root: Path) -> list[Listed]:
     return found
 
 
+def list_object_checkpoints_listed(url: str) -> list[Listed]:
+    """Every checkpoint (or incomplete save) at or below a URL prefix, from one listing."""
+    return [Listed(str(e.path), e.status, e.step, e.nbytes, e.created_at, e.detail, e.metrics)
+            for e in list_object_checkpoints(url)]
+
+
 def _listing_table(columns: list[str], note: str) -> Table:
     """A table of checkpoints: path, step, size, then ``columns``, then a dim ``note`` column."""
     table = Table(box=box.SIMPLE_HEAD, show_edge=False)
@@ -477,7 +493,7 @@ def _format_metrics(metrics: dict) -> str:
 
 @app.command("ls")
 def ls(
-    directory: Path = typer.Argument(Path("."), help="The directory to search (recursively)."),
+    directory: str = typer.Argument(".", help="The directory or URL prefix to search (recursively)."),
     verify_all: bool = typer.Option(False, "--verify", help="Also verify every checksum of committed checkpoints."),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable list."),
 ) -> None:
@@ -486,13 +502,13 @@ def ls(
     Exit 0; with --verify, 1 when a checkpoint is corrupt.
     """
     with _fail_cleanly():
-        entries = list_checkpoints(directory)
+        entries = list_object_checkpoints_listed(directory) if is_url(directory) else list_checkpoints(Path(directory))
         if verify_all:
             for e in entries:
                 if e.status != catalog.COMMITTED:
                     continue
                 try:
-                    report = verify_checkpoint(directory / e.path)
+                    report = verify_checkpoint(directory if e.path == "." else join(directory, e.path))
                 except ResurgoError as err:  # changed since it was listed
                     e.status, e.detail = catalog.CORRUPT, str(err)
                     continue
@@ -526,7 +542,7 @@ def ls(
 # -- gc ---------------------------------------------------------------------------------------
 @app.command("gc")
 def gc(
-    root: Path = typer.Argument(..., help="A CheckpointManager root (directories step_NNNNNNNNN)."),
+    root: str = typer.Argument(..., help="A CheckpointManager root (step_NNNNNNNNN below it): a directory or a URL."),
     keep_last: int = typer.Option(..., "--keep-last", min=1, help="Keep the N newest committed checkpoints."),
     keep_every: Optional[int] = typer.Option(None, "--keep-every", min=1,
                                              help="Also keep every checkpoint whose step is a multiple of N."),
@@ -539,18 +555,30 @@ def gc(
     """Delete old checkpoints of a manager root by retention (never the newest committed one),
     incomplete checkpoints and stale temporary directories; corrupt ones are kept."""
     with _fail_cleanly():
-        if not root.exists():
-            raise CheckpointNotFoundError(f"{root}: no such directory")
-        if not root.is_dir():
-            raise NotACheckpointError(f"{root}: is a file, expected a CheckpointManager root directory")
-        entries = catalog.scan_root(root)
         policy = shortcut_policy(keep_last=keep_last, keep_every=keep_every)
-        plan = plan_gc(entries, policy, now=time.time(), stale_after=stale_after, mtime=catalog.newest_mtime)
-        sizes = {id(item): catalog.dir_bytes(item.entry.path) for item in plan}
-        if not dry_run:
-            for item in plan:
-                if item.action == DELETE:
-                    remove_checkpoint(item.entry.path)
+        if is_url(root):  # one listing; an incomplete save's age is that of its newest object
+            store = ObjectRoot(root)
+            entries = store.scan()
+            newest = {e.path: e.newest for e in entries}
+            plan = plan_gc(entries, policy, now=time.time(), stale_after=stale_after, mtime=lambda p: newest[p])
+            sizes = {id(item): item.entry.nbytes for item in plan}
+            if not dry_run:
+                for item in plan:
+                    if item.action == DELETE and item.entry.step is not None:
+                        store.remove(item.entry.step)
+        else:
+            local = Path(root)
+            if not local.exists():
+                raise CheckpointNotFoundError(f"{local}: no such directory")
+            if not local.is_dir():
+                raise NotACheckpointError(f"{local}: is a file, expected a CheckpointManager root directory")
+            entries = catalog.scan_root(local)
+            plan = plan_gc(entries, policy, now=time.time(), stale_after=stale_after, mtime=catalog.newest_mtime)
+            sizes = {id(item): catalog.dir_bytes(item.entry.path) for item in plan}
+            if not dry_run:
+                for item in plan:
+                    if item.action == DELETE:
+                        remove_checkpoint(item.entry.path)
     doomed = [item for item in plan if item.action == DELETE]
     freed = sum(sizes[id(item)] for item in doomed)
     verb = "would delete" if dry_run else "deleted"

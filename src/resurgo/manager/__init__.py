@@ -17,9 +17,10 @@ from resurgo.manager.policies import (
     SavePolicy,
 )
 from resurgo.manager.retention import KeepAny, KeepBest, KeepEvery, KeepLast, Kept, RetentionPolicy, steps_to_delete
+from resurgo.manager.tiers import Tier
 
 __all__ = [
-    "CheckpointManager", "daly_interval", "MTBF_ENV",
+    "CheckpointManager", "Tier", "daly_interval", "MTBF_ENV",
     "SavePolicy", "SaveContext", "EveryNSteps", "EverySeconds", "AtSteps", "OnPreemption", "DalyInterval",
     "AnyOf", "AllOf",
     "RetentionPolicy", "Kept", "KeepLast", "KeepEvery", "KeepBest", "KeepAny", "steps_to_delete",

@@ -67,6 +67,14 @@ class Entry:
     created_at: str | None
     detail: str
     metadata: dict[str, Any] = field(default_factory=dict)  # a committed checkpoint's manifest metadata
+    url: str | None = None  # on an object store: its URL (``path`` is then its name)
+    newest: float = 0.0  # on an object store: the latest modification time of its objects
+    nbytes: int = 0  # on an object store: the bytes of its objects
+
+    @property
+    def location(self) -> str:
+        """How messages name it: its URL or its path."""
+        return self.url or str(self.path)
 
     @property
     def metrics(self) -> dict[str, Any]:

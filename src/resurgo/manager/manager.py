@@ -35,7 +35,7 @@ from resurgo.errors import (
     UnsupportedValueError,
 )
 from resurgo.manager import agreement
-from resurgo.manager.catalog import COMMITTED, CORRUPT, INCOMPLETE, TEMPORARY, checkpoint_name, classify_step_dir, scan_root
+from resurgo.manager.catalog import COMMITTED, CORRUPT, INCOMPLETE, TEMPORARY, Entry
 from resurgo.manager.daly import daly_interval
 from resurgo.manager.policies import (
     AnyOf,
@@ -46,9 +46,12 @@ from resurgo.manager.policies import (
     SaveContext,
     SavePolicy,
 )
-from resurgo.manager.removal import remove_checkpoint, remove_temporary
-from resurgo.manager.retention import Kept, KeepAny, RetentionPolicy, shortcut_policy, steps_to_delete
+from resurgo.manager.retention import KeepAny, KeepLast, Kept, RetentionPolicy, shortcut_policy, steps_to_delete
+from resurgo.manager.roots import LocalRoot, ManagerRoot, ObjectRoot, open_root
+from resurgo.manager.tiers import Tier
 from resurgo.pipeline.async_save import AsyncSaveHandle, async_save
+from resurgo.pipeline.verify import verify_checkpoint
+from resurgo.storage.copy import copy_checkpoint
 
 log = logging.getLogger("resurgo.manager")
 
@@ -152,16 +155,27 @@ class CheckpointManager:
     any retention every checkpoint is kept. ``signals`` are the preemption signals (handlers are
     installed only when created on the main thread). ``guard`` and ``io_threads`` are passed to
     the saves.
+
+    ``root`` is a directory or a URL (``s3://bucket/run``; ``storage_options`` go to fsspec). With
+    ``tiers=[Tier(fast), Tier(durable, every_steps=..., keep_last=...), ...]`` instead of a root,
+    every save goes to the first tier and the checkpoints each later tier selects are copied there
+    in the background and verified; ``restore`` takes the newest that verifies in any tier.
     """
 
-    def __init__(self, root: str | os.PathLike, *, every_steps: int | None = None,
+    def __init__(self, root: str | os.PathLike | None = None, *, every_steps: int | None = None,
                  every_seconds: float | None = None, at_steps: Iterable[int] | None = None,
                  interval: str | None = None, mtbf: float | None = None, keep_last: int | None = None,
                  keep_every: int | None = None, keep_best: tuple | None = None, async_save: bool = True,
                  policy: SavePolicy | None = None, retention: RetentionPolicy | None = None,
                  signals: Iterable[int] = (signal.SIGTERM,), guard: Any = None,
-                 io_threads: int = DEFAULT_IO_THREADS) -> None:
-        self.root = Path(root)
+                 io_threads: int = DEFAULT_IO_THREADS, storage_options: dict | None = None,
+                 tiers: Iterable[Tier] | None = None) -> None:
+        self.tiers = self._compose_tiers(root, storage_options, tiers)
+        self._roots: list[LocalRoot | ObjectRoot] = [open_root(t.root, t.storage_options) for t in self.tiers]
+        self._store: ManagerRoot = self._roots[0]
+        self.root: Path | str = self._roots[0].root if isinstance(self._roots[0], LocalRoot) else self._roots[0].url
+        if keep_last is None and self.tiers[0].keep_last is not None:
+            keep_last = self.tiers[0].keep_last
         self.save_policy = self._compose_policy(policy, every_steps, every_seconds, at_steps, interval, mtbf)
         shortcuts = shortcut_policy(keep_last, keep_every, keep_best)
         parts = [p for p in (retention, shortcuts) if p is not None]
@@ -183,9 +197,28 @@ class CheckpointManager:
         self._previous_handlers: dict[int, Any] = {}
         self._install_signal_handlers(tuple(signals))
         if self._rank == 0:
-            for entry in scan_root(self.root):
-                if entry.status == TEMPORARY:  # of a save or a deletion that was interrupted
-                    self._janitor.submit(functools.partial(self._remove_leftover, entry.path))
+            for store in self._roots:
+                for entry in store.scan():
+                    # Of a save, copy or deletion that was interrupted (on an object store: a
+                    # prefix without manifest; one job per root, so none is still running).
+                    if entry.status == TEMPORARY or (entry.status == INCOMPLETE and isinstance(store, ObjectRoot)):
+                        self._janitor.submit(functools.partial(self._remove_leftover, store, entry))
+
+    @staticmethod
+    def _compose_tiers(root: str | os.PathLike | None, storage_options: dict | None,
+                       tiers: Iterable[Tier] | None) -> list[Tier]:
+        if tiers is None:
+            if root is None:
+                raise ValueError("CheckpointManager needs a root (a directory or a URL) or tiers=[...]")
+            return [Tier(root, storage_options=storage_options)]
+        if root is not None or storage_options is not None:
+            raise ValueError("pass either root (and storage_options) or tiers=[...], not both")
+        found = list(tiers)
+        if not found or not all(isinstance(t, Tier) for t in found):
+            raise ValueError(f"tiers must be a non-empty list of resurgo.manager.Tier, not {found!r}")
+        if found[0].every_steps is not None:
+            raise ValueError("the first tier takes every save: every_steps applies to the later tiers only")
+        return found
 
     # -- configuration ----------------------------------------------------------------------------
     def _compose_policy(self, policy: SavePolicy | None, every_steps: int | None, every_seconds: float | None,
@@ -227,12 +260,13 @@ class CheckpointManager:
             return None
         return daly_interval(self._save_cost, self._daly.mtbf_seconds)
 
-    def path_for(self, step: int) -> Path:
-        return self.root / checkpoint_name(step)
+    def path_for(self, step: int, tier: int = 0) -> Path | str:
+        return self._roots[tier].location(step)
 
-    def steps(self) -> list[int]:
-        """Steps of the committed checkpoints in the root, oldest first (reads manifests, no data)."""
-        return [e.step for e in scan_root(self.root) if e.status == COMMITTED and e.step is not None]
+    def steps(self, tier: int = 0) -> list[int]:
+        """Steps of the committed checkpoints in the root (or that tier), oldest first (reads
+        manifests, no data)."""
+        return [e.step for e in self._roots[tier].scan() if e.status == COMMITTED and e.step is not None]
 
     def notify_preemption(self) -> None:
         """Ask for a save-and-stop at the next ``maybe_save``, as a preemption signal does."""
@@ -250,24 +284,25 @@ class CheckpointManager:
         self._check_open()
         candidates = None
         if self._rank == 0:
-            candidates = [step] if step is not None else self._restore_candidates()
+            candidates = self._explicit_candidates(step) if step is not None else self._restore_candidates()
         candidates = agreement.from_rank0(candidates)
         assert candidates is not None
         failures = []
-        for s in candidates:
-            path = self.path_for(s)
-            outcome, error = self._try_load(state, path, s, strict)
+        for s, tier in candidates:
+            path = self.path_for(s, tier)
+            outcome, error = self._try_load(state, path, s, strict, self._roots[tier].storage_options)
             (outcome,) = agreement.max_over_ranks([outcome])
             if outcome == _OK:
-                self._restored(path, s)
+                self._restored(path, s, tier)
                 return s
             if error is None:  # it loaded here, not on another rank
                 error = CorruptCheckpointError(f"{path}: could not be restored on another rank (see its error)")
-            if outcome == _FATAL or step is not None:
+            if outcome == _FATAL or (step is not None and (s, tier) == candidates[-1]):
                 raise error
             warnings.warn(f"resurgo: not restoring {path}: {error}; trying an older checkpoint, this one is left "
                           f"in place", stacklevel=2)
-            self._unreadable_steps.add(s)
+            if tier == 0:
+                self._unreadable_steps.add(s)
             failures.append(s)
         if not candidates:
             return None
@@ -275,24 +310,34 @@ class CheckpointManager:
             f"{self.root}: none of the committed checkpoints could be restored (steps {failures}; the warnings say "
             "why). Repair or remove them (`resurgo verify`, `resurgo gc`), or start without restore.")
 
-    def _restore_candidates(self) -> list[int]:
-        """Committed steps, newest first; warns about each incomplete or corrupt checkpoint."""
+    def _explicit_candidates(self, step: int) -> list[tuple[int, int]]:
+        """``step`` in each tier that holds it committed, the fast tier first (else the fast tier's
+        path, whose load then names what is wrong)."""
+        found = [(step, i) for i, store in enumerate(self._roots)
+                 if (e := store.classify(step)) is not None and e.status == COMMITTED]
+        return found or [(step, 0)]
+
+    def _restore_candidates(self) -> list[tuple[int, int]]:
+        """Committed (step, tier) pairs, newest step first and, for one step, the fast tier first;
+        warns about each incomplete or corrupt checkpoint."""
         candidates = []
-        for entry in reversed(scan_root(self.root)):
-            assert entry.step is not None
-            if entry.status == COMMITTED:
-                candidates.append(entry.step)
-            elif entry.status in (INCOMPLETE, CORRUPT):
-                if entry.status == CORRUPT:
-                    self._unreadable_steps.add(entry.step)
-                warnings.warn(f"resurgo: not restoring {entry.path}: {entry.status}: {entry.detail}; left in place "
-                              "(see `resurgo ls`, remove with `resurgo gc`)", stacklevel=3)
-        return candidates
+        for tier, store in enumerate(self._roots):
+            for entry in store.scan():
+                assert entry.step is not None
+                if entry.status == COMMITTED:
+                    candidates.append((entry.step, tier))
+                elif entry.status in (INCOMPLETE, CORRUPT):
+                    if entry.status == CORRUPT and tier == 0:
+                        self._unreadable_steps.add(entry.step)
+                    warnings.warn(f"resurgo: not restoring {entry.location}: {entry.status}: {entry.detail}; left "
+                                  "in place (see `resurgo ls`, remove with `resurgo gc`)", stacklevel=3)
+        return sorted(candidates, key=lambda c: (-c[0], c[1]))
 
     @staticmethod
-    def _try_load(state: Any, path: Path, step: int, strict: bool) -> tuple[int, ResurgoError | None]:
+    def _try_load(state: Any, path: Path | str, step: int, strict: bool,
+                  storage_options: dict | None) -> tuple[int, ResurgoError | None]:
         try:
-            report = load(state, path, strict=strict, verify=True)
+            report = load(state, path, strict=strict, verify=True, storage_options=storage_options)
         except _UNREADABLE as e:
             return _UNREADABLE_HERE, e
         except ResurgoError as e:
@@ -302,10 +347,10 @@ class CheckpointManager:
                 f"{path}: its manifest says step {report.step}, its name says step {step}")
         return _OK, None
 
-    def _restored(self, path: Path, step: int) -> None:
+    def _restored(self, path: Path | str, step: int, tier: int) -> None:
         self._last_save_step = step
         self._last_save_time = time.monotonic()
-        cost = read_manifest(path).metadata.get("save_cost_seconds")
+        cost = read_manifest(path, storage_options=self._roots[tier].storage_options).metadata.get("save_cost_seconds")
         if isinstance(cost, (int, float)) and not isinstance(cost, bool) and math.isfinite(cost) and cost >= 0:
             self._save_cost = float(cost)  # the interval survives restarts without a measuring save
         log.info("restored step %d from %s", step, path)
@@ -350,11 +395,13 @@ class CheckpointManager:
         log.info("saving step %d to %s", step, path)
         if self.async_save:
             self._pending = async_save(state, path, step=step, metadata=metadata, overwrite=overwrite,
-                                       guard=self._guard, io_threads=self._io_threads)
+                                       guard=self._guard, io_threads=self._io_threads,
+                                       storage_options=self._store.storage_options)
             self._pending_step = step
             log.info("staged step %d; writing in the background", step)
         else:
-            save(state, path, step=step, metadata=metadata, overwrite=overwrite, io_threads=self._io_threads)
+            save(state, path, step=step, metadata=metadata, overwrite=overwrite, io_threads=self._io_threads,
+                 storage_options=self._store.storage_options)
             self._committed(step)
         cost = time.monotonic() - t_start  # the stall of an async save, the whole of a sync one
         self._save_cost = cost if self._save_cost is None else (
@@ -363,14 +410,18 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         self._unreadable_steps.discard(step)
 
-    def _make_way(self, path: Path, step: int) -> bool:
+    def _make_way(self, path: Path | str, step: int) -> bool:
         """Whether the save must replace something already at ``path`` (it warns what)."""
-        if not (path.exists() or path.is_symlink()):
+        if self._store.classify(step) is None:
             return False
         self._janitor.join()  # no deletion of this very path may still be running
-        if not (path.exists() or path.is_symlink()):
+        entry = self._store.classify(step)
+        if entry is None:
             return False
-        entry = classify_step_dir(path, step)
+        if entry.status == INCOMPLETE and isinstance(self._store, ObjectRoot):
+            if self._rank == 0:  # who stages the save; a save of ours that died: its token would refuse it
+                self._store.remove(step)
+            return False
         detail = f": {entry.detail}" if entry.detail else ""
         warnings.warn(f"resurgo: replacing {path} ({entry.status}{detail}) with a new save of step {step}; "
                       "the replacement is atomic", stacklevel=4)
@@ -393,24 +444,52 @@ class CheckpointManager:
 
     def _committed(self, step: int) -> None:
         log.info("committed step %d", step)
-        if self._rank == 0 and self.retention is not None:
+        if self._rank != 0:
+            return
+        for tier in range(1, len(self.tiers)):  # copies first: retention may then delete the source
+            if self.tiers[tier].selects(step):
+                self._janitor.submit(functools.partial(self._copy_to_tier, step, tier))
+        if self.retention is not None:
             unreadable = frozenset(self._unreadable_steps)
             self._janitor.submit(lambda: self._apply_retention(step, unreadable))
 
-    # -- background clean-up (janitor thread) ------------------------------------------------------
-    def _apply_retention(self, just_committed: int, unreadable: frozenset[int]) -> None:
-        committed = [Kept(e.step, e.metrics) for e in scan_root(self.root)
+    # -- background clean-up and copies (janitor thread) -------------------------------------------
+    def _apply_retention(self, just_committed: int, unreadable: frozenset[int], tier: int = 0,
+                         retention: RetentionPolicy | None = None) -> None:
+        store = self._roots[tier]
+        committed = [Kept(e.step, e.metrics) for e in store.scan()
                      if e.status == COMMITTED and e.step is not None and e.step not in unreadable]
-        for s in steps_to_delete(committed, self.retention, protect=(just_committed,)):
-            path = self.path_for(s)
-            log.info("deleting step %d (%s)", s, path)
-            if remove_checkpoint(path):
+        for s in steps_to_delete(committed, retention or self.retention, protect=(just_committed,)):
+            log.info("deleting step %d (%s)", s, store.location(s))
+            if store.remove(s):
                 log.info("deleted step %d", s)
 
+    def _copy_to_tier(self, step: int, tier: int) -> None:
+        """Copy the fast tier's checkpoint of ``step`` to ``tier``, verify the copy there (every
+        checksum, read back from that tier), then apply that tier's retention."""
+        store, source = self._roots[tier], self.path_for(step)
+        dest = store.location(step)
+        existing = store.classify(step)
+        if existing is not None and existing.status == COMMITTED:
+            return
+        if existing is not None:
+            store.remove(step)  # an interrupted copy
+        log.info("copying step %d to %s", step, dest)
+        copy_checkpoint(source, dest, src_options=self._store.storage_options, dst_options=store.storage_options)
+        report = verify_checkpoint(dest, storage_options=store.storage_options)
+        if not report.ok:
+            store.remove(step)
+            raise CorruptCheckpointError(f"{dest}: the copy of step {step} does not verify ({report.problems[0]}); "
+                                         "it was removed")
+        log.info("copied and verified step %d in %s", step, dest)
+        keep = self.tiers[tier].keep_last
+        if keep is not None:
+            self._apply_retention(step, frozenset(), tier, KeepLast(keep))
+
     @staticmethod
-    def _remove_leftover(path: Path) -> None:
-        log.info("removing leftover temporary directory %s", path)
-        remove_temporary(path)
+    def _remove_leftover(store: ManagerRoot, entry: Entry) -> None:
+        log.info("removing leftover %s", entry.location)
+        store.remove_leftover(entry)
 
     # -- preemption signals -----------------------------------------------------------------------
     def _install_signal_handlers(self, signals: tuple[int, ...]) -> None:

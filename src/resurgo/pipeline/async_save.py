@@ -121,7 +121,8 @@ def _guarded_storages(guard: Any) -> set[tuple]:
 def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: bool = False,
                step: int | None = None, metadata: dict | None = None, io_threads: int = 4,
                block_bytes: int | None = None, guard: Any = None, if_busy: str = "wait",
-               memory_budget: int | None = None, fallback: str = "raise") -> AsyncSaveHandle:
+               memory_budget: int | None = None, fallback: str = "raise",
+               storage_options: dict | None = None) -> AsyncSaveHandle:
     """Snapshot ``state`` and save it in the background; returns an :class:`AsyncSaveHandle`.
 
     ``if_busy``: "wait" (default) for a save still in flight, or "raise" SaveInFlightError.
@@ -135,7 +136,8 @@ def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: 
         raise ValueError(f"fallback must be 'raise' or 'sync', not {fallback!r}")
     inflight.settle(if_busy)
     prep = prepare_save(state, path, overwrite=overwrite, allow_pickle=allow_pickle, step=step,
-                        metadata=metadata, io_threads=io_threads, block_bytes=block_bytes)
+                        metadata=metadata, io_threads=io_threads, block_bytes=block_bytes,
+                        storage_options=storage_options)
     handle = AsyncSaveHandle(str(path))
     if memory_budget is not None and prep.tensor_bytes > memory_budget:
         if fallback == "raise":

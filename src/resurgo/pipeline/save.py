@@ -15,7 +15,6 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,7 +42,8 @@ from resurgo.plan.global_plan import GlobalPlan, RankDecl, RankWrite, TensorDecl
 from resurgo.plan.save_plan import SavePlan, plan_files
 from resurgo.reports import SaveReport
 from resurgo.state.flatten import TensorLeaf, flatten_state
-from resurgo.storage.local import CheckpointDir, LocalStaging
+from resurgo.storage.base import Staging
+from resurgo.storage.open import open_checkpoint
 from resurgo.version import __version__
 
 
@@ -59,7 +59,7 @@ class PreparedSave:
     step: int | None
     metadata: dict | None
     plan: SavePlan  # this rank's data files
-    staging: LocalStaging
+    staging: Staging
     comm: Comm = field(default_factory=lambda: Comm(0, 1))
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -115,7 +115,7 @@ def _write_leaf(leaf: TensorLeaf, w: RankWrite) -> TensorLeaf:
 
 def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_pickle: bool,
                  step: int | None, metadata: dict | None, io_threads: int, block_bytes: int | None,
-                 comm: Comm | None = None) -> PreparedSave:
+                 comm: Comm | None = None, storage_options: dict | None = None) -> PreparedSave:
     """Flatten and check the state (plain values are encoded now: a snapshot), plan the files and
     open the staging directory. Raises before anything is written when the state or path is bad.
 
@@ -137,21 +137,20 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
     else:
         block_fn = checksum.block_bytes_for
 
-    def coordinate() -> tuple[GlobalPlan, bool, str] | None:
+    def coordinate() -> tuple[GlobalPlan, bool, Staging] | None:
         if not comm.is_coordinator:
             return None
         assert gathered is not None
         plan = plan_global([d for d, _ in gathered], block_fn)
-        staging = CheckpointDir(path).stage(overwrite)
-        return plan, any(p for _, p in gathered), str(staging.tmp)
+        staging = open_checkpoint(path, storage_options).stage(overwrite)
+        return plan, any(p for _, p in gathered), staging
 
     decided = comm.broadcast(comm.agree(coordinate))
     assert decided is not None
-    plan, pickled, tmp = decided
-    staging = LocalStaging(Path(path), Path(tmp), overwrite)
+    plan, pickled, staging = decided  # the other ranks get a copy of rank 0's staging (it pickles)
     writes = plan.writes[comm.rank]
     own = {w.item.name: _write_leaf(leaves[w.local_key], w) for w in writes}
-    files = plan_files([w.item for w in writes], rank=comm.rank, max_files=max(1, io_threads))
+    files = plan_files([w.item for w in writes], rank=comm.rank, max_files=max(1, io_threads), tag=staging.file_tag)
     return PreparedSave(str(path), plan.tree, plan.tensors, own, pickled, step,
                         dict(metadata) if metadata else None, files, staging, comm,
                         {"flatten": time.perf_counter() - t0})

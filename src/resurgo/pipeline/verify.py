@@ -15,7 +15,7 @@ from resurgo.format import checksum
 from resurgo.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from resurgo.format.safetensors_file import read_header
 from resurgo.pipeline.reader import check_header
-from resurgo.storage.local import CheckpointDir
+from resurgo.storage.open import open_checkpoint
 
 PIECE_BYTES = 16 << 20
 
@@ -32,14 +32,15 @@ class VerifyReport:
         return not self.problems
 
 
-def verify_checkpoint(path: str | os.PathLike, progress: Callable[[int], None] | None = None) -> VerifyReport:
+def verify_checkpoint(path: str | os.PathLike, progress: Callable[[int], None] | None = None, *,
+                      storage_options: dict | None = None) -> VerifyReport:
     """Check every data file's size and header and every block checksum; collect all problems.
 
     Raises only when the checkpoint cannot be read at all (missing, no manifest, invalid manifest).
     ``progress`` is called with the number of bytes just checked.
     """
-    ckpt = CheckpointDir(path)
-    manifest = parse_manifest(ckpt.read_manifest_bytes(), str(ckpt.path / MANIFEST_NAME))
+    ckpt = open_checkpoint(path, storage_options)
+    manifest = parse_manifest(ckpt.read_manifest_bytes(), ckpt.describe(MANIFEST_NAME))
     report = VerifyReport(str(path))
     by_file: dict[str, list[tuple[str, int]]] = {}
     for key, t in manifest.tensors.items():

@@ -18,7 +18,7 @@ from resurgo.format import checksum
 from resurgo.format.safetensors_file import build_header
 from resurgo.pipeline.buffers import TensorStream
 from resurgo.plan.save_plan import FilePlan, WriteItem
-from resurgo.storage.local import LocalStaging
+from resurgo.storage.base import Staging
 
 SLICE_BYTES = 8 << 20  # a multiple of every block size we use
 
@@ -42,7 +42,7 @@ class WrittenFile:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-def write_data_file(staging: LocalStaging, plan: FilePlan,
+def write_data_file(staging: Staging, plan: FilePlan,
                     sources: Mapping[str, "np.ndarray | TensorStream"]) -> WrittenFile:
     t_write = t_hash = 0.0
     slice_buffer: np.ndarray | None = None  # reused by every streamed tensor of this file

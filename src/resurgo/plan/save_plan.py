@@ -59,12 +59,13 @@ class SavePlan:
         return sum(f.nbytes for f in self.files)
 
 
-def data_file_name(rank: int, index: int) -> str:
-    return f"data/rank{rank:05d}-{index:03d}.safetensors"
+def data_file_name(rank: int, index: int, tag: str = "") -> str:
+    """``tag`` makes the names unique per save where saves share a directory (object stores)."""
+    return f"data/{tag}rank{rank:05d}-{index:03d}.safetensors"
 
 
 def plan_files(items: list[WriteItem], rank: int = 0, max_files: int = 4,
-               min_file_bytes: int = MIN_FILE_BYTES) -> SavePlan:
+               min_file_bytes: int = MIN_FILE_BYTES, tag: str = "") -> SavePlan:
     """Spread ``items`` over at most ``max_files`` files, balancing bytes (LPT scheduling)."""
     total = sum(i.nbytes for i in items)
     nfiles = max(1, min(max_files, total // max(1, min_file_bytes)))
@@ -75,6 +76,6 @@ def plan_files(items: list[WriteItem], rank: int = 0, max_files: int = 4,
         buckets[f].append(item)
         heapq.heappush(heap, (load + item.nbytes, f))
     return SavePlan(tuple(
-        FilePlan(data_file_name(rank, f), tuple(sorted(b, key=lambda i: i.key)))
+        FilePlan(data_file_name(rank, f, tag), tuple(sorted(b, key=lambda i: i.key)))
         for f, b in enumerate(buckets) if b or f == 0
     ))

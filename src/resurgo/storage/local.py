@@ -29,6 +29,7 @@ from resurgo.errors import (
     StorageError,
 )
 from resurgo.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
+from resurgo.storage.base import check_size
 
 TMP_MARKER = ".resurgo-tmp-"
 _RENAME_EXCHANGE = 2
@@ -177,6 +178,10 @@ class CheckpointDir:
     def __str__(self) -> str:
         return str(self.path)
 
+    def describe(self, rel: str) -> str:
+        """How messages name ``rel`` inside this checkpoint."""
+        return str(self.path / rel)
+
     # -- reading ------------------------------------------------------------------------------
     def read_manifest_bytes(self) -> bytes:
         if not self.path.exists():
@@ -219,10 +224,7 @@ class CheckpointDir:
         for rel, expected in sizes.items():
             h = self.open_read(rel)
             try:
-                if h.size != expected:
-                    claimed = str(expected) if len(str(expected)) <= 40 else str(expected)[:40] + "..."
-                    raise CorruptCheckpointError(
-                        f"{self.path}: data file {rel} has {h.size} bytes, the manifest says {claimed} (truncated or altered)")
+                check_size(self.path, rel, h.size, expected)
             finally:
                 h.close()
 
@@ -250,6 +252,7 @@ class LocalStaging:
         self.final = final
         self.tmp = tmp
         self.overwrite = overwrite
+        self.file_tag = ""  # the temporary directory is this save's own
 
     def create(self, rel: str) -> WriteHandle:
         try:

@@ -1,0 +1,176 @@
+"""A manager root on any backend: list its checkpoints, classify one, delete one.
+
+:class:`LocalRoot` is a directory (the catalog and crash-safe deletion of
+:mod:`resurgo.manager.catalog` and :mod:`resurgo.manager.removal`); :class:`ObjectRoot` is a URL
+prefix on an object store, listed in one request. There, a checkpoint is ``<root>/step_N/`` with
+its ``manifest.json``; a prefix with data objects or a writer token but no manifest is an
+incomplete save (one that died, or one still running); deletion removes the manifest first, so a
+deletion cut short leaves an incomplete checkpoint, never a committed one with objects missing.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from resurgo.errors import ResurgoError
+from resurgo.format.manifest import MANIFEST_NAME, parse_manifest
+from resurgo.manager.catalog import (
+    COMMITTED,
+    CORRUPT,
+    INCOMPLETE,
+    Entry,
+    checkpoint_name,
+    classify_step_dir,
+    scan_root,
+    step_of,
+)
+from resurgo.manager.removal import remove_checkpoint, remove_temporary
+from resurgo.storage.open import is_url
+
+if TYPE_CHECKING:
+    from resurgo.storage.fsspec_store import PrefixListing
+
+
+class LocalRoot:
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        self.storage_options: dict | None = None
+
+    def __str__(self) -> str:
+        return str(self.root)
+
+    def location(self, step: int) -> Path:
+        return self.root / checkpoint_name(step)
+
+    def scan(self) -> list[Entry]:
+        return scan_root(self.root)
+
+    def classify(self, step: int) -> Entry | None:
+        path = self.location(step)
+        if not (path.exists() or path.is_symlink()):
+            return None
+        return classify_step_dir(path, step)
+
+    def remove(self, step: int) -> bool:
+        return remove_checkpoint(self.location(step))
+
+    def remove_leftover(self, entry: Entry) -> None:
+        remove_temporary(entry.path)
+
+
+class ObjectRoot:
+    def __init__(self, url: str, storage_options: dict | None = None):
+        from resurgo.storage.fsspec_store import split_url
+
+        self.url = url.rstrip("/")
+        self.storage_options: dict | None = dict(storage_options or {})
+        self.fs, self.prefix = split_url(self.url, self.storage_options)
+
+    def __str__(self) -> str:
+        return self.url
+
+    def location(self, step: int) -> str:
+        return f"{self.url}/{checkpoint_name(step)}"
+
+    def _entries(self, only: str | None = None) -> list[Entry]:
+        from resurgo.storage.fsspec_store import list_prefix, listing_of
+
+        objects = list_prefix(self.fs, self.prefix if only is None else f"{self.prefix}/{only}", self.url)
+        if only is not None:
+            objects = {f"{only}/{rel}": info for rel, info in objects.items()}
+        groups: dict[str, dict[str, dict]] = {}
+        for rel, info in objects.items():
+            name, _, inner = rel.partition("/")
+            if inner and step_of(name) is not None:
+                groups.setdefault(name, {})[inner] = info
+        entries = [self._classify(name, listing_of(objs)) for name, objs in groups.items()]
+        return sorted(entries, key=lambda e: (e.step, e.status != COMMITTED))
+
+    def _classify(self, name: str, found: "PrefixListing") -> Entry:
+        return classify_prefix(f"{self.url}/{name}", name, found, self.storage_options, step_of(name))
+
+    def scan(self) -> list[Entry]:
+        return self._entries()
+
+    def classify(self, step: int) -> Entry | None:
+        found = self._entries(only=checkpoint_name(step))
+        return found[0] if found else None
+
+    def remove(self, step: int) -> bool:
+        from resurgo.storage.fsspec_store import list_prefix, remove_prefix
+
+        name = checkpoint_name(step)
+        objects = list_prefix(self.fs, f"{self.prefix}/{name}", self.url)
+        if not objects:
+            return False
+        remove_prefix(self.fs, f"{self.prefix}/{name}", f"{self.url}/{name}", sorted(objects))
+        return True
+
+    def remove_leftover(self, entry: Entry) -> None:
+        if entry.step is not None:
+            self.remove(entry.step)
+
+
+def classify_prefix(url: str, name: str, found: "PrefixListing", storage_options: dict | None,
+                    step: int | None = None) -> Entry:
+    """What the objects under ``url`` (listed in ``found``) are; ``step``: the step its name says
+    (a manager's checkpoint), which the manifest must agree with."""
+    path = Path(name)
+    if not found.has_manifest:
+        what = "a writer token" if found.writers and not found.has_data else "data objects"
+        return Entry(path, INCOMPLETE, step, None, f"{what} but no {MANIFEST_NAME}: the save never committed "
+                     "(or is still running)", url=url, newest=found.newest, nbytes=found.total_bytes)
+    from resurgo.storage.fsspec_store import ObjectCheckpoint
+
+    try:
+        manifest = parse_manifest(ObjectCheckpoint(url, storage_options).read_manifest_bytes(),
+                                  f"{url}/{MANIFEST_NAME}")
+    except ResurgoError as e:
+        return Entry(path, CORRUPT, step, None, str(e), url=url, newest=found.newest, nbytes=found.total_bytes)
+    problems = [f"{f}: missing" if f not in found.files else
+                f"{f}: {found.files[f]} bytes stored, the manifest says {e.bytes}"
+                for f, e in manifest.files.items() if found.files.get(f) != e.bytes]
+    if step is not None and manifest.step != step:
+        problems.append(f"its manifest says step {manifest.step}, its name says step {step}")
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        return Entry(path, CORRUPT, step, manifest.created_at, problems[0] + more, url=url,
+                     newest=found.newest, nbytes=found.total_bytes)
+    return Entry(path, COMMITTED, manifest.step if step is None else step, manifest.created_at, "",
+                 dict(manifest.metadata), url=url, newest=found.newest, nbytes=found.total_bytes)
+
+
+def list_object_checkpoints(url: str, storage_options: dict | None = None) -> list[Entry]:
+    """Every checkpoint (or incomplete save) at or below ``url``, from one listing; an entry's
+    ``path`` is its prefix relative to ``url`` (``.`` for ``url`` itself)."""
+    from resurgo.storage.fsspec_store import DATA_DIR, WRITERS_DIR, list_prefix, listing_of, split_url
+
+    url = url.rstrip("/")
+    fs, root = split_url(url, storage_options)
+    groups: dict[str, dict[str, dict]] = {}
+    for rel, info in list_prefix(fs, root, url).items():
+        parts = rel.split("/")
+        for i, part in enumerate(parts):
+            if part in (DATA_DIR, WRITERS_DIR) and i < len(parts) - 1 or (part == MANIFEST_NAME and i == len(parts) - 1):
+                groups.setdefault("/".join(parts[:i]), {})["/".join(parts[i:])] = info
+                break
+    entries = []
+    for prefix, objects in groups.items():
+        name = prefix or "."
+        entries.append(classify_prefix(f"{url}/{prefix}" if prefix else url, name, listing_of(objects), storage_options))
+    return sorted(entries, key=lambda e: str(e.path))
+
+
+ManagerRoot = LocalRoot | ObjectRoot  # the same methods: location, scan, classify, remove, remove_leftover
+
+
+def open_root(root: str | os.PathLike, storage_options: dict | None = None) -> ManagerRoot:
+    if is_url(root):
+        return ObjectRoot(str(root), storage_options)
+    if storage_options:
+        from resurgo.errors import UnsupportedValueError
+
+        raise UnsupportedValueError(f"{root}: storage_options apply to URLs (s3://...), not to a local path")
+    return LocalRoot(root)

@@ -1,0 +1,35 @@
+"""Storage tiers of a CheckpointManager: a fast tier that takes every save, durable tiers that get
+copies of selected checkpoints in the background, verified there.
+
+SCR and VeloC save often to node-local storage and less often to a parallel filesystem; Gemini
+and Orbax's emergency checkpointing keep recent checkpoints in memory or on local disk. Here the
+first tier (local disk, ``/dev/shm``) takes every save and keeps few; each later tier (any URL)
+receives copies of the steps it selects and keeps more. Restore takes the newest checkpoint that
+verifies in any tier, so losing the fast tier (node replaced, directory deleted) costs only the
+steps since the last durable copy.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One storage tier: a root (a directory or a URL), how many checkpoints it keeps, and, for a
+    durable tier, which steps it receives (multiples of ``every_steps``; None: every checkpoint)."""
+
+    root: str | os.PathLike
+    keep_last: int | None = None
+    every_steps: int | None = None
+    storage_options: dict | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("keep_last", "every_steps"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"Tier({self.root!r}): {name} must be an int >= 1 or None, not {value!r}")
+
+    def selects(self, step: int) -> bool:
+        return self.every_steps is None or step % self.every_steps == 0

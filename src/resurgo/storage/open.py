@@ -1,0 +1,41 @@
+"""Choosing the backend for a checkpoint path: a local path, or an fsspec URL (``s3://...``)."""
+
+from __future__ import annotations
+
+import os
+
+from resurgo.errors import UnsupportedValueError
+from resurgo.storage.base import Checkpoint
+from resurgo.storage.local import CheckpointDir
+
+FILE_SCHEME = "file://"
+
+
+def is_url(path: str | os.PathLike) -> bool:
+    """True for a URL other than ``file://`` (which is a local path)."""
+    return isinstance(path, str) and "://" in path and not path.startswith(FILE_SCHEME)
+
+
+def local_path(path: str | os.PathLike) -> str | os.PathLike:
+    return path[len(FILE_SCHEME):] if isinstance(path, str) and path.startswith(FILE_SCHEME) else path
+
+
+def open_checkpoint(path: str | os.PathLike, storage_options: dict | None = None) -> Checkpoint:
+    """The checkpoint at ``path``: a directory, or a prefix of an object store given as a URL.
+    ``storage_options`` go to fsspec (credentials, ``endpoint_url``, ...); URLs only."""
+    if is_url(path):
+        from resurgo.storage.fsspec_store import ObjectCheckpoint  # fsspec is imported only when used
+
+        return ObjectCheckpoint(str(path), storage_options)
+    if storage_options:
+        raise UnsupportedValueError(f"{path}: storage_options apply to URLs (s3://...), not to a local path")
+    return CheckpointDir(local_path(path))
+
+
+def join(base: str | os.PathLike, name: str) -> str | os.PathLike:
+    """``base/name`` for a URL or a local path."""
+    if is_url(base):
+        return f"{str(base).rstrip('/')}/{name}"
+    from pathlib import Path
+
+    return Path(local_path(base)) / name
