@@ -216,3 +216,17 @@ def refused_layouts(rank: int, world: int, path: str) -> tuple[str, str]:
     except resurgo.UnsupportedValueError as e:
         outcome = f"UnsupportedValueError: {e}"
     return overlapping_shards(rank, world, path), outcome
+
+
+def manager_async_every_step(rank: int, world: int, root: str) -> list[int]:
+    """Async saves every step under a CheckpointManager: its decisions (training thread) and the
+    saves' commits (background thread) run collectives at the same time on every rank."""
+    state = {"w": hold("dt_s0", torch.arange(4096, dtype=torch.float32).reshape(64, 64), rank, world), "step": 0}
+    with resurgo.CheckpointManager(root, every_steps=1, keep_last=2) as mgr:
+        for step in range(1, 13):
+            local_of(state["w"]).add_(1)
+            state["step"] = step
+            mgr.maybe_save(step, state)
+        mgr.wait()
+    dist.barrier()  # every rank's manager closed (retention deletes done) before listing
+    return sorted(int(p.name.split("_")[1]) for p in __import__("pathlib").Path(root).iterdir() if p.name.startswith("step_"))

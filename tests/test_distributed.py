@@ -150,3 +150,10 @@ def test_async_save_on_every_rank_snapshots_and_reshards(tmp_path):
     results = run_ranks(2, "dist_workers:async_then_load", str(tmp_path / "async"))
     assert results == [[], []]
     assert resurgo.read_manifest(tmp_path / "async").world == {"size": 2}
+
+
+def test_manager_decisions_and_async_commits_do_not_cross(tmp_path):
+    results = run_ranks(2, "dist_workers:manager_async_every_step", str(tmp_path / "root"), timeout=120)
+    assert results == [[11, 12], [11, 12]]
+    full = resurgo.load_dict(tmp_path / "root" / "step_000000012")
+    assert full["step"] == 12 and bits_equal(full["w"], torch.arange(4096, dtype=torch.float32).reshape(64, 64) + 12)

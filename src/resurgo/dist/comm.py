@@ -19,7 +19,7 @@ from resurgo.errors import RankFailedError, ResurgoError
 
 T = TypeVar("T")
 _lock = threading.Lock()
-_groups: dict[int, Any] = {}
+_groups: dict[tuple[int, str], Any] = {}
 
 
 @dataclass(frozen=True)
@@ -100,8 +100,13 @@ def _rebuild(name: str, message: str, rank: int) -> BaseException:
     return RankFailedError(f"{text} ({name})")
 
 
-def current() -> Comm:
-    """This process's place in the job: the default process group, or a world of one."""
+def current(channel: str = "io") -> Comm:
+    """This process's place in the job: the default process group, or a world of one.
+
+    ``channel`` names a gloo group of its own: "io" for saves and loads (an asynchronous save
+    commits from its background thread), "control" for decisions made on the training thread
+    (the CheckpointManager's), so collectives of two threads never pair up across ranks.
+    """
     try:
         import torch.distributed as dist
     except ImportError:  # pragma: no cover - torch built without distributed
@@ -110,9 +115,9 @@ def current() -> Comm:
         return Comm(0, 1)
     default = dist.group.WORLD
     with _lock:
-        group = _groups.get(id(default))
+        group = _groups.get((id(default), channel))
         if group is None:
-            # Collective: every rank creates it at its first save or load, in the same order.
+            # Collective: every rank creates it at its first use, in the same program order.
             group = dist.new_group(backend="gloo")
-            _groups[id(default)] = group
+            _groups[(id(default), channel)] = group
     return Comm(dist.get_rank(), dist.get_world_size(), group)

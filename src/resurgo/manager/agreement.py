@@ -1,8 +1,9 @@
 """How the ranks of a job agree, for the manager: combined save decisions, one step to restore.
 
 Alone (torch.distributed not initialized, or a world of one) every function is local and free.
-Otherwise they use resurgo's own gloo group (:mod:`resurgo.dist.comm`), so they need no
-accelerator and never interleave with the training's own collectives.
+Otherwise they use resurgo's "control" gloo group (:mod:`resurgo.dist.comm`): no accelerator
+needed, and never paired with the training's collectives or with those an asynchronous save makes
+from its background thread (the "io" group).
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ T = TypeVar("T")
 
 def world() -> tuple[int, int]:
     """(rank, world size); (0, 1) without a process group."""
-    comm = dist_comm.current()
+    comm = dist_comm.current("control")
     return comm.rank, comm.size
 
 
 def max_over_ranks(values: Sequence[int]) -> list[int]:
     """The element-wise maximum of ``values`` over all ranks (every rank gets the same list)."""
-    everyone = dist_comm.current().all_gather([int(v) for v in values])
+    everyone = dist_comm.current("control").all_gather([int(v) for v in values])
     return [max(column) for column in zip(*everyone)] if values else []
 
 
@@ -34,4 +35,4 @@ def any_rank(flags: Sequence[bool]) -> list[bool]:
 
 def from_rank0(obj: T) -> T:
     """Rank 0's ``obj`` on every rank (small picklable values only)."""
-    return dist_comm.current().broadcast(obj)
+    return dist_comm.current("control").broadcast(obj)
