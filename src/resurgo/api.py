@@ -64,6 +64,8 @@ def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool
     only what its own layout needs; if any rank fails before the target is touched, all raise."""
     t_start = time.perf_counter()
     comm = dist_comm.current()
+    if comm.size > 1:  # an in-flight save commits with collectives on the same group: let it finish
+        inflight.settle(if_busy="wait")
 
     def plan_and_read() -> tuple[Restorer, Any, ReadResult, Manifest, float]:
         ckpt = open_checkpoint(path, storage_options)
