@@ -84,6 +84,23 @@ def test_tiers_copy_verify_retain_and_fall_back_to_durable(tmp_path, mem_root):
     assert mgr.steps() == [8] and mgr.steps(tier=1) == [6, 8]
 
 
+def test_fast_tier_retention_keeps_a_step_until_its_durable_copy_is_done(tmp_path, mem_root):
+    """The background janitor may run a step's retention after later steps are committed: with
+    keep_last=1 it would delete step 2 before its queued copy to the durable tier read it."""
+    import threading
+
+    tiers = [Tier(tmp_path / "fast", keep_last=1), Tier(mem_root, every_steps=2)]
+    gate = threading.Event()
+    with resurgo.CheckpointManager(tiers=tiers, every_steps=1, async_save=False) as mgr:
+        mgr._janitor.submit(gate.wait)  # hold every copy and deletion until all saves are committed
+        for step in range(1, 5):
+            mgr.maybe_save(step, _state(step))
+        gate.set()
+        mgr.wait()
+        assert mgr.steps(tier=1) == [2, 4] and mgr.steps() == [4]
+    assert bits_equal(resurgo.load_dict(f"{mem_root}/step_000000002")["w"], _state(2)["w"])
+
+
 def test_tiers_restore_skips_a_corrupt_fast_copy_for_the_durable_one(tmp_path, mem_root):
     tiers = [Tier(tmp_path / "fast"), Tier(mem_root)]
     with resurgo.CheckpointManager(tiers=tiers, async_save=False) as mgr:

@@ -193,6 +193,10 @@ class CheckpointManager:
         self._should_stop = False
         self._unreadable_steps: set[int] = set()  # found corrupt by restore: never counted by retention
         self._janitor = _Janitor()
+        # Steps whose copy to a durable tier is queued: the fast tier's retention must keep them
+        # until the copy has read them (a later step's retention may run before the copy does).
+        self._copies_pending: dict[int, int] = {}
+        self._copies_lock = threading.Lock()
         self._closed = False
         self._previous_handlers: dict[int, Any] = {}
         self._install_signal_handlers(tuple(signals))
@@ -448,6 +452,8 @@ class CheckpointManager:
             return
         for tier in range(1, len(self.tiers)):  # copies first: retention may then delete the source
             if self.tiers[tier].selects(step):
+                with self._copies_lock:
+                    self._copies_pending[step] = self._copies_pending.get(step, 0) + 1
                 self._janitor.submit(functools.partial(self._copy_to_tier, step, tier))
         if self.retention is not None:
             unreadable = frozenset(self._unreadable_steps)
@@ -459,7 +465,11 @@ class CheckpointManager:
         store = self._roots[tier]
         committed = [Kept(e.step, e.metrics) for e in store.scan()
                      if e.status == COMMITTED and e.step is not None and e.step not in unreadable]
-        for s in steps_to_delete(committed, retention or self.retention, protect=(just_committed,)):
+        protect: tuple[int, ...] = (just_committed,)
+        if tier == 0:
+            with self._copies_lock:
+                protect += tuple(self._copies_pending)
+        for s in steps_to_delete(committed, retention or self.retention, protect=protect):
             log.info("deleting step %d (%s)", s, store.location(s))
             if store.remove(s):
                 log.info("deleted step %d", s)
@@ -467,6 +477,17 @@ class CheckpointManager:
     def _copy_to_tier(self, step: int, tier: int) -> None:
         """Copy the fast tier's checkpoint of ``step`` to ``tier``, verify the copy there (every
         checksum, read back from that tier), then apply that tier's retention."""
+        try:
+            self._copy_to_tier_now(step, tier)
+        finally:
+            with self._copies_lock:
+                left = self._copies_pending.get(step, 1) - 1
+                if left > 0:
+                    self._copies_pending[step] = left
+                else:
+                    self._copies_pending.pop(step, None)
+
+    def _copy_to_tier_now(self, step: int, tier: int) -> None:
         store, source = self._roots[tier], self.path_for(step)
         dest = store.location(step)
         existing = store.classify(step)
