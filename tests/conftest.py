@@ -61,3 +61,17 @@ def s3_bucket(seaweed, seaweed_bucket):
     import uuid
 
     return f"s3://{seaweed_bucket}/{uuid.uuid4().hex[:12]}", dict(seaweed.storage_options)
+
+
+@pytest.fixture
+def mem_url():
+    """A fresh prefix on fsspec's in-process memory:// filesystem, removed afterwards."""
+    import uuid
+
+    from resurgo.storage.fsspec_store import split_url
+
+    url = f"memory://resurgo-tests/{uuid.uuid4().hex[:12]}"
+    yield url
+    fs, root = split_url(url, None)
+    if fs.exists(root):
+        fs.rm(root, recursive=True)

@@ -46,15 +46,6 @@ def _objects(url: str, options: dict | None = None) -> dict[str, int]:
     return {k[len(root) + 1:]: int(v["size"]) for k, v in fs.find(root, detail=True).items()}
 
 
-@pytest.fixture
-def mem_url():
-    url = f"memory://resurgo-tests/{uuid.uuid4().hex[:12]}"
-    yield url
-    fs, root = split_url(url, None)
-    if fs.exists(root):
-        fs.rm(root, recursive=True)
-
-
 # -- memory:// ---------------------------------------------------------------------------------
 def test_memory_round_trip_data_then_manifest(mem_url):
     state = _state()

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import shutil
-import uuid
 import warnings
 
 import pytest
@@ -27,50 +26,41 @@ def _blank(n: int = 257) -> dict:
     return {"w": torch.zeros(n), "step": -1}
 
 
-@pytest.fixture
-def mem_root():
-    url = f"memory://resurgo-mgr/{uuid.uuid4().hex[:12]}"
-    yield url
-    fs, root = split_url(url, None)
-    if fs.exists(root):
-        fs.rm(root, recursive=True)
-
-
-def test_manager_on_memory_url_retention_restore_and_incomplete(mem_root):
-    with resurgo.CheckpointManager(mem_root, every_steps=1, keep_last=2) as mgr:
+def test_manager_on_memory_url_retention_restore_and_incomplete(mem_url):
+    with resurgo.CheckpointManager(mem_url, every_steps=1, keep_last=2) as mgr:
         for step in range(1, 5):
             mgr.maybe_save(step, _state(step))
         mgr.wait()
         assert mgr.steps() == [3, 4]
-        assert mgr.path_for(4) == f"{mem_root}/step_000000004"
+        assert mgr.path_for(4) == f"{mem_url}/step_000000004"
     # A save of step 5 that died: a writer token and a data object, no manifest.
-    staging = ObjectCheckpoint(f"{mem_root}/step_000000005").stage(overwrite=False)
+    staging = ObjectCheckpoint(f"{mem_url}/step_000000005").stage(overwrite=False)
     h = staging.create(f"data/{staging.file_tag}rank00000-000.safetensors")
     h.write(memoryview(b"partial"))
     h.fsync()
     target = _blank()
-    with pytest.warns(UserWarning, match=rf"not restoring {mem_root}/step_000000005: incomplete: "):
-        mgr = resurgo.CheckpointManager(mem_root, every_steps=1, keep_last=2)
+    with pytest.warns(UserWarning, match=rf"not restoring {mem_url}/step_000000005: incomplete: "):
+        mgr = resurgo.CheckpointManager(mem_url, every_steps=1, keep_last=2)
         assert mgr.restore(target) == 4
     assert bits_equal(target["w"], _state(4)["w"]) and target["step"] == 4
     mgr.wait()  # the new manager removed the leftover of the dead save (one job per root)
-    fs, root = split_url(mem_root, None)
+    fs, root = split_url(mem_url, None)
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)) == ["step_000000003", "step_000000004"]
-    ObjectCheckpoint(f"{mem_root}/step_000000005").stage(overwrite=False)  # dies again: its token would refuse
+    ObjectCheckpoint(f"{mem_url}/step_000000005").stage(overwrite=False)  # dies again: its token would refuse
     mgr.save(5, _state(5))  # the manager owns the root: it clears its own dead save of that step first
     mgr.close()
     assert mgr.steps() == [4, 5]
 
 
-def test_tiers_copy_verify_retain_and_fall_back_to_durable(tmp_path, mem_root):
+def test_tiers_copy_verify_retain_and_fall_back_to_durable(tmp_path, mem_url):
     fast = tmp_path / "fast"
-    tiers = [Tier(fast, keep_last=1), Tier(mem_root, every_steps=2, keep_last=2)]
+    tiers = [Tier(fast, keep_last=1), Tier(mem_url, every_steps=2, keep_last=2)]
     with resurgo.CheckpointManager(tiers=tiers, every_steps=1, async_save=False) as mgr:
         for step in range(1, 8):
             mgr.maybe_save(step, _state(step))
         mgr.wait()
         assert mgr.steps() == [7] and mgr.steps(tier=1) == [4, 6]
-    assert resurgo.load_dict(f"{mem_root}/step_000000006")["step"] == 6
+    assert resurgo.load_dict(f"{mem_url}/step_000000006")["step"] == 6
     target = _blank()
     assert resurgo.CheckpointManager(tiers=tiers).restore(target) == 7  # the newest, from the fast tier
     shutil.rmtree(fast)  # the node is replaced: the fast tier is lost
@@ -84,12 +74,12 @@ def test_tiers_copy_verify_retain_and_fall_back_to_durable(tmp_path, mem_root):
     assert mgr.steps() == [8] and mgr.steps(tier=1) == [6, 8]
 
 
-def test_fast_tier_retention_keeps_a_step_until_its_durable_copy_is_done(tmp_path, mem_root):
+def test_fast_tier_retention_keeps_a_step_until_its_durable_copy_is_done(tmp_path, mem_url):
     """The background janitor may run a step's retention after later steps are committed: with
     keep_last=1 it would delete step 2 before its queued copy to the durable tier read it."""
     import threading
 
-    tiers = [Tier(tmp_path / "fast", keep_last=1), Tier(mem_root, every_steps=2)]
+    tiers = [Tier(tmp_path / "fast", keep_last=1), Tier(mem_url, every_steps=2)]
     gate = threading.Event()
     with resurgo.CheckpointManager(tiers=tiers, every_steps=1, async_save=False) as mgr:
         mgr._janitor.submit(gate.wait)  # hold every copy and deletion until all saves are committed
@@ -98,11 +88,11 @@ def test_fast_tier_retention_keeps_a_step_until_its_durable_copy_is_done(tmp_pat
         gate.set()
         mgr.wait()
         assert mgr.steps(tier=1) == [2, 4] and mgr.steps() == [4]
-    assert bits_equal(resurgo.load_dict(f"{mem_root}/step_000000002")["w"], _state(2)["w"])
+    assert bits_equal(resurgo.load_dict(f"{mem_url}/step_000000002")["w"], _state(2)["w"])
 
 
-def test_tiers_restore_skips_a_corrupt_fast_copy_for_the_durable_one(tmp_path, mem_root):
-    tiers = [Tier(tmp_path / "fast"), Tier(mem_root)]
+def test_tiers_restore_skips_a_corrupt_fast_copy_for_the_durable_one(tmp_path, mem_url):
+    tiers = [Tier(tmp_path / "fast"), Tier(mem_url)]
     with resurgo.CheckpointManager(tiers=tiers, async_save=False) as mgr:
         mgr.save(3, _state(3))
     data = next((tmp_path / "fast" / "step_000000003" / "data").iterdir())
