@@ -98,7 +98,10 @@ class SeaweedServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"weed exited with {self.proc.returncode}; log: {self.log_path}:\n{self.tail()}")
             try:
-                client.create_bucket(Bucket=probe)
+                try:
+                    client.create_bucket(Bucket=probe)
+                except client.exceptions.BucketAlreadyOwnedByYou:
+                    pass  # an earlier attempt created it, but its answer timed out (a busy machine)
                 client.put_object(Bucket=probe, Key="k", Body=b"ok")
                 if client.get_object(Bucket=probe, Key="k")["Body"].read() == b"ok":
                     client.delete_object(Bucket=probe, Key="k")

@@ -39,7 +39,7 @@ import torch
 
 from resurgo.manager.catalog import COMMITTED, TEMPORARY, TRASH_TAG, scan_root
 from resurgo.pipeline.verify import verify_checkpoint
-from resurgo.storage import local
+from resurgo.storage import direct_io, local
 from resurgo.storage.local import TMP_MARKER
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -322,11 +322,13 @@ class _QuotaOS:
 
 @pytest.mark.parametrize("use_async", [False, True])
 def test_disk_full_injected(tmp_path, monkeypatch, use_async):
-    """Fault injection: storage/local.py's ``os`` gets a write quota (512 KiB once "full"), so the
-    real WriteHandle write path meets ENOSPC exactly as on a full filesystem; "freeing space"
-    lifts the quota. Runs everywhere, including where no tmpfs can be mounted."""
+    """Fault injection: the local backend's ``os`` (storage/local.py, and storage/direct_io.py for
+    data files) gets a write quota (512 KiB once "full"), so the real write paths meet ENOSPC
+    exactly as on a full filesystem; "freeing space" lifts the quota. Runs everywhere, including
+    where no tmpfs can be mounted."""
     quota = _QuotaOS()
     monkeypatch.setattr(local, "os", quota)
+    monkeypatch.setattr(direct_io, "os", quota)
 
     def fill() -> None:
         quota.left = disk_full.LEFT_FREE

@@ -28,7 +28,8 @@ import torch
 from resurgo.errors import MemoryBudgetError
 from resurgo.pipeline import inflight
 from resurgo.pipeline.save import LazySources, PreparedSave, prepare_save, write_and_commit
-from resurgo.pipeline.staging import StagingPool
+from resurgo.pipeline.staging import StagingPool, staging_bytes
+from resurgo.pipeline.writer import chunk_file_offsets
 from resurgo.reports import SaveReport
 
 _pool = StagingPool()  # one per process: at most one async save is in flight, so reuse is safe
@@ -139,11 +140,12 @@ def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: 
                         metadata=metadata, io_threads=io_threads, block_bytes=block_bytes,
                         storage_options=storage_options)
     handle = AsyncSaveHandle(str(path))
-    if memory_budget is not None and prep.tensor_bytes > memory_budget:
+    needed = sum(staging_bytes(leaf.nbytes) for leaf in prep.leaves.values())
+    if memory_budget is not None and needed > memory_budget:
         if fallback == "raise":
             prep.staging.abort()
             raise MemoryBudgetError(
-                f"{path}: the snapshot needs {prep.tensor_bytes} bytes of staging memory, the budget is "
+                f"{path}: the snapshot needs {needed} bytes of staging memory, the budget is "
                 f"{memory_budget}; raise memory_budget, or pass fallback='sync' to save synchronously"
             )
         return _finish_synchronously(handle, prep, t_start)
@@ -151,7 +153,8 @@ def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: 
         eager, deferred = _split(prep, guard)
         t0 = time.perf_counter()
         _pool.retain_only(prep.leaves)
-        sources: dict[str, np.ndarray] = {key: _pool.copy_in(prep.leaves[key]) for key in eager}
+        offsets = chunk_file_offsets(prep.plan)
+        sources: dict[str, np.ndarray] = {key: _pool.copy_in(prep.leaves[key], offsets[key]) for key in eager}
         prep.seconds["stage"] = time.perf_counter() - t0
     except BaseException:
         prep.staging.abort()
@@ -168,7 +171,7 @@ def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: 
                 t1 = time.perf_counter()
                 try:
                     for key in deferred:
-                        sources[key] = _pool.copy_in(prep.leaves[key])
+                        sources[key] = _pool.copy_in(prep.leaves[key], offsets[key])
                 finally:
                     prep.seconds["stage_background"] = time.perf_counter() - t1
                     handle._staged.set()  # even on failure: never leave the optimizer waiting

@@ -1,7 +1,10 @@
 """Staging buffers: where an asynchronous save snapshots the tensors before writing them.
 
 One buffer per tensor key, allocated once and reused by every later save of a tensor of the same
-size, so steady-state checkpointing allocates nothing and memory stays at the state's size. On a
+size, so steady-state checkpointing allocates nothing and memory stays at the state's size (plus
+at most 0.4%: a tensor of 1 MiB or more gets one extra block so that its snapshot starts at the
+same offset within a device block as its bytes have in the data file, and direct I/O writes it
+with no further copy; smaller ones pass through the writer's bounce buffer). On a
 machine with CUDA the buffers are page-locked and device tensors are copied on a side stream; the
 training stream waits for that copy before it runs anything else, so the snapshot is exact while
 the Python call returns at once.
@@ -17,6 +20,15 @@ import torch
 
 from resurgo.pipeline.buffers import as_copyable, typed_view
 from resurgo.state.flatten import TensorLeaf
+from resurgo.storage.direct_io import ALIGN
+
+
+PHASED_MIN_BYTES = 1 << 20
+
+
+def staging_bytes(nbytes: int) -> int:
+    """The staging memory a tensor of ``nbytes`` takes."""
+    return nbytes + (ALIGN if nbytes >= PHASED_MIN_BYTES else 0)
 
 
 class StagingPool:
@@ -29,13 +41,18 @@ class StagingPool:
     def nbytes(self) -> int:
         return sum(b.numel() for b in self._buffers.values())
 
-    def _buffer(self, key: str, nbytes: int, pinned: bool) -> torch.Tensor:
+    def _buffer(self, key: str, nbytes: int, pinned: bool, phase: int) -> torch.Tensor:
+        """``nbytes`` of the key's buffer; a phased one starts at an address that is ``phase`` mod ALIGN."""
         with self._lock:
             buf = self._buffers.get(key)
-            if buf is None or buf.numel() != nbytes or (pinned and not buf.is_pinned()):
-                buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+            size = staging_bytes(nbytes)
+            if buf is None or buf.numel() != size or (pinned and not buf.is_pinned()):
+                buf = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
                 self._buffers[key] = buf
+        if size == nbytes:
             return buf
+        start = (phase - buf.data_ptr()) % ALIGN
+        return buf[start:start + nbytes]
 
     def retain_only(self, keys: Iterable[str]) -> None:
         """Free the buffers of tensors the state no longer has."""
@@ -44,17 +61,18 @@ class StagingPool:
             for key in [k for k in self._buffers if k not in keep]:
                 del self._buffers[key]
 
-    def copy_in(self, leaf: TensorLeaf) -> np.ndarray:
-        """Copy one tensor's bytes into its staging buffer; return the buffer as flat uint8."""
+    def copy_in(self, leaf: TensorLeaf, phase: int = 0) -> np.ndarray:
+        """Copy one tensor's bytes into its staging buffer; return them as flat uint8 whose
+        address is ``phase`` modulo ALIGN (give the bytes' offset in their data file)."""
         value = leaf.value
         if isinstance(value, np.ndarray):
-            buf = self._buffer(leaf.key, leaf.nbytes, pinned=False)
+            buf = self._buffer(leaf.key, leaf.nbytes, pinned=False, phase=phase)
             flat = buf.numpy()
             np.copyto(flat.view(value.dtype).reshape(value.shape), value)
             return flat
         src = value.detach()
         on_cuda = src.device.type == "cuda"
-        buf = self._buffer(leaf.key, leaf.nbytes, pinned=on_cuda)
+        buf = self._buffer(leaf.key, leaf.nbytes, pinned=on_cuda, phase=phase)
         dst = typed_view(buf.numpy(), src.dtype, tuple(src.shape))
         if src.is_conj() or src.is_neg():
             src = src.resolve_conj().resolve_neg()

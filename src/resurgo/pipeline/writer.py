@@ -17,7 +17,7 @@ import numpy as np
 from resurgo.format import checksum
 from resurgo.format.safetensors_file import build_header
 from resurgo.pipeline.buffers import TensorStream
-from resurgo.plan.save_plan import FilePlan, WriteItem
+from resurgo.plan.save_plan import FilePlan, SavePlan, WriteItem
 from resurgo.storage.base import Staging
 
 SLICE_BYTES = 8 << 20  # a multiple of every block size we use
@@ -40,6 +40,12 @@ class WrittenFile:
     header_checksum: str
     chunks: list[WrittenChunk]
     seconds: dict[str, float] = field(default_factory=dict)
+
+
+def chunk_file_offsets(plan: SavePlan) -> dict[str, int]:
+    """Where each chunk's bytes start in its data file (staging buffers align to these)."""
+    return {item.name: start for f in plan.files
+            for item, (start, _) in zip(f.items, build_header(f.items)[1])}
 
 
 def write_data_file(staging: Staging, plan: FilePlan,

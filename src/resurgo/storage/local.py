@@ -30,6 +30,7 @@ from resurgo.errors import (
 )
 from resurgo.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
 from resurgo.storage.base import check_size
+from resurgo.storage.direct_io import DirectWriteHandle
 
 TMP_MARKER = ".resurgo-tmp-"
 _RENAME_EXCHANGE = 2
@@ -254,9 +255,10 @@ class LocalStaging:
         self.overwrite = overwrite
         self.file_tag = ""  # the temporary directory is this save's own
 
-    def create(self, rel: str) -> WriteHandle:
+    def create(self, rel: str) -> DirectWriteHandle:
+        # Data files bypass the page cache (see storage/direct_io.py); the manifest does not.
         try:
-            return WriteHandle(self.tmp / rel, label=f"{self.final} (saving {rel})")
+            return DirectWriteHandle(self.tmp / rel, label=f"{self.final} (saving {rel})")
         except OSError as e:
             raise StorageError(e.errno, f"{self.final}: cannot create {rel}: {e.strerror}") from None
 
