@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo study study-full demo-kill test test-slow bench bench-async bench-s3 install clean
+.PHONY: demo study study-full demo-kill test test-slow bench bench-async bench-overhead bench-s3 install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,9 @@ bench: $(STAMP)
 
 bench-async: $(STAMP)
 	$(BIN)/python benchmarks/bench_async.py
+
+bench-overhead: $(STAMP)
+	$(BIN)/python benchmarks/bench_overhead.py
 
 bench-s3: $(STAMP)
 	$(BIN)/python benchmarks/bench_s3.py

@@ -33,7 +33,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_async as ba  # noqa: E402  (model, training step, mechanisms)
 import common  # noqa: E402
-from common import jsonable  # noqa: E402
 
 SCHEMA = "resurgo-bench-overhead/1"
 REPO = Path(__file__).resolve().parent.parent
@@ -215,7 +214,7 @@ def main(argv=None) -> int:
         print(f"{'PASS' if v <= 1.0 else 'FAIL'}  {n} adds {v:+.2f}% at N={every} (need <= 1%); "
               f"DCP save adds {dcp_pct if dcp_pct is not None else float('nan'):.1f}% at the same N")
     doc["targets"] = targets
-    out.write_text(json.dumps(jsonable(doc), indent=1))
+    out.write_text(json.dumps(doc, indent=1, default=str))
     print(f"results: {out}  (run took {doc['run_s']:.0f} s)")
     return 0
 
