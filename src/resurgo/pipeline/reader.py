@@ -2,14 +2,16 @@
 
 Each read op fills a slice of either the destination's own bytes (one whole chunk) or a chunk
 buffer (several chunks, assembled afterwards). Verification hashes the blocks of each slice right
-after it is read, in the same thread, so the data is checked while still in cache.
+after it is read, in the same thread, so the data is checked while still in cache. Each data
+file's safetensors header is read and verified with the file's first data (one request on an
+object store), not in a round of its own before them.
 """
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -22,6 +24,16 @@ from resurgo.plan.load_plan import BoxCopy, ReadOp, Scatter, Target, plan_reads
 from resurgo.state.flatten import Array
 from resurgo.state.unflatten import Destination
 from resurgo.storage.base import Checkpoint, ReadHandle
+
+
+@dataclass
+class ReadTask:
+    """What one pool thread reads in one request: ``ops`` of ``file`` back to back (gaps between
+    them fetched and dropped), preceded by the file's header bytes when ``header`` is set."""
+
+    file: str
+    ops: list[ReadOp] = field(default_factory=list)
+    header: bool = False
 
 
 @dataclass
@@ -56,11 +68,12 @@ def read_destinations(ckpt: Checkpoint, manifest: Manifest, destinations: list[D
     by_key = {d.key: d for d in destinations}
     targets, bufs, staged = _targets(destinations)
     ops = plan_reads(targets, {d.key: d.entry for d in destinations})
-    handles = _open_files(ckpt, manifest, {op.file for op in ops}, verify)
+    handles = _open_files(ckpt, manifest, {op.file for op in ops})
     seconds = {"plan": time.perf_counter() - t_start, "read": 0.0, "checksum": 0.0}
     # Object stores pay a round trip per request: neighbouring reads go as one ranged request.
     gap, most = getattr(ckpt, "coalesce_reads", (0, 0))
     batches = coalesce(ops, gap, most) if most else [[op] for op in ops]
+    tasks = read_tasks(batches, {name: manifest.files[name].header_bytes for name in handles} if verify else {}, gap)
 
     def views_of(op: ReadOp) -> list[memoryview]:
         views = []
@@ -71,20 +84,26 @@ def read_destinations(ckpt: Checkpoint, manifest: Manifest, destinations: list[D
                 views.append(np.empty(part.length, dtype=np.uint8).data)
         return views
 
-    def run(batch: list[ReadOp]) -> tuple[float, float, float]:
-        per_op = [views_of(op) for op in batch]
+    def run(task: ReadTask) -> tuple[float, float, float]:
+        per_op = [views_of(op) for op in task.ops]
         flat: list[memoryview] = []
-        end = batch[0].file_offset
-        for op, views in zip(batch, per_op):
+        header = np.empty(manifest.files[task.file].header_bytes if task.header else 0, dtype=np.uint8)
+        start = end = 0 if task.header else task.ops[0].file_offset
+        if task.header:
+            flat.append(header.data)
+            end = len(header)
+        for op, views in zip(task.ops, per_op):
             if op.file_offset > end:  # bytes between two reads of a batch: fetched and dropped
                 flat.append(np.empty(op.file_offset - end, dtype=np.uint8).data)
             flat.extend(views)
             end = op.file_offset + op.length
         t0 = time.perf_counter()
-        handles[batch[0].file].read_into_many(batch[0].file_offset, flat)
+        handles[task.file].read_into_many(start, flat)
         t1 = time.perf_counter()
+        if task.header:
+            check_header_bytes(ckpt, manifest, task.file, header.data)
         t_hash = t_copy = 0.0
-        for op, views in zip(batch, per_op):
+        for op, views in zip(task.ops, per_op):
             h, c = finish(op, views)
             t_hash, t_copy = t_hash + h, t_copy + c
         return t1 - t0, t_hash, t_copy
@@ -111,11 +130,11 @@ def read_destinations(ckpt: Checkpoint, manifest: Manifest, destinations: list[D
         return t2 - t1, time.perf_counter() - t2
 
     try:
-        if threads <= 1 or len(batches) <= 1:
-            results = [run(b) for b in batches]
+        if threads <= 1 or len(tasks) <= 1:
+            results = [run(t) for t in tasks]
         else:
             with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="resurgo-read") as pool:
-                results = list(pool.map(run, batches))
+                results = list(pool.map(run, tasks))
     finally:
         for h in handles.values():
             h.close()
@@ -143,6 +162,25 @@ def coalesce(ops: list[ReadOp], max_gap: int, max_bytes: int) -> list[list[ReadO
                 continue
         batches.append([op])
     return batches
+
+
+def read_tasks(batches: list[list[ReadOp]], header_bytes: dict[str, int], gap: int) -> list[ReadTask]:
+    """One task per batch; the header of every file in ``header_bytes`` (name -> header size) is
+    read by the file's first batch when that starts at most ``gap`` bytes after it, else by a task
+    of its own (listed first: they are small)."""
+    tasks = [ReadTask(b[0].file, b) for b in batches]
+    first: dict[str, ReadTask] = {}
+    for t in tasks:
+        if t.file not in first or t.ops[0].file_offset < first[t.file].ops[0].file_offset:
+            first[t.file] = t
+    alone = []
+    for name in sorted(header_bytes):
+        carrier = first.get(name)
+        if carrier is not None and carrier.ops[0].file_offset - header_bytes[name] <= gap:
+            carrier.header = True
+        else:
+            alone.append(ReadTask(name, [], header=True))
+    return alone + tasks
 
 
 def copy_box(scratch: np.ndarray, box: BoxCopy, bufs: list[np.ndarray]) -> None:
@@ -178,7 +216,7 @@ def scatter(scratch: np.ndarray, scatters: tuple[Scatter, ...], bufs: list[np.nd
         i += rows
 
 
-def _open_files(ckpt: Checkpoint, manifest: Manifest, names: set[str], verify: bool) -> dict[str, ReadHandle]:
+def _open_files(ckpt: Checkpoint, manifest: Manifest, names: set[str]) -> dict[str, ReadHandle]:
     handles: dict[str, ReadHandle] = {}
     try:
         for name in sorted(names):
@@ -189,8 +227,6 @@ def _open_files(ckpt: Checkpoint, manifest: Manifest, names: set[str], verify: b
                 raise CorruptCheckpointError(
                     f"{ckpt.path}: data file {name} has {h.size} bytes, the manifest says {expected} (truncated or altered)"
                 )
-            if verify:
-                check_header(ckpt, manifest, name, h)
     except BaseException:
         for h in handles.values():
             h.close()
@@ -200,8 +236,12 @@ def _open_files(ckpt: Checkpoint, manifest: Manifest, names: set[str], verify: b
 
 def check_header(ckpt: Checkpoint, manifest: Manifest, name: str, handle: ReadHandle) -> None:
     """The safetensors header is covered by its own checksum, so every byte of a file is verified."""
+    check_header_bytes(ckpt, manifest, name, handle.read_at(0, manifest.files[name].header_bytes))
+
+
+def check_header_bytes(ckpt: Checkpoint, manifest: Manifest, name: str, data: bytes | memoryview) -> None:
     entry = manifest.files[name]
-    if checksum.digest(handle.read_at(0, entry.header_bytes)) != entry.header_checksum:
+    if checksum.digest(data) != entry.header_checksum:
         raise CorruptCheckpointError(
             f"{ckpt.path}: the safetensors header of {name} (bytes 0..{entry.header_bytes}) does not match its checksum"
         )
