@@ -64,6 +64,22 @@ def s3_bucket(seaweed, seaweed_bucket):
 
 
 @pytest.fixture
+def s3_env(seaweed, monkeypatch):
+    """The server's endpoint and admin credentials in the ``AWS_*`` environment variables, for code
+    given no storage_options. s3fs reads them when it creates a filesystem and keeps filesystems
+    by their options: its cached ones are dropped before and after."""
+    from s3fs import S3FileSystem
+
+    for name, value in (("AWS_ENDPOINT_URL", seaweed.endpoint), ("AWS_ACCESS_KEY_ID", seaweed.storage_options["key"]),
+                        ("AWS_SECRET_ACCESS_KEY", seaweed.storage_options["secret"]),
+                        ("AWS_DEFAULT_REGION", "us-east-1")):
+        monkeypatch.setenv(name, value)
+    S3FileSystem.clear_instance_cache()
+    yield
+    S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture
 def mem_url():
     """A fresh prefix on fsspec's in-process memory:// filesystem, removed afterwards."""
     import uuid

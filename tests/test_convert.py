@@ -23,6 +23,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from s3fs import S3FileSystem
 from safetensors import safe_open
 from safetensors.torch import load_file
 from typer.testing import CliRunner
@@ -32,6 +33,7 @@ from resurgo.cli import app
 from resurgo.convert import parse_size, plain_values
 from resurgo.errors import (
     CheckpointExistsError,
+    CheckpointNotFoundError,
     CorruptCheckpointError,
     KeyMismatchError,
     MemoryBudgetError,
@@ -43,6 +45,7 @@ from resurgo.layout.box import ChunkBox, FlatRange
 from resurgo.pipeline.buffers import as_copyable
 from resurgo.plan.convert_plan import plan_batches, plan_shards, shard_file_names
 from resurgo.state.flatten import flatten_state
+from resurgo.storage.fsspec_store import split_url
 from resurgo.storage.local import TMP_MARKER
 from dist_harness import run_ranks
 from dist_workers import reference
@@ -618,3 +621,81 @@ def test_cli_convert(tmp_path):
     r = runner.invoke(app, ["convert", str(tmp_path / "ck"), str(tmp_path / "x"), "--to", "torch"])
     assert r.exit_code == 1 and "tensor 'model.w' is corrupt" in r.output and "Traceback" not in r.output
     assert not (tmp_path / "x").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# From an object store (s3:// on the SeaweedFS fixture) to local outputs
+# ------------------------------------------------------------------------------------------------
+def s3_state() -> dict:
+    g = torch.Generator().manual_seed(21)
+    return {"model": {"w": torch.randn(768, 1024, generator=g),  # 3 MiB: windows of a small budget
+                      "b": torch.randn(1024, generator=g).to(torch.bfloat16),
+                      "ids": torch.randint(0, 1 << 40, (999,), generator=g)},
+            "opt": {"m": torch.randn(333, generator=g, dtype=torch.float64)}, "lr": 0.25, "blob": b"x"}
+
+
+def test_convert_from_s3_to_every_target_bitwise(s3_bucket, tmp_path):
+    url, options = s3_bucket
+    state = s3_state()
+    resurgo.save(state, f"{url}/ck", step=5, storage_options=options)
+    flat = {"model.w": state["model"]["w"], "model.b": state["model"]["b"], "model.ids": state["model"]["ids"],
+            "opt.m": state["opt"]["m"]}
+
+    report = resurgo.convert(f"{url}/ck", tmp_path / "o.safetensors", to="safetensors", memory_budget="1MiB",
+                             storage_options=options)
+    out = load_file(tmp_path / "o.safetensors")
+    assert sorted(out) == sorted(flat) and all(bits_equal(out[k], t) for k, t in flat.items())
+    assert report.src == f"{url}/ck" and report.values_dropped == ["blob"]
+    assert report.tensor_bytes == sum(t.numel() * t.element_size() for t in flat.values())
+    assert report.peak_buffer_bytes <= 1 * MiB and report.bytes_read >= report.tensor_bytes
+    with safe_open(tmp_path / "o.safetensors", "pt") as f:
+        assert f.metadata()["resurgo.step"] == "5" and json.loads(f.metadata()["resurgo.values"]) == {"lr": 0.25}
+
+    report = resurgo.convert(f"{url}/ck", tmp_path / "hf", to="hf", only="model.", max_shard_bytes="2MB",
+                             storage_options=options)
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    shards = {name: load_file(tmp_path / "hf" / name) for name in set(index["weight_map"].values())}
+    assert len(shards) == 2 and report.tensors_skipped == ["opt.m"]
+    for k in ("w", "b", "ids"):
+        assert bits_equal(shards[index["weight_map"][k]][k], state["model"][k])
+
+    resurgo.convert(f"{url}/ck", tmp_path / "o.pt", to="torch", storage_options=options)
+    loaded = torch.load(tmp_path / "o.pt", weights_only=True)
+    assert all(bits_equal(loaded["model"][k], state["model"][k]) for k in state["model"])
+    assert bits_equal(loaded["opt"]["m"], state["opt"]["m"]) and loaded["lr"] == 0.25 and loaded["blob"] == b"x"
+
+
+def test_convert_from_s3_errors(s3_bucket, tmp_path):
+    url, options = s3_bucket
+    resurgo.save(s3_state(), f"{url}/ck", storage_options=options)
+    with pytest.raises(UnsupportedValueError, match=f"{url}/out: convert writes a local file or directory, not a URL"):
+        resurgo.convert(f"{url}/ck", f"{url}/out", to="safetensors", storage_options=options)
+    with pytest.raises(CheckpointNotFoundError, match=f"{url}/nothing: not found"):
+        resurgo.convert(f"{url}/nothing", tmp_path / "o.safetensors", to="safetensors", storage_options=options)
+    # A corrupt object: an error naming the URL and the tensor, and no output.
+    fs, root = split_url(f"{url}/ck", options)
+    c = resurgo.read_manifest(f"{url}/ck", storage_options=options).tensors["model.w"].chunks[0]
+    raw = bytearray(fs.cat_file(f"{root}/{c.file}"))
+    raw[c.byte_range[0] + 1000] ^= 0x10
+    fs.pipe_file(f"{root}/{c.file}", bytes(raw))
+    for to, dst in (("safetensors", tmp_path / "c.safetensors"), ("torch", tmp_path / "c.pt")):
+        with pytest.raises(CorruptCheckpointError, match=f"{url}/ck: tensor 'model.w' is corrupt in {c.file}"):
+            resurgo.convert(f"{url}/ck", dst, to=to, storage_options=options)
+        assert not dst.exists() and not leftovers(tmp_path)
+
+
+def test_cli_convert_from_s3_with_credentials_from_the_environment(s3_bucket, s3_env, tmp_path, monkeypatch):
+    url, options = s3_bucket
+    state = s3_state()
+    resurgo.save(state, f"{url}/ck", storage_options=options)
+    r = runner.invoke(app, ["convert", f"{url}/ck", str(tmp_path / "o.safetensors"), "--to", "safetensors"])
+    assert r.exit_code == 0, r.output
+    assert f"OK {url}/ck -> {tmp_path / 'o.safetensors'} (safetensors): 4 tensors" in r.output
+    out = load_file(tmp_path / "o.safetensors")
+    assert bits_equal(out["model.w"], state["model"]["w"]) and bits_equal(out["model.ids"], state["model"]["ids"])
+    r = runner.invoke(app, ["convert", f"{url}/missing", str(tmp_path / "m.safetensors"), "--to", "safetensors"])
+    assert r.exit_code == 2 and f"{url}/missing: not found" in r.output and "Traceback" not in r.output
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    S3FileSystem.clear_instance_cache()  # s3fs reads the environment anew
+    r = runner.invoke(app, ["convert", f"{url}/ck", str(tmp_path / "d.safetensors"), "--to", "safetensors"])
+    assert r.exit_code == 2 and f"{url}/ck: access denied" in r.output and not (tmp_path / "d.safetensors").exists()

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from urllib.parse import urlsplit
 
-import fsspec
 import pytest
 import torch
 
@@ -223,13 +222,8 @@ def test_s3_save_load_async_multipart(s3_bucket):
     assert bits_equal(loaded["model"]["w"], _state(4)["model"]["w"]) and loaded["note"] == "seed 4"
 
 
-def test_s3_credentials_and_endpoint_from_environment(s3_bucket, seaweed, monkeypatch):
+def test_s3_credentials_and_endpoint_from_environment(s3_bucket, s3_env):
     bucket, _ = s3_bucket
-    monkeypatch.setenv("AWS_ENDPOINT_URL", seaweed.endpoint)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", seaweed.storage_options["key"])
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", seaweed.storage_options["secret"])
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    fsspec.AbstractFileSystem.clear_instance_cache()
     resurgo.save(_state(5), f"{bucket}/env")  # no storage_options: s3fs reads the environment
     assert resurgo.load_dict(f"{bucket}/env")["step"] == 12
 
@@ -274,16 +268,12 @@ def test_s3_partial_load_reads_only_the_ranges_needed(s3_bucket):
 
 
 @pytest.mark.slow  # ~40 s: five spawned interpreters
-def test_s3_distributed_save_on_2_ranks_resharded_load_on_3(s3_bucket, seaweed, monkeypatch):
+def test_s3_distributed_save_on_2_ranks_resharded_load_on_3(s3_bucket, s3_env):
     """Ranks other than 0 write into rank 0's save (its staging pickles); each loading rank reads
     only the byte ranges its shards need. Credentials and endpoint reach the ranks by environment."""
     from dist_harness import run_ranks
 
     bucket, options = s3_bucket
-    monkeypatch.setenv("AWS_ENDPOINT_URL", seaweed.endpoint)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["key"])
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["secret"])
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     root = f"{bucket}/dist"
     run_ranks(2, "dist_workers:save_layouts", root, ["dt_s0", "manual"])
     manifest = resurgo.read_manifest(f"{root}/n2-dt_s0", storage_options=options)

@@ -146,16 +146,13 @@ def test_s3_manager_server_killed_mid_save_then_restarted(seaweed, s3_bucket, mo
     assert resurgo.load_dict(f"{root}/step_000000003", storage_options=options)["step"] == 3
 
 
-def test_cli_ls_gc_verify_inspect_on_s3(seaweed, s3_bucket, monkeypatch):
+def test_cli_ls_gc_verify_inspect_on_s3(s3_bucket, s3_env):
     """The command line takes URLs; credentials and endpoint come from the environment."""
     from typer.testing import CliRunner
 
     from resurgo.cli import app
 
     bucket, options = s3_bucket
-    for name, value in (("AWS_ENDPOINT_URL", seaweed.endpoint), ("AWS_ACCESS_KEY_ID", options["key"]),
-                        ("AWS_SECRET_ACCESS_KEY", options["secret"]), ("AWS_DEFAULT_REGION", "us-east-1")):
-        monkeypatch.setenv(name, value)
     root = f"{bucket}/run"
     with resurgo.CheckpointManager(root, storage_options=options, async_save=False) as mgr:
         for step in (1, 2, 3):

@@ -616,8 +616,9 @@ def _size_option(value: Optional[str], what: str) -> Optional[int]:
 
 @app.command("convert")
 def convert_command(
-    src: Path = typer.Argument(..., help="A checkpoint directory."),
-    dst: Path = typer.Argument(..., help="The output: a file (safetensors, torch) or a directory (hf)."),
+    src: str = typer.Argument(..., help="A checkpoint directory or URL (s3://bucket/run/step_100; credentials "
+                                        "from the environment or ~/.aws, as for s3fs)."),
+    dst: Path = typer.Argument(..., help="The output, local: a file (safetensors, torch) or a directory (hf)."),
     to: str = typer.Option(..., "--to", help="safetensors (one file) | hf (sharded, with index) | torch (torch.save)."),
     max_shard_size: Optional[str] = typer.Option(
         None, "--max-shard-size", help="hf: the most tensor bytes per shard, e.g. 5GB (the default) or 500MB."),
@@ -681,7 +682,7 @@ def convert_command(
                   markup=False, soft_wrap=True)
 
 
-def read_tensor_bytes(src: Path, only: Optional[str]) -> int:
+def read_tensor_bytes(src: str | os.PathLike, only: Optional[str]) -> int:
     """Tensor bytes a conversion of ``src`` writes (for the progress bar): from the manifest."""
     manifest, _ = _load_manifest(src)
     return sum(sum(c.nbytes for c in t.chunks) for k, t in manifest.tensors.items()

@@ -1,8 +1,9 @@
 """``resurgo.convert``: a checkpoint as one safetensors file, Hugging Face sharded safetensors, or a
 torch.save file.
 
-Every tensor is read through the load pipeline (so chunks are assembled and every checksum is
-verified) and the output appears atomically: it is written under a temporary sibling name and
+The source is a checkpoint directory or URL (``s3://...``, with ``storage_options``); the output is
+local. Every tensor is read through the load pipeline (so chunks are assembled and every checksum is
+verified; from an object store, in ranged requests) and the output appears atomically: it is written under a temporary sibling name and
 renamed at the end. The safetensors targets stream: the header is written first (sizes are known
 from the manifest), then the tensors' bytes, a batch within ``memory_budget`` at a time
 (:mod:`resurgo.pipeline.stream_read`). A torch.save file needs every tensor as an object, so
@@ -45,7 +46,9 @@ from resurgo.plan.convert_plan import HF_INDEX_FILE, is_hf_output_file, plan_sha
 from resurgo.plan.save_plan import WriteItem
 from resurgo.reports import ConvertReport
 from resurgo.state.flatten import path_key
-from resurgo.storage.local import AtomicOutput, CheckpointDir
+from resurgo.storage.base import Checkpoint
+from resurgo.storage.local import AtomicOutput
+from resurgo.storage.open import is_url, local_path, open_checkpoint
 
 TARGETS = ("safetensors", "hf", "torch")
 DEFAULT_MEMORY_BUDGET = 1 << 30
@@ -77,8 +80,9 @@ def parse_size(value: int | str, what: str = "size") -> int:
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, memory_budget: int | str | None = None,
             max_shard_bytes: int | str | None = None, only: str | None = None, overwrite: bool = False,
             allow_pickle: bool = False, io_threads: int = DEFAULT_IO_THREADS,
-            progress: Callable[[int], None] | None = None) -> ConvertReport:
-    """Convert the checkpoint at ``src`` into ``dst``; returns a :class:`ConvertReport`.
+            progress: Callable[[int], None] | None = None, storage_options: dict | None = None) -> ConvertReport:
+    """Convert the checkpoint at ``src`` (a directory or a URL such as ``s3://bucket/run/step_100``)
+    into the local path ``dst``; returns a :class:`ConvertReport`.
 
     ``to``: ``"safetensors"`` (one file), ``"hf"`` (a directory of ``model-0000i-of-0000N.safetensors``
     shards of at most ``max_shard_bytes`` tensor bytes each, default 5GB, plus
@@ -91,6 +95,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, memory_b
     ``overwrite=True``; then replaces it atomically. ``allow_pickle`` is needed only for
     ``"torch"`` from a checkpoint with pickled values (the other targets never unpickle: such
     values are dropped). ``progress`` is called with each number of tensor bytes written.
+    ``storage_options`` go to fsspec for a URL ``src`` (credentials, ``endpoint_url``, ...).
     """
     t_start = time.perf_counter()
     if to not in TARGETS:
@@ -100,13 +105,17 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, memory_b
     if only is not None and to == "torch":
         raise ValueError("only= applies to the safetensors and hf targets; to='torch' keeps the whole structure")
     budget = None if memory_budget is None else parse_size(memory_budget, "memory_budget")
-    ckpt = CheckpointDir(src)
-    manifest = parse_manifest(ckpt.read_manifest_bytes(), str(ckpt.path / MANIFEST_NAME))
-    if os.path.realpath(dst) == os.path.realpath(src):
+    if is_url(dst):
+        raise UnsupportedValueError(f"{dst}: convert writes a local file or directory, not a URL")
+    dst = local_path(dst)
+    ckpt = open_checkpoint(src, storage_options)
+    manifest = parse_manifest(ckpt.read_manifest_bytes(), ckpt.describe(MANIFEST_NAME))
+    if not is_url(src) and os.path.realpath(dst) == os.path.realpath(local_path(src)):
         raise CheckpointExistsError(f"{dst}: is the source checkpoint; convert into another path")
     ckpt.check_sizes({name: f.bytes for name, f in manifest.files.items()})  # before any output exists
     if to == "torch":
-        report = _to_torch(ckpt, manifest, Path(dst), budget, overwrite, allow_pickle, io_threads, progress)
+        report = _to_torch(src, storage_options, ckpt, manifest, Path(dst), budget, overwrite, allow_pickle,
+                           io_threads, progress)
     else:
         shard_limit = DEFAULT_MAX_SHARD_BYTES if max_shard_bytes is None else parse_size(max_shard_bytes, "max_shard_bytes")
         report = _to_safetensors(ckpt, manifest, Path(dst), to, only, shard_limit,
@@ -116,7 +125,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, memory_b
 
 
 # -- safetensors and hf -------------------------------------------------------------------------
-def _to_safetensors(ckpt: CheckpointDir, manifest: Manifest, dst: Path, to: str, only: str | None,
+def _to_safetensors(ckpt: Checkpoint, manifest: Manifest, dst: Path, to: str, only: str | None,
                     shard_limit: int, budget: int, overwrite: bool, threads: int,
                     progress: Callable[[int], None] | None) -> ConvertReport:
     names = select_tensors(manifest, only, str(ckpt.path))
@@ -302,8 +311,9 @@ def torch_save_supports(dtype: str) -> bool:
     return True
 
 
-def _to_torch(ckpt: CheckpointDir, manifest: Manifest, dst: Path, budget: int | None, overwrite: bool,
-              allow_pickle: bool, threads: int, progress: Callable[[int], None] | None) -> ConvertReport:
+def _to_torch(src: str | os.PathLike, storage_options: dict | None, ckpt: Checkpoint, manifest: Manifest, dst: Path,
+              budget: int | None, overwrite: bool, allow_pickle: bool, threads: int,
+              progress: Callable[[int], None] | None) -> ConvertReport:
     total = manifest.tensor_bytes
     if budget is not None and total > budget:
         raise MemoryBudgetError(
@@ -318,7 +328,8 @@ def _to_torch(ckpt: CheckpointDir, manifest: Manifest, dst: Path, budget: int | 
     seconds: dict[str, float] = {}
     try:
         t0 = time.perf_counter()
-        state = load_dict(ckpt.path, verify=True, allow_pickle=allow_pickle, io_threads=threads)
+        state = load_dict(src, verify=True, allow_pickle=allow_pickle, io_threads=threads,
+                          storage_options=storage_options)
         t1 = time.perf_counter()
         with open(output.path(), "xb") as f:
             torch.save(state, f)

@@ -30,7 +30,7 @@ from resurgo.pipeline.buffers import typed_view
 from resurgo.pipeline.reader import read_destinations
 from resurgo.plan.convert_plan import Batch, plan_batches
 from resurgo.state.unflatten import Destination
-from resurgo.storage.local import CheckpointDir
+from resurgo.storage.base import Checkpoint
 
 
 def tensor_nbytes(entry: TensorEntry) -> int:
@@ -53,7 +53,7 @@ def read_cost(entry: TensorEntry) -> int:
 class TensorByteStream:
     """Reads tensors of one checkpoint; counts what it read and the most memory it needed."""
 
-    def __init__(self, ckpt: CheckpointDir, manifest: Manifest, budget: int, threads: int):
+    def __init__(self, ckpt: Checkpoint, manifest: Manifest, budget: int, threads: int):
         self.ckpt = ckpt
         self.manifest = manifest
         self.budget = budget
