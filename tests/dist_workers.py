@@ -230,3 +230,44 @@ def manager_async_every_step(rank: int, world: int, root: str) -> list[int]:
         mgr.wait()
     dist.barrier()  # every rank's manager closed (retention deletes done) before listing
     return sorted(int(p.name.split("_")[1]) for p in __import__("pathlib").Path(root).iterdir() if p.name.startswith("step_"))
+
+
+def tiers_fast_lost(rank: int, world: int, fast: str, durable: str, options: dict) -> dict:
+    """A CheckpointManager with a fast local tier (every step) and a durable S3 tier (every second
+    step, copied in the background): saves steps 1..5, restores from the fast tier, then rank 0
+    deletes the fast tier (the node is replaced) and every rank restores from S3. Returns the steps
+    each tier holds, the steps restored and this rank's shards' bytes as saved and as restored."""
+    import shutil
+
+    from resurgo.manager import Tier
+
+    ref = reference()
+    w, d = hold("dt_s0", ref["a"], rank, world), hold("manual", ref["d"], rank, world)
+    state = {"w": w, "d": d, "step": 0}
+    tiers = [Tier(fast, keep_last=2), Tier(durable, every_steps=2, keep_last=2, storage_options=options)]
+    saved: dict[int, list[bytes]] = {}
+    with resurgo.CheckpointManager(tiers=tiers, every_steps=1) as mgr:
+        for step in range(1, 6):
+            local_of(w).add_(step)
+            local_of(d).mul_(-1.5)
+            state["step"] = step
+            mgr.maybe_save(step, state)
+            saved[step] = [bits(local_of(w)), bits(local_of(d))]
+        mgr.wait()
+        dist.barrier()  # rank 0 copies and deletes: done on every rank's return from wait() only there
+        held = (mgr.steps(), mgr.steps(tier=1))
+
+    def restore() -> tuple[int | None, list[bytes], int]:
+        target = {"w": hold("dt_s0", torch.zeros_like(ref["a"]), rank, world),
+                  "d": hold("manual", torch.zeros_like(ref["d"]), rank, world), "step": -1}
+        with resurgo.CheckpointManager(tiers=tiers) as mgr:
+            step = mgr.restore(target)
+        return step, [bits(local_of(target["w"])), bits(local_of(target["d"]))], target["step"]
+
+    from_fast = restore()
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(fast)
+    dist.barrier()
+    from_durable = restore()
+    return {"held": held, "saved": saved, "from_fast": from_fast, "from_durable": from_durable}

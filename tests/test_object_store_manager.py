@@ -178,3 +178,18 @@ def test_cli_ls_gc_verify_inspect_on_s3(s3_bucket, s3_env):
     assert resurgo.CheckpointManager(root, storage_options=options).steps() == [3]
     out = runner.invoke(app, ["ls", root, "--json"])
     assert [e["path"] for e in json.loads(out.output)["checkpoints"]] == ["step_000000003"]
+
+
+def test_s3_tiers_on_2_ranks_restore_from_s3_when_the_fast_tier_is_lost(tmp_path, s3_bucket):
+    """Real gloo processes: saves to a local fast tier, background copies to S3, restore from S3 on
+    both ranks once the fast tier is deleted, bit for bit (a DTensor and a resurgo.Shard)."""
+    from dist_harness import run_ranks
+
+    url, options = s3_bucket
+    results = run_ranks(2, "dist_workers:tiers_fast_lost", str(tmp_path / "fast"), f"{url}/run", options)
+    for r in results:
+        assert r["held"] == ([4, 5], [2, 4])  # fast: keep_last=2; durable: every 2nd step, keep_last=2
+        assert r["from_fast"] == (5, r["saved"][5], 5)
+        assert r["from_durable"] == (4, r["saved"][4], 4)
+    assert results[0]["saved"][4] != results[1]["saved"][4]  # each rank restored its own shards
+    assert resurgo.read_manifest(f"{url}/run/step_000000004", storage_options=options).world == {"size": 2}
