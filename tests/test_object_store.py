@@ -26,7 +26,14 @@ from resurgo.errors import (
 )
 from resurgo.pipeline.verify import verify_checkpoint
 from resurgo.storage import retry
-from resurgo.storage.fsspec_store import RANGE_SPLIT_BYTES, ObjectCheckpoint, ObjectReadHandle, split_url, split_views
+from resurgo.storage.fsspec_store import (
+    RANGE_SPLIT_BYTES,
+    ObjectCheckpoint,
+    ObjectReadHandle,
+    S3MultipartWriteHandle,
+    split_url,
+    split_views,
+)
 from seaweed import ACCESS_KEY, SECRET_KEY
 
 
@@ -311,6 +318,18 @@ def test_s3_load_reads_each_file_in_ranged_gets_header_included(s3_bucket):
     gets = [path for method, path in sent if method == "GET" and "/data/" in path]
     # Every data file in ranges of 16 MiB from byte 0: its header comes with its first data, no GET of its own.
     assert len(gets) == sum(-(-size // RANGE_SPLIT_BYTES) for size in files.values())
+
+
+def test_s3_multipart_upload_reusing_part_buffers_is_byte_exact(s3_bucket):
+    url, options = s3_bucket
+    fs, root = split_url(url, options)
+    data = torch.randint(0, 256, (33 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5)).numpy()
+    handle = S3MultipartWriteHandle(fs, f"{root}/obj", f"{url}/obj", part_bytes=5 << 20)  # 7 parts: buffers reused
+    for start in range(0, len(data), 3_000_001):  # pieces that straddle the parts
+        handle.write(memoryview(data[start : start + 3_000_001]))
+    handle.fsync()
+    handle.close()
+    assert handle.bytes_written == len(data) and fs.cat_file(f"{root}/obj") == data.tobytes()
 
 
 def test_s3_corrupt_header_or_data_and_short_object(s3_bucket):
