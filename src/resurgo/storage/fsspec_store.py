@@ -153,11 +153,13 @@ class ObjectReadHandle:
                 for dest in dests:
                     pos = 0
                     while pos < len(dest):
-                        # Bounded reads: the body's buffer is handed over in small pieces (reused memory).
-                        got = await body.readinto(dest[pos : pos + BODY_READ_BYTES])
-                        if not got:
-                            raise ConnectionError(f"the response ended {end - start - pos} bytes early")
-                        pos += got
+                        # Bounded reads: what the connection buffered is handed over in pieces of at
+                        # most this size (reused memory), each copied once, into its place.
+                        piece = await body.read(min(BODY_READ_BYTES, len(dest) - pos))
+                        if not piece:
+                            raise ConnectionError(f"the response ended {len(dest) - pos} bytes early")
+                        dest[pos : pos + len(piece)] = piece
+                        pos += len(piece)
             finally:
                 body.close()
 
