@@ -70,7 +70,7 @@ def calibrate(cfg: dict) -> dict:
         mech.checkpoint(i, root / f"cal{i}")
         saves.append(time.perf_counter() - t)
     step_s, save_s = statistics.median(steps), statistics.median(saves)
-    n_star = max(1, math.ceil(save_s / (0.1 * step_s)) - 1)
+    n_star = max(1, math.ceil(save_s / (cfg["dcp_share"] * step_s)) - 1)
     return {"step_s": step_s, "dcp_save_s": save_s, "n_star": n_star,
             "dcp_pct_at_n_star": 100 * save_s / (n_star * step_s)}
 
@@ -90,14 +90,17 @@ def worker(cfg: dict) -> dict:
     def window(with_ckpt: bool, tag: str) -> dict:
         gc.collect()
         os.sync()
-        pending, stalls = [], []
+        pending, stalls, step_s, at = [], [], [], []
         t0 = time.perf_counter()
         for i in range(steps):
+            ts = time.perf_counter()
             step()
+            step_s.append(time.perf_counter() - ts)
             if with_ckpt and (i + 1 + n // 2) % n == 0:
                 t = time.perf_counter()
                 p = mech.checkpoint(i, root / f"{tag}-{i}")
                 stalls.append(time.perf_counter() - t)
+                at.append(i + 1)  # index of the first step after the call
                 mech.after_call(probe)
                 if p is not None:
                     pending.append(p)
@@ -106,7 +109,7 @@ def worker(cfg: dict) -> dict:
             p.join()
         t_all = time.perf_counter() - t0
         return {"time_s": t_all, "train_s": t_train, "checkpoints": len(stalls), "stalls_s": stalls,
-                "durable_s": [p.durable_s for p in pending]}
+                "durable_s": [p.durable_s for p in pending], "step_s": step_s, "ckpt_at": at}
 
     pairs = []
     for k in range(cfg["pairs"]):
@@ -114,11 +117,26 @@ def worker(cfg: dict) -> dict:
         pair = {w: window(w == "ckpt", f"p{k}") for w in order}
         pair["order"] = order
         pair["overhead_pct"] = 100 * (pair["ckpt"]["time_s"] - pair["plain"]["time_s"]) / pair["plain"]["time_s"]
+        pair["cost_s"] = checkpoint_cost(pair["ckpt"])
+        pair["cost_pct"] = 100 * pair["cost_s"] / (n * statistics.median(pair["ckpt"]["step_s"]))
         pairs.append(pair)
         for d in root.iterdir():
             common.remove(d)
     mech.close()
     return {"pairs": pairs}
+
+
+def checkpoint_cost(ckpt: dict, after: int = 8) -> float:
+    """What one checkpoint cost training, from step times: its stall, plus the excess of the
+    `after` steps that followed it (the background write is durable within a few steps) over the
+    median of the window's other steps, plus any wait for durability at the end. The baseline is
+    the same window's unaffected steps, so a machine that drifts between windows (on the dev VM,
+    steps grew 0.33 -> 0.50 s over a few minutes) does not bias it."""
+    steps = ckpt["step_s"]
+    hit = {i for a in ckpt["ckpt_at"] for i in range(a, min(a + after, len(steps)))}
+    med = statistics.median(x for i, x in enumerate(steps) if i not in hit)
+    cost = sum(ckpt["stalls_s"]) + ckpt["time_s"] - ckpt["train_s"] + sum(steps[i] - med for i in hit)
+    return cost / max(1, ckpt["checkpoints"])
 
 
 def run_worker(cfg: dict, workdir: Path) -> dict:
@@ -140,6 +158,8 @@ def main(argv=None) -> int:
     p.add_argument("--params-m", type=float, default=100)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--every", type=int, default=None, help="checkpoint every N steps (default: N*)")
+    p.add_argument("--dcp-share", type=float, default=0.10,
+                   help="N* is the largest N where a DCP save costs more than this share of N steps (default 0.10)")
     p.add_argument("--pairs", type=int, default=4, help="pairs of windows per mechanism (default 4)")
     p.add_argument("--windows-per", type=int, default=1, help="checkpoints per window (default 1)")
     p.add_argument("--warmup-steps", type=int, default=4)
@@ -168,7 +188,7 @@ def main(argv=None) -> int:
                  "loadavg_start": os.getloadavg()}
     t_run = time.perf_counter()
     if args.every is None:
-        cal = run_worker({**base, "mode": "calibrate"}, workdir)
+        cal = run_worker({**base, "mode": "calibrate", "dcp_share": args.dcp_share}, workdir)
         if "error" in cal:
             print(cal["error"], cal.get("traceback", ""), file=sys.stderr)
             return 1
@@ -196,10 +216,13 @@ def main(argv=None) -> int:
         res["median_stall_s"] = statistics.median(stalls)
         res["median_durable_s"] = statistics.median(durable) if durable else None
         res["median_plain_window_s"] = statistics.median(pr["plain"]["time_s"] for pr in res["pairs"])
+        res["median_cost_s"] = statistics.median(pr["cost_s"] for pr in res["pairs"])
+        res["cost_pct_at_every"] = statistics.median(pr["cost_pct"] for pr in res["pairs"])
         results[name] = res
         print(f"{name:22s} every {every} steps: overhead median {res['median_overhead_pct']:+.2f}% "
               f"(pairs {', '.join(f'{x:+.2f}' for x in ov)}); stall {res['median_stall_s']:.3f} s; "
-              f"durable {res['median_durable_s'] or 0:.2f} s; plain window {res['median_plain_window_s']:.1f} s")
+              f"durable {res['median_durable_s'] or 0:.2f} s; plain window {res['median_plain_window_s']:.1f} s; "
+              f"per-checkpoint cost from step times {res['median_cost_s']:.3f} s = {res['cost_pct_at_every']:.2f}%")
     doc["results"] = results
     doc["run_s"] = time.perf_counter() - t_run
     doc["loadavg_end"] = os.getloadavg()
@@ -208,11 +231,12 @@ def main(argv=None) -> int:
     dcp_pct = results.get("dcp", {}).get("median_overhead_pct")
     targets = []
     for n in ok:
-        v = results[n]["median_overhead_pct"]
-        targets.append({"name": f"{n} adds <= 1% at N={every}", "value_pct": v, "pass": v <= 1.0,
+        v, c = results[n]["median_overhead_pct"], results[n]["cost_pct_at_every"]
+        ok = v <= 1.0 and c <= 1.0
+        targets.append({"name": f"{n} adds <= 1% at N={every}", "value_pct": v, "cost_pct": c, "pass": ok,
                         "dcp_pct_same_n": dcp_pct, "dcp_over_10": dcp_pct is not None and dcp_pct > 10})
-        print(f"{'PASS' if v <= 1.0 else 'FAIL'}  {n} adds {v:+.2f}% at N={every} (need <= 1%); "
-              f"DCP save adds {dcp_pct if dcp_pct is not None else float('nan'):.1f}% at the same N")
+        print(f"{'PASS' if ok else 'FAIL'}  {n} adds {v:+.2f}% (windows) / {c:+.2f}% (step times) at N={every} "
+              f"(need <= 1% both); DCP save adds {dcp_pct if dcp_pct is not None else float('nan'):.1f}% at the same N")
     doc["targets"] = targets
     out.write_text(json.dumps(doc, indent=1, default=str))
     print(f"results: {out}  (run took {doc['run_s']:.0f} s)")
