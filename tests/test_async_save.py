@@ -15,7 +15,6 @@ import resurgo
 from resurgo.errors import MemoryBudgetError, SaveInFlightError, StorageError
 from resurgo.pipeline import async_save as async_mod
 from resurgo.pipeline import writer
-from resurgo.pipeline.verify import verify_checkpoint
 from resurgo.storage import local
 from helpers import bits_equal
 
@@ -277,42 +276,3 @@ def test_report_carries_the_stall(tmp_path):
     report = h.wait()
     assert report.seconds["stall"] == h.stall_seconds > 0
     assert report.seconds["total"] >= report.seconds["stall"]
-
-
-def _checksum_state():
-    g = torch.Generator().manual_seed(3)
-    return {
-        "multi_span": torch.randn(5 << 20, generator=g),  # 20 MiB: several 8 MiB copy-and-hash spans
-        "odd": torch.randn(300_007, generator=g).to(torch.bfloat16),
-        "strided": torch.randn(512, 1024, generator=g).t(),  # copied whole, hashed by the writer
-        "np": np.arange(70_001, dtype=np.int64),
-        "empty": torch.empty(0),
-        "scalar": torch.tensor(2.5),
-    }
-
-
-@pytest.mark.parametrize("guard", [False, True])
-def test_checksums_taken_while_staging_match_a_synchronous_save(tmp_path, monkeypatch, guard):
-    state = _checksum_state()
-    resurgo.save(state, tmp_path / "sync")
-    calls = []
-    real = writer.checksum
-
-    class CountingChecksum:  # the writer's view of the checksum module: counts what it hashes
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def block_digests(self, buf, bb):
-            calls.append(len(buf))
-            return real.block_digests(buf, bb)
-
-    monkeypatch.setattr(writer, "checksum", CountingChecksum())
-    # with a guard, the parameter (same storage as "multi_span") is staged and hashed by the
-    # background thread
-    opt = torch.optim.SGD([torch.nn.Parameter(state["multi_span"])], lr=0.1) if guard else None
-    resurgo.async_save(state, tmp_path / "async", guard=opt).wait()
-    assert resurgo.read_manifest(tmp_path / "async").tensors == resurgo.read_manifest(tmp_path / "sync").tensors
-    # only the strided tensor reached the writer unhashed
-    assert sum(calls) == state["strided"].numel() * 4
-    assert verify_checkpoint(tmp_path / "async").ok
-    assert bits_equal(resurgo.load_dict(tmp_path / "async"), state)

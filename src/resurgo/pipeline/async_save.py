@@ -28,7 +28,7 @@ import torch
 from resurgo.errors import MemoryBudgetError
 from resurgo.pipeline import inflight
 from resurgo.pipeline.save import LazySources, PreparedSave, prepare_save, write_and_commit
-from resurgo.pipeline.staging import StagedBytes, StageRequest, StagingPool, staging_bytes
+from resurgo.pipeline.staging import StagingPool, staging_bytes
 from resurgo.pipeline.writer import chunk_file_offsets
 from resurgo.reports import SaveReport
 
@@ -153,12 +153,8 @@ def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: 
         eager, deferred = _split(prep, guard)
         t0 = time.perf_counter()
         _pool.retain_only(prep.leaves)
-        layout = chunk_file_offsets(prep.plan)
-
-        def requests(keys: list[str]) -> list[StageRequest]:
-            return [StageRequest(prep.leaves[k], *layout[k]) for k in keys]
-
-        sources: dict[str, np.ndarray | StagedBytes] = _pool.stage(requests(eager))
+        offsets = chunk_file_offsets(prep.plan)
+        sources: dict[str, np.ndarray] = {key: _pool.copy_in(prep.leaves[key], offsets[key]) for key in eager}
         prep.seconds["stage"] = time.perf_counter() - t0
     except BaseException:
         prep.staging.abort()
@@ -174,8 +170,8 @@ def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: 
             if deferred:
                 t1 = time.perf_counter()
                 try:
-                    # one thread, at the writer's low priority: training runs meanwhile
-                    sources.update(_pool.stage(requests(deferred), parallel=False))
+                    for key in deferred:
+                        sources[key] = _pool.copy_in(prep.leaves[key], offsets[key])
                 finally:
                     prep.seconds["stage_background"] = time.perf_counter() - t1
                     handle._staged.set()  # even on failure: never leave the optimizer waiting

@@ -37,7 +37,6 @@ from resurgo.format.manifest import (
 )
 from resurgo.layout.box import ChunkBox, FlatRange
 from resurgo.pipeline.buffers import TensorStream, source_for_write
-from resurgo.pipeline.staging import StagedBytes
 from resurgo.pipeline.writer import WrittenChunk, WrittenFile, write_data_file
 from resurgo.plan.global_plan import GlobalPlan, RankDecl, RankWrite, TensorDecl, TensorMeta, plan_global
 from resurgo.plan.save_plan import SavePlan, plan_files
@@ -175,7 +174,7 @@ class LazySources(Mapping):
         return len(self._leaves)
 
 
-def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | TensorStream | StagedBytes"]) -> SaveReport:
+def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | TensorStream"]) -> SaveReport:
     """Write this rank's data files (one thread per file); once every rank's are durable, rank 0
     writes the manifest and commits. On any failure, on any rank, the staging directory is removed,
     nothing is committed, and every rank raises the same error."""

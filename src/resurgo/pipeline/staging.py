@@ -4,55 +4,26 @@ One buffer per tensor key, allocated once and reused by every later save of a te
 size, so steady-state checkpointing allocates nothing and memory stays at the state's size (plus
 at most 0.4%: a tensor of 1 MiB or more gets one extra block so that its snapshot starts at the
 same offset within a device block as its bytes have in the data file, and direct I/O writes it
-with no further copy; smaller ones pass through the writer's bounce buffer).
-
-Host tensors are copied in spans of a few MiB by several threads, and each span's block checksums
-are computed right after it is copied, while it is still in cache (:class:`StagedBytes`): hashing
-then costs no second pass over memory, and the background writer has nothing left to do but
-hand buffers to the device. On a machine with CUDA the buffers are page-locked and device tensors
-are copied on a side stream; the training stream waits for that copy before it runs anything
-else, so the snapshot is exact while the Python call returns at once (the writer hashes those).
+with no further copy; smaller ones pass through the writer's bounce buffer). On a
+machine with CUDA the buffers are page-locked and device tensors are copied on a side stream; the
+training stream waits for that copy before it runs anything else, so the snapshot is exact while
+the Python call returns at once.
 """
 
 from __future__ import annotations
 
-import os
 import threading
-from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Iterable
 
 import numpy as np
 import torch
 
-from resurgo.format import checksum
-from resurgo.pipeline.buffers import as_copyable, source_for_write, typed_view
+from resurgo.pipeline.buffers import as_copyable, typed_view
 from resurgo.state.flatten import TensorLeaf
 from resurgo.storage.direct_io import ALIGN
 
 
 PHASED_MIN_BYTES = 1 << 20
-SPAN_BYTES = 8 << 20  # one copy-and-hash task: large enough to amortize, small enough to balance
-STAGE_THREADS = max(1, min(8, os.cpu_count() or 1))  # memory bandwidth saturates within a few
-
-
-@dataclass
-class StagedBytes:
-    """A tensor's snapshot with the checksums of its blocks, computed as it was copied."""
-
-    data: np.ndarray  # flat uint8
-    block_bytes: int
-    digests: list[str]
-
-
-@dataclass(frozen=True)
-class StageRequest:
-    """One tensor to snapshot: where its bytes start in their data file (the buffer's phase) and
-    the block size of its checksums."""
-
-    leaf: TensorLeaf
-    file_offset: int
-    block_bytes: int
 
 
 def staging_bytes(nbytes: int) -> int:
@@ -65,7 +36,6 @@ class StagingPool:
         self._buffers: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
         self._stream: torch.cuda.Stream | None = None
-        self._executor: ThreadPoolExecutor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -90,38 +60,6 @@ class StagingPool:
         with self._lock:
             for key in [k for k in self._buffers if k not in keep]:
                 del self._buffers[key]
-
-    def stage(self, requests: Sequence[StageRequest], parallel: bool = True) -> dict[str, "np.ndarray | StagedBytes"]:
-        """Snapshot every requested tensor. Host bytes are copied and hashed span by span, by
-        several threads when ``parallel``; device and strided tensors are copied whole (their
-        blocks are hashed by the writer)."""
-        out: dict[str, np.ndarray | StagedBytes] = {}
-        spans: list[tuple[np.ndarray, np.ndarray, int]] = []  # (dst, src, block_bytes) slices
-        owners: list[tuple[str, int]] = []  # (key, number of spans) in order
-        for r in requests:
-            leaf = r.leaf
-            src = source_for_write(leaf.value)
-            if not isinstance(src, np.ndarray):
-                out[leaf.key] = self.copy_in(leaf, r.file_offset % ALIGN)
-                continue
-            dst = self._buffer(leaf.key, leaf.nbytes, pinned=False, phase=r.file_offset % ALIGN).numpy()
-            step = max(1, SPAN_BYTES // r.block_bytes) * r.block_bytes
-            starts = range(0, leaf.nbytes, step)
-            spans += [(dst[lo:lo + step], src[lo:lo + step], r.block_bytes) for lo in starts]
-            owners.append((leaf.key, len(starts)))
-            out[leaf.key] = StagedBytes(dst, r.block_bytes, [])
-        if parallel and len(spans) > 1 and STAGE_THREADS > 1:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(STAGE_THREADS, thread_name_prefix="resurgo-stage")
-            digests = iter(list(self._executor.map(_copy_and_hash, spans)))
-        else:
-            digests = iter([_copy_and_hash(sp) for sp in spans])
-        for key, count in owners:
-            staged = out[key]
-            assert isinstance(staged, StagedBytes)
-            for _ in range(count):
-                staged.digests += next(digests)
-        return out
 
     def copy_in(self, leaf: TensorLeaf, phase: int = 0) -> np.ndarray:
         """Copy one tensor's bytes into its staging buffer; return them as flat uint8 whose
@@ -161,9 +99,3 @@ class StagingPool:
         """Wait until every copy issued so far has landed in host memory."""
         if self._stream is not None:
             self._stream.synchronize()
-
-
-def _copy_and_hash(span: tuple[np.ndarray, np.ndarray, int]) -> list[str]:
-    dst, src, block_bytes = span
-    np.copyto(dst, src)  # releases the GIL, as xxhash does for large buffers
-    return checksum.block_digests(dst.data, block_bytes)

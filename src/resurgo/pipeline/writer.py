@@ -17,7 +17,6 @@ import numpy as np
 from resurgo.format import checksum
 from resurgo.format.safetensors_file import build_header
 from resurgo.pipeline.buffers import TensorStream
-from resurgo.pipeline.staging import StagedBytes
 from resurgo.plan.save_plan import FilePlan, SavePlan, WriteItem
 from resurgo.storage.base import Staging
 
@@ -43,15 +42,14 @@ class WrittenFile:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-def chunk_file_offsets(plan: SavePlan) -> dict[str, tuple[int, int]]:
-    """(where its bytes start in its data file, its block size) of each chunk, by name: what a
-    snapshot needs to be written with no copy and hashed as it is taken."""
-    return {item.name: (start, item.block_bytes) for f in plan.files
+def chunk_file_offsets(plan: SavePlan) -> dict[str, int]:
+    """Where each chunk's bytes start in its data file (staging buffers align to these)."""
+    return {item.name: start for f in plan.files
             for item, (start, _) in zip(f.items, build_header(f.items)[1])}
 
 
 def write_data_file(staging: Staging, plan: FilePlan,
-                    sources: Mapping[str, "np.ndarray | TensorStream | StagedBytes"]) -> WrittenFile:
+                    sources: Mapping[str, "np.ndarray | TensorStream"]) -> WrittenFile:
     t_write = t_hash = 0.0
     slice_buffer: np.ndarray | None = None  # reused by every streamed tensor of this file
     header, ranges = build_header(plan.items)
@@ -62,15 +60,8 @@ def write_data_file(staging: Staging, plan: FilePlan,
         t_write += time.perf_counter() - t0
         chunks = []
         for item, byte_range in zip(plan.items, ranges):
-            given = sources[item.name]
+            source = sources[item.name]
             block_bytes = item.block_bytes
-            hashed: list[str] | None = None
-            if isinstance(given, StagedBytes):  # hashed while it was staged
-                assert given.block_bytes == block_bytes, (item.name, given.block_bytes, block_bytes)
-                source: np.ndarray | TensorStream = given.data
-                hashed = given.digests
-            else:
-                source = given
             # Streamed slices must also hold whole elements.
             unit = math.lcm(block_bytes, source.tensor.element_size()) if isinstance(source, TensorStream) else block_bytes
             step = max(unit, SLICE_BYTES // unit * unit)
@@ -85,13 +76,12 @@ def write_data_file(staging: Staging, plan: FilePlan,
                 else:
                     piece = source.data.cast("B")[off : off + n]
                 t0 = time.perf_counter()
-                if hashed is None:
-                    digests.extend(checksum.block_digests(piece, block_bytes))
+                digests.extend(checksum.block_digests(piece, block_bytes))
                 t1 = time.perf_counter()
                 handle.write(piece)
                 t_write += time.perf_counter() - t1
                 t_hash += t1 - t0
-            chunks.append(WrittenChunk(item, plan.path, byte_range, block_bytes, hashed if hashed is not None else digests))
+            chunks.append(WrittenChunk(item, plan.path, byte_range, block_bytes, digests))
         t0 = time.perf_counter()
         handle.fsync()
         t_fsync = time.perf_counter() - t0
