@@ -213,7 +213,7 @@ def test_retries_transient_errors_then_gives_up_naming_the_url(monkeypatch):
 def test_s3_save_load_async_multipart(s3_bucket):
     bucket, options = s3_bucket
     url = f"{bucket}/run/c1"
-    state = _state(3, big=9_000_000)  # 36 MB: a multipart upload of 16 MiB parts
+    state = _state(3, big=9_000_000)  # 36 MB: a multipart upload of 8 MiB parts
     report = resurgo.save(state, url, step=3, storage_options=options, io_threads=2)
     objects = _objects(url, options)
     assert report.bytes_written == sum(objects.values()) and "manifest.json" in objects

@@ -49,7 +49,7 @@ from resurgo.storage.retry import as_resurgo_error, is_precondition_failure, wit
 
 WRITERS_DIR = ".resurgo-writers"
 DATA_DIR = "data"
-PART_BYTES = 16 << 20  # multipart part size (S3: at least 5 MiB but the last)
+PART_BYTES = 8 << 20  # multipart part size (S3: at least 5 MiB but the last)
 PARTS_IN_FLIGHT = 2  # per object: bounds the memory of an upload to about this many parts
 RANGE_SPLIT_BYTES = 16 << 20  # a larger ranged read is split into parallel requests of this size
 BODY_READ_BYTES = 1 << 20  # a response body is read into its destination this much at a time
