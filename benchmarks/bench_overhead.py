@@ -117,8 +117,8 @@ def worker(cfg: dict) -> dict:
         pair = {w: window(w == "ckpt", f"p{k}") for w in order}
         pair["order"] = order
         pair["overhead_pct"] = 100 * (pair["ckpt"]["time_s"] - pair["plain"]["time_s"]) / pair["plain"]["time_s"]
-        pair["cost_s"] = checkpoint_cost(pair["ckpt"])
-        pair["cost_pct"] = 100 * pair["cost_s"] / (n * statistics.median(pair["ckpt"]["step_s"]))
+        pair["cost_s"], step_s = checkpoint_cost(pair["ckpt"])
+        pair["cost_pct"] = 100 * pair["cost_s"] / (n * step_s)
         pairs.append(pair)
         for d in root.iterdir():
             common.remove(d)
@@ -126,7 +126,7 @@ def worker(cfg: dict) -> dict:
     return {"pairs": pairs}
 
 
-def checkpoint_cost(ckpt: dict, after: int = 8) -> float:
+def checkpoint_cost(ckpt: dict, after: int = 8) -> tuple[float, float]:
     """What one checkpoint cost training, from step times: its stall, plus the excess of the
     `after` steps that followed it (the background write is durable within a few steps) over the
     median of the window's other steps, plus any wait for durability at the end. The baseline is
@@ -136,7 +136,7 @@ def checkpoint_cost(ckpt: dict, after: int = 8) -> float:
     hit = {i for a in ckpt["ckpt_at"] for i in range(a, min(a + after, len(steps)))}
     med = statistics.median(x for i, x in enumerate(steps) if i not in hit)
     cost = sum(ckpt["stalls_s"]) + ckpt["time_s"] - ckpt["train_s"] + sum(steps[i] - med for i in hit)
-    return cost / max(1, ckpt["checkpoints"])
+    return cost / max(1, ckpt["checkpoints"]), med  # and the unaffected step it is measured against
 
 
 def run_worker(cfg: dict, workdir: Path) -> dict:

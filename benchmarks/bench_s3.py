@@ -64,12 +64,21 @@ class Boto3:
         return ok
 
 
-class Resurgo:
-    name = "resurgo"
+class StateLoader:
+    """A mechanism that saves the state and loads it back into a target of the same shapes."""
 
     def __init__(self, server: SeaweedServer, bucket: str, state: dict, threads: int):
         self.options, self.bucket, self.state, self.threads = server.storage_options, bucket, state, threads
         self.target = common.empty_like_state(state)
+
+    def check(self) -> bool:
+        ok = not common.bitwise_mismatches(self.state, self.target)
+        common.zero_state(self.target)
+        return ok
+
+
+class Resurgo(StateLoader):
+    name = "resurgo"
 
     def save(self, prefix: str) -> None:
         import resurgo
@@ -83,20 +92,11 @@ class Resurgo:
         self.report = resurgo.load(self.target, f"s3://{self.bucket}/{prefix}", storage_options=self.options,
                                    io_threads=self.threads)
 
-    def check(self) -> bool:
-        ok = not common.bitwise_mismatches(self.state, self.target)
-        common.zero_state(self.target)
-        return ok
 
-
-class Dcp:
+class Dcp(StateLoader):
     """torch.distributed.checkpoint with its fsspec writer and reader (same thread count)."""
 
     name = "dcp"
-
-    def __init__(self, server: SeaweedServer, bucket: str, state: dict, threads: int):
-        self.options, self.bucket, self.state, self.threads = server.storage_options, bucket, state, threads
-        self.target = common.empty_like_state(state)
 
     def save(self, prefix: str) -> None:
         import torch.distributed.checkpoint as dcp
@@ -110,11 +110,6 @@ class Dcp:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
         dcp.load(self.target, storage_reader=FsspecReader(f"s3://{self.bucket}/{prefix}", **self.options))
-
-    def check(self) -> bool:
-        ok = not common.bitwise_mismatches(self.state, self.target)
-        common.zero_state(self.target)
-        return ok
 
 
 def main() -> int:

@@ -93,17 +93,18 @@ def _address(view: memoryview) -> int:
 
 
 class DirectWriteHandle:
-    """A new file written sequentially with ``O_DIRECT`` where the filesystem allows it.
+    """A new file written sequentially, with ``O_DIRECT`` where the filesystem allows it and
+    ``direct`` is asked for (``direct=False``: ordinary buffered writes, for small files).
 
-    Same interface as the buffered handle: ``write``, ``fsync`` (which first writes the buffered
-    tail), ``close``, ``bytes_written`` (the file's logical size so far).
+    ``write``, ``fsync`` (which first writes the bounce buffer's tail), ``close``,
+    ``bytes_written`` (the file's logical size so far).
     """
 
-    def __init__(self, path: Path, label: str | None = None):
+    def __init__(self, path: Path, label: str | None = None, direct: bool = True):
         self.path = path
         self.label = label or str(path)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-        self.direct = direct_io_enabled()
+        self.direct = direct and direct_io_enabled()
         self.fd = -1
         if self.direct:
             try:
@@ -177,12 +178,15 @@ class DirectWriteHandle:
             return
         data = self._bounce_view()[:self._pending]
         self._pending = 0
-        self._write_direct(data) if self.direct else self._write_all(data)
+        if self.direct:
+            self._write_direct(data)
+        else:
+            self._write_all(data)
 
     def _go_buffered(self) -> None:
         """The device refused a direct write (alignment it needs is larger than ours): drop
         O_DIRECT on this file and write what is left buffered."""
-        import fcntl
+        import fcntl  # here: only Unix has it, and only Linux has O_DIRECT to drop
 
         fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~_O_DIRECT)
         self.direct = False

@@ -94,35 +94,12 @@ def is_temporary(path: Path) -> bool:
     return TMP_MARKER in path.name
 
 
-class WriteHandle:
-    """A new file opened for writing; writes loop until every byte is written."""
+class WriteHandle(DirectWriteHandle):
+    """A new file written with ordinary buffered writes (manifests, conversions); writes loop
+    until every byte is written."""
 
     def __init__(self, path: Path, label: str | None = None):
-        self.path = path
-        self.label = label or str(path)  # how errors name the file
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-        self.bytes_written = 0
-
-    def write(self, data: memoryview) -> None:
-        view = memoryview(data).cast("B")
-        try:
-            while len(view):
-                n = os.write(self.fd, view)
-                view = view[n:]
-                self.bytes_written += n
-        except OSError as e:
-            raise StorageError(e.errno, f"{self.label}: write failed after {self.bytes_written} bytes: {e.strerror}") from None
-
-    def fsync(self) -> None:
-        try:
-            os.fsync(self.fd)
-        except OSError as e:
-            raise StorageError(e.errno, f"{self.label}: fsync failed: {e.strerror}") from None
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        super().__init__(path, label, direct=False)
 
 
 class ReadHandle:
