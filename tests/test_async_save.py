@@ -88,11 +88,11 @@ def slow_writes(monkeypatch):
 def _with_writer(write_file):
     from resurgo.pipeline import save as save_mod
 
-    def write_and_commit(prep, sources):
+    def write_and_commit(prep, sources, digests=None):
         original = save_mod.write_data_file
         save_mod.write_data_file = write_file
         try:
-            return save_mod.write_and_commit(prep, sources)
+            return save_mod.write_and_commit(prep, sources, digests)
         finally:
             save_mod.write_data_file = original
     return write_and_commit
@@ -276,3 +276,88 @@ def test_report_carries_the_stall(tmp_path):
     report = h.wait()
     assert report.seconds["stall"] == h.stall_seconds > 0
     assert report.seconds["total"] >= report.seconds["stall"]
+
+
+def _trained_linear():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(4, 256)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_guard_step_takes_over_the_copy_the_background_has_not_done(tmp_path, monkeypatch):
+    """The background copy is held back: step() copies the rest itself instead of waiting for it."""
+    model, opt = _trained_linear()
+    state = {"model": model, "optimizer": opt}
+    expected = resurgo.load_dict(_sync_copy(state, tmp_path))
+    release = threading.Event()
+    held = []
+    monkeypatch.setattr(async_mod, "_lower_priority", lambda: held.append(release.wait(30)))
+    h = resurgo.async_save(state, tmp_path / "c", guard=opt)
+    assert not h.staged()
+    model(torch.randn(4, 256)).sum().backward()
+    opt.step()  # returns although the background thread has not started copying
+    assert h.staged() and not release.is_set()
+    release.set()
+    h.wait()
+    assert held == [True]  # the background thread was released, not timed out
+    assert bits_equal(resurgo.load_dict(tmp_path / "c"), expected)
+    assert not torch.equal(model.weight, expected["model"]["weight"])
+
+
+def test_guard_copy_failure_lets_step_run_and_is_raised_by_wait(tmp_path, monkeypatch):
+    model, opt = _trained_linear()
+    real_stage = async_mod._pool.stage
+
+    def failing_stage(leaf, phase=0, block_bytes=0):
+        staged = real_stage(leaf, phase, block_bytes)
+        if leaf.key.endswith("exp_avg"):
+            def boom():
+                raise OSError(14, "Bad address")
+            staged = staged._replace(tasks=[boom])
+        return staged
+
+    monkeypatch.setattr(async_mod._pool, "stage", failing_stage)
+    h = resurgo.async_save({"model": model, "optimizer": opt}, tmp_path / "c", guard=opt)
+    model(torch.randn(4, 256)).sum().backward()
+    opt.step()  # the copy failed: training goes on, the save reports it
+    with pytest.raises(OSError, match="Bad address"):
+        h.wait()
+    assert not (tmp_path / "c").exists()
+
+
+def _manifest_checksums(path):
+    import json
+
+    from resurgo.format.manifest import MANIFEST_NAME
+
+    doc = json.loads((path / MANIFEST_NAME).read_text())
+    return {key: [(c["block_bytes"], c["checksums"]) for c in t["chunks"]] for key, t in doc["tensors"].items()}
+
+
+def test_guard_copy_hashes_blocks_as_it_copies(tmp_path, monkeypatch):
+    """The guard's background copy computes the block digests (many slices, odd block sizes);
+    the writer hashes only what the call copied, and the digests equal a synchronous save's."""
+    from resurgo.pipeline import host_copy
+
+    monkeypatch.setattr(host_copy, "SLICE_BYTES", 3000)
+    model, opt = _trained_linear()
+    state = {"model": model, "optimizer": opt, "extra": torch.arange(1000)}
+    hashed = []
+    real = writer.checksum.block_digests
+    monkeypatch.setattr(writer.checksum, "block_digests", lambda buf, b: hashed.append(len(buf)) or real(buf, b))
+    resurgo.save(state, tmp_path / "sync", block_bytes=1000)
+    sync_hashed = sum(hashed)
+    hashed.clear()
+    h = resurgo.async_save(state, tmp_path / "guard", guard=opt, block_bytes=1000)
+    model(torch.randn(4, 256)).sum().backward()
+    opt.step()
+    h.wait()
+    assert sum(hashed) == 8000  # only "extra" (copied in the call) was hashed by the writer
+    assert sync_hashed == h.wait().tensor_bytes
+    assert _manifest_checksums(tmp_path / "guard") == _manifest_checksums(tmp_path / "sync")
+    from resurgo.pipeline.verify import verify_checkpoint
+
+    assert verify_checkpoint(tmp_path / "guard").problems == []

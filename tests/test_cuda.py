@@ -41,6 +41,22 @@ def test_async_snapshot_of_device_tensors_ignores_kernels_queued_after_the_call(
         assert async_mod._pool._buffers[key].is_pinned(), key
 
 
+def test_async_snapshot_on_a_non_default_training_stream(tmp_path):
+    """Copy threads other than the caller's must order the copy against the caller's stream."""
+    state = _state()
+    training = torch.cuda.Stream()
+    training.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(training):
+        for v in state.values():
+            v.mul_(2)  # queued on the training stream before the call
+        expected = {k: v.detach().cpu() for k, v in state.items()}
+        h = resurgo.async_save(state, tmp_path / "c")
+        for v in state.values():
+            v.add_(1)  # and right after it
+    h.wait()
+    assert bits_equal(resurgo.load_dict(tmp_path / "c"), expected)
+
+
 def test_guarded_async_save_of_a_cuda_model(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8)).cuda()

@@ -6,13 +6,14 @@ reusable staging buffers (see :mod:`resurgo.pipeline.staging`) and returns an
 commits. The checkpoint holds the values of the moment of the call, whatever training does after.
 
 With ``guard=optimizer`` the parameters and optimizer state are not copied during the call: a
-background thread copies them while the next forward and backward run (which do not modify them),
-and a pre-hook on ``optimizer.step()`` waits for that copy. Everything else (buffers that forward
-mutates, such as BatchNorm statistics) is copied during the call.
+background thread copies them (hashing each block as it lands) while the next forward and
+backward run, which do not modify them, and a pre-hook on ``optimizer.step()`` takes over
+whatever is not copied yet (:mod:`resurgo.pipeline.host_copy`). Everything else (buffers that
+forward mutates, such as BatchNorm statistics) is copied during the call.
 
 Background writing uses threads: ``os.write``, ``fsync``, tensor copies and large xxhash calls all
 release the GIL, and a thread shares the staging buffers with no copy or serialization, which a
-helper process would need (see the closing note of issue 4 for measurements).
+helper process would need (``benchmarks/bench_writer_placement.py`` measures both).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 from resurgo.errors import MemoryBudgetError
 from resurgo.pipeline import inflight
+from resurgo.pipeline.host_copy import CopyBatch
 from resurgo.pipeline.save import LazySources, PreparedSave, prepare_save, write_and_commit
 from resurgo.pipeline.staging import StagingPool, staging_bytes
 from resurgo.pipeline.writer import chunk_file_offsets
@@ -154,13 +156,39 @@ def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: 
         t0 = time.perf_counter()
         _pool.retain_only(prep.leaves)
         offsets = chunk_file_offsets(prep.plan)
-        sources: dict[str, np.ndarray] = {key: _pool.copy_in(prep.leaves[key], offsets[key]) for key in eager}
+        blocks = {item.name: item.block_bytes for f in prep.plan.files for item in f.items}
+        sources: dict[str, np.ndarray] = {}
+        digests: dict[str, list[str]] = {}
+
+        def batch(keys: list[str], hashed: bool) -> CopyBatch:
+            tasks = []
+            for key in keys:
+                staged = _pool.stage(prep.leaves[key], offsets[key], blocks[key] if hashed else 0)
+                sources[key] = staged.flat
+                tasks += staged.tasks
+                if staged.digests is not None:
+                    digests[key] = staged.digests
+            return CopyBatch(tasks)
+
+        # The guard's copy runs beside training, so it also hashes each block while in cache; the
+        # call's copy stays a bare memmove, the shortest stall (hashing there made it 1.25x).
+        background = batch(deferred, hashed=True)
+        batch(eager, hashed=False).finish()
         prep.seconds["stage"] = time.perf_counter() - t0
     except BaseException:
         prep.staging.abort()
         raise
     if deferred:
-        handle._hook = guard.register_step_pre_hook(lambda *_: handle.wait_staged())
+        def before_step(*_: Any) -> None:
+            # Take over what the background has not copied yet, at full speed, rather than wait.
+            if handle._staged.is_set():
+                return
+            try:
+                background.finish()
+            except BaseException:
+                pass  # the save has failed; the background thread reports it, training goes on
+            handle._staged.set()
+        handle._hook = guard.register_step_pre_hook(before_step)
     else:
         handle._staged.set()
 
@@ -170,13 +198,13 @@ def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: 
             if deferred:
                 t1 = time.perf_counter()
                 try:
-                    for key in deferred:
-                        sources[key] = _pool.copy_in(prep.leaves[key], offsets[key])
+                    background.run()
+                    background.wait()
                 finally:
                     prep.seconds["stage_background"] = time.perf_counter() - t1
                     handle._staged.set()  # even on failure: never leave the optimizer waiting
             _pool.synchronize()
-            report = write_and_commit(prep, sources)
+            report = write_and_commit(prep, sources, digests)
             report.seconds["stall"] = handle.stall_seconds
             report.seconds["total"] = time.perf_counter() - t_start
             handle._report = report

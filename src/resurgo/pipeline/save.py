@@ -174,7 +174,8 @@ class LazySources(Mapping):
         return len(self._leaves)
 
 
-def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | TensorStream"]) -> SaveReport:
+def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | TensorStream"],
+                     digests: Mapping[str, list[str]] | None = None) -> SaveReport:
     """Write this rank's data files (one thread per file); once every rank's are durable, rank 0
     writes the manifest and commits. On any failure, on any rank, the staging directory is removed,
     nothing is committed, and every rank raises the same error."""
@@ -184,9 +185,9 @@ def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | Ten
     def write() -> list[WrittenFile]:
         files = prep.plan.files
         if len(files) == 1:
-            return [write_data_file(prep.staging, files[0], sources)]
+            return [write_data_file(prep.staging, files[0], sources, digests)]
         with ThreadPoolExecutor(len(files), thread_name_prefix="resurgo-write") as pool:
-            return list(pool.map(lambda f: write_data_file(prep.staging, f, sources), files))
+            return list(pool.map(lambda f: write_data_file(prep.staging, f, sources, digests), files))
 
     def commit() -> tuple[int, float]:
         if not comm.is_coordinator:

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from resurgo.pipeline.buffers import as_copyable, typed_view
+from resurgo.format import checksum
+from resurgo.pipeline.buffers import as_copyable, source_for_write, typed_view
+from resurgo.pipeline.host_copy import Task, memmove_tasks
 from resurgo.state.flatten import TensorLeaf
 from resurgo.storage.direct_io import ALIGN
 
@@ -29,6 +32,21 @@ PHASED_MIN_BYTES = 1 << 20
 def staging_bytes(nbytes: int) -> int:
     """The staging memory a tensor of ``nbytes`` takes."""
     return nbytes + (ALIGN if nbytes >= PHASED_MIN_BYTES else 0)
+
+
+class Staged(NamedTuple):
+    """One tensor's staging buffer, the tasks that fill it, and its block digests once they ran."""
+
+    flat: np.ndarray
+    tasks: list[Task]
+    digests: list[str] | None
+
+
+def _host_copy(flat: np.ndarray, src: np.ndarray, block_bytes: int) -> Staged:
+    if not block_bytes:
+        return Staged(flat, memmove_tasks(flat, src), None)
+    digests = [""] * checksum.block_count(src.nbytes, block_bytes)
+    return Staged(flat, memmove_tasks(flat, src, digests, block_bytes), digests)
 
 
 class StagingPool:
@@ -61,34 +79,44 @@ class StagingPool:
             for key in [k for k in self._buffers if k not in keep]:
                 del self._buffers[key]
 
-    def copy_in(self, leaf: TensorLeaf, phase: int = 0) -> np.ndarray:
-        """Copy one tensor's bytes into its staging buffer; return them as flat uint8 whose
-        address is ``phase`` modulo ALIGN (give the bytes' offset in their data file)."""
+    def stage(self, leaf: TensorLeaf, phase: int = 0, block_bytes: int = 0) -> Staged:
+        """The tensor's staging buffer, as flat uint8 whose address is ``phase`` modulo ALIGN (give
+        the bytes' offset in their data file), and the copy tasks that fill it (not yet run).
+
+        With ``block_bytes``, host copies also hash each block as it lands (``Staged.digests``
+        is filled in as the tasks run); other copies leave hashing to the writer (None)."""
         value = leaf.value
         if isinstance(value, np.ndarray):
-            buf = self._buffer(leaf.key, leaf.nbytes, pinned=False, phase=phase)
-            flat = buf.numpy()
-            np.copyto(flat.view(value.dtype).reshape(value.shape), value)
-            return flat
+            flat = self._buffer(leaf.key, leaf.nbytes, pinned=False, phase=phase).numpy()
+            return _host_copy(flat, np.ascontiguousarray(value).reshape(-1).view(np.uint8), block_bytes)
         src = value.detach()
         on_cuda = src.device.type == "cuda"
-        buf = self._buffer(leaf.key, leaf.nbytes, pinned=on_cuda, phase=phase)
-        dst = typed_view(buf.numpy(), src.dtype, tuple(src.shape))
+        flat = self._buffer(leaf.key, leaf.nbytes, pinned=on_cuda, phase=phase).numpy()
+        host = source_for_write(src)
+        if isinstance(host, np.ndarray):  # one flat host buffer: memmove slices
+            return _host_copy(flat, host, block_bytes)
+        dst = typed_view(flat, src.dtype, tuple(src.shape))
         if src.is_conj() or src.is_neg():
             src = src.resolve_conj().resolve_neg()
-        if on_cuda:
-            self._copy_from_cuda(dst, src)
-        else:
-            as_copyable(dst).copy_(as_copyable(src))
-        return buf.numpy()
 
-    def _copy_from_cuda(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        # The caller's stream, taken now: the task may run in another thread, whose current
+        # stream is not the one training queues its kernels on.
+        main = torch.cuda.current_stream(src.device) if on_cuda else None
+
+        def copy() -> None:
+            if main is not None:
+                self._copy_from_cuda(dst, src, main)
+            else:
+                as_copyable(dst).copy_(as_copyable(src))
+        return Staged(flat, [copy], None)
+
+    def _copy_from_cuda(self, dst: torch.Tensor, src: torch.Tensor, main: torch.cuda.Stream) -> None:
         # Side stream: the copy overlaps whatever the host does next; the training stream then
         # waits on it, so kernels queued after this call cannot change the tensor before it is read.
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=src.device)
-        side = self._stream
-        main = torch.cuda.current_stream(src.device)
+        with self._lock:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device=src.device)
+            side = self._stream
         side.wait_stream(main)
         with torch.cuda.stream(side):
             as_copyable(dst).copy_(as_copyable(src), non_blocking=True)

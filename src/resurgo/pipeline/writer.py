@@ -49,7 +49,10 @@ def chunk_file_offsets(plan: SavePlan) -> dict[str, int]:
 
 
 def write_data_file(staging: Staging, plan: FilePlan,
-                    sources: Mapping[str, "np.ndarray | TensorStream"]) -> WrittenFile:
+                    sources: Mapping[str, "np.ndarray | TensorStream"],
+                    digests: Mapping[str, list[str]] | None = None) -> WrittenFile:
+    """Write one data file and fsync it. ``digests``: block digests already computed for some
+    chunks (hashed as they were staged); the others are hashed here."""
     t_write = t_hash = 0.0
     slice_buffer: np.ndarray | None = None  # reused by every streamed tensor of this file
     header, ranges = build_header(plan.items)
@@ -67,7 +70,8 @@ def write_data_file(staging: Staging, plan: FilePlan,
             step = max(unit, SLICE_BYTES // unit * unit)
             if isinstance(source, TensorStream) and (slice_buffer is None or len(slice_buffer) < step):
                 slice_buffer = np.empty(step, dtype=np.uint8)
-            digests: list[str] = []
+            known = digests.get(item.name) if digests else None
+            chunk_digests: list[str] = list(known) if known is not None else []
             for off in range(0, item.nbytes, step):
                 n = min(step, item.nbytes - off)
                 if isinstance(source, TensorStream):
@@ -76,12 +80,13 @@ def write_data_file(staging: Staging, plan: FilePlan,
                 else:
                     piece = source.data.cast("B")[off : off + n]
                 t0 = time.perf_counter()
-                digests.extend(checksum.block_digests(piece, block_bytes))
+                if known is None:
+                    chunk_digests.extend(checksum.block_digests(piece, block_bytes))
                 t1 = time.perf_counter()
                 handle.write(piece)
                 t_write += time.perf_counter() - t1
                 t_hash += t1 - t0
-            chunks.append(WrittenChunk(item, plan.path, byte_range, block_bytes, digests))
+            chunks.append(WrittenChunk(item, plan.path, byte_range, block_bytes, chunk_digests))
         t0 = time.perf_counter()
         handle.fsync()
         t_fsync = time.perf_counter() - t0
