@@ -294,7 +294,14 @@ def test_guard_step_takes_over_the_copy_the_background_has_not_done(tmp_path, mo
     expected = resurgo.load_dict(_sync_copy(state, tmp_path))
     release = threading.Event()
     held = []
-    monkeypatch.setattr(async_mod, "_lower_priority", lambda: held.append(release.wait(30)))
+
+    class HeldBack(async_mod.CopyBatch):
+        def run(self):
+            if threading.current_thread().name == "resurgo-async-save":
+                held.append(release.wait(30))
+            super().run()
+
+    monkeypatch.setattr(async_mod, "CopyBatch", HeldBack)
     h = resurgo.async_save(state, tmp_path / "c", guard=opt)
     assert not h.staged()
     model(torch.randn(4, 256)).sum().backward()
