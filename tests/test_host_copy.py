@@ -3,7 +3,9 @@ copy every byte; a failed task is raised by wait() and never leaves a waiter han
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -86,3 +88,27 @@ def test_finish_waits_for_tasks_other_threads_hold():
     finisher.join(10)
     claimed.join(10)
     assert not finisher.is_alive() and sorted(order) == ["fast", "slow"]
+
+
+def test_a_forked_child_gets_its_own_copy_threads():
+    CopyBatch([lambda: None] * 4).finish(threads=2)  # the parent's pool exists now
+    pid = os.fork()
+    if pid == 0:  # child: its copy would hang on the parent's (absent) threads
+        code = 1
+        try:
+            out = []
+            CopyBatch([lambda i=i: out.append(i) for i in range(8)]).finish(threads=2)
+            code = 0 if sorted(out) == list(range(8)) else 2
+        finally:
+            os._exit(code)
+    done, status = 0, 0
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    if not done:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert done and os.WEXITSTATUS(status) == 0

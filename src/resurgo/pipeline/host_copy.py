@@ -132,16 +132,16 @@ def copy_threads() -> int:
 
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
-_pool_size = 0
+_pool_key = (0, 0)  # (process id, threads): a forked child has none of its parent's threads
 
 
 def _copy_pool() -> ThreadPoolExecutor:
-    global _pool, _pool_size
-    want = max(1, copy_threads() - 1)
+    global _pool, _pool_key
+    key = (os.getpid(), max(1, copy_threads() - 1))
     with _pool_lock:
-        if _pool is None or _pool_size < want:
-            if _pool is not None:
+        if _pool is None or _pool_key != key:
+            if _pool is not None and _pool_key[0] == key[0]:
                 _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(want, thread_name_prefix="resurgo-copy")
-            _pool_size = want
+            _pool = ThreadPoolExecutor(key[1], thread_name_prefix="resurgo-copy")
+            _pool_key = key
         return _pool
