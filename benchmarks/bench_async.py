@@ -731,6 +731,27 @@ def median(xs):
     return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
+AFTER_STEPS = 8
+
+
+def step_time_cost(mech: dict, every: int) -> float | None:
+    """What one checkpoint cost training, from the checkpointing window's own step times: the
+    call, plus the excess of the AFTER_STEPS steps that followed it (a guard's wait and the
+    background work land there) over the median of the window's other steps, plus its share of
+    the final wait for durability. Unlike per_ckpt_cost_s it needs no second window, so a
+    machine that drifts between windows does not bias it (bench_overhead.py does the same)."""
+    ck, steps = mech["checkpoints"], mech["step_s"]
+    if not ck:
+        return None
+    hit = {i for c in ck for i in range(c["window_step"], min(c["window_step"] + AFTER_STEPS, len(steps)))}
+    rest = [x for i, x in enumerate(steps) if i not in hit]
+    if not rest:
+        return None
+    med = median(rest)
+    total = sum(c["call_s"] for c in ck) + mech["tail_wait_s"] + sum(steps[i] - med for i in hit)
+    return total / len(ck)
+
+
 def run_metrics(res: dict, every: int) -> dict:
     """The numbers of one (mechanism, repetition) run."""
     mech, base = res["mech"], res["base"]
@@ -744,6 +765,7 @@ def run_metrics(res: dict, every: int) -> dict:
     nxt = [mech["step_s"][c["window_step"]] - med_step for c in ck
            if c["window_step"] < len(mech["step_s"])]
     return {
+        "step_cost_s": step_time_cost(mech, every),
         "stall_s": median([c["stall_s"] for c in ck]),
         "call_s": median([c["call_s"] for c in ck]),
         "guard_wait_s": median([c.get("guard_wait_s") for c in ck]),
@@ -762,7 +784,7 @@ def run_metrics(res: dict, every: int) -> dict:
     }
 
 
-METRICS = ["stall_s", "call_s", "guard_wait_s", "next_step_excess_s", "durable_s",
+METRICS = ["step_cost_s", "stall_s", "call_s", "guard_wait_s", "next_step_excess_s", "durable_s",
            "first_stall_s", "first_durable_s",
            "peak_extra_rss", "base_peak_extra_rss", "window_overhead_pct", "per_ckpt_cost_s",
            "step_s", "overhead_at_every_pct", "tail_wait_s"]
@@ -814,8 +836,11 @@ def overhead_target(ok: dict, every: int):
     for name in ("resurgo_async", "resurgo_async_guard"):
         if name in ok:
             m = ok[name]["median"]
+            by_steps = m["step_cost_s"]
             out[name] = {
                 "at_n_star_pct": 100 * m["per_ckpt_cost_s"] / (n_star * m["step_s"]),
+                "at_n_star_by_step_times_pct": (100 * by_steps / (n_star * m["step_s"])
+                                                if by_steps is not None else None),
                 "at_every_pct": m["overhead_at_every_pct"],
             }
     return out
@@ -849,7 +874,10 @@ def evaluate_targets(ok: dict, every: int) -> list[dict]:
                get("resurgo_async_guard", "median", "peak_extra_x_state"), 1.1),
     ]
     for name, label in (("resurgo_async", "resurgo async"), ("resurgo_async_guard", "resurgo async (guard)")):
-        v = ov[name]["at_n_star_pct"] if ov and name in ov else None
+        # Both measures must pass: window totals and step times (see step_time_cost).
+        v = None
+        if ov and name in ov and ov[name]["at_n_star_by_step_times_pct"] is not None:
+            v = max(ov[name]["at_n_star_pct"], ov[name]["at_n_star_by_step_times_pct"])
         t.append(target(f"{label} adds <= 1% training time at N where DCP save adds > 10%",
                         v, 1.0, unit="%", detail=ov))
     return t
@@ -877,7 +905,7 @@ def print_report(console, doc: dict) -> None:
         title_justify="left",
     )
     cols = ["mechanism", "stall\ns/ckpt", "call\ns", "guard\nwait s", "next step\n+s", "first\nstall s",
-            "durable\ns", "peak extra\nRSS GiB", "extra\nx state", "cost\ns/ckpt",
+            "durable\ns", "peak extra\nRSS GiB", "extra\nx state", "cost\ns/ckpt", "cost by\nsteps s",
             f"overhead\n@N={cfg['every']}", "stall x\nDCP async", "stall x\nstager", "stall x\ncopy"]
     for i, c in enumerate(cols):
         table.add_column(c, justify="left" if i == 0 else "right")
@@ -890,7 +918,7 @@ def print_report(console, doc: dict) -> None:
             name, _f(m["stall_s"]), _f(m["call_s"]), _f(m["guard_wait_s"]),
             _f(m["next_step_excess_s"], "{:+.3f}"), _f(m["first_stall_s"]), _f(m["durable_s"], "{:.2f}"),
             _f(m["peak_extra_rss"] / GiB if m["peak_extra_rss"] is not None else None, "{:.2f}"),
-            _f(m["peak_extra_x_state"], "{:.2f}x"), _f(m["per_ckpt_cost_s"]),
+            _f(m["peak_extra_x_state"], "{:.2f}x"), _f(m["per_ckpt_cost_s"]), _f(m["step_cost_s"]),
             _f(m["overhead_at_every_pct"], "{:+.1f}%"),
             _f(ra["stall_vs_dcp_async"], "{:.2f}x"), _f(ra["stall_vs_dcp_async_stager"], "{:.2f}x"),
             _f(ra["stall_vs_copy"], "{:.2f}x"),
@@ -913,7 +941,8 @@ def print_report(console, doc: dict) -> None:
             d = t.get("detail") or {}
             key = "resurgo_async_guard" if "guard" in t["name"] else "resurgo_async"
             val = ("n/a" if t["value"] is None else
-                   f"{t['value']:.2f}% at N*={d['n_star']} (DCP save adds "
+                   f"{d[key]['at_n_star_pct']:.2f}% by windows, "
+                   f"{d[key]['at_n_star_by_step_times_pct']:.2f}% by step times at N*={d['n_star']} (DCP save adds "
                    f"{d['dcp_overhead_at_n_star_pct']:.1f}% there); measured at N={d['every']}: "
                    f"{_f(d[key]['at_every_pct'], '{:.2f}')}% vs DCP "
                    f"{_f(d['dcp_overhead_at_every_pct'], '{:.1f}')}%")
@@ -1108,6 +1137,9 @@ def main(argv=None) -> int:
                                           "window's time per step, same process) / number of "
                                           "checkpoints",
                        "overhead_at_every_pct": "100 * per_ckpt_cost_s / (every * step_s)",
+                       "step_cost_s": "call + excess of the 8 steps after it over the median of "
+                                      "the window's other steps + share of the final durability "
+                                      "wait, per checkpoint (no second window needed)",
                        "ratios": "median over repetitions of the per-repetition ratio of run "
                                  "medians; < 1 = less than the reference",
                    }},

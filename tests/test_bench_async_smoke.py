@@ -156,3 +156,15 @@ def test_kept_checkpoint_is_the_state_at_the_call(bench, name):
         assert torch.equal(got.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)), key
     # --keep also keeps the checkpointing window's two checkpoints
     assert len(list((work / name / "window").iterdir())) == 2
+
+
+def test_step_time_cost_counts_the_call_the_slow_steps_after_it_and_the_final_wait():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_async
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    steps = [1.0] * 12 + [1.5, 1.2] + [1.0] * 10  # checkpoint after step 12: two slow steps
+    mech = {"checkpoints": [{"window_step": 12, "call_s": 0.25}], "step_s": steps, "tail_wait_s": 0.05}
+    assert bench_async.step_time_cost(mech, 12) == pytest.approx(0.25 + 0.5 + 0.2 + 0.05)
+    assert bench_async.step_time_cost({"checkpoints": [], "step_s": steps, "tail_wait_s": 0.0}, 12) is None
