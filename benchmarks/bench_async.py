@@ -734,7 +734,7 @@ def median(xs):
 AFTER_STEPS = 8
 
 
-def step_time_cost(mech: dict, every: int) -> float | None:
+def step_time_cost(mech: dict) -> float | None:
     """What one checkpoint cost training, from the checkpointing window's own step times: the
     call, plus the excess of the AFTER_STEPS steps that followed it (a guard's wait and the
     background work land there) over the median of the window's other steps, plus its share of
@@ -765,7 +765,7 @@ def run_metrics(res: dict, every: int) -> dict:
     nxt = [mech["step_s"][c["window_step"]] - med_step for c in ck
            if c["window_step"] < len(mech["step_s"])]
     return {
-        "step_cost_s": step_time_cost(mech, every),
+        "step_cost_s": step_time_cost(mech),
         "stall_s": median([c["stall_s"] for c in ck]),
         "call_s": median([c["call_s"] for c in ck]),
         "guard_wait_s": median([c.get("guard_wait_s") for c in ck]),

@@ -166,5 +166,5 @@ def test_step_time_cost_counts_the_call_the_slow_steps_after_it_and_the_final_wa
         sys.path.remove(str(REPO / "benchmarks"))
     steps = [1.0] * 12 + [1.5, 1.2] + [1.0] * 10  # checkpoint after step 12: two slow steps
     mech = {"checkpoints": [{"window_step": 12, "call_s": 0.25}], "step_s": steps, "tail_wait_s": 0.05}
-    assert bench_async.step_time_cost(mech, 12) == pytest.approx(0.25 + 0.5 + 0.2 + 0.05)
-    assert bench_async.step_time_cost({"checkpoints": [], "step_s": steps, "tail_wait_s": 0.0}, 12) is None
+    assert bench_async.step_time_cost(mech) == pytest.approx(0.25 + 0.5 + 0.2 + 0.05)
+    assert bench_async.step_time_cost({"checkpoints": [], "step_s": steps, "tail_wait_s": 0.0}) is None

@@ -155,15 +155,15 @@ def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: 
         eager, deferred = _split(prep, guard)
         t0 = time.perf_counter()
         _pool.retain_only(prep.leaves)
-        offsets = chunk_file_offsets(prep.plan)
-        blocks = {item.name: item.block_bytes for f in prep.plan.files for item in f.items}
+        layout = chunk_file_offsets(prep.plan)
         sources: dict[str, np.ndarray] = {}
         digests: dict[str, list[str]] = {}
 
         def batch(keys: list[str], hashed: bool) -> CopyBatch:
             tasks = []
             for key in keys:
-                staged = _pool.stage(prep.leaves[key], offsets[key], blocks[key] if hashed else 0)
+                offset, chunk_block = layout[key]
+                staged = _pool.stage(prep.leaves[key], offset, chunk_block if hashed else 0)
                 sources[key] = staged.flat
                 tasks += staged.tasks
                 if staged.digests is not None:

@@ -86,18 +86,13 @@ class StagingPool:
         With ``block_bytes``, host copies also hash each block as it lands (``Staged.digests``
         is filled in as the tasks run); other copies leave hashing to the writer (None)."""
         value = leaf.value
-        if isinstance(value, np.ndarray):
-            flat = self._buffer(leaf.key, leaf.nbytes, pinned=False, phase=phase).numpy()
-            return _host_copy(flat, np.ascontiguousarray(value).reshape(-1).view(np.uint8), block_bytes)
-        src = value.detach()
-        on_cuda = src.device.type == "cuda"
+        on_cuda = isinstance(value, torch.Tensor) and value.device.type == "cuda"
         flat = self._buffer(leaf.key, leaf.nbytes, pinned=on_cuda, phase=phase).numpy()
-        host = source_for_write(src)
+        host = source_for_write(value)
         if isinstance(host, np.ndarray):  # one flat host buffer: memmove slices
             return _host_copy(flat, host, block_bytes)
+        src = host.tensor  # detached, any lazy conjugation resolved
         dst = typed_view(flat, src.dtype, tuple(src.shape))
-        if src.is_conj() or src.is_neg():
-            src = src.resolve_conj().resolve_neg()
 
         # The caller's stream, taken now: the task may run in another thread, whose current
         # stream is not the one training queues its kernels on.

@@ -42,9 +42,10 @@ class WrittenFile:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-def chunk_file_offsets(plan: SavePlan) -> dict[str, int]:
-    """Where each chunk's bytes start in its data file (staging buffers align to these)."""
-    return {item.name: start for f in plan.files
+def chunk_file_offsets(plan: SavePlan) -> dict[str, tuple[int, int]]:
+    """(where its bytes start in its data file, its block size) of each chunk, by name: where its
+    staging buffer aligns, and how to hash it if it is hashed as it is staged."""
+    return {item.name: (start, item.block_bytes) for f in plan.files
             for item, (start, _) in zip(f.items, build_header(f.items)[1])}
 
 
