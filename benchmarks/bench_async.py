@@ -164,15 +164,26 @@ def build(cfg: dict):
         mods.append(torch.nn.Linear(width, width))
         if i < layers - 1:
             mods.append(torch.nn.ReLU())
-    model = torch.nn.Sequential(*mods)
+    device = torch.device(cfg["device"])
+    model = torch.nn.Sequential(*mods).to(device)
     try:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cfg["fused"])
     except (RuntimeError, ValueError, TypeError):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(cfg["seed"] + 1)
-    x = torch.randn(cfg["batch"], width, generator=g)
-    y = torch.randn(cfg["batch"], width, generator=g)
+    x = torch.randn(cfg["batch"], width, generator=g).to(device)
+    y = torch.randn(cfg["batch"], width, generator=g).to(device)
     return model, opt, x, y
+
+
+def settle_device(model) -> None:
+    """On CUDA, wait for what the training stream has queued, so that host timings include it
+    (kernels run behind the Python that queued them); on CPU nothing to do."""
+    import torch
+
+    dev = next(model.parameters()).device
+    if dev.type == "cuda":
+        torch.cuda.current_stream(dev).synchronize()
 
 
 def train_step(model, opt, x, y) -> None:
@@ -182,6 +193,7 @@ def train_step(model, opt, x, y) -> None:
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+    settle_device(model)
 
 
 def state_tensors(model, opt) -> dict:
@@ -215,8 +227,8 @@ def flatten_loaded(obj, prefix: str = "") -> dict:
 def mismatches(expected: dict, got: dict) -> list[str]:
     import common
 
-    got = {k: v for k, v in got.items() if k.startswith(("model.", "optimizer.state."))}
-    return common.bitwise_mismatches(expected, got)
+    got = {k: v.cpu() for k, v in got.items() if k.startswith(("model.", "optimizer.state."))}
+    return common.bitwise_mismatches({k: v.cpu() for k, v in expected.items()}, got)
 
 
 # --------------------------------------------------------------------------------------------
@@ -295,9 +307,10 @@ class CopyRef(Mech):
 
         src = state_tensors(self.model, self.opt)
         if self.buffers is None:  # the first (untimed, warm-up) checkpoint allocates
-            self.buffers = {k: torch.empty_like(v) for k, v in src.items()}
+            cuda = next(iter(src.values())).is_cuda  # page-locked host buffers for a device state
+            self.buffers = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=cuda) for k, v in src.items()}
         for k, v in src.items():
-            self.buffers[k].copy_(v)
+            self.buffers[k].copy_(v, non_blocking=v.is_cuda)  # the caller's settle_device waits
         self.step = step
         return None
 
@@ -513,13 +526,15 @@ class StepProbe:
     over its hooks: that raises "OrderedDict mutated during iteration".
     """
 
-    def __init__(self, opt):
+    def __init__(self, opt, settle=lambda: None):
         self.opt = opt
+        self.settle = settle  # on CUDA: the wait is the training stream's, not the host's
         self.t_pre = 0.0
         self._spent: list = []
         opt.register_step_pre_hook(self._stamp)
 
     def _stamp(self, *_):
+        self.settle()
         self.t_pre = time.perf_counter()
 
     def once(self, fn) -> None:
@@ -535,6 +550,7 @@ class StepProbe:
 
     def arm(self, rec: dict) -> None:
         def probe():
+            self.settle()
             rec["guard_wait_s"] = time.perf_counter() - self.t_pre
 
         self.once(probe)
@@ -558,7 +574,7 @@ def worker(cfg: dict) -> dict:
     model, opt, x, y = build(cfg)
     t_built = time.perf_counter()
     mech: Mech = MECH_CLASSES[mech_name](model, opt)
-    probe = StepProbe(opt)
+    probe = StepProbe(opt, lambda: settle_device(model))
 
     def step() -> None:
         train_step(model, opt, x, y)
@@ -603,7 +619,7 @@ def worker(cfg: dict) -> dict:
         with phase("sync"):
             gc.collect()
             os.sync()
-        if heat and cfg["heat"]:
+        if heat and cfg["heat"] and cfg["device"] == "cpu":
             with phase("heat"):
                 common.heat_page_cache(root / ".heat-scratch",
                                        (common.byte_view(t) for t in state_tensors(model, opt).values()))
@@ -615,12 +631,13 @@ def worker(cfg: dict) -> dict:
         nonlocal step_no
         path = root / "first"
         with phase("verify"):
-            ref = ({k: v.detach().clone() for k, v in state_tensors(model, opt).items()}
+            ref = ({k: v.detach().to("cpu", copy=True) for k, v in state_tensors(model, opt).items()}
                    if cfg["verify"] else None)
         rec: dict = {"step": step_no}
         heat_and_settle(False)
         t0 = time.perf_counter()
         pend = mech.checkpoint(step_no, path)
+        settle_device(model)  # a copy the training stream must wait for is part of the stall
         rec["call_s"] = time.perf_counter() - t0
         mech.after_call(probe)
         probe.arm(rec)
@@ -676,6 +693,7 @@ def worker(cfg: dict) -> dict:
                     rec: dict = {"step": step_no, "window_step": i + 1}
                     t0 = time.perf_counter()
                     pend = mech.checkpoint(step_no, wdir / f"step{step_no:07d}")
+                    settle_device(model)
                     rec["call_s"] = time.perf_counter() - t0
                     mech.after_call(probe)
                     probe.arm(rec)
@@ -900,7 +918,7 @@ def print_report(console, doc: dict) -> None:
     table = Table(
         title=(f"checkpoint every {cfg['every']} of {cfg['steps']} steps, "
                f"{cfg['params_m_actual']:.1f}M-param "
-               f"MLP + AdamW, state {st['state_bytes'] / GiB:.2f} GiB, {cfg['repeats']} reps: medians; "
+               f"MLP + AdamW on {cfg.get('device', 'cpu')}, state {st['state_bytes'] / GiB:.2f} GiB, {cfg['repeats']} reps: medians; "
                "ratios = median of per-rep ratios"),
         title_justify="left",
     )
@@ -985,6 +1003,9 @@ def parse_args(argv=None):
     p.add_argument("--no-heat", action="store_true",
                    help="no page-cache heat before each window (see common.heat_page_cache)")
     p.add_argument("--no-fused", action="store_true", help="AdamW without fused=True")
+    p.add_argument("--device", default="cpu",
+                   help="where the model trains: cpu (default) or cuda (staging is then page-locked "
+                        "host memory and every timing waits for the training stream)")
     p.add_argument("--keep", action="store_true",
                    help="keep each mechanism's verified first checkpoint and its reference.pt "
                         "(last repetition) and the last window's checkpoints")
@@ -1044,11 +1065,11 @@ def main(argv=None) -> int:
     base_cfg = {"width": width, "layers": layers, "batch": args.batch, "steps": args.steps,
                 "base_steps": args.base_steps,
                 "every": args.every, "warmup_steps": args.warmup_steps, "seed": args.seed,
-                "heat": not args.no_heat, "fused": not args.no_fused}
+                "heat": not args.no_heat, "fused": not args.no_fused, "device": args.device}
     n_ckpt = (args.steps - 1) // args.every
     loadavg = {"start": os.getloadavg()}
     console.print(
-        f"model: {layers} x Linear({width}, {width}) = {params / 1e6:.1f}M params + AdamW "
+        f"model: {layers} x Linear({width}, {width}) = {params / 1e6:.1f}M params + AdamW on {args.device} "
         f"(~{params * 12 / GiB:.2f} GiB of state); {args.steps} steps per window, checkpoint every "
         f"{args.every} ({n_ckpt} per window); {args.repeats} reps x {len(names)} mechanisms, one "
         f"process each; workdir {workdir} ({fstype}); load average {loadavg['start'][0]:.2f} on "

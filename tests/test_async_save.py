@@ -318,8 +318,8 @@ def test_guard_copy_failure_lets_step_run_and_is_raised_by_wait(tmp_path, monkey
     model, opt = _trained_linear()
     real_stage = async_mod._pool.stage
 
-    def failing_stage(leaf, phase=0, block_bytes=0):
-        staged = real_stage(leaf, phase, block_bytes)
+    def failing_stage(leaf, *args, **kwargs):
+        staged = real_stage(leaf, *args, **kwargs)
         if leaf.key.endswith("exp_avg"):
             def boom():
                 raise OSError(14, "Bad address")

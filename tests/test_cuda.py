@@ -93,3 +93,55 @@ def test_cpu_checkpoint_loads_into_device_tensors_and_back(tmp_path):
     target = {k: torch.zeros_like(v, device="cuda") for k, v in cpu_state.items()}
     resurgo.load(target, tmp_path / "c")
     assert bits_equal(_cpu(target), cpu_state)
+
+
+SLEEP_CYCLES = 2_000_000_000  # about 1 s of GPU clock: far longer than the host work below
+
+
+def _side_stream_sleeping(tmp_path) -> torch.cuda.Stream:
+    """The staging side stream, busy for about a second (a first save made it)."""
+    resurgo.async_save({"w": torch.ones(4, device="cuda")}, tmp_path / "first").wait()
+    side = async_mod._pool._streams[torch.device("cuda", torch.cuda.current_device())]
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES)
+    return side
+
+
+def test_training_stream_waits_for_the_snapshot_right_after_an_unguarded_call(tmp_path):
+    side = _side_stream_sleeping(tmp_path)
+    state = {"w": torch.randn(1 << 20, device="cuda")}
+    expected = _cpu(state)
+    h = resurgo.async_save(state, tmp_path / "c")
+    state["w"].add_(1)  # must wait: the copy is queued behind the sleep
+    after = torch.cuda.Event()
+    after.record()
+    after.synchronize()
+    assert side.query()  # the training stream ran nothing before the copy had landed
+    h.wait()
+    assert bits_equal(resurgo.load_dict(tmp_path / "c"), expected)
+
+
+def test_guarded_copies_overlap_forward_and_backward_and_step_waits_for_them(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8)).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(32, 256, device="cuda")
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    side = _side_stream_sleeping(tmp_path)
+
+    h = resurgo.async_save({"model": model, "optimizer": opt}, tmp_path / "c", guard=opt)
+    model(x).square().mean().backward()
+    backward_done = torch.cuda.Event()
+    backward_done.record()
+    backward_done.synchronize()
+    assert not side.query()  # forward and backward did not wait for the copies
+    opt.step()
+    step_done = torch.cuda.Event()
+    step_done.record()
+    step_done.synchronize()
+    assert side.query()  # but the step's kernels did
+    h.wait()
+    assert bits_equal(resurgo.load_dict(tmp_path / "c")["model"], expected)

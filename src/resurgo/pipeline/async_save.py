@@ -30,7 +30,7 @@ from resurgo.errors import MemoryBudgetError
 from resurgo.pipeline import inflight
 from resurgo.pipeline.host_copy import CopyBatch
 from resurgo.pipeline.save import LazySources, PreparedSave, prepare_save, write_and_commit
-from resurgo.pipeline.staging import StagingPool, staging_bytes
+from resurgo.pipeline.staging import DeviceOrder, StagingPool, staging_bytes
 from resurgo.pipeline.writer import chunk_file_offsets
 from resurgo.reports import SaveReport
 
@@ -156,6 +156,7 @@ def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: 
         t0 = time.perf_counter()
         _pool.retain_only(prep.leaves)
         layout = chunk_file_offsets(prep.plan)
+        order = DeviceOrder(_pool)
         sources: dict[str, np.ndarray] = {}
         digests: dict[str, list[str]] = {}
 
@@ -163,7 +164,7 @@ def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: 
             tasks = []
             for key in keys:
                 offset, chunk_block = layout[key]
-                staged = _pool.stage(prep.leaves[key], offset, chunk_block if hashed else 0)
+                staged = _pool.stage(prep.leaves[key], order, offset, chunk_block if hashed else 0)
                 sources[key] = staged.flat
                 tasks += staged.tasks
                 if staged.digests is not None:
@@ -174,6 +175,7 @@ def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: 
         # call's copy stays a bare memmove, the shortest stall (hashing there made it 1.18-1.25x a copy).
         background = batch(deferred, hashed=True)
         batch(eager, hashed=False).finish()
+        order.training_waits()  # kernels queued after the call wait for its device copies
         prep.seconds["stage"] = time.perf_counter() - t0
     except BaseException:
         prep.staging.abort()
@@ -187,6 +189,7 @@ def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: 
                 background.finish()
             except BaseException:
                 pass  # the save has failed; the background thread reports it, training goes on
+            order.training_waits()  # step()'s kernels wait for the device copies, not forward's
             handle._staged.set()
         handle._hook = guard.register_step_pre_hook(before_step)
     else:
@@ -201,6 +204,7 @@ def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: 
                 try:
                     background.run()
                     background.wait()
+                    _pool.synchronize()  # staged() means landed: step() then waits for nothing
                 finally:
                     prep.seconds["stage_background"] = time.perf_counter() - t1
                     handle._staged.set()  # even on failure: never leave the optimizer waiting

@@ -4,10 +4,13 @@ One buffer per tensor key, allocated once and reused by every later save of a te
 size, so steady-state checkpointing allocates nothing and memory stays at the state's size (plus
 at most 0.4%: a tensor of 1 MiB or more gets one extra block so that its snapshot starts at the
 same offset within a device block as its bytes have in the data file, and direct I/O writes it
-with no further copy; smaller ones pass through the writer's bounce buffer). On a
-machine with CUDA the buffers are page-locked and device tensors are copied on a side stream; the
-training stream waits for that copy before it runs anything else, so the snapshot is exact while
-the Python call returns at once.
+with no further copy; smaller ones pass through the writer's bounce buffer).
+
+On a machine with CUDA the buffers are page-locked and device tensors are copied on a side stream
+(:class:`DeviceOrder`): the side stream starts after everything the caller had queued when the
+save was called, and the training stream waits for the copies only where it must, right after
+the call (or, with a guard, before ``optimizer.step()``), so the Python call returns at once and
+the snapshot is still exact.
 """
 
 from __future__ import annotations
@@ -49,11 +52,39 @@ def _host_copy(flat: np.ndarray, src: np.ndarray, block_bytes: int) -> Staged:
     return Staged(flat, memmove_tasks(flat, src, digests, block_bytes), digests)
 
 
+class DeviceOrder:
+    """Orders one save's device-to-host copies against the caller's CUDA streams.
+
+    The first copy from a device, staged during the call, makes that device's side stream wait for
+    everything the caller's current stream had queued: the snapshot is of that moment, whichever
+    thread later issues the copy. ``training_waits`` then makes the caller's current streams wait
+    for every copy issued so far; it must run before anything that changes a copied tensor is
+    queued (right after the call, or in the guard's hook before ``optimizer.step()``). Until then
+    the copies overlap the training kernels. With no device tensors it does nothing.
+    """
+
+    def __init__(self, pool: StagingPool):
+        self._pool = pool
+        self._sides: dict[torch.device, torch.cuda.Stream] = {}
+
+    def side(self, device: torch.device) -> torch.cuda.Stream:
+        side = self._sides.get(device)
+        if side is None:
+            side = self._pool.side_stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            self._sides[device] = side
+        return side
+
+    def training_waits(self) -> None:
+        for device, side in self._sides.items():
+            torch.cuda.current_stream(device).wait_stream(side)
+
+
 class StagingPool:
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
-        self._stream: torch.cuda.Stream | None = None
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     @property
     def nbytes(self) -> int:
@@ -79,12 +110,21 @@ class StagingPool:
             for key in [k for k in self._buffers if k not in keep]:
                 del self._buffers[key]
 
-    def stage(self, leaf: TensorLeaf, phase: int = 0, block_bytes: int = 0) -> Staged:
+    def side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The device's copy stream, made once."""
+        with self._lock:
+            side = self._streams.get(device)
+            if side is None:
+                side = self._streams[device] = torch.cuda.Stream(device=device)
+            return side
+
+    def stage(self, leaf: TensorLeaf, order: DeviceOrder, phase: int = 0, block_bytes: int = 0) -> Staged:
         """The tensor's staging buffer, as flat uint8 whose address is ``phase`` modulo ALIGN (give
         the bytes' offset in their data file), and the copy tasks that fill it (not yet run).
 
         With ``block_bytes``, host copies also hash each block as it lands (``Staged.digests``
-        is filled in as the tasks run); other copies leave hashing to the writer (None)."""
+        is filled in as the tasks run); other copies leave hashing to the writer (None).
+        A device tensor is copied on the side stream of ``order``."""
         value = leaf.value
         on_cuda = isinstance(value, torch.Tensor) and value.device.type == "cuda"
         flat = self._buffer(leaf.key, leaf.nbytes, pinned=on_cuda, phase=phase).numpy()
@@ -93,32 +133,20 @@ class StagingPool:
             return _host_copy(flat, host, block_bytes)
         src = host.tensor  # detached, any lazy conjugation resolved
         dst = typed_view(flat, src.dtype, tuple(src.shape))
+        if not on_cuda:
+            return Staged(flat, [lambda: as_copyable(dst).copy_(as_copyable(src))], None)
 
-        # The caller's stream, taken now: the task may run in another thread, whose current
-        # stream is not the one training queues its kernels on.
-        main = torch.cuda.current_stream(src.device) if on_cuda else None
+        side = order.side(src.device)  # now, in the caller's thread: it waits for the caller's stream
 
         def copy() -> None:
-            if main is not None:
-                self._copy_from_cuda(dst, src, main)
-            else:
-                as_copyable(dst).copy_(as_copyable(src))
+            with torch.cuda.stream(side):
+                as_copyable(dst).copy_(as_copyable(src), non_blocking=True)
+                src.record_stream(side)  # the caching allocator keeps src until the copy ran
         return Staged(flat, [copy], None)
-
-    def _copy_from_cuda(self, dst: torch.Tensor, src: torch.Tensor, main: torch.cuda.Stream) -> None:
-        # Side stream: the copy overlaps whatever the host does next; the training stream then
-        # waits on it, so kernels queued after this call cannot change the tensor before it is read.
-        with self._lock:
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(device=src.device)
-            side = self._stream
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            as_copyable(dst).copy_(as_copyable(src), non_blocking=True)
-            src.record_stream(side)
-        main.wait_stream(side)
 
     def synchronize(self) -> None:
         """Wait until every copy issued so far has landed in host memory."""
-        if self._stream is not None:
-            self._stream.synchronize()
+        with self._lock:
+            streams = list(self._streams.values())
+        for side in streams:
+            side.synchronize()
