@@ -423,6 +423,12 @@ class DcpAsyncStager(DcpAsync):
         self.stager = DefaultStager(self.options)
         self.response = None
 
+    def state(self, step):
+        # Plain state_dicts: with pinned, non-blocking staging (CUDA) the stager deep-copies
+        # what it is given and fails on the module and optimizer objects ("KeyError: <class
+        # 'type'>", torch 2.11). What it saves is the same.
+        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "step": step}
+
     def checkpoint(self, step, path):
         import torch.distributed.checkpoint as dcp
 

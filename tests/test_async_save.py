@@ -186,7 +186,7 @@ def test_guard_defers_parameters_and_optimizer_state_until_step(tmp_path):
     assert bits_equal(dict(saved["model"]), expected["model"])
     assert bits_equal(saved["optimizer"], expected["optimizer"])
     assert not bits_equal(dict(model.state_dict()), expected["model"])  # training did move on
-    assert len(opt._optimizer_step_pre_hooks) == 0  # the guard hook is gone
+    assert len(opt._optimizer_step_pre_hooks) == 1  # one guard hook per optimizer, idle now
 
 
 def _sync_copy(state, tmp_path):
@@ -251,8 +251,47 @@ def test_guard_hook_is_never_removed_while_step_runs_hooks(tmp_path):
     model(torch.randn(2, 64)).sum().backward()
     opt.step()  # raised "OrderedDict mutated during iteration" when the writer removed the hook
     h.wait()
-    assert len(opt._optimizer_step_pre_hooks) == 1  # ours is gone, the user's stays
+    assert len(opt._optimizer_step_pre_hooks) == 2  # the user's and ours, which stays, idle
     opt.step()
+
+
+def test_wait_in_another_thread_while_step_runs_hooks(tmp_path):
+    """A waiter thread's wait() returns while step() iterates its hooks (seen on a GPU, where a
+    save commits within a step: wait() removed the hook and step() raised)."""
+    import threading
+    import time
+
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    in_hook = threading.Event()
+
+    def slow_hook(*_):
+        in_hook.set()
+        time.sleep(0.3)
+
+    opt.register_step_pre_hook(slow_hook)  # runs before ours: ours is still to come when wait() runs
+    h = resurgo.async_save({"model": model, "optimizer": opt}, tmp_path / "c", guard=opt)
+    h.wait_staged()
+    waiter = threading.Thread(target=lambda: (in_hook.wait(), h.wait()))
+    waiter.start()
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    waiter.join()
+    assert h.done()
+
+
+def test_one_guard_hook_per_optimizer_however_many_saves(tmp_path):
+    model, opt = _trained_linear()
+    weights = []
+    for i in range(3):
+        weights.append(model.weight.detach().clone())
+        h = resurgo.async_save({"model": model}, tmp_path / f"c{i}", guard=opt)
+        model(torch.randn(4, 256)).sum().backward()
+        opt.step()
+        h.wait()
+    assert len(opt._optimizer_step_pre_hooks) == 1
+    for i, w in enumerate(weights):
+        assert torch.equal(resurgo.load_dict(tmp_path / f"c{i}")["model"]["weight"], w)
 
 
 def test_background_writer_runs_at_lower_priority(tmp_path, monkeypatch):

@@ -26,7 +26,7 @@ def _state(device="cuda"):
 
 
 def _cpu(state):
-    return {k: v.detach().cpu() for k, v in state.items()}
+    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}  # a copy, CPU tensors too
 
 
 def test_async_snapshot_of_device_tensors_ignores_kernels_queued_after_the_call(tmp_path):
@@ -39,6 +39,8 @@ def test_async_snapshot_of_device_tensors_ignores_kernels_queued_after_the_call(
     assert bits_equal(resurgo.load_dict(tmp_path / "c"), expected)
     for key in ("big", "bf16", "strided", "scalar"):
         assert async_mod._pool._buffers[key].is_pinned(), key
+    # exactly the staging size: torch's pinned allocator would round 12 MiB + 4 KiB up to 16 MiB
+    assert async_mod._pool._buffers["big"].numel() == (12 << 20) + 4096
 
 
 def test_async_snapshot_on_a_non_default_training_stream(tmp_path):
@@ -75,7 +77,7 @@ def test_guarded_async_save_of_a_cuda_model(tmp_path):
     step()  # forward/backward overlap the copy; opt.step() waits for it
     h.wait()
     saved = resurgo.load_dict(tmp_path / "c")["model"]
-    assert bits_equal(saved, expected)
+    assert bits_equal(dict(saved), expected)
 
 
 def test_sync_save_and_in_place_load_of_device_tensors(tmp_path):
@@ -98,9 +100,10 @@ def test_cpu_checkpoint_loads_into_device_tensors_and_back(tmp_path):
 SLEEP_CYCLES = 2_000_000_000  # about 1 s of GPU clock: far longer than the host work below
 
 
-def _side_stream_sleeping(tmp_path) -> torch.cuda.Stream:
-    """The staging side stream, busy for about a second (a first save made it)."""
-    resurgo.async_save({"w": torch.ones(4, device="cuda")}, tmp_path / "first").wait()
+def _side_stream_sleeping(state, tmp_path) -> torch.cuda.Stream:
+    """The staging side stream, busy for about a second. A first save of ``state`` made the stream
+    and the staging buffers: allocating page-locked memory waits for the whole device."""
+    resurgo.async_save(state, tmp_path / "first").wait()
     side = async_mod._pool._streams[torch.device("cuda", torch.cuda.current_device())]
     with torch.cuda.stream(side):
         torch.cuda._sleep(SLEEP_CYCLES)
@@ -108,8 +111,8 @@ def _side_stream_sleeping(tmp_path) -> torch.cuda.Stream:
 
 
 def test_training_stream_waits_for_the_snapshot_right_after_an_unguarded_call(tmp_path):
-    side = _side_stream_sleeping(tmp_path)
     state = {"w": torch.randn(1 << 20, device="cuda")}
+    side = _side_stream_sleeping(state, tmp_path)
     expected = _cpu(state)
     h = resurgo.async_save(state, tmp_path / "c")
     state["w"].add_(1)  # must wait: the copy is queued behind the sleep
@@ -130,7 +133,7 @@ def test_guarded_copies_overlap_forward_and_backward_and_step_waits_for_them(tmp
     opt.step()
     opt.zero_grad()
     expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    side = _side_stream_sleeping(tmp_path)
+    side = _side_stream_sleeping({"model": model, "optimizer": opt}, tmp_path)
 
     h = resurgo.async_save({"model": model, "optimizer": opt}, tmp_path / "c", guard=opt)
     model(x).square().mean().backward()
@@ -144,4 +147,4 @@ def test_guarded_copies_overlap_forward_and_backward_and_step_waits_for_them(tmp
     step_done.synchronize()
     assert side.query()  # but the step's kernels did
     h.wait()
-    assert bits_equal(resurgo.load_dict(tmp_path / "c")["model"], expected)
+    assert bits_equal(dict(resurgo.load_dict(tmp_path / "c")["model"]), expected)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -49,14 +50,6 @@ class AsyncSaveHandle:
         self._error: BaseException | None = None
         self._error_seen = False
         self._thread: threading.Thread | None = None
-        self._hook: Any = None  # the guard's step pre-hook, removed by the caller's thread
-
-    def _remove_hook(self) -> None:
-        # Never from the background thread: removing while step() iterates its hooks raises
-        # "OrderedDict mutated during iteration". Once staged, the hook does nothing anyway.
-        hook, self._hook = self._hook, None
-        if hook is not None:
-            hook.remove()
 
     def staged(self) -> bool:
         """True once every tensor is copied out: training may then change anything."""
@@ -72,7 +65,6 @@ class AsyncSaveHandle:
             raise TimeoutError(f"asynchronous save to {self.path} still running after {timeout} s")
         if self._thread is not None:
             self._thread.join()  # it has only its clean-up left; the next save then starts at once
-        self._remove_hook()
         if self._error is not None:
             self._error_seen = True
             raise self._error
@@ -86,7 +78,6 @@ class AsyncSaveHandle:
         self._done.wait()
         if self._thread is not None:
             self._thread.join()  # fully ended: nothing of it may still run at interpreter exit
-        self._remove_hook()
         if self._error is not None and not self._error_seen:
             self._error_seen = True
             raise self._error
@@ -105,6 +96,35 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     except (AttributeError, OSError):
         pass
+
+
+class _GuardHook:
+    """The one step pre-hook resurgo registers on an optimizer, shared by all its guarded saves.
+
+    It is never removed: ``wait()`` may run in any thread, and a hook removed while ``step()``
+    iterates over the hooks raises "OrderedDict mutated during iteration" there (a benchmark's
+    waiter thread hit it on a GPU, where saves commit within a few steps). Between saves it
+    calls nothing.
+    """
+
+    def __init__(self) -> None:
+        self.pending: Any = None  # the current guarded save's take-over, or None
+
+    def __call__(self, *_: Any) -> None:
+        take_over = self.pending
+        if take_over is not None:
+            take_over()
+
+
+_guard_hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _guard_hook(optimizer: Any) -> _GuardHook:
+    hook = _guard_hooks.get(optimizer)
+    if hook is None:
+        hook = _guard_hooks[optimizer] = _GuardHook()
+        optimizer.register_step_pre_hook(hook)
+    return hook
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
@@ -181,8 +201,12 @@ def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: 
         prep.staging.abort()
         raise
     if deferred:
-        def before_step(*_: Any) -> None:
+        hook = _guard_hook(guard)
+
+        def before_step() -> None:
             # Take over what the background has not copied yet, at full speed, rather than wait.
+            if hook.pending is before_step:
+                hook.pending = None  # in the training thread: the next save may re-arm it
             if handle._staged.is_set():
                 return
             try:
@@ -191,7 +215,7 @@ def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: 
                 pass  # the save has failed; the background thread reports it, training goes on
             order.training_waits()  # step()'s kernels wait for the device copies, not forward's
             handle._staged.set()
-        handle._hook = guard.register_step_pre_hook(before_step)
+        hook.pending = before_step
     else:
         handle._staged.set()
 
