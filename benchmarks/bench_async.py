@@ -424,10 +424,10 @@ class DcpAsyncStager(DcpAsync):
         self.response = None
 
     def state(self, step):
-        # Plain state_dicts: with pinned, non-blocking staging (CUDA) the stager deep-copies
-        # what it is given and fails on the module and optimizer objects ("KeyError: <class
-        # 'type'>", torch 2.11). What it saves is the same.
-        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "step": step}
+        # Plain dicts: with pinned, non-blocking staging (CUDA, torch 2.11) the stager's deep copy
+        # failed on the modules and then on the OrderedDict of model.state_dict() ("KeyError:
+        # <class 'type'>"). What it saves is the same.
+        return {"model": dict(self.model.state_dict()), "optimizer": self.opt.state_dict(), "step": step}
 
     def checkpoint(self, step, path):
         import torch.distributed.checkpoint as dcp

@@ -51,7 +51,7 @@ def test_async_snapshot_on_a_non_default_training_stream(tmp_path):
     with torch.cuda.stream(training):
         for v in state.values():
             v.mul_(2)  # queued on the training stream before the call
-        expected = {k: v.detach().cpu() for k, v in state.items()}
+        expected = _cpu(state)
         h = resurgo.async_save(state, tmp_path / "c")
         for v in state.values():
             v.add_(1)  # and right after it
@@ -124,7 +124,11 @@ def test_training_stream_waits_for_the_snapshot_right_after_an_unguarded_call(tm
     assert bits_equal(resurgo.load_dict(tmp_path / "c"), expected)
 
 
-def test_guarded_copies_overlap_forward_and_backward_and_step_waits_for_them(tmp_path):
+def test_guarded_copies_overlap_forward_and_backward_and_step_waits_for_them(tmp_path, monkeypatch):
+    """A deferred copy is made to take about a second on the side stream (a sleep queued before
+    it). Forward and backward must finish while it runs; step() must wait for it."""
+    import threading
+
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8)).cuda()
     opt = torch.optim.AdamW(model.parameters())
@@ -132,10 +136,30 @@ def test_guarded_copies_overlap_forward_and_backward_and_step_waits_for_them(tmp
     model(x).square().mean().backward()
     opt.step()
     opt.zero_grad()
+    state = {"model": model, "optimizer": opt}
+    resurgo.async_save(state, tmp_path / "first").wait()  # buffers and stream exist from here on
+    side = async_mod._pool._streams[torch.device("cuda", torch.cuda.current_device())]
     expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    side = _side_stream_sleeping({"model": model, "optimizer": opt}, tmp_path)
 
-    h = resurgo.async_save({"model": model, "optimizer": opt}, tmp_path / "c", guard=opt)
+    issued = threading.Event()
+    real_stage = async_mod._pool.stage
+
+    def slow_stage(leaf, *args, **kwargs):
+        staged = real_stage(leaf, *args, **kwargs)
+        if leaf.key != "model.0.weight":
+            return staged
+        (copy,) = staged.tasks
+
+        def slow_copy():
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(SLEEP_CYCLES)
+            copy()
+            issued.set()
+        return staged._replace(tasks=[slow_copy])
+
+    monkeypatch.setattr(async_mod._pool, "stage", slow_stage)
+    h = resurgo.async_save(state, tmp_path / "c", guard=opt)
+    assert issued.wait(30)  # the background thread has queued the slow copy
     model(x).square().mean().backward()
     backward_done = torch.cuda.Event()
     backward_done.record()

@@ -86,14 +86,16 @@ class DeviceOrder:
     The first copy from a device, staged during the call, makes that device's side stream wait for
     everything the caller's current stream had queued: the snapshot is of that moment, whichever
     thread later issues the copy. ``training_waits`` then makes the caller's current streams wait
-    for every copy issued so far; it must run before anything that changes a copied tensor is
-    queued (right after the call, or in the guard's hook before ``optimizer.step()``). Until then
-    the copies overlap the training kernels. With no device tensors it does nothing.
+    for the copies issued since it last ran; it must run before anything that changes a copied
+    tensor is queued (right after the call, or in the guard's hook before ``optimizer.step()``).
+    Until then the copies overlap the training kernels. With no copies issued it does nothing:
+    after a guarded call whose copies are all deferred, the training stream waits for nothing.
     """
 
     def __init__(self, pool: StagingPool):
         self._pool = pool
         self._sides: dict[torch.device, torch.cuda.Stream] = {}
+        self._issued: set[torch.device] = set()  # devices with copies training has not waited for
 
     def side(self, device: torch.device) -> torch.cuda.Stream:
         side = self._sides.get(device)
@@ -103,9 +105,13 @@ class DeviceOrder:
             self._sides[device] = side
         return side
 
+    def issued(self, device: torch.device) -> None:
+        self._issued.add(device)
+
     def training_waits(self) -> None:
-        for device, side in self._sides.items():
-            torch.cuda.current_stream(device).wait_stream(side)
+        for device in list(self._issued):
+            self._issued.discard(device)
+            torch.cuda.current_stream(device).wait_stream(self._sides[device])
 
 
 class StagingPool:
@@ -175,6 +181,7 @@ class StagingPool:
             with torch.cuda.stream(side):
                 as_copyable(dst).copy_(as_copyable(src), non_blocking=True)
                 src.record_stream(side)  # the caching allocator keeps src until the copy ran
+            order.issued(src.device)
         return Staged(flat, [copy], None)
 
     def synchronize(self) -> None:
