@@ -420,25 +420,34 @@ class DcpAsyncStager(DcpAsync):
         cuda = torch.cuda.is_available()
         self.options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                       use_async_staging=True, use_non_blocking_copy=cuda)
-        self.stager = DefaultStager(self.options)
+        self._make_stager = lambda: DefaultStager(self.options)
+        self.stager = self._make_stager()
+        self.stagers_made = 1
         self.response = None
 
-    def state(self, step):
-        # Plain dicts: with pinned, non-blocking staging (CUDA, torch 2.11) the stager's deep copy
-        # failed on the modules and then on the OrderedDict of model.state_dict() ("KeyError:
-        # <class 'type'>"). What it saves is the same.
-        return {"model": dict(self.model.state_dict()), "optimizer": self.opt.state_dict(), "step": step}
+    def _stager_closed(self) -> bool:
+        # torch 2.11's async_save closes the caller's stager when a save ends (2.13 closes only
+        # the one it made itself); a closed stager has an empty copy table and its next staging
+        # raised "KeyError: <class 'type'>" on an H200. Then each save needs a new stager.
+        inner = getattr(self.stager, "_state_dict_stager", None)
+        return inner is not None and not getattr(inner, "_deepcopy_dispatch", True)
 
     def checkpoint(self, step, path):
         import torch.distributed.checkpoint as dcp
 
         t0 = time.perf_counter()
         self._wait_previous()  # required: the staged (cached) storages are reused by the next save
+        if self._stager_closed():
+            self.stager = self._make_stager()
+            self.stagers_made += 1
         resp = dcp.async_save(self.state(step), checkpoint_id=str(path), no_dist=True,
                               async_stager=self.stager)
         self.response = resp
         self.upload = resp.upload_completion
         return Pending(t0, self._durable(resp.upload_completion, path))
+
+    def extra(self):
+        return {"stagers_made": self.stagers_made}
 
     def after_call(self, probe):
         # The snapshot may still be copying: the next optimizer.step() must wait for it (the
