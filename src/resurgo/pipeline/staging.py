@@ -49,16 +49,18 @@ def page_locked(nbytes: int) -> torch.Tensor:
     """
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
-    buf = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)  # page-aligned
+    mem = mmap.mmap(-1, nbytes)  # page-aligned
+    buf = torch.frombuffer(mem, dtype=torch.uint8)
     ptr = buf.data_ptr()
     if int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) != 0:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # e.g. a lock limit
-    done = weakref.finalize(buf, _unregister, ptr)
+    # The finalizer holds the mapping: it is unregistered before it can be unmapped.
+    done = weakref.finalize(buf, _unregister, ptr, mem)
     done.atexit = False  # at exit the process goes, and its registrations with it
     return buf
 
 
-def _unregister(ptr: int) -> None:
+def _unregister(ptr: int, mem: mmap.mmap) -> None:
     try:
         torch.cuda.cudart().cudaHostUnregister(ptr)
     except Exception:  # noqa: BLE001 - a finalizer must not raise; the memory is freed anyway
