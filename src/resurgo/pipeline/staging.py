@@ -175,7 +175,9 @@ class StagingPool:
         src = host.tensor  # detached, any lazy conjugation resolved
         dst = typed_view(flat, src.dtype, tuple(src.shape))
         if not on_cuda:
-            return Staged(flat, [lambda: as_copyable(dst).copy_(as_copyable(src))], None)
+            def host_copy() -> None:  # a strided or lazily conjugated host tensor
+                as_copyable(dst).copy_(as_copyable(src))
+            return Staged(flat, [host_copy], None)
 
         side = order.side(src.device)  # now, in the caller's thread: it waits for the caller's stream
 
