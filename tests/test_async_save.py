@@ -407,3 +407,32 @@ def test_guard_copy_hashes_blocks_as_it_copies(tmp_path, monkeypatch):
     from resurgo.pipeline.verify import verify_checkpoint
 
     assert verify_checkpoint(tmp_path / "guard").problems == []
+
+
+def test_guarded_saves_without_a_step_between_them(tmp_path):
+    """The second save waits for the first; the first's take-over never runs, and does no harm."""
+    model, opt = _trained_linear()
+    weight = model.weight.detach().clone()
+    first = resurgo.async_save({"model": model}, tmp_path / "a", guard=opt)
+    second = resurgo.async_save({"model": model}, tmp_path / "b", guard=opt)
+    assert first.done()
+    model(torch.randn(4, 256)).sum().backward()
+    opt.step()
+    second.wait()
+    for name in ("a", "b"):
+        assert torch.equal(resurgo.load_dict(tmp_path / name)["model"]["weight"], weight)
+    assert len(opt._optimizer_step_pre_hooks) == 1
+    opt.step()  # the hook is idle again
+
+
+def test_guard_hook_does_not_keep_the_optimizer_alive(tmp_path):
+    import gc
+    import weakref
+
+    model, opt = _trained_linear()
+    resurgo.async_save({"model": model}, tmp_path / "c", guard=opt).wait()
+    hooks = len(async_mod._guard_hooks)
+    gone = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert gone() is None and len(async_mod._guard_hooks) == hooks - 1
