@@ -3,7 +3,9 @@
 # (e.g. the device tool: python3 with CUDA torch; pydantic carried as wheels in .whl/).
 #   bash benchmarks/cuda_check.sh [OUT_DIR]
 # 1. tests/test_cuda.py plus the async and copy tests, on a machine where CUDA is present;
-# 2. bench_async.py --device cuda: every mechanism training on the GPU, 3 reps.
+# 2. bench_async.py --device cuda: every mechanism training on the GPU, 3 reps (about 5 min on an
+#    H200 at the default 100M parameters; BENCH_PARAMS_M, BENCH_BATCH, BENCH_REPEATS, BENCH_ONLY
+#    and BENCH_TIMEOUT change it).
 set -u
 out=${1:-${OUT:-bench-results}}
 mkdir -p "$out"
@@ -25,7 +27,8 @@ PY
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_async_save.py \
   tests/test_host_copy.py 2>&1 | tee "$out/tests.txt" | tail -40
 echo "tests exit ${PIPESTATUS[0]}"
-timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench_async.py --device cuda --batch 8192 \
-  --steps 16 --every 8 --base-steps 8 --repeats 3 --only "${BENCH_ONLY:-copy,dcp,dcp_async,dcp_async_stager,resurgo,resurgo_async,resurgo_async_guard}" \
+timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench_async.py --device cuda \
+  --params-m "${BENCH_PARAMS_M:-100}" --batch "${BENCH_BATCH:-8192}" \
+  --steps 16 --every 8 --base-steps 8 --repeats "${BENCH_REPEATS:-3}" --only "${BENCH_ONLY:-copy,dcp,dcp_async,dcp_async_stager,resurgo,resurgo_async,resurgo_async_guard}" \
   --out "$out/async_cuda.json" --workdir /tmp/resurgo-bench 2>&1 | tee "$out/bench.txt"
 echo "bench exit ${PIPESTATUS[0]}"
