@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The CUDA checks, as one script for a GPU machine that has torch but not this repo's venv
-# (e.g. the device tool: python3 with CUDA torch; pydantic carried as wheels in .whl/).
+# (e.g. the device tool: python3 with CUDA torch; pydantic carried as wheels in .whl/, fetched
+# beforehand with: python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
+#   --platform manylinux2014_x86_64 -d .whl pydantic pydantic_core annotated-types typing-inspection
+# with the versions of the venv's pip list).
 #   bash benchmarks/cuda_check.sh [OUT_DIR]
 # 1. tests/test_cuda.py plus the async and copy tests, on a machine where CUDA is present;
 # 2. bench_async.py --device cuda: every mechanism training on the GPU, 3 reps (about 5 min on an
