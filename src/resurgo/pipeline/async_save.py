@@ -52,7 +52,9 @@ class AsyncSaveHandle:
         self._thread: threading.Thread | None = None
 
     def staged(self) -> bool:
-        """True once every tensor is copied out: training may then change anything."""
+        """True once every tensor is copied out: training may then change anything. Device copies
+        may still be in flight then, but the caller's CUDA stream (current at the call, or at
+        ``guard.step()``) waits for them; work on other streams must wait for that one."""
         return self._staged.is_set()
 
     def done(self) -> bool:
