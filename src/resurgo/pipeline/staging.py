@@ -121,7 +121,6 @@ class StagingPool:
         self._buffers: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._locked: set[str] = set()  # keys whose buffer is page-locked
 
     @property
     def nbytes(self) -> int:
@@ -132,12 +131,9 @@ class StagingPool:
         with self._lock:
             buf = self._buffers.get(key)
             size = staging_bytes(nbytes)
-            if buf is None or buf.numel() != size or (pinned and key not in self._locked):
+            if buf is None or buf.numel() != size or (pinned and not buf.is_pinned()):
                 buf = page_locked(size) if pinned else torch.empty(size, dtype=torch.uint8)
                 self._buffers[key] = buf
-                self._locked.discard(key)
-                if pinned:
-                    self._locked.add(key)
         if size == nbytes:
             return buf
         start = (phase - buf.data_ptr()) % ALIGN
@@ -149,7 +145,6 @@ class StagingPool:
         with self._lock:
             for key in [k for k in self._buffers if k not in keep]:
                 del self._buffers[key]
-                self._locked.discard(key)
 
     def side_stream(self, device: torch.device) -> torch.cuda.Stream:
         """The device's copy stream, made once."""

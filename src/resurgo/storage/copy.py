@@ -1,9 +1,9 @@
 """Copying a committed checkpoint to another location (another tier), byte for byte.
 
 The data files are streamed in pieces from the source's read handles into a save at the
-destination, several files at once, and committed there with the source's manifest, unchanged: the destination's commit
-protocol applies (temporary directory and rename on a filesystem; data objects, then the manifest,
-on an object store), so a copy cut short is never a checkpoint.
+destination, several files at once, and committed there with the source's manifest, unchanged:
+the destination's commit protocol applies (temporary directory and rename on a filesystem; data
+objects, then the manifest, on an object store), so a copy cut short is never a checkpoint.
 """
 
 from __future__ import annotations
