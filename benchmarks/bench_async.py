@@ -164,7 +164,7 @@ def build(cfg: dict):
         mods.append(torch.nn.Linear(width, width))
         if i < layers - 1:
             mods.append(torch.nn.ReLU())
-    device = torch.device(cfg.get("device", "cpu"))
+    device = torch.device(cfg.get("device", "cpu"))  # bench_overhead.py builds without one
     model = torch.nn.Sequential(*mods).to(device)
     try:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cfg["fused"])
@@ -634,7 +634,7 @@ def worker(cfg: dict) -> dict:
         with phase("sync"):
             gc.collect()
             os.sync()
-        if heat and cfg["heat"] and cfg.get("device", "cpu") == "cpu":
+        if heat and cfg["heat"] and cfg["device"] == "cpu":
             with phase("heat"):
                 common.heat_page_cache(root / ".heat-scratch",
                                        (common.byte_view(t) for t in state_tensors(model, opt).values()))
