@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 from pathlib import Path
@@ -10,6 +11,7 @@ import numpy as np
 import torch
 
 import resurgo
+from resurgo.format.manifest import SEAL_FIELD, seal
 from resurgo.pipeline.buffers import as_copyable
 
 
@@ -63,3 +65,23 @@ def flip_stored_bit(path: Path, key: str) -> str:
     raw[chunk.byte_range[0] + 1] ^= 0x10
     f.write_bytes(bytes(raw))
     return chunk.file
+
+
+def resealed(raw: bytes) -> bytes:
+    """Manifest bytes after an edit, sealed again as a writer would (any old seal dropped).
+
+    Tests that hand-edit a manifest to reach one of the reader's other checks use this, since an
+    edit alone now fails the manifest's own checksum first. Bytes that are not one JSON object
+    are returned as they are.
+    """
+    body = raw.rstrip(b" \t\r\n")
+    cut = body.rfind(b',"' + SEAL_FIELD.encode() + b'":"')
+    if cut >= 0 and body.endswith(b'"}'):
+        body = body[:cut] + b"}"
+    return seal(body) if body.lstrip().startswith(b"{") and body.endswith(b"}") else raw
+
+
+def sealed_manifest(doc: dict) -> bytes:
+    """A manifest document as compact, sealed JSON (a stale seal in ``doc`` is dropped)."""
+    doc = {k: v for k, v in doc.items() if k != SEAL_FIELD}
+    return seal(json.dumps(doc, separators=(",", ":")).encode())

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 import resurgo
 from resurgo.cli import app, human_bytes
-from helpers import flip_stored_bit
+from helpers import flip_stored_bit, sealed_manifest
 
 runner = CliRunner()
 
@@ -155,6 +155,22 @@ def test_verify_flipped_byte(saved: Path):
     assert doc["ok"] is False and doc["chunks_checked"] == 3 and len(doc["problems"]) == 1
 
 
+def test_verify_a_manifest_that_fails_its_own_checksum_is_corrupt(saved: Path):
+    manifest = saved / "manifest.json"
+    raw = manifest.read_bytes()
+    at = raw.index(b'"step":') + len(b'"step":')
+    manifest.write_bytes(raw[:at] + (b"8" if raw[at:at + 1] != b"8" else b"9") + raw[at + 1:])  # one digit
+    result = runner.invoke(app, ["verify", str(saved)])
+    assert result.exit_code == 1, result.output
+    assert "manifest.json: the manifest's bytes do not match its manifest_checksum" in result.stdout
+    assert "CORRUPT" in result.stdout and "1 problem (0 chunks in 0 files" in result.stdout
+    result = runner.invoke(app, ["verify", str(saved), "--json"])
+    assert result.exit_code == 1
+    doc = json.loads(result.stdout)
+    assert doc["ok"] is False and doc["chunks_checked"] == 0 and doc["data_files"] is None
+    assert len(doc["problems"]) == 1 and "manifest_checksum" in doc["problems"][0]
+
+
 @pytest.mark.parametrize("case", ["missing", "no_manifest", "data_without_manifest", "invalid_manifest"])
 def test_verify_unreadable_exit_2(tmp_path: Path, saved: Path, case: str):
     expected = {
@@ -193,7 +209,7 @@ def tree(tmp_path: Path) -> Path:
     os.truncate(f, f.stat().st_size - 4)
     (root / "a" / "step-3" / "manifest.json").write_text('{"step": 3, "format": ')
     m6 = root / "a" / "step-6" / "manifest.json"
-    m6.write_text(json.dumps({**json.loads(m6.read_text()), "version": 99}))
+    m6.write_bytes(sealed_manifest({**json.loads(m6.read_text()), "version": 99}))
     (root / "a" / "step-4" / "data").mkdir(parents=True)  # never committed
     (root / "a" / "step-4" / "data" / "rank00000-000.safetensors").write_bytes(b"\0" * 100)
     (root / "a" / ".step-5.resurgo-tmp-0123456789ab" / "data").mkdir(parents=True)  # crashed save

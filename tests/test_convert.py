@@ -49,7 +49,7 @@ from resurgo.storage.fsspec_store import split_url
 from resurgo.storage.local import TMP_MARKER
 from dist_harness import run_ranks
 from dist_workers import reference
-from helpers import bits_equal, random_tensor
+from helpers import bits_equal, random_tensor, sealed_manifest
 
 SCRIPTS = Path(__file__).parent / "scripts"
 MiB = 1 << 20
@@ -123,7 +123,7 @@ def save_chunked(path: Path, tensors: dict[str, torch.Tensor], layouts: dict[str
                                "chunks": chunks}
     doc.update(files=files, tensors=tensor_entries,
                tree={"type": "dict", "items": [[k, {"type": "tensor", "key": k}] for k in tensors]})
-    (path / "manifest.json").write_text(json.dumps(doc))
+    (path / "manifest.json").write_bytes(sealed_manifest(doc))
     loaded = resurgo.load_dict(path)  # the helper made a valid checkpoint
     assert all(bits_equal(loaded[k], t) for k, t in tensors.items())
 

@@ -23,6 +23,8 @@ from resurgo.errors import (
     UnsupportedValueError,
 )
 
+from helpers import sealed_manifest
+
 
 def saved(tmp_path, state=None):
     state = state if state is not None else {"a": torch.arange(4.0), "b": {"c": torch.ones(2, 2)}, "step": 3}
@@ -143,14 +145,14 @@ def test_loading_never_runs_code_from_the_file(tmp_path):
     path = saved(tmp_path, {"x": 1})
     m = json.loads((path / "manifest.json").read_text())
     m["tree"]["items"][0][1] = {"type": "pickle", "class": "x", "base64": base64.b64encode(pickle.dumps(Evil())).decode()}
-    (path / "manifest.json").write_text(json.dumps(m))
+    (path / "manifest.json").write_bytes(sealed_manifest(m))
     # The manifest's 'pickled' flag says false: the manifest is inconsistent.
     with pytest.raises(ManifestError, match="pickle"):
         resurgo.load_dict(path)
     with pytest.raises(ManifestError, match="pickle"):
         resurgo.load({"x": 0}, path)
     m["pickled"] = True
-    (path / "manifest.json").write_text(json.dumps(m))
+    (path / "manifest.json").write_bytes(sealed_manifest(m))
     with pytest.raises(PickleNotAllowedError):
         resurgo.load_dict(path)
     with pytest.raises(PickleNotAllowedError):

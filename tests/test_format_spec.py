@@ -28,6 +28,8 @@ from resurgo.format import dtypes
 from resurgo.format.manifest import parse_manifest
 from resurgo.format.tree import FIELDS
 
+from helpers import sealed_manifest
+
 SPEC = Path(__file__).resolve().parents[1] / "docs" / "format.md"
 
 
@@ -195,10 +197,11 @@ def test_reader_sketch_example_of_the_spec(tmp_path):
     resurgo.save(state, tmp_path / "c", step=10, metadata={"run": "demo"})
     mine = json.loads((tmp_path / "c" / "manifest.json").read_bytes())
     spec = json.loads(code_block("9. Example", "json"))
+    assert re.fullmatch("[0-9a-f]{32}", mine.pop("manifest_checksum"))  # the example leaves it out
     for doc in (mine, spec):
         doc.pop("created_at")
         doc.pop("library")
-    assert mine == spec  # the example is what resurgo writes (apart from time and versions)
+    assert mine == spec  # the example is what resurgo writes (apart from time, versions, its seal)
     weight = load_reader()(str(tmp_path / "c"), "model.weight")
     np.testing.assert_array_equal(weight, np.array([[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], dtype=np.float32))
 
@@ -241,7 +244,7 @@ def test_reader_sketch_refuses_paths_outside(saved, tmp_path):
         m2 = json.loads(json.dumps(m))
         m2["tensors"]["f32"]["chunks"][0]["file"] = bad
         m2["files"][bad] = m2["files"][name]
-        (path / "manifest.json").write_text(json.dumps(m2))
+        (path / "manifest.json").write_bytes(sealed_manifest(m2))
         with pytest.raises(ValueError, match="bad data file path"):
             read_tensor(str(path), "f32")
 
@@ -251,7 +254,7 @@ def test_reader_sketch_refuses_sizes_that_disagree(saved, tmp_path):
     m = json.loads((path / "manifest.json").read_bytes())
     m["tensors"]["f32"]["shape"] = [3, 6]
     m["tensors"]["f32"]["chunks"][0]["box"]["shape"] = [3, 6]
-    (path / "manifest.json").write_text(json.dumps(m))
+    (path / "manifest.json").write_bytes(sealed_manifest(m))
     with pytest.raises(ValueError, match="wrong size"):
         load_reader()(str(path), "f32")
 
@@ -260,8 +263,8 @@ def test_reader_sketch_refuses_sizes_that_disagree(saved, tmp_path):
 # The example and the tables
 # ------------------------------------------------------------------------------------------------
 def test_example_manifest_is_valid():
-    raw_json = code_block("9. Example", "json").encode()
-    m = parse_manifest(raw_json, "docs/format.md#9")
+    doc = json.loads(code_block("9. Example", "json"))
+    m = parse_manifest(sealed_manifest(doc), "docs/format.md#9")  # sealed as resurgo writes it
     assert m.tensor_bytes == 24 + 4 + 4 + 24
 
 

@@ -44,6 +44,9 @@ from resurgo import (
     ResurgoError,
 )
 from resurgo.format import dtypes as _dtypes
+from resurgo.format.manifest import SEAL_FIELD, parse_manifest, seal
+
+from helpers import resealed
 
 _file_bytes: dict[str, bytes] = {}  # the data files' bytes, by manifest path
 BLOCK = 16  # small blocks: every chunk has several checksums, so list mutations matter
@@ -169,6 +172,7 @@ class Bench:
         self.path = path
         self.raw = (path / "manifest.json").read_bytes()
         self.doc = json.loads(self.raw)
+        del self.doc[SEAL_FIELD]  # edited documents are sealed again as they are written (attempt)
         self.bases: list[dict] = [self.doc]  # and multi-chunk variants, once the file bytes are known
         self.originals = {raw_bytes(t) for t in tensors_in(make_state())}
         self.data_file = next(iter(self.doc["files"]))
@@ -176,13 +180,15 @@ class Bench:
     def write(self, raw: bytes) -> None:
         (self.path / "manifest.json").write_bytes(raw)
 
-    def attempt(self, raw: bytes, check_bytes: bool = True) -> list[str]:
+    def attempt(self, raw: bytes, check_bytes: bool = True, reseal: bool = True) -> list[str]:
         """Write ``raw`` as the manifest and run every reader; returns each outcome's name.
 
         ``check_bytes``: every tensor a successful load returns holds the bytes of a saved tensor
         (off for generated manifests, which may legally describe any verified bytes of a file).
+        ``reseal``: seal edited bytes again, so that they reach the checks after the manifest's
+        own checksum (what a crafted manifest would do); off to test that checksum.
         """
-        self.write(raw)
+        self.write(resealed(raw) if reseal else raw)
         outcomes = []
         for name, fn in (("read_manifest", lambda: resurgo.read_manifest(self.path)),
                          ("load_dict", lambda: resurgo.load_dict(self.path)),
@@ -233,6 +239,73 @@ def test_the_pristine_manifest_loads_bitwise(bench: Bench):
     loaded = resurgo.load_dict(bench.path)
     want = make_state()
     assert [raw_bytes(t) for t in tensors_in(loaded)] == [raw_bytes(t) for t in tensors_in(want)]
+
+
+# ------------------------------------------------------------------------------------------------
+# The manifest's own checksum (format section 5.4)
+# ------------------------------------------------------------------------------------------------
+def test_every_flipped_bit_of_the_manifest_is_caught(bench: Bench):
+    """No single flipped bit anywhere in the manifest is accepted; where the JSON still parses to
+    the same members, it is the manifest's checksum that refuses it."""
+    raw = bench.raw
+    digest_at = raw.rindex(b'"manifest_checksum":"') + len(b'"manifest_checksum":"')
+    outcomes: dict[str, int] = {}
+    for i in range(len(raw)):
+        for bit in (0x01, 0x10):
+            flipped = bytearray(raw)
+            flipped[i] ^= bit
+            with pytest.raises((ManifestError, CorruptCheckpointError)) as err:
+                parse_manifest(bytes(flipped))
+            outcomes[err.type.__name__] = outcomes.get(err.type.__name__, 0) + 1
+            try:
+                doc = json.loads(bytes(flipped))
+            except ValueError:
+                continue
+            if isinstance(doc, dict) and doc.keys() == bench.doc.keys() | {SEAL_FIELD} and not (
+                    digest_at <= i < digest_at + 32):
+                assert err.type is CorruptCheckpointError, (i, bit, str(err.value))
+    assert outcomes["CorruptCheckpointError"] > len(raw)  # most flips land in values the JSON still parses
+    assert sum(outcomes.values()) == 2 * len(raw)
+
+
+def test_the_pristine_manifest_is_compact_and_sealed_last(bench: Bench):
+    assert bench.raw.endswith(b',"manifest_checksum":"' + json.loads(bench.raw)[SEAL_FIELD].encode() + b'"}')
+    assert bench.raw == json.dumps(json.loads(bench.raw), separators=(",", ":")).encode()
+    zeroed = bench.raw[:-34] + b"0" * 32 + b'"}'
+    assert xxhash.xxh3_128_hexdigest(zeroed) == json.loads(bench.raw)[SEAL_FIELD]
+
+
+def test_a_changed_value_fails_the_seal_with_both_digests_named(bench: Bench):
+    raw = bench.raw.replace(b'"step":5', b'"step":6', 1)
+    stored = json.loads(raw)[SEAL_FIELD]
+    expect(bench, raw, CorruptCheckpointError, f"manifest.json: the manifest's bytes do not match .*stored {stored}",
+           reseal=False)
+
+
+def test_a_reencoded_manifest_is_refused(bench: Bench):
+    doc = json.loads(bench.raw)
+    expect(bench, json.dumps(doc, indent=2).encode(), ManifestError, "re-encoded", reseal=False)
+    reordered = {SEAL_FIELD: doc[SEAL_FIELD], **{k: v for k, v in doc.items() if k != SEAL_FIELD}}
+    expect(bench, json.dumps(reordered, separators=(",", ":")).encode(), ManifestError, "last member", reseal=False)
+    digest = doc[SEAL_FIELD].encode()
+    for tail in (digest.upper() + b'"}', digest[:31] + b'"}', digest + b'0"}'):  # not 32 lowercase hex digits
+        expect(bench, bench.raw[:-34] + tail, ManifestError, "32 hex digits", reseal=False)
+    for value in (b"12345", b"null", b"[]"):
+        expect(bench, bench.raw[:-35] + value + b"}", ManifestError, "32 hex digits", reseal=False)
+
+
+def test_whitespace_after_the_manifest_is_not_covered(bench: Bench):
+    assert bench.attempt(bench.raw + b"\n \t\r\n", reseal=False) == ["ok", "ok", "ok"]
+
+
+def test_version_2_needs_the_seal_and_version_1_has_none(bench: Bench):
+    unsealed = json.dumps(bench.doc, separators=(",", ":")).encode()
+    expect(bench, unsealed, ManifestError, "needs its 'manifest_checksum'", reseal=False)
+    v1 = json.dumps({**bench.doc, "version": 1}, separators=(",", ":")).encode()
+    assert bench.attempt(v1, reseal=False) == ["ok", "ok", "ok"]  # checkpoints from before the seal
+    loaded = resurgo.load_dict(bench.path)
+    assert [raw_bytes(t) for t in tensors_in(loaded)] == [raw_bytes(t) for t in tensors_in(make_state())]
+    expect(bench, seal(v1), ManifestError, "not a field of version 1", reseal=False)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -729,9 +802,9 @@ def test_split_chunks_assemble_bitwise(bench: Bench, how: str):
 # Named bad cases: the exact error class
 # ------------------------------------------------------------------------------------------------
 def expect(bench: Bench, doc_or_raw: Any, error: type[ResurgoError], match: str | None = None,
-           readers: tuple[str, ...] = ("read_manifest", "load_dict", "load")) -> None:
+           readers: tuple[str, ...] = ("read_manifest", "load_dict", "load"), reseal: bool = True) -> None:
     raw = doc_or_raw if isinstance(doc_or_raw, bytes) else serialize(doc_or_raw)
-    outcomes = dict(zip(("read_manifest", "load_dict", "load"), bench.attempt(raw)))
+    outcomes = dict(zip(("read_manifest", "load_dict", "load"), bench.attempt(raw, reseal=reseal)))
     for r in readers:
         assert outcomes[r] == error.__name__, (r, outcomes)
     if match is not None:
@@ -757,7 +830,8 @@ def test_not_json(bench: Bench):
 
 
 def test_wrong_format_or_version(bench: Bench):
-    expect(bench, edited(bench, lambda d: d.update(version=2)), ManifestError, "version")
+    expect(bench, edited(bench, lambda d: d.update(version=3)), ManifestError, "version")
+    expect(bench, edited(bench, lambda d: d.update(version=0)), ManifestError, "version")
     expect(bench, edited(bench, lambda d: d.update(version=True)), ManifestError)
     expect(bench, edited(bench, lambda d: d.update(version=1.0)), ManifestError)
     expect(bench, edited(bench, lambda d: d.update(format="safetensors")), ManifestError, "format")
@@ -1115,7 +1189,7 @@ def test_duplicate_keys_in_the_json(bench: Bench):
     """JSON objects with a repeated name: whatever a parser keeps, the result is checked like any other."""
     bench.attempt(bench.raw.replace(b'{"format"', b'{"version":2,"format"', 1))
     bench.attempt(bench.raw.replace(b'{"format"', b'{"format":"x","format"', 1))
-    expect(bench, bench.raw.replace(b'"version":1', b'"version":1,"version":2', 1), ManifestError)
+    expect(bench, bench.raw.replace(b'"version":2', b'"version":2,"version":3', 1), ManifestError)
 
 
 def test_key_mismatch_is_a_resurgo_error(bench: Bench):
@@ -1139,7 +1213,9 @@ _RLIMIT_SCRIPT = textwrap.dedent(
                     return int(line.split()[1]) * 1024
     limit = vm_bytes() + (1 << 30)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    from resurgo.format.manifest import seal
     base = json.load(open(ckpt + "/manifest.json"))
+    del base["manifest_checksum"]
     name = next(iter(base["files"]))
     header = base["files"][name]["header_bytes"]
     results = []
@@ -1159,7 +1235,7 @@ _RLIMIT_SCRIPT = textwrap.dedent(
                            "byte_range": [header + i * half, header + (i + 1) * half], "block_bytes": block,
                            "checksums": ["0" * 32] * (half // block)} for i in range(2)]
             doc["tensors"]["model.w"] = {"kind": "torch", "dtype": "float32", "shape": [n], "chunks": chunks}
-            open(ckpt + "/manifest.json", "w").write(json.dumps(doc))
+            open(ckpt + "/manifest.json", "wb").write(seal(json.dumps(doc).encode()))
             try:
                 resurgo.load_dict(ckpt)
                 results.append("ok")
@@ -1197,7 +1273,7 @@ def test_many_chunks_do_not_hang(bench: Bench):
     import time
 
     t0 = time.perf_counter()
-    bench.write(raw)
+    bench.write(resealed(raw))
     resurgo.read_manifest(bench.path)
     assert time.perf_counter() - t0 < 30
 

@@ -398,22 +398,27 @@ def verify(
 ) -> None:
     """Check every file size, header and block checksum. Exit 0 clean, 1 corrupt, 2 unreadable."""
     with _fail_cleanly():
-        manifest, _ = _load_manifest(path)
-        total = manifest.tensor_bytes
-        show = progress if progress is not None else (
-            total > PROGRESS_THRESHOLD_BYTES and _console(stderr=True).is_terminal and not as_json)
-        t0 = time.perf_counter()
-        report = _verify_with_progress(path, total, show)
-        seconds = time.perf_counter() - t0
+        manifest: Manifest | None
+        try:
+            manifest = _load_manifest(path)[0]
+        except CorruptCheckpointError as e:  # the manifest fails its own checksum: corrupt, not unreadable
+            manifest, report, seconds = None, VerifyReport(str(path), problems=[str(e)]), 0.0
+        if manifest is not None:
+            show = progress if progress is not None else (
+                manifest.tensor_bytes > PROGRESS_THRESHOLD_BYTES and _console(stderr=True).is_terminal and not as_json)
+            t0 = time.perf_counter()
+            report = _verify_with_progress(path, manifest.tensor_bytes, show)
+            seconds = time.perf_counter() - t0
+    n_files = len(manifest.files) if manifest else 0
     if as_json:
-        _print_json({"path": str(path), "ok": report.ok, "tensor_bytes": total, "bytes_checked": report.bytes_checked,
-                     "chunks_checked": report.chunks_checked, "data_files": len(manifest.files),
-                     "problems": report.problems})
+        _print_json({"path": str(path), "ok": report.ok, "tensor_bytes": manifest.tensor_bytes if manifest else None,
+                     "bytes_checked": report.bytes_checked, "chunks_checked": report.chunks_checked,
+                     "data_files": n_files if manifest else None, "problems": report.problems})
     else:
         out = _console()
         for p in report.problems:
             out.print(f"  - {p}", style="red", markup=False, soft_wrap=True)
-        counts = (f"{_plural(report.chunks_checked, 'chunk')} in {_plural(len(manifest.files), 'file')}, "
+        counts = (f"{_plural(report.chunks_checked, 'chunk')} in {_plural(n_files, 'file')}, "
                   f"{human_bytes(report.bytes_checked)} checked in {seconds:.2f} s")
         if report.ok:
             out.print(f"[bold green]OK[/bold green] {escape(str(path))}: {counts}", soft_wrap=True)

@@ -45,6 +45,14 @@ def digest(buf: bytes | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(buf)
 
 
+def digest_of(*parts: bytes | memoryview) -> str:
+    """The digest of the parts' concatenation, without concatenating them."""
+    h = xxhash.xxh3_128()
+    for part in parts:
+        h.update(part)
+    return h.hexdigest()
+
+
 def block_digests(buf: memoryview, block_bytes: int) -> list[str]:
     """Hex digests of every block of ``buf`` (a flat byte memoryview)."""
     h = xxhash.xxh3_128_hexdigest

@@ -6,6 +6,10 @@ unknown version or dtype, paths that leave the checkpoint, byte ranges past a fi
 shapes whose byte counts disagree, chunks that do not tile their tensor, checksum lists of the
 wrong length. Reading data after this check cannot go outside the declared files or allocate
 more than the files hold.
+
+The manifest also checks itself: its last member, ``manifest_checksum``, is the xxh3-128 of the
+file's own bytes with that digest written as 32 zeros (:func:`seal`), so a flipped digit in a step,
+a byte range or the metadata is caught before anything is read (:class:`CorruptCheckpointError`).
 """
 
 from __future__ import annotations
@@ -17,14 +21,15 @@ from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from resurgo.errors import ManifestError
+from resurgo.errors import CorruptCheckpointError, ManifestError
 from resurgo.format import checksum, dtypes
 from resurgo.format.tree import validate_tree
 from resurgo.gcpause import collector_paused
 from resurgo.layout.box import ChunkBox, FlatRange, Place, covers_exactly_once
 
 FORMAT_NAME = "resurgo.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what resurgo writes
+READABLE_VERSIONS = (1, 2)  # 2 is 1 plus the manifest's own checksum
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 30
 MAX_NDIM = 64
@@ -33,6 +38,11 @@ MAX_METADATA_DEPTH = 64  # nested JSON arrays/objects in 'metadata' (readers' pa
 MAX_TENSOR_BYTES = (1 << 62) - 1  # with every dimension counted as at least 1
 DATA_FILE_RE = re.compile(r"^data/[A-Za-z0-9_.-]{1,200}\.safetensors$")
 _HEX128 = re.compile(r"[0-9a-f]{32}")
+SEAL_FIELD = "manifest_checksum"
+_SEAL_KEY = b'"manifest_checksum":"'
+_SEAL_ZEROS = b"0" * 32
+_SEAL_TAIL = len(_SEAL_ZEROS) + len(b'"}')  # the digest and the closing '"}' after it
+_JSON_SPACE = b" \t\r\n"
 
 
 class _Strict(BaseModel):
@@ -101,13 +111,54 @@ class Manifest(_Strict):
     files: dict[str, FileEntry]
     tensors: dict[str, TensorEntry]
     tree: dict[str, Any]
+    manifest_checksum: Optional[str] = None  # required from version 2 on, and then checked against the bytes
 
     def to_json_bytes(self) -> bytes:
-        return json.dumps(self.model_dump(exclude_none=True), separators=(",", ":"), allow_nan=False).encode()
+        """The compact JSON of the manifest, sealed: its checksum is the last member."""
+        doc = self.model_dump(exclude_none=True)
+        doc.pop(SEAL_FIELD, None)
+        return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())
 
     @property
     def tensor_bytes(self) -> int:
         return sum(c.nbytes for t in self.tensors.values() for c in t.chunks)
+
+
+def seal(body: bytes) -> bytes:
+    """Append ``"manifest_checksum":"<digest>"`` to the compact JSON object ``body``.
+
+    The digest is the xxh3-128 of the result with the digest itself written as 32 zeros. Hashing
+    the bytes rather than a re-encoding needs no canonical JSON: any reader checks it with a byte
+    search and one hash.
+    """
+    if not (body.startswith(b"{") and body.endswith(b"}")):
+        raise ValueError("seal() takes the bytes of one JSON object")
+    sep = b"" if body[1:-1].strip(_JSON_SPACE) == b"" else b","
+    head = body[:-1] + sep + _SEAL_KEY
+    return head + checksum.digest_of(head, _SEAL_ZEROS + b'"}').encode() + b'"}'
+
+
+def check_seal(raw: bytes, stored: object, source: str) -> None:
+    """Check the manifest's own checksum, whose parsed value is ``stored``.
+
+    ManifestError if it is not the last member as :func:`seal` writes it (the manifest was
+    re-encoded); CorruptCheckpointError if the bytes changed since they were sealed.
+    """
+    end = len(raw.rstrip(_JSON_SPACE))
+    key_at = end - _SEAL_TAIL - len(_SEAL_KEY)
+    digest = raw[end - _SEAL_TAIL:end - 2]
+    if (key_at < 1 or raw[key_at:end - _SEAL_TAIL] != _SEAL_KEY or raw[end - 2:end] != b'"}'
+            or not isinstance(stored, str) or digest != stored.encode() or not _HEX128.fullmatch(stored)):
+        raise ManifestError(
+            f"{source}: {SEAL_FIELD!r} must be 32 hex digits in the manifest's last member, written compact "
+            f"(\"{SEAL_FIELD}\":\"<digest>\"}}), as resurgo writes it; was the manifest re-encoded?"
+        )
+    actual = checksum.digest_of(memoryview(raw)[:end - _SEAL_TAIL], _SEAL_ZEROS + b'"}')
+    if actual != stored:
+        raise CorruptCheckpointError(
+            f"{source}: the manifest's bytes do not match its {SEAL_FIELD} (stored {stored}, computed {actual}): "
+            f"it changed after it was written"
+        )
 
 
 def parse_manifest(raw: bytes, source: str = MANIFEST_NAME) -> Manifest:
@@ -127,17 +178,24 @@ def _parse_manifest(raw: bytes, source: str) -> Manifest:
         raise ManifestError(f"{source}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(doc, dict):
         raise ManifestError(f"{source}: expected a JSON object at the top, found {type(doc).__name__}")
+    if SEAL_FIELD in doc:  # first: a flipped bit anywhere is reported as corruption, whatever it hit
+        check_seal(raw, doc[SEAL_FIELD], source)
     if doc.get("format") != FORMAT_NAME:
         raise ManifestError(f"{source}: 'format' is {str(doc.get('format'))[:80]!r}, expected {FORMAT_NAME!r}")
-    if doc.get("version") != FORMAT_VERSION:
+    version = doc.get("version")
+    if type(version) is not int or version not in READABLE_VERSIONS:
         raise ManifestError(
-            f"{source}: format version {str(doc.get('version'))[:40]!r} is not supported "
-            f"(this resurgo reads version {FORMAT_VERSION})"
+            f"{source}: format version {str(version)[:40]!r} is not supported "
+            f"(this resurgo reads versions {', '.join(map(str, READABLE_VERSIONS))})"
         )
+    if version >= 2 and SEAL_FIELD not in doc:
+        raise ManifestError(f"{source}: a version {version} manifest needs its {SEAL_FIELD!r}, and has none")
+    if version == 1 and SEAL_FIELD in doc:
+        raise ManifestError(f"{source}: {SEAL_FIELD!r} is not a field of version 1 manifests")
     try:
         manifest = Manifest.model_validate(doc)
     except (ValidationError, RecursionError, ValueError) as e:
-        raise ManifestError(f"{source}: does not match the v1 schema: {str(e)[:800]}") from None
+        raise ManifestError(f"{source}: does not match the v{version} schema: {str(e)[:800]}") from None
     validate_manifest(manifest, source)
     return manifest
 

@@ -25,6 +25,7 @@ from resurgo.format import checksum
 from resurgo.dist import comm as dist_comm
 from resurgo.dist.comm import Comm
 from resurgo.format.manifest import (
+    FORMAT_VERSION,
     MANIFEST_NAME,
     MAX_METADATA_DEPTH,
     BoxPlace,
@@ -244,7 +245,7 @@ def build_manifest(prep: PreparedSave, written: list[WrittenFile]) -> Manifest:
                                 chunks=[_entry(c) for c in sorted(chunks[key], key=_place_order)])
                for key, meta in prep.tensors.items()}
     return Manifest(
-        format="resurgo.checkpoint", version=1,
+        format="resurgo.checkpoint", version=FORMAT_VERSION,
         created_at=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
         step=prep.step, metadata=dict(prep.metadata or {}), library=library_versions(),
         world={"size": prep.comm.size}, checksum_algorithm="xxh3-128", pickled=prep.pickled,
