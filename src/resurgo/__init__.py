@@ -7,6 +7,7 @@ Public API (see README.md and docs/): ``save``, ``load``, ``load_dict``, ``conve
 
 from resurgo.api import __version__, load, load_dict, read_manifest, save
 from resurgo.convert import convert
+from resurgo.diff import CheckpointDiff, diff_checkpoints
 from resurgo.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -40,7 +41,7 @@ from resurgo.state.elastic_sampler import ElasticSampler
 from resurgo.state.train_state import TrainState
 
 __all__ = [
-    "__version__", "save", "async_save", "AsyncSaveHandle", "load", "load_dict", "read_manifest", "convert", "TrainState", "SaveReport", "LoadReport",
+    "__version__", "save", "async_save", "AsyncSaveHandle", "load", "load_dict", "read_manifest", "convert", "diff_checkpoints", "CheckpointDiff", "TrainState", "SaveReport", "LoadReport",
     "ConvertReport", "Shard", "FlatShard", "PerRank", "ShardingError", "WorldSizeMismatchError", "RankFailedError",
     "ElasticSampler", "elastic_state", "DataPositionError",
     "CheckpointManager", "Tier", "daly_interval",

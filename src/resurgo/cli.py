@@ -1,4 +1,4 @@
-"""The command line: ``resurgo inspect | verify | ls | gc | convert | study``.
+"""The command line: ``resurgo inspect | verify | diff | ls | gc | convert | study``.
 
 ``study`` runs the checkpointing study (``resurgo.study``) and writes its report. Every other
 command reads only the manifest unless it has to read data (``verify``, ``ls --verify``),
@@ -6,8 +6,9 @@ never unpickles anything, and turns a :class:`~resurgo.errors.ResurgoError` into
 message on stderr and exit code 2 (no traceback). ``--json`` prints a machine-readable summary on
 stdout instead of the tables.
 
-Exit codes: 0 success (for ``verify``: the checkpoint is clean); 1 ``verify`` or ``ls --verify``
-found corruption, or ``convert`` met corrupt data (nothing written); 2 the path is not a readable
+Exit codes: 0 success (for ``verify``: the checkpoint is clean; for ``diff``: no difference); 1
+``verify`` or ``ls --verify`` found corruption, ``convert`` met corrupt data (nothing written), or
+``diff`` found differences; 2 the path is not a readable
 checkpoint (missing, incomplete, invalid manifest), the conversion was refused (destination
 exists, memory budget, pickled values) or bad usage.
 """
@@ -33,6 +34,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from resurgo.convert import TARGETS, convert as convert_checkpoint, parse_size
+from resurgo.diff import DEFAULT_DIFF_BUDGET, CheckpointDiff, TensorDiff, diff_checkpoints
 from resurgo.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError, ResurgoError
 from resurgo.format import values
 from resurgo.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
@@ -374,6 +376,96 @@ def inspect(
         _print_json(summary)
     else:
         _print_inspect(summary, chunks)
+
+
+# -- diff -------------------------------------------------------------------------------------
+def render_node(node: Optional[dict]) -> str:
+    """A value node of the tree in one short line; ``-`` for an absent one."""
+    if node is None:
+        return "-"
+    t = node.get("type")
+    if t in _EMPTY:
+        return _EMPTY[t]
+    if t == "torch_size":
+        return _clip(f"torch.Size({node.get('items')!r})")
+    return render_scalar(node)
+
+
+def _diff_detail(t: TensorDiff) -> str:
+    if t.change in ("only_a", "only_b"):
+        return f"only in {t.change[-1].upper()}"
+    if t.change != "data":
+        return f"{t.change} differs"
+    parts = []
+    if t.blocks_differing is not None:
+        parts.append(f"{t.blocks_differing} of {t.blocks_total} checksum blocks differ")
+    if t.elements_differing is not None:
+        parts.append(f"{_plural(t.elements_differing, 'element')} differ" if t.elements_differing != 1 else "1 element differs")
+    if t.max_abs_diff is not None:
+        parts.append(f"max |a-b| {t.max_abs_diff:.6g}")
+    return ", ".join(parts)
+
+
+@app.command("diff")
+def diff_command(
+    a: str = typer.Argument(..., help="A checkpoint directory or URL."),
+    b: str = typer.Argument(..., help="Another checkpoint directory or URL."),
+    stats: bool = typer.Option(False, "--stats", help="Read tensors that differ: how many elements, and the largest |a-b|."),
+    only: Optional[str] = typer.Option(None, "--only", help="Compare only the keys with this prefix (e.g. 'model.')."),
+    memory_budget: Optional[str] = typer.Option(None, "--memory-budget",
+                                                help="Memory for tensors read to compare (default 256MiB)."),
+    as_json: bool = typer.Option(False, "--json", help="Print a machine-readable report."),
+) -> None:
+    """What differs between two checkpoints: step, metadata, tensors, values. Exit 0 same, 1 differ, 2 error.
+
+    Tensors stored in the same chunks compare by their checksums (no data read); others are read
+    and compared bit for bit."""
+    budget = _size_option(memory_budget, "--memory-budget")
+    with _fail_cleanly():
+        found = diff_checkpoints(a, b, stats=stats, only=only, memory_budget=budget or DEFAULT_DIFF_BUDGET)
+    if as_json:
+        doc = asdict(found)
+        doc["identical"] = found.identical
+        doc["fields"] = [{"field": f, "a": x, "b": y} for f, x, y in found.fields]
+        _print_json(doc)
+    else:
+        _print_diff(found)
+    raise typer.Exit(0 if found.identical else 1)
+
+
+def _diff_table(*columns: str) -> Table:
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False)
+    for name in columns:
+        table.add_column(name, overflow="fold")
+    return table
+
+
+def _print_diff(d: CheckpointDiff) -> None:
+    out = _console()
+    out.print(f"[bold]A[/bold] {escape(d.a)}\n[bold]B[/bold] {escape(d.b)}", soft_wrap=True)
+    if d.fields:
+        table = _diff_table("field", "A", "B")
+        for name, x, y in d.fields:
+            table.add_row(escape(name), escape(_clip(json.dumps(x))), escape(_clip(json.dumps(y))))
+        out.print(table)
+    if d.tensors:
+        table = _diff_table("tensor", "A", "B", "difference")
+        for t in d.tensors:
+            table.add_row(escape(t.key), t.a or "-", t.b or "-", escape(_diff_detail(t)))
+        out.print(table)
+    if d.values:
+        table = _diff_table("value", "A", "B")
+        for v in d.values:
+            table.add_row(escape(v.key), escape(render_node(v.a)), escape(render_node(v.b)))
+        out.print(table)
+    equal = (f"{_plural(d.equal_by_checksums + d.equal_by_data, 'tensor')} equal "
+             f"({d.equal_by_checksums} by checksums, {d.equal_by_data} by reading); {human_bytes(d.bytes_read)} read")
+    if d.identical:
+        out.print(f"[bold green]SAME[/bold green] {equal}", soft_wrap=True)
+    else:
+        out.print(f"[bold red]DIFFERENT[/bold red] {_plural(len(d.fields), 'field')}, "
+                  f"{_plural(len(d.tensors), 'tensor')}, {_plural(len(d.values), 'value')} differ; {equal}",
+                  soft_wrap=True)
 
 
 # -- verify -----------------------------------------------------------------------------------
