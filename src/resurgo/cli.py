@@ -1,4 +1,4 @@
-"""The command line: ``resurgo inspect | verify | diff | ls | gc | convert | study``.
+"""The command line: ``resurgo inspect | verify | diff | ls | gc | convert | bench | study``.
 
 ``study`` runs the checkpointing study (``resurgo.study``) and writes its report. Every other
 command reads only the manifest unless it has to read data (``verify``, ``ls --verify``),
@@ -33,6 +33,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
+from resurgo.bench import bench_storage
 from resurgo.convert import TARGETS, convert as convert_checkpoint, parse_size
 from resurgo.diff import DEFAULT_DIFF_BUDGET, CheckpointDiff, TensorDiff, diff_checkpoints
 from resurgo.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError, ResurgoError
@@ -784,6 +785,85 @@ def read_tensor_bytes(src: str | os.PathLike, only: Optional[str]) -> int:
     manifest, _ = _load_manifest(src)
     return sum(sum(c.nbytes for c in t.chunks) for k, t in manifest.tensors.items()
                if only is None or k.startswith(only))
+
+
+# -- bench ------------------------------------------------------------------------------------
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``"3600"``, ``"90m"``, ``"24h"`` or ``"7d"``."""
+    t = text.strip().lower()
+    unit = _DURATION_UNITS.get(t[-1:], None)
+    try:
+        value = float(t[:-1] if unit else t) * (unit or 1)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a duration (examples: 3600, 90m, 24h, 7d)") from None
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"a duration must be positive, got {text!r}")
+    return value
+
+
+def _human_seconds(s: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if s >= size:
+            return f"{s / size:.1f} {unit}"
+    return f"{s:.1f} s"
+
+
+_BENCH_LABELS = {"save": "resurgo.save (until committed)", "async_stall": "resurgo.async_save: stall",
+                 "async_durable": "resurgo.async_save: until committed", "load": "resurgo.load (verified)",
+                 "torch_save": "torch.save + fsync (reference)", "torch_load": "torch.load (reference)"}
+
+
+@app.command("bench")
+def bench_command(
+    location: str = typer.Argument(".", help="Where to measure: a directory (scratch checkpoints go in a new "
+                                             "subdirectory, deleted at the end) or a URL."),
+    size: str = typer.Option("1GiB", "--size", help="State size (random float32), e.g. 256MiB, 4GiB."),
+    tensors: int = typer.Option(16, "--tensors", help="Number of tensors the state is split into."),
+    repeats: int = typer.Option(3, "--repeats", help="Repetitions; medians are reported."),
+    mtbf: Optional[str] = typer.Option(None, "--mtbf", help="The job's mean time between failures (3600, 90m, 24h, "
+                                                            "7d): prints the optimal checkpoint interval (Daly)."),
+    reference: bool = typer.Option(True, "--reference/--no-reference", help="Also time torch.save/torch.load "
+                                                                            "(local directories only)."),
+    as_json: bool = typer.Option(False, "--json", help="Print a machine-readable report."),
+) -> None:
+    """What a checkpoint costs on this storage (save, async stall, load, against torch.save), and how often to save."""
+    nbytes = _size_option(size, "--size")
+    try:
+        mtbf_seconds = parse_duration(mtbf) if mtbf is not None else None
+    except ValueError as e:
+        _error(f"--mtbf: {e}")
+        raise typer.Exit(2) from None
+    with _fail_cleanly():
+        try:
+            report = bench_storage(location, size=nbytes or (1 << 30), tensors=tensors, repeats=repeats,
+                                   mtbf_seconds=mtbf_seconds, reference=reference)
+        except ValueError as e:
+            _error(str(e))
+            raise typer.Exit(2) from None
+    if as_json:
+        _print_json(asdict(report))
+        return
+    out = _console()
+    out.print(f"[bold]{human_bytes(report.state_bytes)}[/bold] in {_plural(report.tensors, 'tensor')} at "
+              f"{escape(report.location)}, medians of {report.repeats}", soft_wrap=True)
+    table = _diff_table("", "median s", "GB/s", "each run s")
+    for m, median in report.medians.items():
+        rate = report.gb_per_s.get(m)
+        table.add_row(_BENCH_LABELS[m], f"{median:.3f}", "-" if rate is None else f"{rate:.2f}",
+                      " ".join(f"{x:.3f}" for x in report.seconds[m]))
+    out.print(table)
+    if "torch_save" in report.medians:
+        out.print(f"resurgo.save takes {report.medians['save'] / report.medians['torch_save']:.2f}x torch.save's time; "
+                  f"async_save stalls training {report.medians['async_stall'] / report.medians['torch_save']:.2f}x it.",
+                  soft_wrap=True)
+    if report.mtbf_seconds is not None:
+        iv = report.interval_seconds
+        out.print(f"With a failure every {_human_seconds(report.mtbf_seconds)} on average, save every "
+                  f"{_human_seconds(iv['async_save'])} of training with async_save "
+                  f"({_human_seconds(iv['save'])} with save), by Daly's estimate.", soft_wrap=True)
 
 
 # -- study ------------------------------------------------------------------------------------
