@@ -89,6 +89,18 @@ def _fail_cleanly(corrupt_code: int = 2) -> Iterator[None]:
         raise typer.Exit(2) from None
 
 
+@contextmanager
+def _bad_arguments() -> Iterator[None]:
+    """A ValueError that is not a ResurgoError means arguments that do not fit: one red line, exit 2."""
+    try:
+        yield
+    except ValueError as e:
+        if isinstance(e, ResurgoError):
+            raise
+        _error(str(e))
+        raise typer.Exit(2) from None
+
+
 def _print_json(doc: Any) -> None:
     sys.stdout.write(json.dumps(doc, indent=2, allow_nan=False) + "\n")
     sys.stdout.flush()
@@ -740,26 +752,20 @@ def convert_command(
         raise typer.Exit(2)
     shard_bytes = _size_option(max_shard_size, "--max-shard-size")
     budget = _size_option(memory_budget, "--memory-budget")
-    with _fail_cleanly(corrupt_code=1):
-        try:
-            total = read_tensor_bytes(src, only)
-            show = progress if progress is not None else (
-                total > PROGRESS_THRESHOLD_BYTES and _console(stderr=True).is_terminal and not as_json)
-            kwargs: dict[str, Any] = dict(to=to, memory_budget=budget, max_shard_bytes=shard_bytes, only=only,
-                                          overwrite=overwrite, allow_pickle=allow_pickle)
-            if show:
-                columns = (TextColumn(f"converting to {to}"), BarColumn(), DownloadColumn(binary_units=True),
-                           TransferSpeedColumn(), TimeRemainingColumn())
-                with Progress(*columns, console=_console(stderr=True), transient=True) as bar:
-                    task = bar.add_task("convert", total=total)
-                    report = convert_checkpoint(src, dst, progress=lambda n: bar.advance(task, n), **kwargs)
-            else:
-                report = convert_checkpoint(src, dst, **kwargs)
-        except ValueError as e:  # arguments that do not fit the target
-            if isinstance(e, ResurgoError):
-                raise
-            _error(str(e))
-            raise typer.Exit(2) from None
+    with _fail_cleanly(corrupt_code=1), _bad_arguments():
+        total = read_tensor_bytes(src, only)
+        show = progress if progress is not None else (
+            total > PROGRESS_THRESHOLD_BYTES and _console(stderr=True).is_terminal and not as_json)
+        kwargs: dict[str, Any] = dict(to=to, memory_budget=budget, max_shard_bytes=shard_bytes, only=only,
+                                      overwrite=overwrite, allow_pickle=allow_pickle)
+        if show:
+            columns = (TextColumn(f"converting to {to}"), BarColumn(), DownloadColumn(binary_units=True),
+                       TransferSpeedColumn(), TimeRemainingColumn())
+            with Progress(*columns, console=_console(stderr=True), transient=True) as bar:
+                task = bar.add_task("convert", total=total)
+                report = convert_checkpoint(src, dst, progress=lambda n: bar.advance(task, n), **kwargs)
+        else:
+            report = convert_checkpoint(src, dst, **kwargs)
     if as_json:
         _print_json(asdict(report))
         return
@@ -836,13 +842,9 @@ def bench_command(
     except ValueError as e:
         _error(f"--mtbf: {e}")
         raise typer.Exit(2) from None
-    with _fail_cleanly():
-        try:
-            report = bench_storage(location, size=nbytes or (1 << 30), tensors=tensors, repeats=repeats,
-                                   mtbf_seconds=mtbf_seconds, reference=reference)
-        except ValueError as e:
-            _error(str(e))
-            raise typer.Exit(2) from None
+    with _fail_cleanly(), _bad_arguments():
+        report = bench_storage(location, size=nbytes or (1 << 30), tensors=tensors, repeats=repeats,
+                               mtbf_seconds=mtbf_seconds, reference=reference)
     if as_json:
         _print_json(asdict(report))
         return
