@@ -34,6 +34,7 @@ from resurgo.errors import (
     StorageError,
     UnsupportedValueError,
 )
+from resurgo.dist import comm as dist_comm
 from resurgo.manager import agreement
 from resurgo.manager.catalog import COMMITTED, CORRUPT, INCOMPLETE, TEMPORARY, Entry
 from resurgo.manager.daly import daly_interval
@@ -51,7 +52,8 @@ from resurgo.manager.roots import LocalRoot, ManagerRoot, ObjectRoot, open_root
 from resurgo.manager.tiers import Tier
 from resurgo.pipeline.async_save import AsyncSaveHandle, async_save
 from resurgo.pipeline.verify import verify_checkpoint
-from resurgo.storage.copy import copy_checkpoint
+from resurgo.storage.copy import assign_files, copy_checkpoint, manifest_files
+from resurgo.storage.open import open_checkpoint
 
 log = logging.getLogger("resurgo.manager")
 
@@ -184,6 +186,9 @@ class CheckpointManager:
         self._guard = guard
         self._io_threads = io_threads
         self._rank, self._world_size = agreement.world()
+        # The tier copies' collectives run in the janitor thread, on a gloo group of their own,
+        # made here, on the training thread, where every rank builds its manager in the same order.
+        self._copy_comm = dist_comm.current("copy") if len(self.tiers) > 1 else dist_comm.Comm(0, 1)
         self._pending: AsyncSaveHandle | None = None
         self._pending_step: int | None = None
         self._last_save_step: int | None = None
@@ -436,7 +441,7 @@ class CheckpointManager:
         if self._pending is not None and self._pending.done():
             self._wait_commit()
         for e in self._janitor.take_errors():
-            warnings.warn(f"resurgo: background clean-up failed: {e}", stacklevel=3)
+            warnings.warn(f"resurgo: background work (a tier copy or a deletion) failed: {e}", stacklevel=3)
 
     def _wait_commit(self) -> None:
         handle, step = self._pending, self._pending_step
@@ -448,13 +453,15 @@ class CheckpointManager:
 
     def _committed(self, step: int) -> None:
         log.info("committed step %d", step)
-        if self._rank != 0:
-            return
-        for tier in range(1, len(self.tiers)):  # copies first: retention may then delete the source
+        # Copies first: retention may then delete the source. Every rank queues them, in commit
+        # order, since each copies its share (collectives of the "copy" channel, in the janitor).
+        for tier in range(1, len(self.tiers)):
             if self.tiers[tier].selects(step):
                 with self._copies_lock:
                     self._copies_pending[step] = self._copies_pending.get(step, 0) + 1
                 self._janitor.submit(functools.partial(self._copy_to_tier, step, tier))
+        if self._rank != 0:
+            return
         if self.retention is not None:
             unreadable = frozenset(self._unreadable_steps)
             self._janitor.submit(lambda: self._apply_retention(step, unreadable))
@@ -488,23 +495,41 @@ class CheckpointManager:
                     self._copies_pending.pop(step, None)
 
     def _copy_to_tier_now(self, step: int, tier: int) -> None:
+        """Collective over the "copy" channel: every rank copies and verifies its share of the files."""
+        comm = self._copy_comm
         store, source = self._roots[tier], self.path_for(step)
         dest = store.location(step)
-        existing = store.classify(step)
-        if existing is not None and existing.status == COMMITTED:
+
+        def make_way() -> bool:  # rank 0 decides; the other ranks follow
+            if comm.rank != 0:
+                return False
+            existing = store.classify(step)
+            if existing is not None and existing.status == COMMITTED:
+                return True
+            if existing is not None:
+                store.remove(step)  # an interrupted copy
+            return False
+
+        if comm.broadcast(comm.agree(make_way)):
             return
-        if existing is not None:
-            store.remove(step)  # an interrupted copy
         log.info("copying step %d to %s", step, dest)
-        copy_checkpoint(source, dest, src_options=self._store.storage_options, dst_options=store.storage_options)
-        report = verify_checkpoint(dest, storage_options=store.storage_options)
-        if not report.ok:
-            store.remove(step)
-            raise CorruptCheckpointError(f"{dest}: the copy of step {step} does not verify ({report.problems[0]}); "
+        copy_checkpoint(source, dest, src_options=self._store.storage_options, dst_options=store.storage_options,
+                        comm=comm)
+
+        def verify_mine() -> list[str]:
+            manifest = open_checkpoint(dest, store.storage_options).read_manifest_bytes()
+            mine = assign_files(manifest_files(manifest), comm.size)[comm.rank]
+            return verify_checkpoint(dest, storage_options=store.storage_options, files=mine).problems
+
+        problems = [p for ps in comm.all_gather(comm.agree(verify_mine)) for p in ps]
+        if problems:
+            if comm.rank == 0:
+                store.remove(step)
+            raise CorruptCheckpointError(f"{dest}: the copy of step {step} does not verify ({problems[0]}); "
                                          "it was removed")
         log.info("copied and verified step %d in %s", step, dest)
         keep = self.tiers[tier].keep_last
-        if keep is not None:
+        if keep is not None and comm.rank == 0:
             self._apply_retention(step, frozenset(), tier, KeepLast(keep))
 
     @staticmethod

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,11 +33,12 @@ class VerifyReport:
 
 
 def verify_checkpoint(path: str | os.PathLike, progress: Callable[[int], None] | None = None, *,
-                      storage_options: dict | None = None) -> VerifyReport:
+                      storage_options: dict | None = None, files: Collection[str] | None = None) -> VerifyReport:
     """Check every data file's size and header and every block checksum; collect all problems.
 
     Raises only when the checkpoint cannot be read at all (missing, no manifest, invalid manifest).
-    ``progress`` is called with the number of bytes just checked.
+    ``progress`` is called with the number of bytes just checked. ``files``: check only these data
+    files (the ranks of a job sharing the work), else all.
     """
     ckpt = open_checkpoint(path, storage_options)
     manifest = parse_manifest(ckpt.read_manifest_bytes(), ckpt.describe(MANIFEST_NAME))
@@ -47,7 +48,7 @@ def verify_checkpoint(path: str | os.PathLike, progress: Callable[[int], None] |
         for ci, c in enumerate(t.chunks):
             by_file.setdefault(c.file, []).append((key, ci))
     buf = np.empty(PIECE_BYTES, dtype=np.uint8)
-    for name in sorted(manifest.files):
+    for name in sorted(manifest.files if files is None else set(files) & manifest.files.keys()):
         try:
             handle = ckpt.open_read(name)
         except ResurgoError as e:

@@ -4,40 +4,72 @@ The data files are streamed in pieces from the source's read handles into a save
 destination, several files at once, and committed there with the source's manifest, unchanged:
 the destination's commit protocol applies (temporary directory and rename on a filesystem; data
 objects, then the manifest, on an object store), so a copy cut short is never a checkpoint.
+
+In a distributed job the copy is collective: the files are shared out among the ranks by size
+(:func:`assign_files`), every rank copies its share, and rank 0 commits once all are done, so a
+large checkpoint is not funnelled through one node. If any rank fails, rank 0 aborts the staging
+and every rank raises the same error; on an object store, data objects other ranks already wrote
+stay until the prefix is cleaned up as incomplete (the manager does so before its next copy there).
 """
 
 from __future__ import annotations
 
+import heapq
+import json
 import os
 from concurrent.futures import ThreadPoolExecutor
-
-from resurgo.storage.base import check_size
+from resurgo.dist.comm import Comm
+from resurgo.storage.base import Staging, check_size
 from resurgo.storage.open import open_checkpoint
 
 PIECE_BYTES = 16 << 20
 
 
+def assign_files(files: list[tuple[str, int]], ranks: int) -> list[list[str]]:
+    """Each rank's share of ``(name, size)`` files: largest first, to the rank with the fewest bytes
+    so far (ties to the lowest rank), so no rank gets more than the average plus one file. Each
+    share is sorted by name. Pure and deterministic: every rank computes the same shares."""
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, not {ranks}")
+    loads = [(0, r) for r in range(ranks)]
+    shares: list[list[str]] = [[] for _ in range(ranks)]
+    for name, size in sorted(files, key=lambda f: (-f[1], f[0])):
+        load, r = heapq.heappop(loads)
+        shares[r].append(name)
+        heapq.heappush(loads, (load + size, r))
+    return [sorted(share) for share in shares]
+
+
+def manifest_files(manifest: bytes) -> list[tuple[str, int]]:
+    """``(name, size)`` of every data file a (committed, hence validated) manifest lists."""
+    return sorted((name, int(entry["bytes"])) for name, entry in json.loads(manifest)["files"].items())
+
+
 def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, src_options: dict | None = None,
-                    dst_options: dict | None = None, overwrite: bool = False, threads: int = 4) -> int:
-    """Copy the checkpoint ``src`` to ``dst``; returns the bytes copied (data files and manifest).
+                    dst_options: dict | None = None, overwrite: bool = False, threads: int = 4,
+                    comm: Comm | None = None) -> int:
+    """Copy the checkpoint ``src`` to ``dst``; returns the bytes of the checkpoint (data files and
+    manifest). Up to ``threads`` data files are copied at once, each through its own buffer.
 
-    Up to ``threads`` data files are copied at once, each through its own buffer."""
-    import json
-
+    ``comm`` (resurgo.dist.comm): with more than one rank, collective; every rank copies its share
+    of the files (:func:`assign_files`) and rank 0 commits."""
+    size, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
     source = open_checkpoint(src, src_options)
     manifest = source.read_manifest_bytes()
-    files = sorted((name, int(entry["bytes"])) for name, entry in json.loads(manifest)["files"].items())
-    staging = open_checkpoint(dst, dst_options).stage(overwrite)
+    files = manifest_files(manifest)
+    mine = assign_files(files, size)[rank]
+    sizes = dict(files)
 
-    def copy_file(name: str, size: int) -> int:
-        buf = bytearray(min(PIECE_BYTES, size))
+    def copy_file(name: str) -> int:
+        total = sizes[name]
+        buf = bytearray(min(PIECE_BYTES, total))
         reader = source.open_read(name)
         try:
-            check_size(source.path, name, reader.size, size)
+            check_size(source.path, name, reader.size, total)
             writer = staging.create(name)
             try:
-                for off in range(0, size, PIECE_BYTES):
-                    view = memoryview(buf)[: min(PIECE_BYTES, size - off)]
+                for off in range(0, total, PIECE_BYTES):
+                    view = memoryview(buf)[: min(PIECE_BYTES, total - off)]
                     reader.read_into(off, view)
                     writer.write(view)
                 writer.fsync()
@@ -45,17 +77,31 @@ def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, src_optio
                 writer.close()
         finally:
             reader.close()
-        return size
+        return total
 
-    try:
-        workers = max(1, min(threads, len(files)))
+    def copy_mine() -> None:
+        workers = max(1, min(threads, len(mine)))
         if workers == 1:
-            total = sum(copy_file(name, size) for name, size in files)
+            for name in mine:
+                copy_file(name)
         else:
             with ThreadPoolExecutor(workers, thread_name_prefix="resurgo-copy-file") as pool:
-                total = sum(pool.map(lambda f: copy_file(*f), files))
-        staging.commit(manifest)
+                list(pool.map(copy_file, mine))
+
+    def commit() -> None:
+        if rank == 0:
+            staging.commit(manifest)
+
+    comm = comm or Comm(0, 1)  # alone, agree() and broadcast() are local
+    opened = comm.agree(lambda: open_checkpoint(dst, dst_options).stage(overwrite) if rank == 0 else None)
+    shared = comm.broadcast(opened)  # the other ranks get a copy of rank 0's staging (it pickles)
+    assert shared is not None
+    staging: Staging = shared
+    try:
+        comm.agree(copy_mine)
+        comm.agree(commit)
     except BaseException:
-        staging.abort()
+        if rank == 0:
+            staging.abort()
         raise
-    return total + len(manifest)
+    return sum(sizes.values()) + len(manifest)
