@@ -154,3 +154,13 @@ def test_value_nodes_keys_follow_tensor_keys():
         ["mod", {"type": "stateful", "class": "M", "state": {"type": "dict", "items": [["n", {"type": "none"}]]}}],
     ]}
     assert sorted(k for k, _ in value_nodes(tree)) == ["betas.0", "empty", "mod.n", "opt.0", "rng@rank0", "rng@rank1"]
+
+
+def test_checkpoints_at_urls_compare_too(tmp_path: Path, mem_url: str):
+    a = _save(tmp_path / "a", _state(), step=1)
+    state = _state()
+    state["model"]["b"] = torch.ones(5)
+    resurgo.save(state, f"{mem_url}/b", block_bytes=BLOCK, step=1)
+    d = diff_checkpoints(a, f"{mem_url}/b", stats=True)
+    assert [(t.key, t.elements_differing, t.max_abs_diff) for t in d.tensors] == [("model.b", 5, 1.0)]
+    assert d.fields == [] and d.values == [] and d.bytes_read == 2 * 20
