@@ -20,7 +20,7 @@ from pathlib import Path
 
 from resurgo.format import checksum
 from resurgo.layout.box import ChunkBox
-from resurgo.plan.global_plan import RankDecl, TensorDecl, plan_global
+from resurgo.plan.global_plan import PlanCache, RankDecl, TensorDecl, plan_global
 
 
 def rank_decl(rank: int, world: int, tensors: int) -> RankDecl:
@@ -51,7 +51,8 @@ def main() -> None:
     ap.add_argument("--out", default="bench-results/planning.json")
     args = ap.parse_args()
     rows = []
-    print(f"{'ranks':>6} {'plan s':>9} {'ms/rank':>8} {'gathered MB':>12} {'max/mean bytes':>15}")
+    print(f"{'ranks':>6} {'plan s':>9} {'ms/rank':>8} {'reused s':>9} {'reused/plan':>12} {'gathered MB':>12} "
+          f"{'max/mean bytes':>15}")
     for world in args.ranks:
         decls = [rank_decl(r, world, args.tensors) for r in range(world)]
         gathered = sum(len(pickle.dumps(d)) for d in decls)
@@ -60,12 +61,22 @@ def main() -> None:
             t0 = time.perf_counter()
             plan = plan_global(decls, checksum.block_bytes_for)
             times.append(time.perf_counter() - t0)
+        # A later save of the same layout: the coordinator's cache merges the trees, reuses the rest.
+        cache = PlanCache()
+        cache.plan(decls, checksum.block_bytes_for, None)
+        reused = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            cache.plan(decls, checksum.block_bytes_for, None)
+            reused.append(time.perf_counter() - t0)
+        assert cache.hits == args.repeats
         per_rank = plan.bytes_per_rank()
         balance = max(per_rank) / (sum(per_rank) / len(per_rank))
-        t = statistics.median(times)
+        t, tr = statistics.median(times), statistics.median(reused)
         rows.append({"ranks": world, "tensors": args.tensors, "plan_seconds": t, "ms_per_rank": 1000 * t / world,
-                     "gathered_bytes": gathered, "max_over_mean_bytes": balance})
-        print(f"{world:>6} {t:>9.3f} {1000 * t / world:>8.2f} {gathered / 1e6:>12.1f} {balance:>15.3f}")
+                     "reused_plan_seconds": tr, "gathered_bytes": gathered, "max_over_mean_bytes": balance})
+        print(f"{world:>6} {t:>9.3f} {1000 * t / world:>8.2f} {tr:>9.3f} {tr / t:>11.2f}x {gathered / 1e6:>12.1f} "
+              f"{balance:>15.3f}")
         del decls, plan
     first, last = rows[0], rows[-1]
     growth = (last["plan_seconds"] / first["plan_seconds"]) / (last["ranks"] / first["ranks"])

@@ -271,3 +271,20 @@ def tiers_fast_lost(rank: int, world: int, fast: str, durable: str, options: dic
     dist.barrier()
     from_durable = restore()
     return {"held": held, "saved": saved, "from_fast": from_fast, "from_durable": from_durable}
+
+
+def repeated_saves(rank: int, world: int, root: str) -> dict:
+    """Three saves of one layout with changing values: planned once, then the plan is reused."""
+    from resurgo.pipeline import save as save_module
+
+    full = torch.arange(24 * 5, dtype=torch.float32).reshape(24, 5)
+    out = {}
+    for step in (1, 2, 3):
+        state = {"w": hold("dt_s0", full * step, rank, world), "step": step,
+                 "s": torch.tensor(float(step))}  # replicated; its value changes, equal on every rank
+        resurgo.save(state, f"{root}/c{step}")
+    out["hits"] = save_module._plans.hits
+    # A new layout: planned afresh.
+    resurgo.save({"w": hold("dt_s1", full, rank, world), "step": 4}, f"{root}/c4")
+    out["hits_after_new_layout"] = save_module._plans.hits
+    return out

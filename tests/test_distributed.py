@@ -121,6 +121,17 @@ def test_per_rank_values_same_world_and_resized(saved):
         assert out["saved_count"] == 3
 
 
+def test_repeated_saves_of_one_layout_reuse_the_plan(tmp_path):
+    results = run_ranks(2, "dist_workers:repeated_saves", str(tmp_path))
+    assert (results[0]["hits"], results[0]["hits_after_new_layout"]) == (2, 2)  # the coordinator's cache
+    assert results[1]["hits"] == 0  # other ranks do not plan
+    full = torch.arange(24 * 5, dtype=torch.float32).reshape(24, 5)
+    for step in (1, 2, 3):
+        got = resurgo.load_dict(tmp_path / f"c{step}")
+        assert torch.equal(got["w"], full * step) and got["step"] == step and got["s"].item() == step
+    assert torch.equal(resurgo.load_dict(tmp_path / "c4")["w"], full)
+
+
 def test_overlapping_shards_and_partial_dtensors_fail_on_every_rank_and_commit_nothing(tmp_path):
     path = tmp_path / "overlap"
     outcomes = run_ranks(2, "dist_workers:refused_layouts", str(path))

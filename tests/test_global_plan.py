@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from resurgo.errors import ShardingError
 from resurgo.format import checksum
 from resurgo.layout.box import ChunkBox, covers_exactly_once
-from resurgo.plan.global_plan import RankDecl, TensorDecl, merge_trees, plan_global
+from resurgo.plan.global_plan import PlanCache, RankDecl, TensorDecl, layout_fingerprint, merge_trees, plan_global
 
 
 def _tree(keys):
@@ -89,3 +89,76 @@ def test_values_that_differ_become_per_rank_and_equal_ones_stay_single():
     assert items["seen"] == {"type": "per_rank", "items": [{"type": "int", "value": r} for r in range(3)]}
     assert items["t"] == {"type": "per_rank", "items": [{"type": "tensor", "key": f"t@rank{r}"} for r in range(3)]}
     assert per_rank == {"t"}
+
+
+# -- the plan cache: reuse only while nothing the plan depends on changed -----------------------
+def _with_values(decls: list[RankDecl], step: int) -> list[RankDecl]:
+    """The same layout, with a plain value that changes every save (as a step counter does)."""
+    out = []
+    for d in decls:
+        tree = {"type": "dict", "items": d.tree["items"] + [["step", {"type": "int", "value": step}]]}
+        out.append(RankDecl(tree, d.tensors))
+    return out
+
+
+@settings(max_examples=100)
+@given(sharded_job())
+def test_cached_plans_equal_fresh_plans_while_the_layout_holds(job):
+    _, _, decls = job
+    cache = PlanCache()
+    for step in (1, 2, 3):
+        now = _with_values(decls, step)
+        assert cache.plan(now, checksum.block_bytes_for, None) == plan_global(now, checksum.block_bytes_for)
+    assert cache.hits == 2
+
+
+def _replicated(world: int, shape=(4, 3), digest: str | None = "a" * 32) -> list[RankDecl]:
+    return [RankDecl(_tree(["x", "s"]), (
+        TensorDecl("x", "torch", "float32", shape, (ChunkBox((0, 0), shape),), False),
+        TensorDecl("s", "torch", "float32", (), (ChunkBox((), ()),), False, digest),
+    )) for _ in range(world)]
+
+
+def test_any_change_the_plan_depends_on_replans():
+    cache = PlanCache()
+    base = _replicated(2)
+    cache.plan(base, checksum.block_bytes_for, None)
+    cache.plan(_replicated(2, digest="b" * 32), checksum.block_bytes_for, None)  # new value, same on all ranks
+    assert cache.hits == 1
+    changes = {
+        "shape": _replicated(2, shape=(5, 3)),
+        "block rule": base,
+        "a replica that now differs between ranks (kept per rank)": [base[0], _replicated(1, digest="c" * 32)[0]],
+        "world size": _replicated(3),
+    }
+    for what, decls in changes.items():
+        rule = 4096 if what == "block rule" else None
+        block_fn = (lambda n: 4096) if rule else checksum.block_bytes_for
+        primed = PlanCache()
+        primed.plan(base, checksum.block_bytes_for, None)
+        got = primed.plan(decls, block_fn, rule)
+        assert primed.hits == 0, what
+        assert got == plan_global(decls, block_fn), what
+    per_rank = cache.plan(changes["a replica that now differs between ranks (kept per rank)"], checksum.block_bytes_for, None)
+    assert {"s@rank0", "s@rank1"} <= set(per_rank.tensors)
+
+
+def test_a_plan_that_fails_is_not_cached():
+    cache = PlanCache()
+    good = _replicated(2)
+    cache.plan(good, checksum.block_bytes_for, None)
+    bad = [RankDecl(_tree(["x"]), (TensorDecl("x", "torch", "float32", (4, 2), (ChunkBox((0, 0), (3, 2)),), True),)),
+           RankDecl(_tree(["x"]), (TensorDecl("x", "torch", "float32", (4, 2), (ChunkBox((2, 0), (2, 2)),), True),))]
+    with pytest.raises(ShardingError):
+        cache.plan(bad, checksum.block_bytes_for, None)
+    with pytest.raises(ShardingError):  # still refused the second time: nothing was kept
+        cache.plan(bad, checksum.block_bytes_for, None)
+    cache.plan(good, checksum.block_bytes_for, None)
+    assert cache.hits == 0
+
+
+def test_layout_fingerprint_ignores_values_but_not_layout():
+    a = _replicated(1)[0]
+    assert a.layout == _replicated(1, digest="f" * 32)[0].layout == layout_fingerprint(a.tensors)
+    assert a.layout != _replicated(1, shape=(4, 4))[0].layout
+    assert a.layout != _replicated(1, digest=None)[0].layout  # compared across ranks or not

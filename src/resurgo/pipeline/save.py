@@ -39,7 +39,7 @@ from resurgo.format.manifest import (
 from resurgo.layout.box import ChunkBox, FlatRange
 from resurgo.pipeline.buffers import TensorStream, source_for_write
 from resurgo.pipeline.writer import WrittenChunk, WrittenFile, write_data_file
-from resurgo.plan.global_plan import GlobalPlan, RankDecl, RankWrite, TensorDecl, TensorMeta, plan_global
+from resurgo.plan.global_plan import GlobalPlan, PlanCache, RankDecl, RankWrite, TensorDecl, TensorMeta
 from resurgo.plan.save_plan import SavePlan, plan_files
 from resurgo.reports import SaveReport
 from resurgo.state.flatten import TensorLeaf, flatten_state
@@ -92,6 +92,9 @@ def check_metadata(metadata: dict | None, step: int | None) -> None:
 AUTO_PER_RANK_BYTES = 1 << 20  # plain tensors up to this size are compared across ranks
 
 
+_plans = PlanCache()  # the coordinator's last plan: repeated saves of one layout skip planning
+
+
 def _declare(leaf: TensorLeaf, compare: bool) -> TensorDecl:
     if leaf.pieces is not None:
         return TensorDecl(leaf.key, leaf.kind, leaf.dtype, leaf.shape, tuple(p.place for p in leaf.pieces), True)
@@ -142,7 +145,7 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
         if not comm.is_coordinator:
             return None
         assert gathered is not None
-        plan = plan_global([d for d, _ in gathered], block_fn)
+        plan = _plans.plan([d for d, _ in gathered], block_fn, block_bytes)
         staging = open_checkpoint(path, storage_options).stage(overwrite)
         return plan, any(p for _, p in gathered), staging
 

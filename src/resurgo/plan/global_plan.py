@@ -11,9 +11,11 @@ collapsing into one copy.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import xxhash
 
 from resurgo.errors import ShardingError
 from resurgo.format import dtypes
@@ -39,6 +41,18 @@ class TensorDecl:
 class RankDecl:
     tree: dict
     tensors: tuple[TensorDecl, ...]
+    layout: str = ""  # fingerprint of the tensors' layout (not of their values); computed when empty
+
+    def __post_init__(self) -> None:
+        if not self.layout:  # computed by the rank that declares, so the coordinator only compares
+            object.__setattr__(self, "layout", layout_fingerprint(self.tensors))
+
+
+def layout_fingerprint(tensors: tuple[TensorDecl, ...]) -> str:
+    """A digest of what a plan depends on in these declarations: keys, kinds, dtypes, shapes,
+    places, and whether a tensor is compared across ranks; not the compared digests themselves."""
+    text = repr(tuple((t.key, t.kind, t.dtype, t.shape, t.places, t.sharded, t.digest is not None) for t in tensors))
+    return xxhash.xxh3_128_hexdigest(text.encode())
 
 
 @dataclass(frozen=True)
@@ -198,8 +212,44 @@ def plan_global(decls: list[RankDecl], block_bytes_for: Callable[[int], int]) ->
         return _plan_global(decls, block_bytes_for)
 
 
+class PlanCache:
+    """The last plan's tensor part, reused while nothing it depends on changed.
+
+    Saves of one job every N steps declare the same layout each time; only the values in the tree
+    change. Planning is most of the coordinator's work (2.2 s of 2.4 s for 256 ranks of 1,000
+    tensors; the tree merge is the rest), so when every rank's layout fingerprint, the tensors
+    kept per rank and the block-size rule are those of the last plan, the coordinator merges the
+    new trees and takes the tensors and writes from the last plan. One entry: a job alternating
+    between two states replans each time.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._plan: GlobalPlan | None = None
+        self.hits = 0
+
+    def plan(self, decls: list[RankDecl], block_bytes_for: Callable[[int], int], block_rule: Hashable) -> GlobalPlan:
+        """:func:`plan_global`, or its reuse. ``block_rule`` identifies ``block_bytes_for`` (e.g. the
+        fixed block size asked for, or None for the default rule)."""
+        with collector_paused():
+            tree, per_rank = merge_trees([d.tree for d in decls], _differing_replicas(decls))
+            key = (tuple(d.layout for d in decls), frozenset(per_rank), block_rule)
+            if key == self._key and self._plan is not None:
+                self.hits += 1
+                return GlobalPlan(tree, self._plan.tensors, self._plan.writes)
+            self._key, self._plan = None, None  # a failed plan leaves nothing to reuse
+            plan = _plan_tensors(decls, block_bytes_for, tree, per_rank)
+            self._key, self._plan = key, plan
+            return plan
+
+
 def _plan_global(decls: list[RankDecl], block_bytes_for: Callable[[int], int]) -> GlobalPlan:
     tree, per_rank = merge_trees([d.tree for d in decls], _differing_replicas(decls))
+    return _plan_tensors(decls, block_bytes_for, tree, per_rank)
+
+
+def _plan_tensors(decls: list[RankDecl], block_bytes_for: Callable[[int], int], tree: dict,
+                  per_rank: set[str]) -> GlobalPlan:
     by_key: dict[str, list[tuple[int, TensorDecl]]] = {}
     for r, d in enumerate(decls):
         for t in d.tensors:
