@@ -87,11 +87,12 @@ def bench_storage(location: str | os.PathLike, *, size: int = 1 << 30, tensors: 
             for step in (2 * rep, 2 * rep + 1):
                 root.remove(step)
             if with_torch:
-                times["torch_save"].append(_torch_save(state, Path(local_path(scratch)) / "reference.pt"))
+                reference_file = Path(local_path(scratch)) / "reference.pt"
+                times["torch_save"].append(_torch_save(state, reference_file))
                 t = time.perf_counter()
-                torch.load(Path(local_path(scratch)) / "reference.pt", weights_only=True)
+                torch.load(reference_file, weights_only=True)
                 times["torch_load"].append(time.perf_counter() - t)
-                (Path(local_path(scratch)) / "reference.pt").unlink()
+                reference_file.unlink()
     finally:
         _remove_scratch(root, scratch, repeats)
     report.seconds = {m: ts for m, ts in times.items() if ts}

@@ -23,8 +23,8 @@ import torch
 
 from resurgo.api import DEFAULT_IO_THREADS
 from resurgo.format import dtypes, values
-from resurgo.format.manifest import MANIFEST_NAME, ChunkEntry, Manifest, TensorEntry, parse_manifest
-from resurgo.layout.box import FlatRange
+from resurgo.format.manifest import MANIFEST_NAME, Manifest, TensorEntry, parse_manifest
+from resurgo.layout.box import FlatRange, place_order
 from resurgo.layout.shards import LocalPiece
 from resurgo.pipeline.buffers import typed_view
 from resurgo.pipeline.reader import read_destinations
@@ -154,14 +154,9 @@ def _tensor_change(key: str, ta: TensorEntry | None, tb: TensorEntry | None, rea
     return found, True
 
 
-def _chunk_order(c: ChunkEntry) -> tuple:
-    p = c.place
-    return (p.start, p.stop) if isinstance(p, FlatRange) else (tuple(p.offsets), tuple(p.shape))
-
-
 def _block_comparison(ta: TensorEntry, tb: TensorEntry) -> tuple[int, int] | None:
     """(differing, total) checksum blocks when both tensors have the same chunks and block sizes, else None."""
-    ca, cb = sorted(ta.chunks, key=_chunk_order), sorted(tb.chunks, key=_chunk_order)
+    ca, cb = (sorted(t.chunks, key=lambda c: place_order(c.place)) for t in (ta, tb))
     if len(ca) != len(cb) or any(x.place != y.place or x.block_bytes != y.block_bytes for x, y in zip(ca, cb)):
         return None
     pairs = [(x, y) for c, d in zip(ca, cb) for x, y in zip(c.checksums, d.checksums)]

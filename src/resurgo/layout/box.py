@@ -74,6 +74,11 @@ class FlatRange:
 Place = Union[ChunkBox, FlatRange]
 
 
+def place_order(p: Place) -> tuple:
+    """A sort key for places of one tensor: boxes by offsets then shape, flat ranges by start then stop."""
+    return (p.offsets, p.shape) if isinstance(p, ChunkBox) else ((p.start,), (p.stop,))
+
+
 def covers_exactly_once(places: list[Place], global_shape: tuple[int, ...]) -> bool:
     """True when the places tile the global tensor: inside it, disjoint, and summing to its size.
 

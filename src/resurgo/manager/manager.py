@@ -52,7 +52,7 @@ from resurgo.manager.roots import LocalRoot, ManagerRoot, ObjectRoot, open_root
 from resurgo.manager.tiers import Tier
 from resurgo.pipeline.async_save import AsyncSaveHandle, async_save
 from resurgo.pipeline.verify import verify_checkpoint
-from resurgo.storage.copy import assign_files, copy_checkpoint, manifest_files
+from resurgo.storage.copy import copy_checkpoint, manifest_files, share_of
 from resurgo.storage.open import open_checkpoint
 
 log = logging.getLogger("resurgo.manager")
@@ -518,8 +518,8 @@ class CheckpointManager:
 
         def verify_mine() -> list[str]:
             manifest = open_checkpoint(dest, store.storage_options).read_manifest_bytes()
-            mine = assign_files(manifest_files(manifest), comm.size)[comm.rank]
-            return verify_checkpoint(dest, storage_options=store.storage_options, files=mine).problems
+            return verify_checkpoint(dest, storage_options=store.storage_options,
+                                     files=share_of(manifest_files(manifest), comm)).problems
 
         problems = [p for ps in comm.all_gather(comm.agree(verify_mine)) for p in ps]
         if problems:

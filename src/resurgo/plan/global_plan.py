@@ -20,7 +20,7 @@ import xxhash
 from resurgo.errors import ShardingError
 from resurgo.format import dtypes
 from resurgo.gcpause import collector_paused
-from resurgo.layout.box import ChunkBox, FlatRange, Place, covers_exactly_once
+from resurgo.layout.box import ChunkBox, FlatRange, Place, covers_exactly_once, place_order
 from resurgo.plan.save_plan import WriteItem
 
 
@@ -281,7 +281,7 @@ def _plan_tensors(decls: list[RankDecl], block_bytes_for: Callable[[int], int], 
             for p in t.places:
                 owners.setdefault(p, []).append(r)
         _check_tiling(key, meta.shape, owners)
-        ordered = sorted(owners, key=lambda p: (p.offsets, p.shape) if isinstance(p, ChunkBox) else ((p.start,), (p.stop,)))
+        ordered = sorted(owners, key=place_order)
         for i, p in enumerate(ordered):
             name = key if len(ordered) == 1 else f"{key}#{i}"
             to_assign.append((p.numel * itemsize, key, name, p, owners[p], block))

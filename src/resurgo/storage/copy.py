@@ -18,6 +18,7 @@ import heapq
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
+
 from resurgo.dist.comm import Comm
 from resurgo.storage.base import Staging, check_size
 from resurgo.storage.open import open_checkpoint
@@ -45,6 +46,11 @@ def manifest_files(manifest: bytes) -> list[tuple[str, int]]:
     return sorted((name, int(entry["bytes"])) for name, entry in json.loads(manifest)["files"].items())
 
 
+def share_of(files: list[tuple[str, int]], comm: Comm) -> list[str]:
+    """The data files of ``files`` (:func:`manifest_files`) that this rank copies and verifies."""
+    return assign_files(files, comm.size)[comm.rank]
+
+
 def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, src_options: dict | None = None,
                     dst_options: dict | None = None, overwrite: bool = False, threads: int = 4,
                     comm: Comm | None = None) -> int:
@@ -53,14 +59,14 @@ def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, src_optio
 
     ``comm`` (resurgo.dist.comm): with more than one rank, collective; every rank copies its share
     of the files (:func:`assign_files`) and rank 0 commits."""
-    size, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
+    group = comm or Comm(0, 1)  # alone, agree() and broadcast() are local
     source = open_checkpoint(src, src_options)
     manifest = source.read_manifest_bytes()
     files = manifest_files(manifest)
-    mine = assign_files(files, size)[rank]
     sizes = dict(files)
+    mine = share_of(files, group)
 
-    def copy_file(name: str) -> int:
+    def copy_file(name: str) -> None:
         total = sizes[name]
         buf = bytearray(min(PIECE_BYTES, total))
         reader = source.open_read(name)
@@ -77,7 +83,6 @@ def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, src_optio
                 writer.close()
         finally:
             reader.close()
-        return total
 
     def copy_mine() -> None:
         workers = max(1, min(threads, len(mine)))
@@ -89,19 +94,18 @@ def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, src_optio
                 list(pool.map(copy_file, mine))
 
     def commit() -> None:
-        if rank == 0:
+        if group.is_coordinator:
             staging.commit(manifest)
 
-    comm = comm or Comm(0, 1)  # alone, agree() and broadcast() are local
-    opened = comm.agree(lambda: open_checkpoint(dst, dst_options).stage(overwrite) if rank == 0 else None)
-    shared = comm.broadcast(opened)  # the other ranks get a copy of rank 0's staging (it pickles)
+    opened = group.agree(lambda: open_checkpoint(dst, dst_options).stage(overwrite) if group.is_coordinator else None)
+    shared = group.broadcast(opened)  # the other ranks get a copy of rank 0's staging (it pickles)
     assert shared is not None
     staging: Staging = shared
     try:
-        comm.agree(copy_mine)
-        comm.agree(commit)
+        group.agree(copy_mine)
+        group.agree(commit)
     except BaseException:
-        if rank == 0:
+        if group.is_coordinator:
             staging.abort()
         raise
     return sum(sizes.values()) + len(manifest)
