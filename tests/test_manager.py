@@ -421,7 +421,7 @@ def test_auto_interval_uses_daly_with_the_measured_cost(tmp_path, monkeypatch):
     with CheckpointManager(tmp_path, interval="auto", mtbf=1e-6, async_save=False) as mgr:  # failures all the time
         assert mgr.restore(blank()) == 1
         # the first checkpoint was saved before any cost was known: it records none
-        assert resurgo.read_manifest(tmp_path / checkpoint_name(1)).metadata["save_cost_seconds"] is None
+        assert resurgo.read_manifest(tmp_path / checkpoint_name(1)).save_info["save_cost_seconds"] is None
         assert mgr.save_cost_seconds is None
         assert [mgr.maybe_save(s, state_at(s)) for s in range(2, 5)] == [True] * 3  # δ >= 2M: τ = M
         assert mgr.interval_seconds == 1e-6
@@ -431,7 +431,7 @@ def test_the_cost_estimate_survives_a_restart(tmp_path):
     with CheckpointManager(tmp_path, async_save=False) as mgr:
         for s in (1, 2, 3):
             mgr.save(s, state_at(s))
-        before_last = resurgo.read_manifest(tmp_path / checkpoint_name(3)).metadata["save_cost_seconds"]
+        before_last = resurgo.read_manifest(tmp_path / checkpoint_name(3)).save_info["save_cost_seconds"]
     assert before_last is not None and before_last > 0
     with CheckpointManager(tmp_path, interval="auto", mtbf=3600) as mgr:
         assert mgr.restore(blank()) == 3

@@ -28,7 +28,8 @@ DEFAULT_IO_THREADS = 4
 
 def save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_pickle: bool = False,
          step: int | None = None, metadata: dict | None = None, io_threads: int = DEFAULT_IO_THREADS,
-         block_bytes: int | None = None, storage_options: dict | None = None) -> SaveReport:
+         block_bytes: int | None = None, storage_options: dict | None = None,
+         save_info: dict | None = None) -> SaveReport:
     """Save ``state`` as a checkpoint directory at ``path``; returns a :class:`SaveReport`.
 
     ``path`` is a local path or an fsspec URL (``s3://bucket/run/step_100``, ``memory://...``);
@@ -39,13 +40,15 @@ def save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_
     the old checkpoint is replaced atomically, never modified in place. Values that are not plain
     data raise UnsupportedValueError unless ``allow_pickle=True``. ``block_bytes`` fixes the
     checksum block size (default: from each tensor's size, see :func:`resurgo.format.checksum.block_bytes_for`).
+    ``metadata`` describes the state (it is compared by ``resurgo diff``); ``save_info`` describes
+    this save (timings, host, policies: JSON, shown by ``inspect``, left out of ``diff`` by default).
     An asynchronous save still in flight is waited for first (its error, if any, is raised here).
     """
     t_start = time.perf_counter()
     inflight.settle(if_busy="wait")
     prep = prepare_save(state, path, overwrite=overwrite, allow_pickle=allow_pickle, step=step,
                         metadata=metadata, io_threads=io_threads, block_bytes=block_bytes,
-                        storage_options=storage_options)
+                        storage_options=storage_options, save_info=save_info)
     report = write_and_commit(prep, LazySources(prep.leaves))
     report.seconds["stage"] = 0.0  # tensors are written from their own memory, copied only when they must be
     report.seconds["total"] = time.perf_counter() - t_start

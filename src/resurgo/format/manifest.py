@@ -103,7 +103,8 @@ class Manifest(_Strict):
     version: int
     created_at: str
     step: Optional[int] = None
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict)  # describes the state: the user's
+    save_info: dict[str, Any] = Field(default_factory=dict)  # describes the save: timings, host, policies
     library: dict[str, str]
     world: dict[str, int]
     checksum_algorithm: Literal["xxh3-128"]
@@ -117,6 +118,8 @@ class Manifest(_Strict):
         """The compact JSON of the manifest, sealed: its checksum is the last member."""
         doc = self.model_dump(exclude_none=True)
         doc.pop(SEAL_FIELD, None)
+        if not doc["save_info"]:  # optional: a manifest without it reads as it always did
+            del doc["save_info"]
         return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())
 
     @property
@@ -226,8 +229,9 @@ def validate_manifest(m: Manifest, source: str = MANIFEST_NAME) -> None:
     def fail(msg: str) -> None:
         raise ManifestError(f"{source}: {msg}")
 
-    if json_depth_exceeds(m.metadata, MAX_METADATA_DEPTH):
-        fail(f"'metadata' is nested deeper than {MAX_METADATA_DEPTH} levels")
+    for name in ("metadata", "save_info"):
+        if json_depth_exceeds(getattr(m, name), MAX_METADATA_DEPTH):
+            fail(f"'{name}' is nested deeper than {MAX_METADATA_DEPTH} levels")
     for path, entry in m.files.items():
         if not DATA_FILE_RE.fullmatch(path) or ".." in path.split("/"):
             fail(f"data file path {path[:200]!r} is not of the form data/<name>.safetensors")

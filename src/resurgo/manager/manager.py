@@ -359,7 +359,8 @@ class CheckpointManager:
     def _restored(self, path: Path | str, step: int, tier: int) -> None:
         self._last_save_step = step
         self._last_save_time = time.monotonic()
-        cost = read_manifest(path, storage_options=self._roots[tier].storage_options).metadata.get("save_cost_seconds")
+        manifest = read_manifest(path, storage_options=self._roots[tier].storage_options)
+        cost = manifest.save_info.get("save_cost_seconds", manifest.metadata.get("save_cost_seconds"))
         if isinstance(cost, (int, float)) and not isinstance(cost, bool) and math.isfinite(cost) and cost >= 0:
             self._save_cost = float(cost)  # the interval survives restarts without a measuring save
         log.info("restored step %d from %s", step, path)
@@ -398,18 +399,20 @@ class CheckpointManager:
     def _save(self, step: int, state: Any, metrics: Mapping[str, Any] | None) -> None:
         t_start = time.monotonic()
         path = self.path_for(step)
-        metadata = {"metrics": _plain_metrics(metrics), "save_cost_seconds": self._save_cost}
+        metadata = {"metrics": _plain_metrics(metrics)}  # the state's; the save's own figures go apart
+        save_info = {"save_cost_seconds": self._save_cost}
         self._wait_commit()  # the previous save: its error is raised here, its retention starts
         overwrite = self._make_way(path, step)
         log.info("saving step %d to %s", step, path)
         if self.async_save:
-            self._pending = async_save(state, path, step=step, metadata=metadata, overwrite=overwrite,
+            self._pending = async_save(state, path, step=step, metadata=metadata, save_info=save_info, overwrite=overwrite,
                                        guard=self._guard, io_threads=self._io_threads,
                                        storage_options=self._store.storage_options)
             self._pending_step = step
             log.info("staged step %d; writing in the background", step)
         else:
-            save(state, path, step=step, metadata=metadata, overwrite=overwrite, io_threads=self._io_threads,
+            save(state, path, step=step, metadata=metadata, save_info=save_info, overwrite=overwrite,
+                 io_threads=self._io_threads,
                  storage_options=self._store.storage_options)
             self._committed(step)
         cost = time.monotonic() - t_start  # the stall of an async save, the whole of a sync one

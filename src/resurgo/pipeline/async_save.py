@@ -147,7 +147,7 @@ def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: 
                step: int | None = None, metadata: dict | None = None, io_threads: int = 4,
                block_bytes: int | None = None, guard: Any = None, if_busy: str = "wait",
                memory_budget: int | None = None, fallback: str = "raise",
-               storage_options: dict | None = None) -> AsyncSaveHandle:
+               storage_options: dict | None = None, save_info: dict | None = None) -> AsyncSaveHandle:
     """Snapshot ``state`` and save it in the background; returns an :class:`AsyncSaveHandle`.
 
     ``if_busy``: "wait" (default) for a save still in flight, or "raise" SaveInFlightError.
@@ -162,7 +162,7 @@ def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: 
     inflight.settle(if_busy)
     prep = prepare_save(state, path, overwrite=overwrite, allow_pickle=allow_pickle, step=step,
                         metadata=metadata, io_threads=io_threads, block_bytes=block_bytes,
-                        storage_options=storage_options)
+                        storage_options=storage_options, save_info=save_info)
     handle = AsyncSaveHandle(str(path))
     needed = sum(staging_bytes(leaf.nbytes) for leaf in prep.leaves.values())
     if memory_budget is not None and needed > memory_budget:

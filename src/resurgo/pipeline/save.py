@@ -59,6 +59,7 @@ class PreparedSave:
     pickled: bool
     step: int | None
     metadata: dict | None
+    save_info: dict | None
     plan: SavePlan  # this rank's data files
     staging: Staging
     comm: Comm = field(default_factory=lambda: Comm(0, 1))
@@ -74,19 +75,19 @@ def library_versions() -> dict[str, str]:
             "python": platform.python_version()}
 
 
-def check_metadata(metadata: dict | None, step: int | None) -> None:
+def check_metadata(metadata: dict | None, step: int | None, name: str = "metadata") -> None:
     if step is not None and type(step) is not int:
         raise UnsupportedValueError(f"step must be an int or None, not {type(step).__name__}")
     if metadata is None:
         return
     if not isinstance(metadata, dict) or not all(isinstance(k, str) for k in metadata):
-        raise UnsupportedValueError("metadata must be a dict with str keys")
+        raise UnsupportedValueError(f"{name} must be a dict with str keys")
     if json_depth_exceeds(metadata, MAX_METADATA_DEPTH):  # readers refuse it: keep the manifest readable
-        raise UnsupportedValueError(f"metadata is nested deeper than {MAX_METADATA_DEPTH} levels")
+        raise UnsupportedValueError(f"{name} is nested deeper than {MAX_METADATA_DEPTH} levels")
     try:
         json.dumps(metadata, allow_nan=False)
     except (TypeError, ValueError) as e:
-        raise UnsupportedValueError(f"metadata must be plain JSON (str, int, float, bool, None, list, dict): {e}") from None
+        raise UnsupportedValueError(f"{name} must be plain JSON (str, int, float, bool, None, list, dict): {e}") from None
 
 
 AUTO_PER_RANK_BYTES = 1 << 20  # plain tensors up to this size are compared across ranks
@@ -119,7 +120,8 @@ def _write_leaf(leaf: TensorLeaf, w: RankWrite) -> TensorLeaf:
 
 def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_pickle: bool,
                  step: int | None, metadata: dict | None, io_threads: int, block_bytes: int | None,
-                 comm: Comm | None = None, storage_options: dict | None = None) -> PreparedSave:
+                 comm: Comm | None = None, storage_options: dict | None = None,
+                 save_info: dict | None = None) -> PreparedSave:
     """Flatten and check the state (plain values are encoded now: a snapshot), plan the files and
     open the staging directory. Raises before anything is written when the state or path is bad.
 
@@ -131,6 +133,7 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
 
     def local() -> tuple[dict, dict[str, TensorLeaf], RankDecl, bool]:
         check_metadata(metadata, step)
+        check_metadata(save_info, step, "save_info")
         tree, leaves, pickled = flatten_state(state, allow_pickle=allow_pickle)
         return tree, leaves, RankDecl(tree, tuple(_declare(leaf, comm.size > 1) for leaf in leaves.values())), pickled
 
@@ -156,7 +159,8 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
     own = {w.item.name: _write_leaf(leaves[w.local_key], w) for w in writes}
     files = plan_files([w.item for w in writes], rank=comm.rank, max_files=max(1, io_threads), tag=staging.file_tag)
     return PreparedSave(str(path), plan.tree, plan.tensors, own, pickled, step,
-                        dict(metadata) if metadata else None, files, staging, comm,
+                        dict(metadata) if metadata else None, dict(save_info) if save_info else None,
+                        files, staging, comm,
                         {"flatten": time.perf_counter() - t0})
 
 
@@ -250,7 +254,8 @@ def build_manifest(prep: PreparedSave, written: list[WrittenFile]) -> Manifest:
     return Manifest(
         format="resurgo.checkpoint", version=FORMAT_VERSION,
         created_at=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
-        step=prep.step, metadata=dict(prep.metadata or {}), library=library_versions(),
+        step=prep.step, metadata=dict(prep.metadata or {}),
+        save_info=dict(prep.save_info or {}), library=library_versions(),
         world={"size": prep.comm.size}, checksum_algorithm="xxh3-128", pickled=prep.pickled,
         files={w.path: FileEntry(bytes=w.nbytes, header_bytes=w.header_bytes, header_checksum=w.header_checksum)
                for w in sorted(written, key=lambda w: w.path)},
