@@ -201,6 +201,8 @@ def test_duplicate_flat_keys_are_refused(tmp_path):
     with pytest.raises(resurgo.UnsupportedValueError, match="same key"):
         resurgo.save({0: torch.ones(1), "0": torch.ones(1)}, tmp_path / "c")
     assert not (tmp_path / "c").exists()
+
+
 def test_save_info_is_apart_from_metadata(tmp_path):
     resurgo.save({"t": torch.ones(2)}, tmp_path / "a", metadata={"run": 1}, save_info={"host": "h"})
     m = resurgo.read_manifest(tmp_path / "a")
