@@ -25,6 +25,7 @@ from safetensors import safe_open
 
 import resurgo
 from resurgo.format import dtypes
+from resurgo.errors import ManifestError
 from resurgo.format.manifest import parse_manifest
 from resurgo.format.tree import FIELDS
 
@@ -247,6 +248,21 @@ def test_reader_sketch_refuses_paths_outside(saved, tmp_path):
         (path / "manifest.json").write_bytes(sealed_manifest(m2))
         with pytest.raises(ValueError, match="bad data file path"):
             read_tensor(str(path), "f32")
+
+
+def test_reader_sketch_refuses_an_unsealed_manifest(saved, tmp_path):
+    """A manifest relabelled as version 1 (unsealed), its step edited: refused, as resurgo refuses it."""
+    path = _copy(saved, tmp_path)
+    m = json.loads((path / "manifest.json").read_bytes())
+    del m["manifest_checksum"]
+    (path / "manifest.json").write_bytes(json.dumps({**m, "version": 1, "step": 99}).encode())
+    with pytest.raises(ValueError, match="version 1 is unsealed"):
+        load_reader()(str(path), "f32")
+    with pytest.raises(ManifestError, match="format version 1 is unsealed"):
+        resurgo.read_manifest(path)
+    (path / "manifest.json").write_bytes(json.dumps(m).encode())  # version 2 without its seal
+    with pytest.raises(ValueError, match="manifest_checksum is missing"):
+        load_reader()(str(path), "f32")
 
 
 def test_reader_sketch_refuses_sizes_that_disagree(saved, tmp_path):

@@ -20,6 +20,7 @@ import copy
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -45,6 +46,7 @@ from resurgo import (
 )
 from resurgo.format import dtypes as _dtypes
 from resurgo.format.manifest import SEAL_FIELD, parse_manifest, seal
+from resurgo.pipeline.verify import verify_checkpoint
 
 from helpers import resealed
 
@@ -298,14 +300,16 @@ def test_whitespace_after_the_manifest_is_not_covered(bench: Bench):
     assert bench.attempt(bench.raw + b"\n \t\r\n", reseal=False) == ["ok", "ok", "ok"]
 
 
-def test_version_2_needs_the_seal_and_version_1_has_none(bench: Bench):
+def test_version_2_needs_the_seal_and_unsealed_version_1_is_refused(bench: Bench):
     unsealed = json.dumps(bench.doc, separators=(",", ":")).encode()
-    expect(bench, unsealed, ManifestError, "needs its 'manifest_checksum'", reseal=False)
-    v1 = json.dumps({**bench.doc, "version": 1}, separators=(",", ":")).encode()
-    assert bench.attempt(v1, reseal=False) == ["ok", "ok", "ok"]  # checkpoints from before the seal
-    loaded = resurgo.load_dict(bench.path)
-    assert [raw_bytes(t) for t in tensors_in(loaded)] == [raw_bytes(t) for t in tensors_in(make_state())]
-    expect(bench, seal(v1), ManifestError, "not a field of version 1", reseal=False)
+    expect(bench, unsealed, ManifestError, "needs its 'manifest_checksum'.*unsealed and cannot be trusted",
+           reseal=False)
+    # An edited manifest relabelled as the unsealed version 1: the step changed, the seal dropped.
+    v1 = json.dumps({**bench.doc, "version": 1, "step": 6}, separators=(",", ":")).encode()
+    expect(bench, v1, ManifestError, "format version 1 is unsealed.*cannot be trusted", reseal=False)
+    with pytest.raises(ManifestError, match=f"{re.escape(str(bench.path))}.*version 1 is unsealed"):
+        verify_checkpoint(bench.path)
+    expect(bench, seal(v1), ManifestError, "format version 1 is unsealed", reseal=False)
 
 
 # ------------------------------------------------------------------------------------------------

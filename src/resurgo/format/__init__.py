@@ -1,1 +1,1 @@
-"""On-disk format (version 2; version 1 still read): manifest schema, safetensors data files, checksums, dtype names."""
+"""On-disk format (version 2, sealed manifests only): manifest schema, safetensors data files, checksums, dtype names."""

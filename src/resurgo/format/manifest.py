@@ -29,7 +29,8 @@ from resurgo.layout.box import ChunkBox, FlatRange, Place, covers_exactly_once
 
 FORMAT_NAME = "resurgo.checkpoint"
 FORMAT_VERSION = 2  # what resurgo writes
-READABLE_VERSIONS = (1, 2)  # 2 is 1 plus the manifest's own checksum
+READABLE_VERSIONS = (2,)
+UNSEALED_VERSION = 1  # 2 without the manifest's own checksum: refused, nothing proves it unedited
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 30
 MAX_NDIM = 64
@@ -112,7 +113,7 @@ class Manifest(_Strict):
     files: dict[str, FileEntry]
     tensors: dict[str, TensorEntry]
     tree: dict[str, Any]
-    manifest_checksum: Optional[str] = None  # required from version 2 on, and then checked against the bytes
+    manifest_checksum: Optional[str] = None  # required on read (checked against the bytes); set by seal()
 
     def to_json_bytes(self) -> bytes:
         """The compact JSON of the manifest, sealed: its checksum is the last member."""
@@ -186,15 +187,19 @@ def _parse_manifest(raw: bytes, source: str) -> Manifest:
     if doc.get("format") != FORMAT_NAME:
         raise ManifestError(f"{source}: 'format' is {str(doc.get('format'))[:80]!r}, expected {FORMAT_NAME!r}")
     version = doc.get("version")
+    if version == UNSEALED_VERSION and type(version) is int:
+        raise ManifestError(
+            f"{source}: format version {version} is unsealed (that format has no {SEAL_FIELD!r}): nothing shows the "
+            f"manifest was not edited after it was written, so it cannot be trusted; save the state again"
+        )
     if type(version) is not int or version not in READABLE_VERSIONS:
         raise ManifestError(
             f"{source}: format version {str(version)[:40]!r} is not supported "
-            f"(this resurgo reads versions {', '.join(map(str, READABLE_VERSIONS))})"
+            f"(this resurgo reads version {', '.join(map(str, READABLE_VERSIONS))})"
         )
-    if version >= 2 and SEAL_FIELD not in doc:
-        raise ManifestError(f"{source}: a version {version} manifest needs its {SEAL_FIELD!r}, and has none")
-    if version == 1 and SEAL_FIELD in doc:
-        raise ManifestError(f"{source}: {SEAL_FIELD!r} is not a field of version 1 manifests")
+    if SEAL_FIELD not in doc:
+        raise ManifestError(f"{source}: a version {version} manifest needs its {SEAL_FIELD!r}, and has none: "
+                            f"it is unsealed and cannot be trusted")
     try:
         manifest = Manifest.model_validate(doc)
     except (ValidationError, RecursionError, ValueError) as e:
