@@ -11,6 +11,7 @@ import torch
 import resurgo
 from resurgo.errors import (
     CheckpointNotFoundError,
+    DataPositionError,
     DTypeMismatchError,
     IncompleteCheckpointError,
     KeyMismatchError,
@@ -21,9 +22,10 @@ from resurgo.errors import (
     ShapeMismatchError,
     TypeMismatchError,
     UnsupportedValueError,
+    WorldSizeMismatchError,
 )
 
-from helpers import sealed_manifest
+from helpers import bits_equal, sealed_manifest
 
 
 def saved(tmp_path, state=None):
@@ -95,10 +97,64 @@ def test_shape_mismatch(tmp_path):
     with pytest.raises(ShapeMismatchError) as ei:
         resurgo.load(target, path)
     assert "'b.c'" in str(ei.value) and "[2, 2]" in str(ei.value) and "[4]" in str(ei.value)
+    assert "ignore_mismatched=True" in str(ei.value)
     target["b"]["c"] = torch.zeros(4)
-    report = resurgo.load(target, path, strict=False)
-    assert len(report.mismatched_keys) == 1 and "b.c" in report.mismatched_keys[0]
-    assert torch.equal(target["a"], torch.arange(4.0))
+    report = resurgo.load(target, path, ignore_mismatched=True)
+    assert report.mismatched_keys == ["b.c"]
+    assert torch.equal(target["a"], torch.arange(4.0)) and torch.equal(target["b"]["c"], torch.zeros(4))
+
+
+def test_strict_false_does_not_skip_a_mismatched_tensor(tmp_path):
+    """strict is about keys: as torch's load_state_dict(strict=False), a tensor of another shape or
+    dtype still raises, and nothing is loaded; only ignore_mismatched=True skips it."""
+    path = saved(tmp_path)
+    for bad, error in ((torch.zeros(4), ShapeMismatchError), (torch.zeros(2, 2, dtype=torch.float64), DTypeMismatchError)):
+        target = {"a": torch.zeros(4), "b": {"c": bad.clone()}}
+        with pytest.raises(error, match="'b.c'"):
+            resurgo.load(target, path, strict=False)
+        assert torch.equal(target["a"], torch.zeros(4))  # nothing was loaded
+        report = resurgo.load(target, path, strict=False, ignore_mismatched=True)
+        assert report.mismatched_keys == ["b.c"] and report.unexpected_keys == ["step"]
+        assert torch.equal(target["a"], torch.arange(4.0)) and bits_equal(target["b"]["c"], bad)
+
+
+class Refuses:
+    """A Stateful that refuses what it is given back, as a data loader refuses a position past its end."""
+
+    def state_dict(self):
+        return {"pos": 7}
+
+    def load_state_dict(self, sd):
+        raise DataPositionError(f"position {sd['pos']} is past the end of a dataset of 5")
+
+
+def test_every_load_error_names_the_checkpoint_and_the_key(tmp_path):
+    path = saved(tmp_path, {"a": torch.arange(4.0), "b": {"c": torch.ones(2, 2)}, "r": resurgo.PerRank(3),
+                            "loader": Refuses()})
+    here = {"a": torch.zeros(4), "b": {"c": torch.zeros(2, 2)}, "r": resurgo.PerRank(0), "loader": Refuses()}
+    cases = [
+        (ShapeMismatchError, "'a'", {**here, "a": torch.zeros(5)}),
+        (DTypeMismatchError, "'b.c'", {**here, "b": {"c": torch.zeros(2, 2, dtype=torch.int32)}}),
+        (TypeMismatchError, "'b'", {**here, "b": torch.zeros(2)}),
+        (TypeMismatchError, "'a'", {**here, "a": {"x": 1}}),
+        (KeyMismatchError, "'extra'", {**here, "extra": 1}),
+        (DataPositionError, "'loader'", here),
+    ]
+    for error, key, target in cases:
+        with pytest.raises(error) as ei:
+            resurgo.load(target, path)
+        assert str(ei.value).startswith(f"{path}: ") and key in str(ei.value), (error, str(ei.value))
+    assert "position 7 is past the end" in str(ei.value)
+
+    # Saved by two ranks (the per-rank node holds two items), loaded by one.
+    m = json.loads((path / "manifest.json").read_text())
+    r = next(v for k, v in m["tree"]["items"] if k == "r")
+    r["items"] = r["items"] * 2
+    m["world"]["size"] = 2
+    (path / "manifest.json").write_bytes(sealed_manifest(m))
+    with pytest.raises(WorldSizeMismatchError) as ei:
+        resurgo.load({**here, "loader": None}, path)
+    assert str(ei.value).startswith(f"{path}: key 'r': saved per rank by 2 ranks, loaded by 1")
 
 
 def test_type_mismatch(tmp_path):

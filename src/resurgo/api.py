@@ -62,7 +62,8 @@ def read_manifest(path: str | os.PathLike, *, storage_options: dict | None = Non
 
 
 def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool, allow_pickle: bool,
-             io_threads: int, storage_options: dict | None = None) -> tuple[Any, LoadReport]:
+             io_threads: int, storage_options: dict | None = None,
+             ignore_mismatched: bool = False) -> tuple[Any, LoadReport]:
     """Plan, check and read everything, then fill the target. In a distributed job every rank reads
     only what its own layout needs; if any rank fails before the target is touched, all raise."""
     t_start = time.perf_counter()
@@ -79,7 +80,8 @@ def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool
                 "Pass allow_pickle=True only if you trust this checkpoint."
             )
         ckpt.check_sizes({name: f.bytes for name, f in manifest.files.items()})  # before any allocation
-        restorer = Restorer(manifest, allow_pickle=allow_pickle, strict=strict, rank=comm.rank, world=comm.size)
+        restorer = Restorer(manifest, allow_pickle=allow_pickle, strict=strict, rank=comm.rank, world=comm.size,
+                            source=str(ckpt.path), ignore_mismatched=ignore_mismatched)
         result = restorer.restore(target)
         if strict and (restorer.missing or restorer.unexpected):
             raise KeyMismatchError(_key_mismatch_message(ckpt, restorer.missing, restorer.unexpected),
@@ -112,16 +114,19 @@ def _key_mismatch_message(ckpt: Checkpoint, missing: list[str], unexpected: list
 
 def load(state: Any, path: str | os.PathLike, *, strict: bool = True, verify: bool = True,
          allow_pickle: bool = False, io_threads: int = DEFAULT_IO_THREADS,
-         storage_options: dict | None = None) -> LoadReport:
+         storage_options: dict | None = None, ignore_mismatched: bool = False) -> LoadReport:
     """Load the checkpoint at ``path`` into ``state`` in place; returns a :class:`LoadReport`.
 
     Tensors are filled in place (dtype and shape must match: resurgo never casts), plain values
     and containers are replaced, Statefuls get ``load_state_dict``. With ``strict=True`` any key
-    present on one side only raises KeyMismatchError listing all of them. Checksums are verified
-    unless ``verify=False``.
+    present on one side only raises KeyMismatchError listing all of them; ``strict=False`` loads
+    the keys both have. A tensor whose dtype or shape differs raises DTypeMismatchError or
+    ShapeMismatchError whatever ``strict`` says, unless ``ignore_mismatched=True``: then it is left
+    as it is and its key listed in ``LoadReport.mismatched_keys``. Every error names the
+    checkpoint and the key. Checksums are verified unless ``verify=False``.
     """
     _, report = _restore(state, path, strict=strict, verify=verify, allow_pickle=allow_pickle, io_threads=io_threads,
-                         storage_options=storage_options)
+                         storage_options=storage_options, ignore_mismatched=ignore_mismatched)
     return report
 
 

@@ -7,6 +7,8 @@ expected on both sides. Where a built-in exception type fits, the class derives 
 
 from __future__ import annotations
 
+import copy
+
 
 class ResurgoError(Exception):
     """Base of every error resurgo raises on purpose."""
@@ -101,3 +103,15 @@ class DataPositionError(ResurgoError, ValueError):
 
 class StudyError(ResurgoError, ValueError):
     """``resurgo study`` cannot run as asked: an unknown model or mechanism, unreadable data."""
+
+
+def naming_checkpoint(error: ResurgoError, source: str, key: str) -> ResurgoError:
+    """``error`` again, of the same class and fields, its message starting with the checkpoint
+    ``source`` and the ``key`` it was raised for (unchanged if it names the checkpoint already,
+    or is an OSError, whose message is its path and errno)."""
+    message = str(error)
+    if isinstance(error, OSError) or message.startswith(source):
+        return error
+    named = copy.copy(error)
+    named.args = (f"{source}: key {key!r}: {message}",) + error.args[1:]
+    return named

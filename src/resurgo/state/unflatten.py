@@ -4,7 +4,8 @@
 it finds the destination tensor of every saved tensor (the target's own, or a new one), checks
 dtype and shape, collects missing and unexpected keys, and records, in post-order, the actions
 that will put values into the target's containers and call ``load_state_dict`` once the bytes
-are in. Nothing is mutated until every check has passed and every byte has been read.
+are in. Nothing is mutated until every check has passed and every byte has been read. Every
+error it raises, and every ResurgoError an action raises, names the checkpoint and the key.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ import torch
 from resurgo.errors import (
     DTypeMismatchError,
     ManifestError,
+    ResurgoError,
     ShapeMismatchError,
     TypeMismatchError,
     WorldSizeMismatchError,
+    naming_checkpoint,
 )
 from resurgo.format import dtypes, values
 from resurgo.format.manifest import Manifest, TensorEntry
@@ -52,16 +55,22 @@ class Destination:
 
 @dataclass
 class Restorer:
+    """``source`` names the checkpoint in every error. A tensor whose dtype or shape differs from
+    its target raises (whatever ``strict`` says, which is about keys) unless ``ignore_mismatched``:
+    then it is left as it is and its key listed in ``mismatched``."""
+
     manifest: Manifest
     allow_pickle: bool = False
     destinations: list[Destination] = field(default_factory=list)
-    actions: list[Callable[[], None]] = field(default_factory=list)
+    actions: list[tuple[str, Callable[[], None]]] = field(default_factory=list)  # (key, action)
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
     strict: bool = True
     rank: int = 0
     world: int = 1
+    source: str = "checkpoint"
+    ignore_mismatched: bool = False
     _seen: set = field(default_factory=set)
 
     # -- public ---------------------------------------------------------------------------------
@@ -70,12 +79,23 @@ class Restorer:
         return self._node(self.manifest.tree, target, (), 0)
 
     def run_actions(self) -> None:
-        for action in self.actions:
-            action()
+        for key, action in self.actions:
+            try:
+                action()
+            except ResurgoError as e:  # a Stateful refusing what was saved (RNG, data position, parts)
+                raise naming_checkpoint(e, self.source, key) from e
+            except Exception as e:
+                if hasattr(e, "add_note"):  # Python 3.11+: another library's error keeps its type
+                    e.add_note(f"while loading key {key!r} of the checkpoint {self.source}")
+                raise
+
+    def _at(self, path: tuple) -> str:
+        """The start of every message: the checkpoint and the key."""
+        return f"{self.source}: key {path_key(path)!r}"
 
     # -- walk -----------------------------------------------------------------------------------
     def _node(self, node: Any, target: Any, path: tuple, depth: int) -> Any:
-        where = f"manifest tree at key {path_key(path)!r}"
+        where = f"{self.source}: manifest tree at key {path_key(path)!r}"
         if depth > MAX_TREE_DEPTH:
             raise ManifestError(f"{where}: nesting deeper than {MAX_TREE_DEPTH}")
         if not isinstance(node, dict) or not isinstance(node.get("type"), str):
@@ -85,7 +105,7 @@ class Restorer:
             prepare_for_load(target)
             inner = node["state"] if t == "stateful" else node
             filled = self._node(inner, target.state_dict(), path, depth + 1)
-            self.actions.append(lambda: target.load_state_dict(filled))
+            self.actions.append((path_key(path), lambda: target.load_state_dict(filled)))
             return target
         if t == "stateful":
             return self._node(node.get("state"), target, path, depth + 1)
@@ -104,18 +124,18 @@ class Restorer:
             return torch.Size(items)
         if isinstance(target, (torch.Tensor, np.ndarray, Mapping, list, tuple)) or is_stateful(target):
             raise TypeMismatchError(
-                f"key {path_key(path)!r}: the checkpoint holds a {t} value, the target a {type(target).__name__}"
+                f"{self._at(path)}: the checkpoint holds a {t} value, the target a {type(target).__name__}"
             )
         return values.decode_scalar(node, where, self.allow_pickle)
 
     def _items(self, node: dict, path: tuple) -> list:
         items = node.get("items")
         if not isinstance(items, list):
-            raise ManifestError(f"manifest tree at key {path_key(path)!r}: '{node['type']}' needs a list of items")
+            raise ManifestError(f"{self.source}: manifest tree at key {path_key(path)!r}: '{node['type']}' needs a list of items")
         return items
 
     def _mapping(self, node: dict, target: Any, path: tuple, depth: int) -> Any:
-        where = f"manifest tree at key {path_key(path)!r}"
+        where = f"{self.source}: manifest tree at key {path_key(path)!r}"
         if target is not None and not isinstance(target, Mapping):
             self._type_mismatch(path, target, "a dict")
             target = None
@@ -145,7 +165,7 @@ class Restorer:
         saved = {k for k, _ in pairs}
         self.missing.extend(path_key(path + (k,)) for k in target if k not in saved)
         if isinstance(target, dict):
-            self.actions.append(lambda: target.update(out))
+            self.actions.append((path_key(path), lambda: target.update(out)))
             return target
         return {**target, **out}
 
@@ -170,7 +190,7 @@ class Restorer:
                 self.missing.extend(path_key(path + (i,)) for i in range(len(items), len(target)))
                 out.extend(target[len(items):])
             if type(target) is list and node["type"] == "list":
-                self.actions.append(lambda: target.__setitem__(slice(None), out))
+                self.actions.append((path_key(path), lambda: target.__setitem__(slice(None), out)))
                 return target
         return tuple(out) if node["type"] == "tuple" else out
 
@@ -183,11 +203,11 @@ class Restorer:
             own = self._node(items[self.rank], inner, path, depth + 1)
             if wrapper is None:
                 return own
-            self.actions.append(lambda: setattr(wrapper, "value", own))
+            self.actions.append((path_key(path), lambda: setattr(wrapper, "value", own)))
             return wrapper
         if target is not None and (wrapper is None or wrapper.on_resize is None):
             raise WorldSizeMismatchError(
-                f"key {path_key(path)!r}: saved per rank by {len(items)} ranks, loaded by {self.world}; "
+                f"{self._at(path)}: saved per rank by {len(items)} ranks, loaded by {self.world}; "
                 "wrap the target in resurgo.PerRank(value, on_resize=...) to say how its values carry over")
         saved = [self._node(item, None, path, depth + 1) for item in items]
         out = wrapper if wrapper is not None else PerRank(None)
@@ -200,36 +220,38 @@ class Restorer:
             else:
                 out.value = saved[rank] if rank < len(saved) else None
 
-        self.actions.append(settle)
+        self.actions.append((path_key(path), settle))
         return out
 
     def _type_mismatch(self, path: tuple, target: Any, expected: str) -> None:
         if isinstance(target, (torch.Tensor, np.ndarray, Mapping, list, tuple)) or is_stateful(target):
             raise TypeMismatchError(
-                f"key {path_key(path)!r}: the checkpoint holds {expected}, the target a {type(target).__name__}"
+                f"{self._at(path)}: the checkpoint holds {expected}, the target a {type(target).__name__}"
             )
 
     def _tensor(self, node: dict, target: Any, path: tuple) -> Array:
         key = node.get("key")
         if not isinstance(key, str) or key not in self.manifest.tensors:
-            raise ManifestError(f"manifest tree at key {path_key(path)!r}: refers to unknown tensor {str(key)[:200]!r}")
+            raise ManifestError(f"{self.source}: manifest tree at key {path_key(path)!r}: refers to unknown tensor {str(key)[:200]!r}")
         if key in self._seen:
-            raise ManifestError(f"manifest tree: tensor {key!r} is referenced twice")
+            raise ManifestError(f"{self.source}: manifest tree: tensor {key!r} is referenced twice")
         self._seen.add(key)
         entry = self.manifest.tensors[key]
         if node["type"] == "tensor" and entry.kind != "torch" or node["type"] == "ndarray" and entry.kind != "numpy":
-            raise ManifestError(f"manifest tree: node type {node['type']} of {key!r} disagrees with its entry kind {entry.kind}")
+            raise ManifestError(f"{self.source}: manifest tree: node type {node['type']} of {key!r} disagrees with its entry kind {entry.kind}")
         shape = tuple(entry.shape)
         if is_sharded(target):
             layout = local_layout(target, key)
             tdtype = dtypes.TORCH_DTYPE_NAMES.get(layout.local.dtype)
             if tdtype != entry.dtype:
                 return self._mismatch(DTypeMismatchError(
-                    f"key {key!r}: checkpoint dtype {entry.dtype}, target dtype {tdtype or layout.local.dtype} (resurgo never casts)"
+                    f"{self.source}: key {key!r}: checkpoint dtype {entry.dtype}, target dtype "
+                    f"{tdtype or layout.local.dtype} (resurgo never casts){_SKIP_HINT}"
                 ), key, target)
             if layout.global_shape != shape:
                 return self._mismatch(ShapeMismatchError(
-                    f"key {key!r}: checkpoint shape {list(shape)}, target global shape {list(layout.global_shape)}"
+                    f"{self.source}: key {key!r}: checkpoint shape {list(shape)}, target global shape "
+                    f"{list(layout.global_shape)}{_SKIP_HINT}"
                 ), key, target)
             self.destinations.append(Destination(key, entry, layout.local, layout.pieces))
             return target
@@ -238,25 +260,30 @@ class Restorer:
                       else dtypes.numpy_dtype_name(target.dtype))
             if tdtype != entry.dtype:
                 return self._mismatch(DTypeMismatchError(
-                    f"key {key!r}: checkpoint dtype {entry.dtype}, target dtype {tdtype or target.dtype} (resurgo never casts)"
+                    f"{self.source}: key {key!r}: checkpoint dtype {entry.dtype}, target dtype "
+                    f"{tdtype or target.dtype} (resurgo never casts){_SKIP_HINT}"
                 ), key, target)
             if tuple(target.shape) != shape:
                 return self._mismatch(ShapeMismatchError(
-                    f"key {key!r}: checkpoint shape {list(shape)}, target shape {list(target.shape)}"
+                    f"{self.source}: key {key!r}: checkpoint shape {list(shape)}, target shape "
+                    f"{list(target.shape)}{_SKIP_HINT}"
                 ), key, target)
             self.destinations.append(Destination(key, entry, target))
             return target
         if target is not None and (isinstance(target, (Mapping, list, tuple)) or is_stateful(target)):
-            raise TypeMismatchError(f"key {key!r}: the checkpoint holds a tensor, the target a {type(target).__name__}")
+            raise TypeMismatchError(f"{self._at(path)}: the checkpoint holds a tensor, the target a {type(target).__name__}")
         fresh = new_array(entry)
         self.destinations.append(Destination(key, entry, fresh))
         return fresh
 
     def _mismatch(self, error: Exception, key: str, target: Array) -> Array:
-        if self.strict:
+        if not self.ignore_mismatched:
             raise error
-        self.mismatched.append(str(error))
+        self.mismatched.append(key)
         return target
+
+
+_SKIP_HINT = "; pass ignore_mismatched=True to leave such tensors as they are"
 
 
 def new_array(entry: TensorEntry) -> Array:
