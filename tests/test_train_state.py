@@ -248,3 +248,21 @@ def test_load_state_dict_key_mismatch() -> None:
     with pytest.raises(KeyMismatchError) as e:
         ts.load_state_dict({"epoch": 1})
     assert e.value.missing == ["step"] and e.value.unexpected == ["epoch"]
+
+
+def test_a_train_states_step_is_the_checkpoints_step(tmp_path: Path) -> None:
+    """Without step=, the int under "step" at the top of the state is the manifest's step."""
+    model = nn.Linear(2, 2)
+    ts = TrainState(model=model, rng=False, step=0, epoch=3)
+    ts.step = 41
+    resurgo.save(ts, tmp_path / "ts")
+    assert resurgo.read_manifest(tmp_path / "ts").step == 41
+    resurgo.save(ts, tmp_path / "given", step=7)  # step= wins
+    assert resurgo.read_manifest(tmp_path / "given").step == 7
+    resurgo.save({"w": torch.ones(1), "step": 12}, tmp_path / "dict")
+    assert resurgo.read_manifest(tmp_path / "dict").step == 12
+    # Not a step counter: a bool, a tensor, a nested "step", no "step" at all.
+    for i, state in enumerate(({"step": True}, {"step": torch.tensor(3)}, {"opt": {"step": 5}},
+                               TrainState(model=model, rng=False))):
+        resurgo.save(state, tmp_path / f"none{i}")
+        assert resurgo.read_manifest(tmp_path / f"none{i}").step is None, state

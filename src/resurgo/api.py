@@ -40,6 +40,9 @@ def save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_
     the old checkpoint is replaced atomically, never modified in place. Values that are not plain
     data raise UnsupportedValueError unless ``allow_pickle=True``. ``block_bytes`` fixes the
     checksum block size (default: from each tensor's size, see :func:`resurgo.format.checksum.block_bytes_for`).
+    ``step`` is recorded in the manifest (``inspect``, the manager); when it is not given, the int
+    saved under the key ``"step"`` at the top of the state is used (``TrainState(..., step=n)``,
+    ``{"model": ..., "step": n}``), else none is recorded.
     ``metadata`` describes the state (it is compared by ``resurgo diff``); ``save_info`` describes
     this save (timings, host, policies: JSON, shown by ``inspect``, left out of ``diff`` by default).
     An asynchronous save still in flight is waited for first (its error, if any, is raised here).

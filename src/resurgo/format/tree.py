@@ -105,6 +105,22 @@ def validate_tree(tree: Any, tensor_kinds: Mapping[str, str], pickled: bool, sou
             _scalar(node, where)
 
 
+def top_level_step(tree: dict) -> int | None:
+    """The int saved under the key ``"step"`` at the top of the state, or None.
+
+    The top is the root dict, or the root Stateful's ``state_dict()`` (a TrainState's extras):
+    ``TrainState(..., step=n)`` and ``{"model": ..., "step": n}`` give ``n``. A bool, a tensor, a
+    value that differs between ranks (per rank) or a ``step`` nested deeper is not taken.
+    """
+    node = tree["state"] if tree.get("type") == "stateful" else tree
+    if node.get("type") not in ("dict", "ordered_dict"):
+        return None
+    for key, value in node["items"]:
+        if key == "step" and value.get("type") == "int":
+            return value["value"]
+    return None
+
+
 def _check_fields(node: dict, where: str) -> str:
     """The node's type, once its fields are exactly those of that type."""
     t = node["type"]

@@ -36,6 +36,7 @@ from resurgo.format.manifest import (
     TensorEntry,
     json_depth_exceeds,
 )
+from resurgo.format.tree import top_level_step
 from resurgo.layout.box import ChunkBox, FlatRange
 from resurgo.pipeline.buffers import TensorStream, source_for_write
 from resurgo.pipeline.writer import WrittenChunk, WrittenFile, write_data_file
@@ -158,6 +159,8 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
     writes = plan.writes[comm.rank]
     own = {w.item.name: _write_leaf(leaves[w.local_key], w) for w in writes}
     files = plan_files([w.item for w in writes], rank=comm.rank, max_files=max(1, io_threads), tag=staging.file_tag)
+    if step is None:  # the state's own step counter, when it has one at its top
+        step = top_level_step(plan.tree)
     return PreparedSave(str(path), plan.tree, plan.tensors, own, pickled, step,
                         dict(metadata) if metadata else None, dict(save_info) if save_info else None,
                         files, staging, comm,
