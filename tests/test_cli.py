@@ -101,6 +101,15 @@ def test_inspect_text(saved: Path):
     assert "Chunks" not in out
 
 
+def test_inspect_shows_save_info(tmp_path: Path):
+    resurgo.save(_state(), tmp_path / "c", save_info={"save_cost_seconds": 1.25, "host": "n7"})
+    doc = json.loads(runner.invoke(app, ["inspect", str(tmp_path / "c"), "--json"]).stdout)
+    assert doc["save_info"] == {"save_cost_seconds": 1.25, "host": "n7"} and doc["metadata"] == {}
+    out = runner.invoke(app, ["inspect", str(tmp_path / "c")]).stdout
+    assert re.search(r'^\s*save info\s+\{"save_cost_seconds": 1.25, "host": "n7"\}\s*$', out, re.M), out
+    assert re.search(r"^\s*metadata\s+-\s*$", out, re.M), out
+
+
 def test_inspect_chunks(saved: Path):
     c = resurgo.read_manifest(saved).tensors["model.weight"].chunks[0]
     result = runner.invoke(app, ["inspect", str(saved), "--chunks"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -11,11 +12,11 @@ import torch
 from typer.testing import CliRunner
 
 import resurgo
-from resurgo.cli import app
+from resurgo.cli import app, human_bytes
 from resurgo.diff import diff_checkpoints, value_nodes
 from resurgo.errors import CorruptCheckpointError
 
-from helpers import flip_stored_bit
+from helpers import flip_stored_bit, resealed
 
 runner = CliRunner()
 BLOCK = 1024  # 1000 float32 = 4000 bytes: blocks 0-3, the last one short
@@ -139,7 +140,7 @@ def test_corrupt_data_read_for_a_comparison_is_an_error(tmp_path: Path):
     with pytest.raises(CorruptCheckpointError):
         diff_checkpoints(a, b)
     result = runner.invoke(app, ["diff", str(a), str(b)])
-    assert result.exit_code == 2 and "block 0 (file bytes 128..1152) does not match its xxh3-128 checksum" in result.stderr
+    assert result.exit_code == 3 and "block 0 (file bytes 128..1152) does not match its xxh3-128 checksum" in result.stderr
     result = runner.invoke(app, ["diff", str(a), str(tmp_path / "missing")])
     assert result.exit_code == 2 and "no such checkpoint" in result.stderr
 
@@ -164,3 +165,123 @@ def test_checkpoints_at_urls_compare_too(tmp_path: Path, mem_url: str):
     d = diff_checkpoints(a, f"{mem_url}/b", stats=True)
     assert [(t.key, t.elements_differing, t.max_abs_diff) for t in d.tensors] == [("model.b", 5, 1.0)]
     assert d.fields == [] and d.values == [] and d.bytes_read == 2 * 20
+
+
+# -- damage is never "the same" ----------------------------------------------------------------
+def _pair(tmp_path: Path) -> tuple[Path, Path]:
+    """Two saves of one layout: 'model.w' differs (by checksums), every other tensor is equal."""
+    a = _save(tmp_path / "a", _state(), step=1)
+    w = torch.arange(1000, dtype=torch.float32)
+    w[0] = -1.0
+    return a, _save(tmp_path / "b", _state(w), step=1)
+
+
+def _file_of(path: Path, key: str) -> Path:
+    return path / resurgo.read_manifest(path).tensors[key].chunks[0].file
+
+
+def _exit_codes(a: Path, b: Path) -> dict[str, tuple[int, str]]:
+    """The exit code and stderr of diff in each mode."""
+    out = {}
+    for mode in ("plain", "--stats", "--verify", "--stats --verify"):
+        result = runner.invoke(app, ["diff", str(a), str(b)] + ([] if mode == "plain" else mode.split()))
+        assert "Traceback" not in result.output
+        out[mode] = (result.exit_code, result.stderr)
+    return out
+
+
+def test_undamaged_pair_differs_in_one_tensor_in_every_mode(tmp_path: Path):
+    a, b = _pair(tmp_path)
+    assert {m: code for m, (code, _) in _exit_codes(a, b).items()} == {
+        "plain": 1, "--stats": 1, "--verify": 1, "--stats --verify": 1}
+    assert [t.key for t in diff_checkpoints(a, b, verify=True).tensors] == ["model.w"]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "deleted", "grown"])
+def test_a_missing_or_resized_data_file_is_damage_in_every_mode(tmp_path: Path, damage: str):
+    """A data file's existence and size are checked in both checkpoints on every diff (no data read)."""
+    a, b = _pair(tmp_path)
+    for victim, key in ((b, "model.b"), (a, "model.w")):  # an equal tensor's file; the differing one's
+        f = _file_of(victim, key)
+        keep = f.read_bytes()
+        if damage == "truncated":
+            f.write_bytes(keep[:-3])
+        elif damage == "grown":
+            f.write_bytes(keep + b"\0")
+        else:
+            f.unlink()
+        for mode, (code, err) in _exit_codes(a, b).items():
+            assert code == 3, (damage, key, mode, err)
+            assert str(victim) in err and f.name in err, (mode, err)
+            assert ("is missing" if damage == "deleted" else "(truncated or altered)") in err, err
+        with pytest.raises(CorruptCheckpointError, match=re.escape(f.name)):
+            diff_checkpoints(a, b)
+        f.write_bytes(keep)
+
+
+def test_a_flipped_byte_is_damage_wherever_diff_reads(tmp_path: Path):
+    """Data compared by checksums alone is not read; --verify reads every byte of both, --stats
+    the tensors that differ, and what is read is verified."""
+    a, b = _pair(tmp_path)
+    flip_stored_bit(b, "model.b")  # in a tensor equal by checksums: only --verify reads it
+    codes = _exit_codes(a, b)
+    assert {m: c for m, (c, _) in codes.items()} == {"plain": 1, "--stats": 1, "--verify": 3, "--stats --verify": 3}
+    assert f"{b}: does not verify: tensor 'model.b' chunk 0 in {_file_of(b, 'model.b').relative_to(b)}: block 0 " \
+           "does not match its checksum" in codes["--verify"][1]
+    with pytest.raises(CorruptCheckpointError, match=f"{re.escape(str(b))}: does not verify: tensor 'model.b'"):
+        diff_checkpoints(a, b, verify=True)
+
+    a, b = _pair(tmp_path / "again")
+    flip_stored_bit(b, "model.w")  # in the tensor that differs: --stats reads and verifies it
+    codes = _exit_codes(a, b)
+    assert {m: c for m, (c, _) in codes.items()} == {"plain": 1, "--stats": 3, "--verify": 3, "--stats --verify": 3}
+    assert f"{b}: tensor 'model.w' is corrupt in {_file_of(b, 'model.w').relative_to(b)}" in codes["--stats"][1]
+
+    same = _save(tmp_path / "same", _state(), step=1)
+    flip_stored_bit(same, "model.w")
+    codes = _exit_codes(a, same)  # equal by checksums: without --verify diff trusts them (documented)
+    assert (codes["plain"][0], codes["--stats"][0]) == (0, 0)
+    assert codes["--verify"][0] == 3 and str(same) in codes["--verify"][1]
+
+
+def test_verify_reads_every_byte_of_both(tmp_path: Path):
+    a, b = _pair(tmp_path)
+    d = diff_checkpoints(a, b, verify=True)
+    tensor_bytes = resurgo.read_manifest(a).tensor_bytes + resurgo.read_manifest(b).tensor_bytes
+    assert d.verified and d.bytes_verified == tensor_bytes and d.bytes_read == 0
+    assert not diff_checkpoints(a, b).verified
+    result = runner.invoke(app, ["diff", str(a), str(a), "--verify"])
+    assert result.exit_code == 0 and f"both verified ({human_bytes(2 * resurgo.read_manifest(a).tensor_bytes)})" \
+        in result.stdout, result.output
+
+
+# -- what describes the save is not the state ----------------------------------------------------
+def _edit_manifest(path: Path, old: bytes, new: bytes) -> None:
+    raw = (path / "manifest.json").read_bytes()
+    assert raw.count(old) == 1
+    (path / "manifest.json").write_bytes(resealed(raw.replace(old, new)))
+
+
+def test_save_info_creation_time_and_versions_are_compared_only_when_asked(tmp_path: Path):
+    a = _save(tmp_path / "a", _state(), step=1, metadata={"run": "x"}, save_info={"save_cost_seconds": 0.5})
+    b = _save(tmp_path / "b", _state(), step=1, metadata={"run": "x"}, save_info={"save_cost_seconds": 0.7, "host": "n2"})
+    ma = resurgo.read_manifest(a)
+    _edit_manifest(b, f'"created_at":"{resurgo.read_manifest(b).created_at}"'.encode(),
+                   b'"created_at":"2001-01-01T00:00:00.000+00:00"')
+    _edit_manifest(b, f'"torch":"{torch.__version__}"'.encode(), b'"torch":"9.9.9"')
+    d = diff_checkpoints(a, b)
+    assert d.identical and d.fields == []
+    d = diff_checkpoints(a, b, include_save_info=True)
+    assert not d.identical and d.fields == [
+        ("created_at", ma.created_at, "2001-01-01T00:00:00.000+00:00"),
+        ("library.torch", torch.__version__, "9.9.9"),
+        ("save_info.host", None, "n2"),
+        ("save_info.save_cost_seconds", 0.5, 0.7),
+    ]
+    assert runner.invoke(app, ["diff", str(a), str(b)]).exit_code == 0
+    result = runner.invoke(app, ["diff", str(a), str(b), "--save-info"])
+    assert result.exit_code == 1
+    for text in ("created_at", "library.torch", "9.9.9", "save_info.save_cost_seconds", "0.7", "DIFFERENT 4 fields"):
+        assert text in result.stdout, (text, result.stdout)
+    c = _save(tmp_path / "c", _state(), step=1, metadata={"run": "y"})  # metadata describes the state
+    assert diff_checkpoints(a, c).fields == [("metadata.run", "x", "y")]

@@ -439,6 +439,27 @@ def test_the_cost_estimate_survives_a_restart(tmp_path):
         assert mgr.interval_seconds == resurgo.daly_interval(before_last, 3600)
 
 
+def test_a_fresh_and_a_resumed_manager_save_checkpoints_diff_calls_the_same(tmp_path):
+    """The save cost the manager records describes the save, not the state: two managers saving
+    one state at one step make checkpoints that diff calls identical (unless asked for save_info)."""
+    with CheckpointManager(tmp_path / "run", async_save=False) as mgr:
+        for s in (1, 2):
+            mgr.save(s, state_at(s))
+    with CheckpointManager(tmp_path / "run", async_save=False) as resumed:
+        assert resumed.restore(blank()) == 2 and resumed.save_cost_seconds is not None
+        resumed.save(3, state_at(3), metrics={"loss": 0.5})
+    with CheckpointManager(tmp_path / "fresh", async_save=False) as fresh:
+        fresh.save(3, state_at(3), metrics={"loss": 0.5})
+    a, b = tmp_path / "run" / checkpoint_name(3), tmp_path / "fresh" / checkpoint_name(3)
+    assert resurgo.read_manifest(b).save_info == {"save_cost_seconds": None}
+    assert resurgo.read_manifest(a).save_info["save_cost_seconds"] > 0
+    assert resurgo.diff_checkpoints(a, b).identical
+    result = runner.invoke(app, ["diff", str(a), str(b)])
+    assert result.exit_code == 0 and "SAME" in result.stdout, result.output
+    named = [f for f, _, _ in resurgo.diff_checkpoints(a, b, include_save_info=True).fields]
+    assert "save_info.save_cost_seconds" in named and "created_at" in named
+
+
 # -- command line on a manager root ----------------------------------------------------------------
 def test_ls_and_gc_on_a_manager_root(tmp_path):
     save_steps(tmp_path, [1, 2, 3, 4, 5, 6])

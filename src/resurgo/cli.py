@@ -285,6 +285,7 @@ def inspect_summary(path: str | os.PathLike, with_chunks: bool = False) -> dict:
         "library": dict(manifest.library),
         "world": dict(manifest.world),
         "metadata": manifest.metadata,
+        "save_info": manifest.save_info,
         "pickled": manifest.pickled,
         "tensors": tensors,
         "values": {key: {"type": t, "value": text} for key, t, text in tree_values(manifest.tree)},
@@ -314,6 +315,7 @@ def _print_inspect(s: dict, with_chunks: bool) -> None:
     head.add_row("library", escape(", ".join(f"{k} {v}" for k, v in s["library"].items())))
     head.add_row("world", escape(", ".join(f"{k} {v}" for k, v in s["world"].items())))
     head.add_row("metadata", escape(_clip(json.dumps(s["metadata"], default=str), 400)) if s["metadata"] else "-")
+    head.add_row("save info", escape(_clip(json.dumps(s["save_info"], default=str), 400)) if s["save_info"] else "-")
     head.add_row("pickled", "yes (values shown by class, never unpickled)" if s["pickled"] else "no")
     out.print(head)
     out.print()
@@ -427,15 +429,21 @@ def diff_command(
     only: Optional[str] = typer.Option(None, "--only", help="Compare only the keys with this prefix (e.g. 'model.')."),
     memory_budget: Optional[str] = typer.Option(None, "--memory-budget",
                                                 help="Memory for tensors read to compare (default 256MiB)."),
+    verify: bool = typer.Option(False, "--verify", help="First read and verify every byte of both checkpoints."),
+    save_info: bool = typer.Option(False, "--save-info",
+                                   help="Also compare what describes the save: creation time, library versions, save_info."),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable report."),
 ) -> None:
-    """What differs between two checkpoints: step, metadata, tensors, values. Exit 0 same, 1 differ, 2 error.
+    """What differs between two checkpoints: step, metadata, tensors, values. Exit 0 same, 1 differ,
+    2 usage, 3 a checkpoint is damaged, 4 unreadable.
 
-    Tensors stored in the same chunks compare by their checksums (no data read); others are read
-    and compared bit for bit."""
+    Every data file's size is checked. Tensors stored in the same chunks compare by their checksums
+    (no data read; --verify checks the data against them first); others are read, verified and
+    compared bit for bit."""
     budget = _size_option(memory_budget, "--memory-budget")
-    with _fail_cleanly():
-        found = diff_checkpoints(a, b, stats=stats, only=only, memory_budget=budget or DEFAULT_DIFF_BUDGET)
+    with _fail_cleanly(corrupt_code=3):
+        found = diff_checkpoints(a, b, stats=stats, only=only, memory_budget=budget or DEFAULT_DIFF_BUDGET,
+                                 verify=verify, include_save_info=save_info)
     if as_json:
         doc = asdict(found)
         doc["identical"] = found.identical
@@ -473,6 +481,8 @@ def _print_diff(d: CheckpointDiff) -> None:
         out.print(table)
     equal = (f"{_plural(d.equal_by_checksums + d.equal_by_data, 'tensor')} equal "
              f"({d.equal_by_checksums} by checksums, {d.equal_by_data} by reading); {human_bytes(d.bytes_read)} read")
+    if d.verified:
+        equal += f"; both verified ({human_bytes(d.bytes_verified)})"
     if d.identical:
         out.print(f"[bold green]SAME[/bold green] {equal}", soft_wrap=True)
     else:

@@ -1,13 +1,19 @@
 """``resurgo diff``: what differs between two checkpoints, as plain data.
 
+Both manifests are read and checked against their own checksums, and every data file of both is
+checked to exist with the size its manifest says (one listing or stat per file, no data read).
 Tensors compare by their block checksums when both checkpoints store them in the same chunks with
 the same block sizes, which is the case for two saves of one job: no data is read, and equal
-xxh3-128 digests mean equal bytes (trusting the checksums; ``resurgo verify`` checks the data
-against them). Otherwise, and for the statistics of a tensor that differs (``stats=True``), both
-are read a window of their flattened elements at a time within a memory budget, every block
-verified, and compared bit for bit: ``-0.0`` and ``0.0`` differ, a NaN equals the same NaN.
-Non-tensor values compare by their manifest nodes, which keep exact types and float bits. Step,
-world size and user metadata are compared too; creation time and library versions are not.
+xxh3-128 digests mean equal bytes as far as the data matches its checksums, which ``verify=True``
+checks first by reading every byte of both. Otherwise, and for the statistics of a tensor that
+differs (``stats=True``), both are read a window of their flattened elements at a time within a
+memory budget, every block read verified, and compared bit for bit: ``-0.0`` and ``0.0`` differ, a
+NaN equals the same NaN. Damage found by any of these checks raises CorruptCheckpointError naming
+the checkpoint and the file; data that is not read is not checked (``verify=True`` reads it all).
+
+What describes the state is compared: step, world size, user metadata, tensors, non-tensor values
+(by their manifest nodes, which keep exact types and float bits). What describes the save
+(creation time, library versions, ``save_info``) is compared only with ``include_save_info=True``.
 """
 
 from __future__ import annotations
@@ -22,12 +28,14 @@ import numpy as np
 import torch
 
 from resurgo.api import DEFAULT_IO_THREADS
+from resurgo.errors import CorruptCheckpointError
 from resurgo.format import dtypes, values
 from resurgo.format.manifest import MANIFEST_NAME, Manifest, TensorEntry, parse_manifest
 from resurgo.layout.box import FlatRange, place_order
 from resurgo.layout.shards import LocalPiece
 from resurgo.pipeline.buffers import typed_view
 from resurgo.pipeline.reader import read_destinations
+from resurgo.pipeline.verify import verify_checkpoint
 from resurgo.state.flatten import path_key
 from resurgo.state.unflatten import Destination
 from resurgo.storage.base import Checkpoint
@@ -64,13 +72,16 @@ class ValueDiff:
 class CheckpointDiff:
     a: str
     b: str
-    fields: list[tuple[str, Any, Any]] = field(default_factory=list)  # step, world, metadata.*
+    # step, world, metadata.*; with include_save_info also created_at, library.*, save_info.*
+    fields: list[tuple[str, Any, Any]] = field(default_factory=list)
     tensors: list[TensorDiff] = field(default_factory=list)
     values: list[ValueDiff] = field(default_factory=list)
     tensors_compared: int = 0
     equal_by_checksums: int = 0
     equal_by_data: int = 0
-    bytes_read: int = 0
+    bytes_read: int = 0  # data read to compare tensors (checksum blocks at window edges included)
+    verified: bool = False  # every byte of both was read and matched its checksum first
+    bytes_verified: int = 0
 
     @property
     def identical(self) -> bool:
@@ -79,14 +90,26 @@ class CheckpointDiff:
 
 def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike, *, stats: bool = False, only: str | None = None,
                      memory_budget: int = DEFAULT_DIFF_BUDGET, storage_options: dict | None = None,
-                     io_threads: int = DEFAULT_IO_THREADS) -> CheckpointDiff:
-    """Compare the checkpoints ``a`` and ``b`` (paths or URLs); ``only`` keeps keys with that prefix."""
+                     io_threads: int = DEFAULT_IO_THREADS, verify: bool = False,
+                     include_save_info: bool = False) -> CheckpointDiff:
+    """Compare the checkpoints ``a`` and ``b`` (paths or URLs); ``only`` keeps keys with that prefix.
+
+    Raises CorruptCheckpointError, naming the checkpoint and the file, when a manifest fails its
+    checksum, a data file is missing or of another size, or data read fails its checksum;
+    ``verify=True`` first reads and verifies every byte of both. ``include_save_info=True``
+    compares what describes the save too (creation time, library versions, ``save_info``).
+    """
     ca, cb = open_checkpoint(a, storage_options), open_checkpoint(b, storage_options)
     ma = parse_manifest(ca.read_manifest_bytes(), ca.describe(MANIFEST_NAME))
     mb = parse_manifest(cb.read_manifest_bytes(), cb.describe(MANIFEST_NAME))
+    for ckpt, m in ((ca, ma), (cb, mb)):  # a missing or cut file costs a stat to catch, not a read
+        ckpt.check_sizes({name: f.bytes for name, f in m.files.items()})
     out = CheckpointDiff(str(a), str(b))
+    if verify:
+        out.bytes_verified = sum(_verify_all(path, storage_options) for path in (a, b))
+        out.verified = True
     if only is None:
-        out.fields = _field_changes(ma, mb)
+        out.fields = _field_changes(ma, mb, include_save_info)
     keep = (lambda k: k.startswith(only)) if only else (lambda k: True)
     reader = _PairReader(ca, ma, cb, mb, memory_budget, io_threads)
     for key in sorted(k for k in ma.tensors.keys() | mb.tensors.keys() if keep(k)):
@@ -107,16 +130,34 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike, *, stats: bool 
     return out
 
 
-def _field_changes(ma: Manifest, mb: Manifest) -> list[tuple[str, Any, Any]]:
+def _verify_all(path: str | os.PathLike, storage_options: dict | None) -> int:
+    """Bytes checked: every data file's header and every checksum block of ``path``."""
+    report = verify_checkpoint(path, storage_options=storage_options)
+    if report.problems:
+        more = f"; and {len(report.problems) - 1} more (run `resurgo verify {path}`)" if len(report.problems) > 1 else ""
+        raise CorruptCheckpointError(f"{path}: does not verify: {report.problems[0]}{more}")
+    return report.bytes_checked
+
+
+def _field_changes(ma: Manifest, mb: Manifest, include_save_info: bool) -> list[tuple[str, Any, Any]]:
     changes: list[tuple[str, Any, Any]] = []
     if ma.step != mb.step:
         changes.append(("step", ma.step, mb.step))
     if ma.world != mb.world:
         changes.append(("world", dict(ma.world), dict(mb.world)))
-    for k in sorted(ma.metadata.keys() | mb.metadata.keys()):
-        if _canonical(ma.metadata.get(k, _MISSING)) != _canonical(mb.metadata.get(k, _MISSING)):
-            changes.append((f"metadata.{k}", ma.metadata.get(k), mb.metadata.get(k)))
+    changes += _member_changes("metadata", ma.metadata, mb.metadata)
+    if include_save_info:
+        if ma.created_at != mb.created_at:
+            changes.append(("created_at", ma.created_at, mb.created_at))
+        changes += _member_changes("library", ma.library, mb.library)
+        changes += _member_changes("save_info", ma.save_info, mb.save_info)
     return changes
+
+
+def _member_changes(name: str, a: dict, b: dict) -> list[tuple[str, Any, Any]]:
+    """``(name.key, a's, b's)`` for each key whose JSON value differs (None: absent)."""
+    return [(f"{name}.{k}", a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys())
+            if _canonical(a.get(k, _MISSING)) != _canonical(b.get(k, _MISSING))]
 
 
 _MISSING = {"<missing>": True}
