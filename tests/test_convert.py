@@ -291,11 +291,41 @@ def test_torch_file_holds_the_structure_load_dict_returns(tmp_path):
     assert report.bytes_written == (tmp_path / "state.pt").stat().st_size and report.values_dropped == []
 
 
-def test_torch_file_keeps_numpy_arrays(tmp_path):
-    state = {"arr": np.arange(6, dtype=np.int16).reshape(2, 3), "w": torch.ones(2)}
+def test_torch_file_holds_numpy_values_as_torch_ones(tmp_path):
+    state = {"arr": np.arange(6, dtype=np.uint16).reshape(2, 3), "w": torch.ones(2), "c": np.complex64(1 - 2j),
+             "f16": np.float16(0.1), "u64": np.uint64(2**64 - 1), "by": {np.int64(3): "three", 4: "four"}}
     resurgo.save(state, tmp_path / "ck")
     resurgo.convert(tmp_path / "ck", tmp_path / "state.pt", to="torch")
-    assert bits_equal(torch.load(tmp_path / "state.pt", weights_only=False), state)
+    loaded = torch.load(tmp_path / "state.pt")  # weights_only=True, torch's default
+    assert bits_equal(loaded, {"arr": torch.arange(6, dtype=torch.int32).to(torch.uint16).reshape(2, 3), "w": torch.ones(2),
+                               "c": complex(1, -2), "f16": float(np.float16(0.1)), "u64": 2**64 - 1,
+                               "by": {3: "three", 4: "four"}})
+
+
+def test_torch_file_of_a_train_state_loads_with_torch_defaults(tmp_path):
+    """RNG states (per rank, with numpy arrays) and a DataLoader position: plain types only."""
+    from torch.utils.data import DataLoader
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    loader = DataLoader(list(range(10)), batch_size=2, shuffle=True)
+    ts = resurgo.TrainState(model=model, optimizer=opt, dataloader=loader, step=5)
+    next(iter(loader))
+    sd = ts.state_dict()
+    resurgo.save(ts, tmp_path / "ck")
+    resurgo.convert(tmp_path / "ck", tmp_path / "ts.pt", to="torch")
+    loaded = torch.load(tmp_path / "ts.pt")  # weights_only=True, torch's default
+    rng = sd["rng"].value
+    assert bits_equal(loaded, {
+        "model": sd["model"], "optimizer": sd["optimizer"], "dataloader": sd["dataloader"], "step": 5,
+        "rng": [{"python": {**rng["python"], "state": torch.from_numpy(rng["python"]["state"])},
+                 "numpy": {**rng["numpy"], "keys": torch.from_numpy(rng["numpy"]["keys"])},
+                 "torch": rng["torch"], "cuda": rng["cuda"]}],  # a list indexed by rank
+    })
+    assert loaded["dataloader"]["batches_yielded"] == 1
 
 
 def test_torch_refuses_what_it_cannot_hold(tmp_path):
@@ -367,9 +397,10 @@ def test_checkpoints_saved_by_two_ranks(tmp_path):
         shards = read_hf(tmp_path / f"{layout}-hf")[1]
         assert all(bits_equal(shards[k], v) for k, v in ref.items())
         resurgo.convert(ck, tmp_path / f"{layout}.pt", to="torch")
-        full = torch.load(tmp_path / f"{layout}.pt", weights_only=False)
+        full = torch.load(tmp_path / f"{layout}.pt")
         assert all(bits_equal(full[k], v) for k, v in ref.items())
-        assert full["rank_value"].saved == [0, 1]  # per-rank values as load_dict returns them
+        assert full["rank_value"] == [0, 1]  # per-rank values: a list indexed by rank
+        assert [t.tolist() for t in full["rng"]] == [[r] * 4 for r in range(2)]
 
 
 @pytest.mark.parametrize("layout", ["whole", "cols", "rows", "flat"])

@@ -17,7 +17,10 @@ What each target keeps (docs/guide.md, "Converting"):
   own data files: raw bytes (``U8``, shape ``[nbytes]``), with the real dtype and shape under
   ``resurgo.raw_dtypes``.
 - hf: tensors only, in shards named and indexed as ``transformers`` writes them.
-- torch: the exact nested structure ``resurgo.load_dict`` returns.
+- torch: the nested structure ``resurgo.load_dict`` returns, in types ``torch.load`` accepts with
+  its default ``weights_only=True``: a value saved per rank becomes a list indexed by rank, a numpy
+  array a torch tensor of the same dtype, shape and bytes, a numpy scalar a Python number
+  (:func:`weights_only_plain`). Pickled values (``allow_pickle=True``) stay objects.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from resurgo.api import DEFAULT_IO_THREADS, load_dict
@@ -46,6 +50,7 @@ from resurgo.plan.convert_plan import HF_INDEX_FILE, is_hf_output_file, plan_sha
 from resurgo.plan.save_plan import WriteItem
 from resurgo.reports import ConvertReport
 from resurgo.state.flatten import path_key
+from resurgo.state.per_rank import PerRank
 from resurgo.storage.base import Checkpoint
 from resurgo.storage.local import AtomicOutput
 from resurgo.storage.open import is_url, local_path, open_checkpoint
@@ -311,6 +316,24 @@ def torch_save_supports(dtype: str) -> bool:
     return True
 
 
+def weights_only_plain(value: Any) -> Any:
+    """``value`` (what ``load_dict`` returns) with only what ``torch.load(weights_only=True)``
+    reads: per-rank values as a list indexed by rank, numpy arrays as torch tensors (sharing their
+    memory), numpy scalars as Python numbers (equal, so dict keys stay distinct); containers keep
+    their types, other values are kept."""
+    if isinstance(value, PerRank):
+        return [weights_only_plain(v) for v in (value.saved if value.saved is not None else [value.value])]
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    if isinstance(value, np.generic):
+        return value.item()
+    if type(value) in (list, tuple):
+        return type(value)(weights_only_plain(v) for v in value)
+    if isinstance(value, dict):
+        return type(value)((weights_only_plain(k), weights_only_plain(v)) for k, v in value.items())
+    return value
+
+
 def _to_torch(src: str | os.PathLike, storage_options: dict | None, ckpt: Checkpoint, manifest: Manifest, dst: Path,
               budget: int | None, overwrite: bool, allow_pickle: bool, threads: int,
               progress: Callable[[int], None] | None) -> ConvertReport:
@@ -328,8 +351,8 @@ def _to_torch(src: str | os.PathLike, storage_options: dict | None, ckpt: Checkp
     seconds: dict[str, float] = {}
     try:
         t0 = time.perf_counter()
-        state = load_dict(src, verify=True, allow_pickle=allow_pickle, io_threads=threads,
-                          storage_options=storage_options)
+        state = weights_only_plain(load_dict(src, verify=True, allow_pickle=allow_pickle, io_threads=threads,
+                                             storage_options=storage_options))
         t1 = time.perf_counter()
         with open(output.path(), "xb") as f:
             torch.save(state, f)
