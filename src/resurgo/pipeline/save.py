@@ -22,6 +22,7 @@ import torch
 
 from resurgo.errors import UnsupportedValueError
 from resurgo.format import checksum
+from resurgo.format.tree import top_level_step
 from resurgo.dist import comm as dist_comm
 from resurgo.dist.comm import Comm
 from resurgo.format.manifest import (
@@ -36,7 +37,6 @@ from resurgo.format.manifest import (
     TensorEntry,
     json_depth_exceeds,
 )
-from resurgo.format.tree import top_level_step
 from resurgo.layout.box import ChunkBox, FlatRange
 from resurgo.pipeline.buffers import TensorStream, source_for_write
 from resurgo.pipeline.writer import WrittenChunk, WrittenFile, write_data_file
