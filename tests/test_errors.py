@@ -157,6 +157,20 @@ def test_every_load_error_names_the_checkpoint_and_the_key(tmp_path):
     assert str(ei.value).startswith(f"{path}: key 'r': saved per rank by 2 ranks, loaded by 1")
 
 
+class Foreign(Refuses):
+    def load_state_dict(self, sd):
+        raise ValueError("loaded state dict has a different number of parameter groups")
+
+
+@pytest.mark.skipif(not hasattr(Exception, "add_note"), reason="exception notes are Python 3.11+")
+def test_another_librarys_error_while_loading_keeps_its_type_and_gains_a_note(tmp_path):
+    path = saved(tmp_path, {"opt": Foreign()})
+    with pytest.raises(ValueError, match="different number of parameter groups") as ei:
+        resurgo.load({"opt": Foreign()}, path)
+    assert not isinstance(ei.value, ResurgoError)
+    assert ei.value.__notes__ == [f"while loading key 'opt' of the checkpoint {path}"]
+
+
 def test_type_mismatch(tmp_path):
     path = saved(tmp_path)
     with pytest.raises(TypeMismatchError, match="'b'"):

@@ -83,7 +83,10 @@ class Restorer:
             try:
                 action()
             except ResurgoError as e:  # a Stateful refusing what was saved (RNG, data position, parts)
-                raise naming_checkpoint(e, self.source, key) from e
+                named = naming_checkpoint(e, self.source, key)
+                if named is e:
+                    raise
+                raise named from e
             except Exception as e:
                 if hasattr(e, "add_note"):  # Python 3.11+: another library's error keeps its type
                     e.add_note(f"while loading key {key!r} of the checkpoint {self.source}")
