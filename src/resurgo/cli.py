@@ -799,7 +799,7 @@ def gc(
         from resurgo.manager.roots import LocalRoot, ObjectRoot, root_name
         from resurgo.storage.open import is_url
 
-        rules = dict(keep_last=keep_last, keep_every=keep_every, keep_best=best, no_keep_best=no_keep_best,
+        rules: dict[str, Any] = dict(keep_last=keep_last, keep_every=keep_every, keep_best=best, no_keep_best=no_keep_best,
                      ignore_recorded=ignore_recorded)
         if is_url(root):  # one listing; an incomplete save's age is that of its newest object
             store = ObjectRoot(root)
