@@ -32,6 +32,7 @@ from resurgo.layout.shards import LocalPiece, is_sharded, local_layout
 from resurgo.state.flatten import Array, path_key
 from resurgo.state.per_rank import PerRank
 from resurgo.state.stateful import is_stateful, prepare_for_load
+from resurgo.wording import plural
 
 
 
@@ -187,7 +188,7 @@ class Restorer:
             return wrapper
         if target is not None and (wrapper is None or wrapper.on_resize is None):
             raise WorldSizeMismatchError(
-                f"key {path_key(path)!r}: saved per rank by {len(items)} ranks, loaded by {self.world}; "
+                f"key {path_key(path)!r}: saved per rank by {plural(len(items), 'rank')}, loaded by {self.world}; "
                 "wrap the target in resurgo.PerRank(value, on_resize=...) to say how its values carry over")
         saved = [self._node(item, None, path, depth + 1) for item in items]
         out = wrapper if wrapper is not None else PerRank(None)
