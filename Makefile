@@ -11,7 +11,10 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	# torch is pinned here (a CPU build on local disk); the package itself only needs torch>=2.4.
+	# torch is pinned here; the package itself only needs torch>=2.4. Where pip finds no local CPU
+	# wheel it installs the default build from PyPI, which on Linux is a CUDA build that brings
+	# about 2.7 GB of NVIDIA libraries. For the CPU build, install it first, then run make:
+	#   python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0 -e '.[dev]'
 	touch $(STAMP)
 

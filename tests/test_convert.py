@@ -650,7 +650,7 @@ def test_cli_convert(tmp_path):
     assert r.exit_code == 2 and "only= applies" in r.output
     flip_byte(tmp_path / "ck", "model.w")
     r = runner.invoke(app, ["convert", str(tmp_path / "ck"), str(tmp_path / "x"), "--to", "torch"])
-    assert r.exit_code == 1 and "tensor 'model.w' is corrupt" in r.output and "Traceback" not in r.output
+    assert r.exit_code == 3 and "tensor 'model.w' is corrupt" in r.output and "Traceback" not in r.output
     assert not (tmp_path / "x").exists()
 
 
@@ -725,8 +725,8 @@ def test_cli_convert_from_s3_with_credentials_from_the_environment(s3_bucket, s3
     out = load_file(tmp_path / "o.safetensors")
     assert bits_equal(out["model.w"], state["model"]["w"]) and bits_equal(out["model.ids"], state["model"]["ids"])
     r = runner.invoke(app, ["convert", f"{url}/missing", str(tmp_path / "m.safetensors"), "--to", "safetensors"])
-    assert r.exit_code == 2 and f"{url}/missing: not found" in r.output and "Traceback" not in r.output
+    assert r.exit_code == 4 and f"{url}/missing: not found" in r.output and "Traceback" not in r.output
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
     S3FileSystem.clear_instance_cache()  # s3fs reads the environment anew
     r = runner.invoke(app, ["convert", f"{url}/ck", str(tmp_path / "d.safetensors"), "--to", "safetensors"])
-    assert r.exit_code == 2 and f"{url}/ck: access denied" in r.output and not (tmp_path / "d.safetensors").exists()
+    assert r.exit_code == 4 and f"{url}/ck: access denied" in r.output and not (tmp_path / "d.safetensors").exists()

@@ -306,3 +306,71 @@ def test_stateful_dataloader_resumes_batches_and_rng(with_generator: bool) -> No
         # The training RNG stream too: a resumed StatefulDataLoader (torchdata 0.11) draws a fresh
         # base seed when its iterator is rebuilt; track_dataloader's guard hides that draw.
         assert torch.equal(na, nb), f"rng after batch {i}"
+
+
+# -- a load into a loader whose iterator already exists ----------------------------------------------
+def _stateful_loader():
+    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+    return sdl.StatefulDataLoader(IndexDataset(augment=False), batch_size=4, shuffle=True,
+                                  generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+@pytest.mark.parametrize("kind", ["plain", "stateful"])
+@pytest.mark.parametrize("yielded", [0, 2])
+def test_load_refuses_a_loader_whose_iterator_exists(tmp_path: Path, kind: str, yielded: int) -> None:
+    import resurgo
+    from resurgo.errors import DataPositionError
+
+    def make():
+        return make_loader("generator") if kind == "plain" else _stateful_loader()
+
+    model = torch.nn.Linear(2, 2)
+    saving = make()
+    ts = resurgo.TrainState(model=model, dataloader=saving, rng=False)
+    it = iter(saving)
+    expected = [next(it)[0] for _ in range(5)][2:]  # the run continues with batches 2, 3, 4
+    del it
+    ts2 = resurgo.TrainState(model=model, dataloader=make(), rng=False)
+    early = iter(ts2.dataloader)
+    next(early), next(early)
+    resurgo.save(ts2, tmp_path / "ck")  # position: 2 batches into the epoch
+
+    loader = make()
+    target = torch.nn.Linear(2, 2)
+    before = [p.detach().clone() for p in target.parameters()]
+    resumed = resurgo.TrainState(model=target, dataloader=loader, rng=False)
+    it = iter(loader)  # the mistake: the iterator exists before the load
+    for _ in range(yielded):
+        next(it)
+    with pytest.raises(DataPositionError, match=r"Call resurgo\.load before iter\(loader\) / the for loop") as e:
+        resurgo.load(resumed, tmp_path / "ck")
+    assert f"this {'DataLoader' if kind == 'plain' else 'StatefulDataLoader'}'s iterator was created" in str(e.value)
+    assert str(e.value).startswith(f"{tmp_path / 'ck'}: dataloader: ")  # names the checkpoint
+    assert all(torch.equal(a, b) for a, b in zip(before, target.parameters()))  # nothing was loaded
+    del it  # once that iterator is gone, the load works and resumes where the save was
+    resurgo.load(resumed, tmp_path / "ck")
+    got = [batch[0] for _, batch in zip(range(3), loader)]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_a_finished_epoch_iterator_does_not_block_a_load(tmp_path: Path) -> None:
+    import resurgo
+
+    loader = track_dataloader(make_loader("generator"))
+    resurgo.save({"loader": loader}, tmp_path / "ck")
+    it = iter(loader)
+    assert len(list(it)) == 6  # exhausted, still held
+    resurgo.load({"loader": loader}, tmp_path / "ck")
+
+
+def test_a_changed_number_of_ranks_is_worded_in_the_singular() -> None:
+    from torch.utils.data import DistributedSampler
+
+    from resurgo.errors import DataPositionError
+
+    ds = IndexDataset()
+    sd = core.save(track_dataloader(DataLoader(ds, batch_size=4, sampler=DistributedSampler(ds, 1, 0))))
+    other = track_dataloader(DataLoader(ds, batch_size=4, sampler=DistributedSampler(ds, 2, 0)))
+    with pytest.raises(DataPositionError, match="saved by 1 rank, this DistributedSampler has num_replicas=2"):
+        other.load_state_dict(sd)

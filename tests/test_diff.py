@@ -142,7 +142,7 @@ def test_corrupt_data_read_for_a_comparison_is_an_error(tmp_path: Path):
     result = runner.invoke(app, ["diff", str(a), str(b)])
     assert result.exit_code == 3 and "block 0 (file bytes 128..1152) does not match its xxh3-128 checksum" in result.stderr
     result = runner.invoke(app, ["diff", str(a), str(tmp_path / "missing")])
-    assert result.exit_code == 2 and "no such checkpoint" in result.stderr
+    assert result.exit_code == 4 and "no such checkpoint" in result.stderr
 
 
 def test_value_nodes_keys_follow_tensor_keys():

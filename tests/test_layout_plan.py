@@ -149,7 +149,7 @@ def test_header_is_valid_safetensors(specs):
         n = math.prod(shape) * dtypes.itemsize(dt)
         items.append(WriteItem(f"k{i}", f"k{i}", dt, ChunkBox.whole(tuple(shape)), n, 65536))
         tensors[f"k{i}"] = bytes(range(256)) * (n // 256) + bytes(range(n % 256))
-    header, ranges = build_header(items)
+    header, ranges = build_header([i.header_entry for i in items])
     blob = header + b"".join(tensors[f"k{i}"] for i in range(len(items)))
     assert len(header) % 8 == 0
     loaded = safetensors.torch.load(blob)

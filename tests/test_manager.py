@@ -451,7 +451,7 @@ def test_a_fresh_and_a_resumed_manager_save_checkpoints_diff_calls_the_same(tmp_
     with CheckpointManager(tmp_path / "fresh", async_save=False) as fresh:
         fresh.save(3, state_at(3), metrics={"loss": 0.5})
     a, b = tmp_path / "run" / checkpoint_name(3), tmp_path / "fresh" / checkpoint_name(3)
-    assert resurgo.read_manifest(b).save_info == {"save_cost_seconds": None}
+    assert resurgo.read_manifest(b).save_info["save_cost_seconds"] is None
     assert resurgo.read_manifest(a).save_info["save_cost_seconds"] > 0
     assert resurgo.diff_checkpoints(a, b).identical
     result = runner.invoke(app, ["diff", str(a), str(b)])
@@ -477,7 +477,7 @@ def test_ls_and_gc_on_a_manager_root(tmp_path):
     text = runner.invoke(app, ["ls", str(tmp_path)]).stdout
     assert "loss=4" in text and "temporary" in text
     verified = runner.invoke(app, ["ls", str(tmp_path), "--verify"])
-    assert verified.exit_code == 1 and "corrupt" in verified.stdout
+    assert verified.exit_code == 3 and "corrupt" in verified.stdout
 
     result = runner.invoke(app, ["gc", str(tmp_path), "--keep-last", "2", "--keep-every", "3", "--dry-run",
                                  "--stale-after", "0", "--json"])
@@ -505,5 +505,120 @@ def test_gc_keeps_corrupt_checkpoints_and_refuses_a_missing_root(tmp_path):
     items = {i["path"]: (i["status"], i["action"]) for i in json.loads(result.stdout)["items"]}
     assert items == {checkpoint_name(1): ("corrupt", "keep"), checkpoint_name(2): ("committed", "keep")}
     missing = runner.invoke(app, ["gc", str(tmp_path / "nope"), "--keep-last", "1"])
-    assert missing.exit_code == 2 and "no such directory" in missing.stderr
+    assert missing.exit_code == 4 and "no such directory" in missing.stderr
     assert runner.invoke(app, ["gc", str(tmp_path), "--keep-last", "0"]).exit_code == 2
+
+
+# -- gc applies the rules the manager recorded -------------------------------------------------------
+def _retention_policies():
+    from hypothesis import strategies as st
+
+    from resurgo.manager.retention import KeepAny, KeepBest, KeepEvery, KeepLast
+
+    n = st.integers(1, 10**9)
+    leaves = st.one_of(n.map(KeepLast), n.map(KeepEvery),
+                       st.builds(KeepBest, st.text(min_size=1, max_size=12), st.sampled_from(["min", "max"]),
+                                 st.integers(1, 5)))
+    return st.recursive(leaves, lambda inner: st.lists(inner, min_size=1, max_size=3).map(lambda ps: KeepAny(*ps)),
+                        max_leaves=6)
+
+
+def test_retention_specs_round_trip_through_json():
+    from hypothesis import given, settings
+
+    from resurgo.manager.retention import policy_from_spec, policy_spec
+
+    @settings(max_examples=200, deadline=None)
+    @given(_retention_policies())
+    def check(policy):
+        spec = json.loads(json.dumps(policy_spec(policy)))
+        assert policy_from_spec(spec) == policy
+
+    check()
+    assert policy_spec(None) is None and policy_from_spec(None) is None
+
+
+def test_retention_spec_of_a_custom_policy_is_refused_by_name():
+    from resurgo.manager.retention import KeepAny, KeepLast, policy_from_spec, policy_spec
+
+    class Odd:
+        def keep(self, checkpoints):
+            return {c.step for c in checkpoints if c.step % 2}
+
+    spec = policy_spec(KeepAny(KeepLast(2), Odd()))
+    assert spec["policies"][1] == {"type": "custom", "class": f"{Odd.__module__}.{Odd.__qualname__}"}
+    with pytest.raises(UnsupportedValueError, match=r"retention\.policies\[1\]: a custom retention policy"):
+        policy_from_spec(spec)
+    with pytest.raises(UnsupportedValueError, match="unknown retention spec"):
+        policy_from_spec({"type": "keep_most"})
+    with pytest.raises(UnsupportedValueError, match="KeepLast.n must be a positive int"):
+        policy_from_spec({"type": "keep_last", "n": 0})
+
+
+def _manager_run(root: Path, steps, losses, **kwargs) -> None:
+    with CheckpointManager(root, async_save=False, **kwargs) as mgr:
+        for s, loss in zip(steps, losses):
+            mgr.save(s, state_at(s), metrics={"loss": loss})
+
+
+def test_the_manager_records_its_retention_rules():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        _manager_run(Path(d), [1], [0.5], keep_last=3, keep_best=("loss", "min"))
+        info = resurgo.read_manifest(Path(d) / checkpoint_name(1)).save_info
+    assert info["retention"] == {"type": "keep_any", "policies": [
+        {"type": "keep_last", "n": 3}, {"type": "keep_best", "metric": "loss", "mode": "min", "k": 1}]}
+
+
+def test_gc_keeps_the_best_checkpoint_the_manager_kept(tmp_path):
+    losses = [5.0, 1.0, 4.0, 3.0, 2.5, 2.0]  # the best is step 2
+    _manager_run(tmp_path, [1, 2, 3, 4, 5, 6], losses, keep_last=3, keep_best=("loss", "min"))
+    assert committed_steps(tmp_path) == [2, 4, 5, 6]  # what the manager kept
+
+    alone = runner.invoke(app, ["gc", str(tmp_path), "--dry-run", "--json"])  # the manager's own rules
+    assert alone.exit_code == 0, alone.output
+    assert [i["action"] for i in json.loads(alone.stdout)["items"]] == ["keep"] * 4
+
+    result = runner.invoke(app, ["gc", str(tmp_path), "--keep-last", "1", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "retention: keep_best loss:min or keep_last 1 (recorded by the manager at step 6 and the command line)" \
+        in result.stdout
+    rows = {ln.split()[0]: ln for ln in result.stdout.splitlines() if ln.strip().startswith("step_")}
+    assert "kept by keep_best loss:min" in rows[checkpoint_name(2)]
+    assert "the newest committed checkpoint; kept by keep_last 1" in rows[checkpoint_name(6)]
+    assert "would delete" in rows[checkpoint_name(4)] and "kept by no retention rule" in rows[checkpoint_name(4)]
+    assert committed_steps(tmp_path) == [2, 4, 5, 6]  # a dry run
+
+    result = runner.invoke(app, ["gc", str(tmp_path), "--keep-last", "1"])
+    assert result.exit_code == 0, result.output
+    assert committed_steps(tmp_path) == [2, 6]  # the best and the newest
+
+    result = runner.invoke(app, ["gc", str(tmp_path), "--keep-last", "1", "--no-keep-best"])
+    assert result.exit_code == 0, result.output
+    assert committed_steps(tmp_path) == [6]
+
+
+def test_gc_keep_best_option_and_a_root_without_recorded_rules(tmp_path):
+    for s, loss in [(1, 3.0), (2, 9.0), (3, 1.0), (4, 7.0)]:
+        resurgo.save(state_at(s), tmp_path / checkpoint_name(s), step=s, metadata={"metrics": {"loss": loss}})
+    refused = runner.invoke(app, ["gc", str(tmp_path)])
+    assert refused.exit_code == 2
+    assert "records no retention rules" in refused.stderr and "--keep-last N" in refused.stderr
+    assert runner.invoke(app, ["gc", str(tmp_path), "--keep-best", "loss"]).exit_code == 2  # no mode
+    result = runner.invoke(app, ["gc", str(tmp_path), "--keep-best", "loss:max", "--keep-last", "1"])
+    assert result.exit_code == 0, result.output
+    assert committed_steps(tmp_path) == [2, 4]
+
+
+def test_gc_of_a_durable_tier_applies_that_tiers_rules(tmp_path):
+    from resurgo.manager import Tier
+
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    with CheckpointManager(tiers=[Tier(fast, keep_last=1), Tier(durable, keep_last=3)], async_save=False) as mgr:
+        for s in (1, 2, 3, 4):
+            mgr.save(s, state_at(s))
+    assert committed_steps(fast) == [4] and committed_steps(durable) == [2, 3, 4]
+    plan = json.loads(runner.invoke(app, ["gc", str(durable), "--dry-run", "--json"]).stdout)
+    assert plan["retention"]["rules"] == "keep_last 3"
+    assert [i["action"] for i in plan["items"]] == ["keep"] * 3

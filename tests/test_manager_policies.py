@@ -208,6 +208,7 @@ def test_gc_plan():
     assert [(i.entry.step, i.action) for i in plan] == [
         (1, DELETE), (2, KEEP), (3, DELETE), (4, KEEP), (5, KEEP), (6, DELETE), (7, KEEP)]
     reasons = {i.entry.step: i.reason for i in plan}
-    assert reasons[5] == "the newest committed checkpoint"
+    assert reasons[5] == "the newest committed checkpoint; kept by keep_last 2"
+    assert reasons[2] == "kept by keep_last 2" and reasons[1] == "kept by no retention rule"
     assert "corrupt" in reasons[4] and "never removes it" in reasons[4]
     assert "changed 10 s ago" in reasons[7]

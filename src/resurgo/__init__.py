@@ -3,11 +3,18 @@
 Public API (see README.md and docs/): ``save``, ``load``, ``load_dict``, ``convert``,
 ``TrainState``, ``ElasticSampler``, ``elastic_state``, ``CheckpointManager``, ``Tier``, ``daly_interval``,
 ``ResurgoError`` and its subclasses, ``SaveReport``, ``LoadReport``, ``ConvertReport``.
+
+The names that need torch are imported on first use (PEP 562), so that ``import resurgo.cli``
+(the command line, and its ``--help``) does not pay for importing torch.
 """
 
-from resurgo.api import __version__, load, load_dict, read_manifest, save
-from resurgo.convert import convert
-from resurgo.diff import CheckpointDiff, diff_checkpoints
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
 from resurgo.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -31,14 +38,62 @@ from resurgo.errors import (
     UnsupportedValueError,
     WorldSizeMismatchError,
 )
-from resurgo.layout.shards import FlatShard, Shard
-from resurgo.manager import CheckpointManager, Tier, daly_interval
-from resurgo.pipeline.async_save import AsyncSaveHandle, async_save
-from resurgo.reports import ConvertReport, LoadReport, SaveReport
-from resurgo.state.per_rank import PerRank
-from resurgo.state.elastic_loader import elastic_state
-from resurgo.state.elastic_sampler import ElasticSampler
-from resurgo.state.train_state import TrainState
+from resurgo.version import __version__
+
+if TYPE_CHECKING:
+    from resurgo.api import load, load_dict, read_manifest, save
+    from resurgo.convert import convert
+    from resurgo.diff import CheckpointDiff, diff_checkpoints
+    from resurgo.layout.shards import FlatShard, Shard
+    from resurgo.manager import CheckpointManager, Tier, daly_interval
+    from resurgo.pipeline.async_save import AsyncSaveHandle, async_save
+    from resurgo.reports import ConvertReport, LoadReport, SaveReport
+    from resurgo.state.elastic_loader import elastic_state
+    from resurgo.state.elastic_sampler import ElasticSampler
+    from resurgo.state.per_rank import PerRank
+    from resurgo.state.train_state import TrainState
+
+# name -> the module that defines it (imported on first access)
+_LAZY = {
+    "save": "resurgo.api", "load": "resurgo.api", "load_dict": "resurgo.api", "read_manifest": "resurgo.api",
+    "convert": "resurgo.convert",
+    "diff_checkpoints": "resurgo.diff", "CheckpointDiff": "resurgo.diff",
+    "Shard": "resurgo.layout.shards", "FlatShard": "resurgo.layout.shards",
+    "CheckpointManager": "resurgo.manager", "Tier": "resurgo.manager", "daly_interval": "resurgo.manager",
+    "async_save": "resurgo.pipeline.async_save", "AsyncSaveHandle": "resurgo.pipeline.async_save",
+    "SaveReport": "resurgo.reports", "LoadReport": "resurgo.reports", "ConvertReport": "resurgo.reports",
+    "PerRank": "resurgo.state.per_rank",
+    "elastic_state": "resurgo.state.elastic_loader",
+    "ElasticSampler": "resurgo.state.elastic_sampler",
+    "TrainState": "resurgo.state.train_state",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'resurgo' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once: later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+class _Package(types.ModuleType):
+    """``resurgo.convert`` is the function, also once the submodule of that name is imported (the
+    import system then sets the package's attribute to the submodule)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "convert" and isinstance(value, types.ModuleType):
+            value = value.convert
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
 
 __all__ = [
     "__version__", "save", "async_save", "AsyncSaveHandle", "load", "load_dict", "read_manifest", "convert", "diff_checkpoints", "CheckpointDiff", "TrainState", "SaveReport", "LoadReport",

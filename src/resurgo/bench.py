@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from resurgo.api import load, save
+from resurgo.errors import CheckpointNotFoundError
 from resurgo.manager.daly import daly_interval
 from resurgo.manager.removal import remove_temporary
 from resurgo.manager.roots import LocalRoot, ManagerRoot, open_root
@@ -55,8 +56,16 @@ def synthetic_state(nbytes: int, tensors: int, seed: int = 0) -> dict[str, torch
 
 def bench_storage(location: str | os.PathLike, *, size: int = 1 << 30, tensors: int = 16, repeats: int = 3,
                   mtbf_seconds: float | None = None, storage_options: dict | None = None,
-                  reference: bool = True) -> BenchReport:
-    """Measure checkpoint costs under ``location`` (a directory, created if missing, or a URL)."""
+                  reference: bool = True, create: bool = False) -> BenchReport:
+    """Measure checkpoint costs under ``location`` (a directory or a URL).
+
+    A local directory that does not exist is refused (a typo would otherwise create a tree of
+    directories) unless ``create=True``, which makes it and its parents."""
+    if not is_url(location) and not Path(location).exists():
+        if not create:
+            raise CheckpointNotFoundError(f"{location}: no such directory; create it, or pass --create "
+                                          "(create=True) to have it made")
+        Path(location).mkdir(parents=True)
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, not {repeats}")
     if mtbf_seconds is not None:

@@ -2,21 +2,23 @@
 
 ``study`` runs the checkpointing study (``resurgo.study``) and writes its report. Every other
 command reads only the manifest unless it has to read data (``verify``, ``ls --verify``),
-never unpickles anything, and turns a :class:`~resurgo.errors.ResurgoError` into a one-line red
-message on stderr and exit code 2 (no traceback). ``--json`` prints a machine-readable summary on
-stdout instead of the tables.
+never unpickles anything, and turns an error into a one-line red message on stderr (no
+traceback). ``--json`` prints a machine-readable summary on stdout instead of the tables.
 
-Exit codes: 0 success (for ``verify``: the checkpoint is clean; for ``diff``: no difference); 1
-``verify`` or ``ls --verify`` found corruption, ``convert`` met corrupt data (nothing written), or
-``diff`` found differences; 2 the path is not a readable
-checkpoint (missing, incomplete, invalid manifest), the conversion was refused (destination
-exists, memory budget, pickled values) or bad usage.
+Exit codes, the same for every command (:data:`EXIT_CODES` maps errors to them, in one place):
+0 success; 1 ``diff`` only: the checkpoints differ; 2 usage: a bad command line or a refused
+request; 3 damaged: a checkpoint whose bytes do not match what it declares; 4 unavailable: not
+found, not a checkpoint, never committed, or a storage error.
+
+Only typer and rich are imported here at module level: torch and the rest of resurgo are
+imported inside the commands, so that ``resurgo --help`` starts at once.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -24,42 +26,118 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 from rich import box
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from resurgo.bench import bench_storage
-from resurgo.convert import TARGETS, convert as convert_checkpoint, parse_size
-from resurgo.diff import DEFAULT_DIFF_BUDGET, CheckpointDiff, TensorDiff, diff_checkpoints
-from resurgo.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError, ResurgoError
-from resurgo.format import values
-from resurgo.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
-from resurgo.format.tree import MAX_TREE_DEPTH
-from resurgo.pipeline.verify import VerifyReport, verify_checkpoint
-from resurgo.state.flatten import path_key
-from resurgo.manager import catalog
-from resurgo.manager.catalog import file_size_problems
-from resurgo.manager.gc import DELETE, plan_gc
-from resurgo.manager.removal import remove_checkpoint
-from resurgo.manager.retention import shortcut_policy
-from resurgo.manager.roots import ObjectRoot, list_object_checkpoints
-from resurgo.storage.open import is_url, join, open_checkpoint
+from resurgo.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ManifestError,
+    MemoryBudgetError,
+    NotACheckpointError,
+    ResurgoError,
+    StorageError,
+)
+from resurgo.version import __version__
+
+if TYPE_CHECKING:
+    from resurgo.diff import CheckpointDiff, TensorDiff
+    from resurgo.format.manifest import Manifest
+    from resurgo.pipeline.verify import VerifyReport
 
 PROGRESS_THRESHOLD_BYTES = 64 << 20  # verify and convert show a progress bar above this much tensor data
 MAX_VALUE_CHARS = 72  # non-tensor values are clipped to this many characters
 
+EXIT_OK, EXIT_DIFFERENT, EXIT_USAGE, EXIT_DAMAGED, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4
+
+# Every error a command can end with, and its exit code: the first class that matches wins, so
+# the refusals that are also OS errors (FileExistsError) come before OSError.
+EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
+    (CorruptCheckpointError, EXIT_DAMAGED),
+    (ManifestError, EXIT_DAMAGED),
+    (CheckpointExistsError, EXIT_USAGE),
+    (MemoryBudgetError, EXIT_USAGE),
+    (CheckpointNotFoundError, EXIT_UNAVAILABLE),
+    (NotACheckpointError, EXIT_UNAVAILABLE),  # and IncompleteCheckpointError
+    (StorageError, EXIT_UNAVAILABLE),
+    (OSError, EXIT_UNAVAILABLE),
+    (ResurgoError, EXIT_USAGE),  # refused: pickled values, foreign files, unsupported values
+    (ValueError, EXIT_USAGE),  # arguments that do not fit
+)
+
+
+def exit_code_of(error: BaseException) -> int:
+    """The exit code a command ends with when ``error`` stops it (see :data:`EXIT_CODES`)."""
+    for cls, code in EXIT_CODES:
+        if isinstance(error, cls):
+            return code
+    raise error
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        print(f"resurgo {__version__}")
+        raise typer.Exit()
+
+
+_TYPE_TAG = re.compile(r" <[^<>]*>")  # typer's " <str>", " <bool>", " <int range>" after a name
+
+
+def _format_options(command: Any, ctx: Any, formatter: Any) -> None:
+    """Arguments and options as click lays them out, without typer's type tags: metavars (N,
+    SIZE, ROOT) and the help text say what a value is."""
+    sections: dict[str, list[tuple[str, str]]] = {"Arguments": [], "Options": []}
+    for param in command.get_params(ctx):
+        record = param.get_help_record(ctx)
+        if record is not None:
+            name, text = record
+            sections["Arguments" if param.param_type_name == "argument" else "Options"].append(
+                (_TYPE_TAG.sub("", name), text))
+    for title, rows in sections.items():
+        if rows:
+            with formatter.section(title):
+                formatter.write_dl(rows)
+
+
+class _Group(TyperGroup):
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        _format_options(self, ctx, formatter)
+        self.format_commands(ctx, formatter)
+
+
+class _Command(TyperCommand):
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        _format_options(self, ctx, formatter)
+
+
 app = typer.Typer(
     name="resurgo",
-    help="Inspect, verify, list, garbage-collect and convert resurgo checkpoints; run the checkpointing study.",
+    cls=_Group,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: paragraphs rewrapped to the terminal, no boxes
 )
+
+
+def _command(name: Optional[str] = None) -> Any:
+    return app.command(name, cls=_Command)
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version_callback, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    """Inspect, verify, list, garbage-collect and convert resurgo checkpoints; run the checkpointing study.
+
+    Exit codes: 0 success, 1 diff found differences, 2 usage error or refused, 3 damaged
+    checkpoint, 4 not found, not a checkpoint, incomplete, or storage error."""
 
 
 # -- output helpers ---------------------------------------------------------------------------
@@ -76,29 +154,17 @@ def _error(message: str) -> None:
 
 
 @contextmanager
-def _fail_cleanly(corrupt_code: int = 2) -> Iterator[None]:
-    """ResurgoError (and OS errors) become one red line and exit code 2, never a traceback.
-    ``corrupt_code``: the exit code of CorruptCheckpointError instead (``convert``: 1)."""
+def _fail_cleanly() -> Iterator[None]:
+    """An error that stops a command becomes one red line and its exit code, never a traceback."""
     try:
         yield
-    except ResurgoError as e:
-        _error(str(e))
-        raise typer.Exit(corrupt_code if isinstance(e, CorruptCheckpointError) else 2) from None
-    except OSError as e:
-        _error(f"{e.filename or ''}: {e.strerror or e}".lstrip(": "))
-        raise typer.Exit(2) from None
-
-
-@contextmanager
-def _bad_arguments() -> Iterator[None]:
-    """A ValueError that is not a ResurgoError means arguments that do not fit: one red line, exit 2."""
-    try:
-        yield
-    except ValueError as e:
-        if isinstance(e, ResurgoError):
-            raise
-        _error(str(e))
-        raise typer.Exit(2) from None
+    except (ResurgoError, OSError, ValueError) as e:
+        code = exit_code_of(e)
+        if isinstance(e, OSError) and not isinstance(e, ResurgoError):
+            _error(f"{e.filename or ''}: {e.strerror or e}".lstrip(": "))
+        else:
+            _error(str(e))
+        raise typer.Exit(code) from None
 
 
 def _print_json(doc: Any) -> None:
@@ -119,7 +185,9 @@ def human_bytes(n: int) -> str:
 
 
 def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
+    from resurgo.wording import plural
+
+    return plural(n, word)
 
 
 def _clip(text: str, limit: int = MAX_VALUE_CHARS) -> str:
@@ -141,6 +209,9 @@ def _format_time(iso: Optional[str]) -> str:
 
 def _load_manifest(path: str | os.PathLike) -> tuple[Manifest, int]:
     """The validated manifest of ``path`` and its size in bytes."""
+    from resurgo.format.manifest import MANIFEST_NAME, parse_manifest
+    from resurgo.storage.open import open_checkpoint
+
     ckpt = open_checkpoint(path)  # a URL: credentials from the environment / ~/.aws (s3fs)
     raw = ckpt.read_manifest_bytes()
     return parse_manifest(raw, ckpt.describe(MANIFEST_NAME)), len(raw)
@@ -149,6 +220,8 @@ def _load_manifest(path: str | os.PathLike) -> tuple[Manifest, int]:
 # -- the tree's non-tensor values, decoded without reading data or unpickling ------------------
 def render_scalar(node: dict) -> str:
     """A short readable form of one tagged scalar node; pickled values are never loaded."""
+    from resurgo.format import values
+
     t = node.get("type")
     if t == "pickle":
         return f"<pickled {_clip(str(node.get('class')), 100)}>"
@@ -169,6 +242,8 @@ def render_scalar(node: dict) -> str:
 
 
 def _key_component(knode: Any) -> Any:
+    from resurgo.format import values
+
     if isinstance(knode, str):
         return knode
     if isinstance(knode, dict) and knode.get("type") in values.SCALAR_TYPES and knode.get("type") != "pickle":
@@ -188,6 +263,10 @@ def tree_values(tree: Any) -> list[tuple[str, str, str]]:
     Keys follow the tensor key convention (path joined with '.', Statefuls add no component).
     A list or tuple of scalars is shown on one line; empty containers appear as ``{}``/``[]``.
     """
+    from resurgo.format import values
+    from resurgo.format.tree import MAX_TREE_DEPTH
+    from resurgo.state.flatten import path_key
+
     out: list[tuple[str, str, str]] = []
 
     def scalar_seq(t: str, items: list) -> str:
@@ -266,6 +345,9 @@ def _object_size_problems(url: str, manifest: Manifest) -> list[str]:
 
 def inspect_summary(path: str | os.PathLike, with_chunks: bool = False) -> dict:
     """Everything ``inspect --json`` prints: read from the manifest only."""
+    from resurgo.manager.catalog import file_size_problems
+    from resurgo.storage.open import is_url
+
     manifest, manifest_bytes = _load_manifest(path)
     tensors = {}
     for key, t in manifest.tensors.items():
@@ -378,9 +460,9 @@ def _print_inspect(s: dict, with_chunks: bool) -> None:
                                     soft_wrap=True)
 
 
-@app.command()
+@_command()
 def inspect(
-    path: str = typer.Argument(..., help="A checkpoint directory or URL (s3://bucket/run/step_100)."),
+    path: str = typer.Argument(..., metavar="PATH", help="A checkpoint directory or URL (s3://bucket/run/step_100)."),
     chunks: bool = typer.Option(False, "--chunks", help="List every chunk: its place, file and byte range."),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary."),
 ) -> None:
@@ -421,13 +503,13 @@ def _diff_detail(t: TensorDiff) -> str:
     return ", ".join(parts)
 
 
-@app.command("diff")
+@_command("diff")
 def diff_command(
-    a: str = typer.Argument(..., help="A checkpoint directory or URL."),
-    b: str = typer.Argument(..., help="Another checkpoint directory or URL."),
+    a: str = typer.Argument(..., metavar="A", help="A checkpoint directory or URL."),
+    b: str = typer.Argument(..., metavar="B", help="Another checkpoint directory or URL."),
     stats: bool = typer.Option(False, "--stats", help="Read tensors that differ: how many elements, and the largest |a-b|."),
-    only: Optional[str] = typer.Option(None, "--only", help="Compare only the keys with this prefix (e.g. 'model.')."),
-    memory_budget: Optional[str] = typer.Option(None, "--memory-budget",
+    only: Optional[str] = typer.Option(None, "--only", metavar="PREFIX", help="Compare only the keys with this prefix (e.g. 'model.')."),
+    memory_budget: Optional[str] = typer.Option(None, "--memory-budget", metavar="SIZE",
                                                 help="Memory for tensors read to compare (default 256MiB)."),
     verify: bool = typer.Option(False, "--verify", help="First read and verify every byte of both checkpoints."),
     save_info: bool = typer.Option(False, "--save-info",
@@ -435,13 +517,15 @@ def diff_command(
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable report."),
 ) -> None:
     """What differs between two checkpoints: step, metadata, tensors, values. Exit 0 same, 1 differ,
-    2 usage, 3 a checkpoint is damaged, 4 unreadable.
+    3 a checkpoint is damaged.
 
     Every data file's size is checked. Tensors stored in the same chunks compare by their checksums
     (no data read; --verify checks the data against them first); others are read, verified and
     compared bit for bit."""
     budget = _size_option(memory_budget, "--memory-budget")
-    with _fail_cleanly(corrupt_code=3):
+    with _fail_cleanly():
+        from resurgo.diff import DEFAULT_DIFF_BUDGET, diff_checkpoints
+
         found = diff_checkpoints(a, b, stats=stats, only=only, memory_budget=budget or DEFAULT_DIFF_BUDGET,
                                  verify=verify, include_save_info=save_info)
     if as_json:
@@ -451,7 +535,7 @@ def diff_command(
         _print_json(doc)
     else:
         _print_diff(found)
-    raise typer.Exit(0 if found.identical else 1)
+    raise typer.Exit(EXIT_OK if found.identical else EXIT_DIFFERENT)
 
 
 def _diff_table(*columns: str) -> Table:
@@ -493,6 +577,10 @@ def _print_diff(d: CheckpointDiff) -> None:
 
 # -- verify -----------------------------------------------------------------------------------
 def _verify_with_progress(path: str, total: int, show: bool) -> VerifyReport:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    from resurgo.pipeline.verify import verify_checkpoint
+
     if not show:
         return verify_checkpoint(path)
     columns = (TextColumn("verifying"), BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(),
@@ -502,21 +590,23 @@ def _verify_with_progress(path: str, total: int, show: bool) -> VerifyReport:
         return verify_checkpoint(path, progress=lambda n: progress.advance(task, n))
 
 
-@app.command()
+@_command()
 def verify(
-    path: str = typer.Argument(..., help="A checkpoint directory or URL (s3://bucket/run/step_100)."),
+    path: str = typer.Argument(..., metavar="PATH", help="A checkpoint directory or URL (s3://bucket/run/step_100)."),
     progress: Optional[bool] = typer.Option(
         None, "--progress/--no-progress",
         help=f"Show a progress bar (default: on a terminal, above {human_bytes(PROGRESS_THRESHOLD_BYTES)} of data).",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable report."),
 ) -> None:
-    """Check every file size, header and block checksum. Exit 0 clean, 1 corrupt, 2 unreadable."""
+    """Check every file size, header and block checksum. Exit 0 clean, 3 damaged, 4 unreadable."""
+    from resurgo.pipeline.verify import VerifyReport
+
     with _fail_cleanly():
         manifest: Manifest | None
         try:
             manifest = _load_manifest(path)[0]
-        except CorruptCheckpointError as e:  # the manifest fails its own checksum: corrupt, not unreadable
+        except (CorruptCheckpointError, ManifestError) as e:  # an edited or broken manifest: damaged
             manifest, report, seconds = None, VerifyReport(str(path), problems=[str(e)]), 0.0
         if manifest is not None:
             show = progress if progress is not None else (
@@ -540,7 +630,7 @@ def verify(
         else:
             out.print(f"[bold red]CORRUPT[/bold red] {escape(str(path))}: {_plural(len(report.problems), 'problem')} "
                       f"({counts})", soft_wrap=True)
-    raise typer.Exit(0 if report.ok else 1)
+    raise typer.Exit(EXIT_OK if report.ok else EXIT_DAMAGED)
 
 
 # -- ls ---------------------------------------------------------------------------------------
@@ -561,6 +651,8 @@ def list_checkpoints(root: Path) -> list[Listed]:
     Does not descend into a checkpoint, an incomplete save or a temporary directory, and does not
     follow symbolic links to directories.
     """
+    from resurgo.manager import catalog
+
     if not root.exists():
         raise CheckpointNotFoundError(f"{root}: no such directory")
     if not root.is_dir():
@@ -587,6 +679,8 @@ def list_checkpoints(root: Path) -> list[Listed]:
 
 def list_object_checkpoints_listed(url: str) -> list[Listed]:
     """Every checkpoint (or incomplete save) at or below a URL prefix, from one listing."""
+    from resurgo.manager.roots import list_object_checkpoints
+
     return [Listed(str(e.path), e.status, e.step, e.nbytes, e.created_at, e.detail, e.metrics)
             for e in list_object_checkpoints(url)]
 
@@ -604,6 +698,7 @@ def _listing_table(columns: list[str], note: str) -> Table:
 
 
 _STATUS_STYLE = {"committed": "green", "incomplete": "yellow", "temporary": "yellow", "corrupt": "bold red"}
+_CORRUPT = "corrupt"  # the catalog's status of a damaged checkpoint (resurgo.manager.catalog.CORRUPT)
 
 
 def _format_metrics(metrics: dict) -> str:
@@ -611,17 +706,22 @@ def _format_metrics(metrics: dict) -> str:
                      for k, v in metrics.items())
 
 
-@app.command("ls")
+@_command("ls")
 def ls(
-    directory: str = typer.Argument(".", help="The directory or URL prefix to search (recursively)."),
+    directory: str = typer.Argument(".", metavar="DIRECTORY", help="The directory or URL prefix to search (recursively)."),
     verify_all: bool = typer.Option(False, "--verify", help="Also verify every checksum of committed checkpoints."),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable list."),
 ) -> None:
     """Every checkpoint at or below DIRECTORY: path, step, size, creation time, status and metrics.
 
-    Exit 0; with --verify, 1 when a checkpoint is corrupt.
+    Exit 0, or 3 when a checkpoint is damaged (its manifest does not verify, or a data file has
+    another size; with --verify, also a block that does not match its checksum).
     """
     with _fail_cleanly():
+        from resurgo.manager import catalog
+        from resurgo.pipeline.verify import verify_checkpoint
+        from resurgo.storage.open import is_url, join
+
         entries = list_object_checkpoints_listed(directory) if is_url(directory) else list_checkpoints(Path(directory))
         if verify_all:
             for e in entries:
@@ -635,12 +735,12 @@ def ls(
                 if not report.ok:
                     more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
                     e.status, e.detail = catalog.CORRUPT, report.problems[0] + more
-    exit_code = 1 if verify_all and any(e.status == catalog.CORRUPT for e in entries) else 0
+    exit_code = EXIT_DAMAGED if any(e.status == _CORRUPT for e in entries) else EXIT_OK
     if as_json:
         docs = [asdict(e) for e in entries]
         if verify_all:
             for doc in docs:
-                doc["verified"] = doc["status"] == catalog.COMMITTED
+                doc["verified"] = doc["status"] == "committed"
         _print_json({"root": str(directory), "checkpoints": docs})
         raise typer.Exit(exit_code)
     out = _console()
@@ -650,7 +750,7 @@ def ls(
     show_metrics = any(e.metrics for e in entries)  # checkpoints of a CheckpointManager
     table = _listing_table(["created (UTC)", "status"] + (["metrics"] if show_metrics else []), "detail")
     for e in entries:
-        status = e.status + (" (verified)" if verify_all and e.status == catalog.COMMITTED else "")
+        status = e.status + (" (verified)" if verify_all and e.status == "committed" else "")
         metrics = [escape(_clip(_format_metrics(e.metrics), 80))] if show_metrics else []
         table.add_row(escape(e.path), "-" if e.step is None else str(e.step), human_bytes(e.bytes),
                       _format_time(e.created_at), f"[{_STATUS_STYLE[e.status]}]{status}[/]", *metrics,
@@ -660,25 +760,61 @@ def ls(
 
 
 # -- gc ---------------------------------------------------------------------------------------
-@app.command("gc")
+def _parse_keep_best(text: str) -> tuple:
+    """``loss:min`` -> ("loss", "min"); ``acc:max:3`` -> ("acc", "max", 3)."""
+    parts = text.rsplit(":", 2) if text.count(":") >= 2 else text.rsplit(":", 1)
+    if len(parts) == 3 and parts[2].isdigit():
+        return parts[0], parts[1], int(parts[2])
+    if len(parts) == 2 and parts[0] and parts[1] in ("min", "max"):
+        return parts[0], parts[1]
+    raise typer.BadParameter(f"expected METRIC:min or METRIC:max (optionally :K), got {text!r}",
+                             param_hint="--keep-best")
+
+
+@_command("gc")
 def gc(
-    root: str = typer.Argument(..., help="A CheckpointManager root (step_NNNNNNNNN below it): a directory or a URL."),
-    keep_last: int = typer.Option(..., "--keep-last", min=1, help="Keep the N newest committed checkpoints."),
-    keep_every: Optional[int] = typer.Option(None, "--keep-every", min=1,
-                                             help="Also keep every checkpoint whose step is a multiple of N."),
-    stale_after: float = typer.Option(3600.0, "--stale-after", min=0.0,
+    root: str = typer.Argument(..., metavar="ROOT",
+                               help="A CheckpointManager root (step_NNNNNNNNN below it): a directory or a URL."),
+    keep_last: Optional[int] = typer.Option(None, "--keep-last", min=1, metavar="N",
+                                            help="Keep the N newest committed checkpoints (replaces the recorded keep_last)."),
+    keep_every: Optional[int] = typer.Option(None, "--keep-every", min=1, metavar="N",
+                                             help="Keep every checkpoint whose step is a multiple of N (replaces the "
+                                                  "recorded keep_every)."),
+    keep_best: Optional[str] = typer.Option(None, "--keep-best", metavar="METRIC:min|max",
+                                            help="Keep the checkpoint with the best value of METRIC (METRIC:mode:K "
+                                                 "keeps K); replaces the recorded keep_best."),
+    no_keep_best: bool = typer.Option(False, "--no-keep-best", help="Drop the recorded keep_best rule."),
+    ignore_recorded: bool = typer.Option(False, "--ignore-recorded",
+                                         help="Apply only the rules given here, not those the manager recorded."),
+    stale_after: float = typer.Option(3600.0, "--stale-after", min=0.0, metavar="SECONDS",
                                       help="Remove incomplete checkpoints and temporary directories unchanged "
                                            "for this many seconds (younger ones may belong to a running save)."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Show what would be deleted; delete nothing."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Show what would be deleted and why the rest is kept; "
+                                                          "delete nothing."),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable plan."),
 ) -> None:
-    """Delete old checkpoints of a manager root by retention (never the newest committed one),
-    incomplete checkpoints and stale temporary directories; corrupt ones are kept."""
+    """Delete the checkpoints of a manager root that its retention rules do not keep (never the
+    newest committed one), incomplete checkpoints and stale temporary directories; damaged ones are kept.
+
+    The rules are those the CheckpointManager recorded in the newest checkpoint (keep_last,
+    keep_every, keep_best), so `resurgo gc ROOT` deletes what the manager would; each option
+    replaces the recorded rule of its name. Exit 0, or 3 when a damaged checkpoint was found (kept)."""
+    best = _parse_keep_best(keep_best) if keep_best is not None else None
+    if best is not None and no_keep_best:
+        raise typer.BadParameter("give --keep-best or --no-keep-best, not both", param_hint="--no-keep-best")
     with _fail_cleanly():
-        policy = shortcut_policy(keep_last=keep_last, keep_every=keep_every)
+        from resurgo.manager import catalog
+        from resurgo.manager.gc import DELETE, gc_policy, plan_gc
+        from resurgo.manager.removal import remove_checkpoint
+        from resurgo.manager.roots import LocalRoot, ObjectRoot, root_name
+        from resurgo.storage.open import is_url
+
+        rules: dict[str, Any] = dict(keep_last=keep_last, keep_every=keep_every, keep_best=best, no_keep_best=no_keep_best,
+                     ignore_recorded=ignore_recorded)
         if is_url(root):  # one listing; an incomplete save's age is that of its newest object
             store = ObjectRoot(root)
             entries = store.scan()
+            policy, source = gc_policy(entries, root_name(store), **rules)
             newest = {e.path: e.newest for e in entries}
             plan = plan_gc(entries, policy, now=time.time(), stale_after=stale_after, mtime=lambda p: newest[p])
             sizes = {id(item): item.entry.nbytes for item in plan}
@@ -693,24 +829,31 @@ def gc(
             if not local.is_dir():
                 raise NotACheckpointError(f"{local}: is a file, expected a CheckpointManager root directory")
             entries = catalog.scan_root(local)
+            policy, source = gc_policy(entries, root_name(LocalRoot(local)), **rules)
             plan = plan_gc(entries, policy, now=time.time(), stale_after=stale_after, mtime=catalog.newest_mtime)
             sizes = {id(item): catalog.dir_bytes(item.entry.path) for item in plan}
             if not dry_run:
                 for item in plan:
                     if item.action == DELETE:
                         remove_checkpoint(item.entry.path)
+    from resurgo.manager.retention import describe
+
+    rules_text = describe(policy) if policy is not None else "none (every committed checkpoint is kept)"
+    exit_code = EXIT_DAMAGED if any(item.entry.status == _CORRUPT for item in plan) else EXIT_OK
     doomed = [item for item in plan if item.action == DELETE]
     freed = sum(sizes[id(item)] for item in doomed)
     verb = "would delete" if dry_run else "deleted"
     if as_json:
-        _print_json({"root": str(root), "dry_run": dry_run, "bytes_freed": 0 if dry_run else freed, "items": [
+        _print_json({"root": str(root), "dry_run": dry_run, "bytes_freed": 0 if dry_run else freed,
+                     "retention": {"rules": rules_text, "source": source}, "items": [
             {"path": item.entry.path.name, "step": item.entry.step, "status": item.entry.status,
              "action": item.action, "bytes": sizes[id(item)], "reason": item.reason} for item in plan]})
-        return
+        raise typer.Exit(exit_code)
     out = _console()
     if not plan:
         out.print(f"no checkpoints in {escape(str(root))}")
         return
+    out.print(f"retention: {escape(rules_text)} ({escape(source)})", soft_wrap=True)
     table = _listing_table(["status", "action"], "why")
     for item in plan:
         e = item.entry
@@ -721,32 +864,35 @@ def gc(
     out.print(table)
     out.print(f"{verb} {len(doomed)} of {len(plan)}, {human_bytes(freed)}"
               + (" (dry run: nothing was deleted)" if dry_run else ""))
+    raise typer.Exit(exit_code)
 
 
 # -- convert ----------------------------------------------------------------------------------
 def _size_option(value: Optional[str], what: str) -> Optional[int]:
     if value is None:
         return None
+    from resurgo.convert import parse_size
+
     try:
         return parse_size(value, what)
     except ValueError as e:
         _error(str(e))
-        raise typer.Exit(2) from None
+        raise typer.Exit(EXIT_USAGE) from None
 
 
-@app.command("convert")
+@_command("convert")
 def convert_command(
-    src: str = typer.Argument(..., help="A checkpoint directory or URL (s3://bucket/run/step_100; credentials "
+    src: str = typer.Argument(..., metavar="SRC", help="A checkpoint directory or URL (s3://bucket/run/step_100; credentials "
                                         "from the environment or ~/.aws, as for s3fs)."),
-    dst: Path = typer.Argument(..., help="The output, local: a file (safetensors, torch) or a directory (hf)."),
-    to: str = typer.Option(..., "--to", help="safetensors (one file) | hf (sharded, with index) | torch (torch.save)."),
+    dst: Path = typer.Argument(..., metavar="DST", help="The output, local: a file (safetensors, torch) or a directory (hf)."),
+    to: str = typer.Option(..., "--to", metavar="FORMAT", help="safetensors (one file) | hf (sharded, with index) | torch (torch.save)."),
     max_shard_size: Optional[str] = typer.Option(
-        None, "--max-shard-size", help="hf: the most tensor bytes per shard, e.g. 5GB (the default) or 500MB."),
+        None, "--max-shard-size", metavar="SIZE", help="hf: the most tensor bytes per shard, e.g. 5GB (the default) or 500MB."),
     memory_budget: Optional[str] = typer.Option(
-        None, "--memory-budget",
+        None, "--memory-budget", metavar="SIZE",
         help="The most tensor bytes held in memory at once, e.g. 2GB (safetensors/hf default: 1GiB; torch: the whole state must fit)."),
     only: Optional[str] = typer.Option(
-        None, "--only", help="Keep the tensors whose key starts with this prefix, without it (e.g. 'model.')."),
+        None, "--only", metavar="PREFIX", help="Keep the tensors whose key starts with this prefix, without it (e.g. 'model.')."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output (atomically)."),
     allow_pickle: bool = typer.Option(False, "--allow-pickle", help="torch: load pickled values (trusted checkpoints only)."),
     progress: Optional[bool] = typer.Option(
@@ -756,19 +902,25 @@ def convert_command(
 ) -> None:
     """Convert a checkpoint to one safetensors file, Hugging Face shards or a torch.save file.
 
-    Exit 0 done, 1 corrupt data in the checkpoint (nothing written), 2 refused or unreadable."""
+    Exit 0 done, 2 refused (the output exists, pickled values), 3 damaged checkpoint (nothing
+    written), 4 unreadable."""
+    from resurgo.convert import TARGETS, convert as convert_checkpoint
+
     if to not in TARGETS:
         _error(f"--to must be one of {', '.join(TARGETS)}, not {to!r}")
-        raise typer.Exit(2)
+        raise typer.Exit(EXIT_USAGE)
     shard_bytes = _size_option(max_shard_size, "--max-shard-size")
     budget = _size_option(memory_budget, "--memory-budget")
-    with _fail_cleanly(corrupt_code=1), _bad_arguments():
+    with _fail_cleanly():
         total = read_tensor_bytes(src, only)
         show = progress if progress is not None else (
             total > PROGRESS_THRESHOLD_BYTES and _console(stderr=True).is_terminal and not as_json)
         kwargs: dict[str, Any] = dict(to=to, memory_budget=budget, max_shard_bytes=shard_bytes, only=only,
                                       overwrite=overwrite, allow_pickle=allow_pickle)
         if show:
+            from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                       TransferSpeedColumn)
+
             columns = (TextColumn(f"converting to {to}"), BarColumn(), DownloadColumn(binary_units=True),
                        TransferSpeedColumn(), TimeRemainingColumn())
             with Progress(*columns, console=_console(stderr=True), transient=True) as bar:
@@ -832,17 +984,18 @@ _BENCH_LABELS = {"save": "resurgo.save (until committed)", "async_stall": "resur
                  "torch_save": "torch.save + fsync (reference)", "torch_load": "torch.load (reference)"}
 
 
-@app.command("bench")
+@_command("bench")
 def bench_command(
-    location: str = typer.Argument(".", help="Where to measure: a directory (scratch checkpoints go in a new "
-                                             "subdirectory, deleted at the end) or a URL."),
-    size: str = typer.Option("1GiB", "--size", help="State size (random float32), e.g. 256MiB, 4GiB."),
-    tensors: int = typer.Option(16, "--tensors", help="Number of tensors the state is split into."),
-    repeats: int = typer.Option(3, "--repeats", help="Repetitions; medians are reported."),
-    mtbf: Optional[str] = typer.Option(None, "--mtbf", help="The job's mean time between failures (3600, 90m, 24h, "
+    location: str = typer.Argument(".", metavar="LOCATION", help="Where to measure: an existing directory (scratch "
+                                   "checkpoints go in a new subdirectory, deleted at the end) or a URL."),
+    size: str = typer.Option("1GiB", "--size", metavar="SIZE", help="State size (random float32), e.g. 256MiB, 4GiB."),
+    tensors: int = typer.Option(16, "--tensors", metavar="N", help="Number of tensors the state is split into."),
+    repeats: int = typer.Option(3, "--repeats", metavar="N", help="Repetitions; medians are reported."),
+    mtbf: Optional[str] = typer.Option(None, "--mtbf", metavar="DURATION", help="The job's mean time between failures (3600, 90m, 24h, "
                                                             "7d): prints the optimal checkpoint interval (Daly)."),
     reference: bool = typer.Option(True, "--reference/--no-reference", help="Also time torch.save/torch.load "
                                                                             "(local directories only)."),
+    create: bool = typer.Option(False, "--create", help="Create LOCATION (and its parents) if it does not exist."),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable report."),
 ) -> None:
     """What a checkpoint costs on this storage (save, async stall, load, against torch.save), and how often to save."""
@@ -851,10 +1004,12 @@ def bench_command(
         mtbf_seconds = parse_duration(mtbf) if mtbf is not None else None
     except ValueError as e:
         _error(f"--mtbf: {e}")
-        raise typer.Exit(2) from None
-    with _fail_cleanly(), _bad_arguments():
+        raise typer.Exit(EXIT_USAGE) from None
+    with _fail_cleanly():
+        from resurgo.bench import bench_storage
+
         report = bench_storage(location, size=nbytes or (1 << 30), tensors=tensors, repeats=repeats,
-                               mtbf_seconds=mtbf_seconds, reference=reference)
+                               mtbf_seconds=mtbf_seconds, reference=reference, create=create)
     if as_json:
         _print_json(asdict(report))
         return
@@ -883,23 +1038,35 @@ def _names(text: Optional[str]) -> Optional[tuple[str, ...]]:
     return None if text is None else tuple(n.strip() for n in text.split(",") if n.strip())
 
 
-@app.command()
+def _check_writable(directory: Path) -> None:
+    """Create ``directory`` if needed and make sure a file can be written in it (StorageError if not)."""
+    import tempfile
+
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        raise StorageError(f"{directory}: cannot write there ({e.strerror or e}); choose another --out") from None
+
+
+@_command()
 def study(
     quick: bool = typer.Option(False, "--quick", help="Networks at 1/8 width, a few steps: minutes on 2 cores."),
-    out: Path = typer.Option(Path("study-results"), "--out", help="Directory for report.md, the plots, results.json."),
-    data: Optional[Path] = typer.Option(None, "--data", help="A local CIFAR-10 python copy (data_batch_1..5) "
+    out: Path = typer.Option(Path("study-results"), "--out", metavar="DIR", help="Directory for report.md, the plots, results.json."),
+    data: Optional[Path] = typer.Option(None, "--data", metavar="DIR", help="A local CIFAR-10 python copy (data_batch_1..5) "
                                         "instead of synthetic data."),
-    models: Optional[str] = typer.Option(None, "--models", help="Comma-separated: resnet50,vgg16."),
-    mechanisms: Optional[str] = typer.Option(None, "--mechanisms", help="Comma-separated, default all: "
+    models: Optional[str] = typer.Option(None, "--models", metavar="NAMES", help="Comma-separated: resnet50,vgg16."),
+    mechanisms: Optional[str] = typer.Option(None, "--mechanisms", metavar="NAMES", help="Comma-separated, default all: "
                                              "torch_save,dcp,dcp_async,safetensors,resurgo,resurgo_async,"
                                              "resurgo_async_guard."),
-    ranks: Optional[str] = typer.Option(None, "--ranks", help="Comma-separated rank counts for the scale "
+    ranks: Optional[str] = typer.Option(None, "--ranks", metavar="COUNTS", help="Comma-separated rank counts for the scale "
                                         "experiment (default 1,2,4; empty to skip it)."),
-    width: Optional[int] = typer.Option(None, "--width", help="Channels of the first stage (64 = published)."),
-    steps: Optional[int] = typer.Option(None, "--steps", help="Steps per training run (>= 4)."),
-    repeats: Optional[int] = typer.Option(None, "--repeats", help="Cost pairs (without, with checkpoints) per "
+    width: Optional[int] = typer.Option(None, "--width", metavar="N", help="Channels of the first stage (64 = published)."),
+    steps: Optional[int] = typer.Option(None, "--steps", metavar="N", help="Steps per training run (>= 4)."),
+    repeats: Optional[int] = typer.Option(None, "--repeats", metavar="N", help="Cost pairs (without, with checkpoints) per "
                                           "mechanism; medians reported (quick: 3, full: 1)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads of the study process (default 1)."),
+    threads: Optional[int] = typer.Option(None, "--threads", metavar="N", help="torch threads of the study process (default 1)."),
 ) -> None:
     """Reproduce the checkpointing study (cost, formats and sizes, scale, determinism) with ResNet-50
     and VGG-16 on CIFAR-10-shaped data, for torch.save, DCP, safetensors and resurgo."""
@@ -936,7 +1103,13 @@ def study(
         if steps is not None:
             cfg = with_steps(cfg, steps)
         cfg.check()
+        if data is not None and not data.is_dir():
+            raise CheckpointNotFoundError(f"{data}: no such directory (--data takes a local CIFAR-10 python copy, "
+                                          "data_batch_1..5)")
+        _check_writable(out)  # before anything is drawn or trained
         console = _console()
+        from rich.progress import BarColumn, Progress, TextColumn
+
         columns = (TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                    TimeElapsedColumn())
         with Progress(*columns, console=console, transient=False) as progress:

@@ -43,11 +43,9 @@ from resurgo.api import DEFAULT_IO_THREADS, load_dict
 from resurgo.errors import CheckpointExistsError, KeyMismatchError, MemoryBudgetError, UnsupportedValueError
 from resurgo.format import dtypes, values
 from resurgo.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
-from resurgo.format.safetensors_file import build_header
-from resurgo.layout.box import ChunkBox
+from resurgo.format.safetensors_file import HeaderEntry, build_header
 from resurgo.pipeline.stream_read import TensorByteStream, tensor_nbytes
 from resurgo.plan.convert_plan import HF_INDEX_FILE, is_hf_output_file, plan_shards, shard_file_names
-from resurgo.plan.save_plan import WriteItem
 from resurgo.reports import ConvertReport
 from resurgo.state.flatten import path_key
 from resurgo.state.per_rank import PerRank
@@ -159,11 +157,10 @@ def _to_safetensors(ckpt: Checkpoint, manifest: Manifest, dst: Path, to: str, on
     try:
         for rel, keys, metadata in files:
             items = [_output_item(names[k], k, manifest) for k in keys]
-            raw = {i.name: {"dtype": i.dtype, "shape": list(manifest.tensors[i.key].shape)}
-                   for i in items if i.safetensors_dtype == "U8" and i.dtype != "uint8"}
+            raw = {i.name: {"dtype": i.dtype, "shape": list(i.shape)} for i in items if i.declared_as_raw_bytes}
             if raw:
                 metadata = {**metadata, "resurgo.raw_dtypes": json.dumps(raw)}
-                raw_keys.extend(i.key for i in items if i.name in raw)
+                raw_keys.extend(k for k, i in zip(keys, items) if i.name in raw)
             bytes_written += _write_file(output, rel, items, metadata, keys, stream, seconds, progress)
             written.append(rel or dst.name)
         if len(files) > 1:
@@ -213,14 +210,12 @@ def _check_hf_destination(dst: Path, overwrite: bool) -> None:
                 f"{', ...' if len(others) > 5 else ''}); refusing to replace the directory")
 
 
-def _output_item(name: str, key: str, manifest: Manifest) -> WriteItem:
+def _output_item(name: str, key: str, manifest: Manifest) -> HeaderEntry:
     entry = manifest.tensors[key]
-    # block_bytes: converted files carry no checksums.
-    return WriteItem(key=key, name=name, dtype=entry.dtype, place=ChunkBox.whole(tuple(entry.shape)),
-                     nbytes=tensor_nbytes(entry), block_bytes=0)
+    return HeaderEntry(name, entry.dtype, tuple(entry.shape), tensor_nbytes(entry))
 
 
-def _write_file(output: AtomicOutput, rel: str | None, items: list[WriteItem], metadata: dict[str, str],
+def _write_file(output: AtomicOutput, rel: str | None, items: list[HeaderEntry], metadata: dict[str, str],
                 keys: list[str], stream: TensorByteStream, seconds: dict[str, float],
                 progress: Callable[[int], None] | None) -> int:
     """Header first, then every tensor's bytes as the stream delivers them, then fsync."""

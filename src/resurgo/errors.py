@@ -113,5 +113,6 @@ def naming_checkpoint(error: ResurgoError, source: str, key: str) -> ResurgoErro
     if isinstance(error, OSError) or message.startswith(source):
         return error
     named = copy.copy(error)
-    named.args = (f"{source}: key {key!r}: {message}",) + error.args[1:]
+    at = f"key {key!r}: " if key else ""  # the root: the message names its part already
+    named.args = (f"{source}: {at}{message}",) + error.args[1:]
     return named

@@ -23,8 +23,9 @@ options = {}
 for arg in sys.argv[4:]:
     name, value = arg.split("=", 1)
     options[name] = int(value) if value.isdigit() else value
+convert = resurgo.convert  # imports torch and resurgo's modules (lazily loaded) before the measurement
 open("/proc/self/clear_refs", "w").write("5")  # reset the peak to the current RSS
 before = peak_kib()
-report = resurgo.convert(src, dst, to=to, **options)
+report = convert(src, dst, to=to, **options)
 print(peak_kib() - before)
 print(json.dumps(asdict(report)))

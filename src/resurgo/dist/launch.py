@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from resurgo.errors import RankFailedError
+from resurgo.wording import plural
 
 
 def _free_port() -> int:
@@ -89,5 +90,5 @@ def run_ranks(world: int, target: Callable[..., Any] | str, *args: Any, timeout:
                 errors.append(f"rank {r}:\n{value}")
             results.append(value)
         if errors:
-            raise RankFailedError(f"{len(errors)} of {world} ranks failed:\n" + "\n".join(errors))
+            raise RankFailedError(f"{len(errors)} of {plural(world, 'rank')} failed:\n" + "\n".join(errors))
         return results

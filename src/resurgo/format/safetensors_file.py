@@ -13,7 +13,7 @@ import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from resurgo.plan.save_plan import WriteItem
+from resurgo.format import dtypes
 
 METADATA = {"format": "pt", "producer": "resurgo"}
 
@@ -21,7 +21,33 @@ METADATA = {"format": "pt", "producer": "resurgo"}
 DATA_ALIGN = 64  # where the data area of a file resurgo writes starts (a multiple of 8)
 
 
-def build_header(items: Sequence[WriteItem], metadata: Mapping[str, str] | None = None) -> tuple[bytes, list[tuple[int, int]]]:
+@dataclass(frozen=True)
+class HeaderEntry:
+    """One tensor as a data file's header declares it: its name, its resurgo dtype, the shape of
+    its elements and its byte count."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def declared_dtype(self) -> str:
+        """The safetensors dtype code; raw bytes (``U8``) for dtypes safetensors lacks."""
+        return dtypes.SAFETENSORS_CODES.get(self.dtype, "U8")
+
+    @property
+    def declared_shape(self) -> list[int]:
+        """The shape the header declares: the tensor's own, or its byte count for raw bytes."""
+        return list(self.shape) if self.dtype in dtypes.SAFETENSORS_CODES else [self.nbytes]
+
+    @property
+    def declared_as_raw_bytes(self) -> bool:
+        """True when a reader of the file sees bytes rather than the tensor's dtype."""
+        return self.declared_dtype == "U8" and self.dtype != "uint8"
+
+
+def build_header(items: Sequence[HeaderEntry], metadata: Mapping[str, str] | None = None) -> tuple[bytes, list[tuple[int, int]]]:
     """(header bytes including the length prefix, absolute byte range of each item in the file).
 
     ``metadata`` adds string entries to ``__metadata__`` (safetensors allows only strings there).
@@ -31,8 +57,8 @@ def build_header(items: Sequence[WriteItem], metadata: Mapping[str, str] | None 
     relative = []
     for item in items:
         header[item.name] = {
-            "dtype": item.safetensors_dtype,
-            "shape": item.safetensors_shape,
+            "dtype": item.declared_dtype,
+            "shape": item.declared_shape,
             "data_offsets": [offset, offset + item.nbytes],
         }
         relative.append((offset, offset + item.nbytes))

@@ -67,6 +67,7 @@ class Entry:
     created_at: str | None
     detail: str
     metadata: dict[str, Any] = field(default_factory=dict)  # a committed checkpoint's manifest metadata
+    save_info: dict[str, Any] = field(default_factory=dict)  # and its save_info (the manager's retention rules)
     url: str | None = None  # on an object store: its URL (``path`` is then its name)
     newest: float = 0.0  # on an object store: the latest modification time of its objects
     nbytes: int = 0  # on an object store: the bytes of its objects
@@ -168,7 +169,8 @@ def classify(d: Path) -> Entry | None:
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         return Entry(d, CORRUPT, manifest.step, manifest.created_at, problems[0] + more)
-    return Entry(d, COMMITTED, manifest.step, manifest.created_at, "", dict(manifest.metadata))
+    return Entry(d, COMMITTED, manifest.step, manifest.created_at, "", dict(manifest.metadata),
+                 dict(manifest.save_info))
 
 
 def classify_step_dir(d: Path, step: int) -> Entry:

@@ -1,6 +1,8 @@
 """What ``resurgo gc`` removes from a manager root: a pure plan over the catalog's entries.
 
-Committed checkpoints go by the retention policy (never the newest). Incomplete checkpoints and
+Committed checkpoints go by the retention policy (never the newest): by default the rules the
+manager recorded in the newest committed checkpoint's ``save_info`` (:func:`gc_policy`), each of
+which the command line may replace. Incomplete checkpoints and
 temporary directories go once nothing under them has changed for ``stale_after`` seconds (a save
 in progress keeps its directory fresh). Corrupt checkpoints are kept: they may be worth a look,
 and removing them is a decision for a person.
@@ -10,10 +12,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any
 
+from resurgo.errors import UnsupportedValueError
 from resurgo.manager.catalog import COMMITTED, CORRUPT, Entry
-from resurgo.manager.retention import Kept, RetentionPolicy, steps_to_delete
+from resurgo.manager.retention import (
+    KeepAny,
+    KeepBest,
+    KeepEvery,
+    KeepLast,
+    Kept,
+    RetentionPolicy,
+    describe,
+    policy_from_spec,
+    policy_parts,
+    steps_to_delete,
+)
 
 DELETE, KEEP = "delete", "keep"
 
@@ -25,20 +39,84 @@ class GcItem:
     reason: str
 
 
+def _recorded_spec(newest: Entry, root: str) -> tuple[bool, Any]:
+    """(found, spec) of the retention rules ``newest``'s save_info records for ``root``."""
+    info = newest.save_info
+    if "tiers" in info:  # a manager with durable tiers: each tier has its own rules
+        for tier in info["tiers"] if isinstance(info["tiers"], list) else ():
+            if isinstance(tier, dict) and tier.get("root") == root:
+                return True, tier.get("retention")
+        return False, None
+    if "retention" in info:
+        return True, info["retention"]
+    return False, None
+
+
+def gc_policy(entries: Sequence[Entry], root: str, *, keep_last: int | None = None, keep_every: int | None = None,
+              keep_best: tuple | None = None, no_keep_best: bool = False,
+              ignore_recorded: bool = False) -> tuple[RetentionPolicy | None, str]:
+    """The policy gc applies to a root, and where its rules come from (for the user).
+
+    The rules the manager recorded in the newest committed checkpoint (for this ``root``: an
+    absolute path or a URL), with each rule given here replacing the recorded rule of that name
+    (``no_keep_best`` drops keep_best). ``ignore_recorded``: the given rules only. No rules at all
+    means keep every committed checkpoint. Raises :class:`UnsupportedValueError` when the record
+    cannot be used (none, or a custom policy) and no rule replaces it.
+    """
+    committed = [e for e in entries if e.status == COMMITTED and e.step is not None]
+    given = keep_last is not None or keep_every is not None or keep_best is not None or no_keep_best
+    parts: list[RetentionPolicy] = []
+    source = "the command line"
+    if committed and not ignore_recorded:
+        newest = max(committed, key=lambda e: e.step or 0)
+        found, spec = _recorded_spec(newest, root)
+        where = f"{newest.location}: save_info retention"
+        if found:
+            try:
+                parts = policy_parts(policy_from_spec(spec, where))
+            except UnsupportedValueError as e:
+                raise UnsupportedValueError(f"{e}; pass --ignore-recorded with the rules to apply "
+                                            "(--keep-last, --keep-every, --keep-best)") from None
+            source = f"recorded by the manager at step {newest.step}" + (" and the command line" if given else "")
+        elif not given:
+            raise UnsupportedValueError(
+                f"{root}: the newest checkpoint ({newest.location}) records no retention rules for this root (it was "
+                "not saved by a CheckpointManager, or the root moved); give them: --keep-last N, --keep-every N, "
+                "--keep-best METRIC:min|max")
+    if keep_last is not None:
+        parts = [p for p in parts if not isinstance(p, KeepLast)] + [KeepLast(keep_last)]
+    if keep_every is not None:
+        parts = [p for p in parts if not isinstance(p, KeepEvery)] + [KeepEvery(keep_every)]
+    if keep_best is not None or no_keep_best:
+        parts = [p for p in parts if not isinstance(p, KeepBest)]
+        if keep_best is not None:
+            parts.append(KeepBest(*keep_best))
+    policy = None if not parts else parts[0] if len(parts) == 1 else KeepAny(*parts)
+    return policy, source
+
+
 def plan_gc(entries: Sequence[Entry], policy: RetentionPolicy | None, *, now: float, stale_after: float,
-            mtime: Callable[[Path], float]) -> list[GcItem]:
-    """One item per entry, in the entries' order. ``mtime(path)``: when ``path`` last changed."""
+            mtime: Callable[[Any], float]) -> list[GcItem]:
+    """One item per entry, in the entries' order. ``mtime(path)``: when ``path`` last changed.
+
+    A kept committed checkpoint's reason names every rule that keeps it."""
     committed = [Kept(e.step, e.metrics) for e in entries if e.status == COMMITTED and e.step is not None]
     doomed = set(steps_to_delete(committed, policy))
     newest = max((k.step for k in committed), default=None)
+    keeps = [(describe(p), p.keep(committed)) for p in policy_parts(policy)]
     plan = []
     for e in entries:
         if e.status == COMMITTED:
             if e.step in doomed:
-                plan.append(GcItem(e, DELETE, "not kept by the retention policy"))
+                plan.append(GcItem(e, DELETE, "kept by no retention rule"))
             else:
-                plan.append(GcItem(e, KEEP, "the newest committed checkpoint" if e.step == newest
-                                   else "kept by the retention policy"))
+                rules = [name for name, kept in keeps if e.step in kept]
+                why = ["the newest committed checkpoint"] if e.step == newest else []
+                if rules:
+                    why.append("kept by " + ", ".join(rules))
+                if policy is None:
+                    why.append("no retention rule: every checkpoint is kept")
+                plan.append(GcItem(e, KEEP, "; ".join(why)))
         elif e.status == CORRUPT:
             plan.append(GcItem(e, KEEP, "corrupt: examine it with `resurgo verify`; gc never removes it"))
         else:

@@ -47,8 +47,16 @@ from resurgo.manager.policies import (
     SaveContext,
     SavePolicy,
 )
-from resurgo.manager.retention import KeepAny, KeepLast, Kept, RetentionPolicy, shortcut_policy, steps_to_delete
-from resurgo.manager.roots import LocalRoot, ManagerRoot, ObjectRoot, open_root
+from resurgo.manager.retention import (
+    KeepAny,
+    KeepLast,
+    Kept,
+    RetentionPolicy,
+    policy_spec,
+    shortcut_policy,
+    steps_to_delete,
+)
+from resurgo.manager.roots import LocalRoot, ManagerRoot, ObjectRoot, open_root, root_name
 from resurgo.manager.tiers import Tier
 from resurgo.pipeline.async_save import AsyncSaveHandle, async_save
 from resurgo.pipeline.verify import verify_checkpoint
@@ -182,6 +190,7 @@ class CheckpointManager:
         shortcuts = shortcut_policy(keep_last, keep_every, keep_best)
         parts = [p for p in (retention, shortcuts) if p is not None]
         self.retention: RetentionPolicy | None = parts[0] if len(parts) == 1 else KeepAny(*parts) if parts else None
+        self._retention_record = self._describe_retention()
         self.async_save = bool(async_save)
         self._guard = guard
         self._io_threads = io_threads
@@ -230,6 +239,16 @@ class CheckpointManager:
         return found
 
     # -- configuration ----------------------------------------------------------------------------
+    def _describe_retention(self) -> dict[str, Any]:
+        """What each checkpoint's save_info records of the retention rules, for `resurgo gc`. The
+        copies in durable tiers are byte copies, so every tier's rules are recorded with its root."""
+        record: dict[str, Any] = {"retention": policy_spec(self.retention)}
+        if len(self.tiers) > 1:
+            record["tiers"] = [{"root": root_name(store), "retention": policy_spec(self.retention) if i == 0 else
+                                policy_spec(KeepLast(t.keep_last) if t.keep_last is not None else None)}
+                               for i, (store, t) in enumerate(zip(self._roots, self.tiers))]
+        return record
+
     def _compose_policy(self, policy: SavePolicy | None, every_steps: int | None, every_seconds: float | None,
                         at_steps: Iterable[int] | None, interval: str | None, mtbf: float | None) -> SavePolicy | None:
         parts: list[SavePolicy] = [policy] if policy is not None else []
@@ -400,7 +419,7 @@ class CheckpointManager:
         t_start = time.monotonic()
         path = self.path_for(step)
         metadata = {"metrics": _plain_metrics(metrics)}  # the state's; the save's own figures go apart
-        save_info = {"save_cost_seconds": self._save_cost}
+        save_info = {"save_cost_seconds": self._save_cost, **self._retention_record}
         self._wait_commit()  # the previous save: its error is raised here, its retention starts
         overwrite = self._make_way(path, step)
         log.info("saving step %d to %s", step, path)

@@ -4,6 +4,11 @@ A retention policy is any object with ``keep(checkpoints) -> set[int]`` (the ste
 kept). ``KeepAny`` keeps what any of its policies keeps. :func:`steps_to_delete` adds the rules no
 policy can override: the newest checkpoint and any protected step (the one just committed) are
 always kept. No I/O here; :mod:`resurgo.manager.removal` deletes.
+
+Each built-in policy has a plain-data form (``to_spec()``, :func:`policy_from_spec`): the manager
+records its policy in every checkpoint's ``save_info``, so that ``resurgo gc`` applies the same
+rules. A policy of another class is recorded as ``{"type": "custom", "class": ...}``, which gc
+cannot apply.
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
+
+from resurgo.errors import UnsupportedValueError
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,12 @@ class KeepLast:
     def keep(self, checkpoints: Sequence[Kept]) -> set[int]:
         return set(sorted(c.step for c in checkpoints)[-self.n:])
 
+    def to_spec(self) -> dict[str, Any]:
+        return {"type": "keep_last", "n": self.n}
+
+    def __str__(self) -> str:
+        return f"keep_last {self.n}"
+
 
 @dataclass(frozen=True)
 class KeepEvery:
@@ -57,6 +70,12 @@ class KeepEvery:
 
     def keep(self, checkpoints: Sequence[Kept]) -> set[int]:
         return {c.step for c in checkpoints if c.step % self.n == 0}
+
+    def to_spec(self) -> dict[str, Any]:
+        return {"type": "keep_every", "n": self.n}
+
+    def __str__(self) -> str:
+        return f"keep_every {self.n}"
 
 
 @dataclass(frozen=True)
@@ -86,6 +105,12 @@ class KeepBest:
                 scored.append((v if self.mode == "min" else -v, -c.step))
         return {-neg_step for _, neg_step in sorted(scored)[: self.k]}
 
+    def to_spec(self) -> dict[str, Any]:
+        return {"type": "keep_best", "metric": self.metric, "mode": self.mode, "k": self.k}
+
+    def __str__(self) -> str:
+        return f"keep_best {self.metric}:{self.mode}" + (f":{self.k}" if self.k != 1 else "")
+
 
 @dataclass(frozen=True)
 class KeepAny:
@@ -106,6 +131,69 @@ class KeepAny:
         for p in self.policies:
             kept |= p.keep(checkpoints)
         return kept
+
+    def to_spec(self) -> dict[str, Any]:
+        return {"type": "keep_any", "policies": [policy_spec(p) for p in self.policies]}
+
+    def __str__(self) -> str:
+        return " or ".join(describe(p) for p in self.policies)
+
+
+CUSTOM = "custom"  # the spec type of a policy that has no plain-data form
+
+
+def policy_spec(policy: RetentionPolicy | None) -> dict[str, Any] | None:
+    """``policy`` as plain JSON data (None: keep everything); see :func:`policy_from_spec`."""
+    if policy is None:
+        return None
+    to_spec = getattr(policy, "to_spec", None)
+    if callable(to_spec):
+        return to_spec()
+    return {"type": CUSTOM, "class": f"{type(policy).__module__}.{type(policy).__qualname__}"}
+
+
+def describe(policy: RetentionPolicy) -> str:
+    """A short name of ``policy`` for messages: ``keep_last 3``, ``keep_best loss:min``."""
+    if getattr(policy, "to_spec", None) is None:
+        return f"custom {type(policy).__qualname__}"
+    return str(policy)
+
+
+def policy_from_spec(spec: Any, where: str = "retention") -> RetentionPolicy | None:
+    """The policy a :func:`policy_spec` stands for (None: keep everything). A custom policy, an
+    unknown type or invalid fields raise :class:`UnsupportedValueError` naming ``where``."""
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or not isinstance(spec.get("type"), str):
+        raise UnsupportedValueError(f"{where}: expected a retention spec {{'type': ...}}, got {spec!r}")
+    kind = spec["type"]
+    fields = {k: v for k, v in spec.items() if k != "type"}
+    try:
+        if kind == "keep_last" and set(fields) == {"n"}:
+            return KeepLast(fields["n"])
+        if kind == "keep_every" and set(fields) == {"n"}:
+            return KeepEvery(fields["n"])
+        if kind == "keep_best" and set(fields) == {"metric", "mode", "k"}:
+            return KeepBest(fields["metric"], fields["mode"], fields["k"])
+        if kind == "keep_any" and set(fields) == {"policies"} and isinstance(fields["policies"], list):
+            parts = [policy_from_spec(p, f"{where}.policies[{i}]") for i, p in enumerate(fields["policies"])]
+            return KeepAny(*[p for p in parts if p is not None])
+    except (TypeError, ValueError) as e:
+        raise UnsupportedValueError(f"{where}: {e}") from None
+    if kind == CUSTOM:
+        raise UnsupportedValueError(f"{where}: a custom retention policy ({spec.get('class')}) cannot be rebuilt "
+                                    "from its record; give the rules explicitly")
+    raise UnsupportedValueError(f"{where}: unknown retention spec {spec!r} (known types: keep_last, keep_every, "
+                                "keep_best, keep_any)")
+
+
+def policy_parts(policy: RetentionPolicy | None) -> list[RetentionPolicy]:
+    """The policies ``policy`` is made of (a KeepAny flattened, recursively)."""
+    if policy is None:
+        return []
+    if isinstance(policy, KeepAny):
+        return [q for p in policy.policies for q in policy_parts(p)]
+    return [policy]
 
 
 def steps_to_delete(checkpoints: Sequence[Kept], policy: RetentionPolicy | None,

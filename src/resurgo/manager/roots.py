@@ -139,7 +139,8 @@ def classify_prefix(url: str, name: str, found: "PrefixListing", storage_options
         return Entry(path, CORRUPT, step, manifest.created_at, problems[0] + more, url=url,
                      newest=found.newest, nbytes=found.total_bytes)
     return Entry(path, COMMITTED, manifest.step if step is None else step, manifest.created_at, "",
-                 dict(manifest.metadata), url=url, newest=found.newest, nbytes=found.total_bytes)
+                 dict(manifest.metadata), dict(manifest.save_info), url=url, newest=found.newest,
+                 nbytes=found.total_bytes)
 
 
 def list_object_checkpoints(url: str, storage_options: dict | None = None) -> list[Entry]:
@@ -164,6 +165,11 @@ def list_object_checkpoints(url: str, storage_options: dict | None = None) -> li
 
 
 ManagerRoot = LocalRoot | ObjectRoot  # the same methods: location, scan, classify, remove, remove_leftover
+
+
+def root_name(store: ManagerRoot) -> str:
+    """How a root is named in a manifest's record of the tiers: an absolute path, or its URL."""
+    return str(store.root.absolute()) if isinstance(store, LocalRoot) else store.url
 
 
 def open_root(root: str | os.PathLike, storage_options: dict | None = None) -> ManagerRoot:

@@ -37,7 +37,7 @@ from resurgo.format.manifest import (
     TensorEntry,
     json_depth_exceeds,
 )
-from resurgo.layout.box import ChunkBox, FlatRange
+from resurgo.layout.box import ChunkBox, FlatRange, place_order
 from resurgo.pipeline.buffers import TensorStream, source_for_write
 from resurgo.pipeline.writer import WrittenChunk, WrittenFile, write_data_file
 from resurgo.plan.global_plan import GlobalPlan, PlanCache, RankDecl, RankWrite, TensorDecl, TensorMeta
@@ -241,18 +241,13 @@ def _entry(c: WrittenChunk) -> ChunkEntry:
                       byte_range=list(c.byte_range), block_bytes=c.block_bytes, checksums=c.checksums)
 
 
-def _place_order(c: WrittenChunk) -> tuple:
-    p = c.item.place
-    return tuple(p.offsets) if isinstance(p, ChunkBox) else (p.start,)
-
-
 def build_manifest(prep: PreparedSave, written: list[WrittenFile]) -> Manifest:
     chunks: dict[str, list[WrittenChunk]] = {key: [] for key in prep.tensors}
     for w in written:
         for c in w.chunks:
             chunks[c.item.key].append(c)
     tensors = {key: TensorEntry(kind=meta.kind, dtype=meta.dtype, shape=list(meta.shape),
-                                chunks=[_entry(c) for c in sorted(chunks[key], key=_place_order)])
+                                chunks=[_entry(c) for c in sorted(chunks[key], key=lambda c: place_order(c.item.place))])
                for key, meta in prep.tensors.items()}
     return Manifest(
         format="resurgo.checkpoint", version=FORMAT_VERSION,

@@ -46,7 +46,7 @@ def chunk_file_offsets(plan: SavePlan) -> dict[str, tuple[int, int]]:
     """(where its bytes start in its data file, its block size) of each chunk, by name: where its
     staging buffer aligns, and how to hash it if it is hashed as it is staged."""
     return {item.name: (start, item.block_bytes) for f in plan.files
-            for item, (start, _) in zip(f.items, build_header(f.items)[1])}
+            for item, (start, _) in zip(f.items, build_header(f.header_entries)[1])}
 
 
 def write_data_file(staging: Staging, plan: FilePlan,
@@ -56,7 +56,7 @@ def write_data_file(staging: Staging, plan: FilePlan,
     chunks (hashed as they were staged); the others are hashed here."""
     t_write = t_hash = 0.0
     slice_buffer: np.ndarray | None = None  # reused by every streamed tensor of this file
-    header, ranges = build_header(plan.items)
+    header, ranges = build_header(plan.header_entries)
     handle = staging.create(plan.path)
     try:
         t0 = time.perf_counter()

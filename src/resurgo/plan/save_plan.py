@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from resurgo.format import dtypes
+from resurgo.format.safetensors_file import HeaderEntry
 from resurgo.layout.box import ChunkBox, Place
 
 MIN_FILE_BYTES = 32 << 20
@@ -27,17 +27,11 @@ class WriteItem:
     block_bytes: int  # checksum block size of this chunk
 
     @property
-    def safetensors_dtype(self) -> str:
-        return dtypes.SAFETENSORS_CODES.get(self.dtype, "U8")
-
-    @property
-    def safetensors_shape(self) -> list[int]:
-        """The shape the data file declares: the chunk's own, or raw bytes for dtypes safetensors lacks."""
-        if self.dtype in dtypes.SAFETENSORS_CODES and isinstance(self.place, ChunkBox):
-            return list(self.place.shape)
-        if self.dtype in dtypes.SAFETENSORS_CODES:
-            return [self.place.numel]
-        return [self.nbytes]
+    def header_entry(self) -> HeaderEntry:
+        """How the data file's header declares this chunk: a box with its shape, a flat range as
+        one dimension."""
+        shape = self.place.shape if isinstance(self.place, ChunkBox) else (self.place.numel,)
+        return HeaderEntry(self.name, self.dtype, tuple(shape), self.nbytes)
 
 
 @dataclass(frozen=True)
@@ -48,6 +42,10 @@ class FilePlan:
     @property
     def nbytes(self) -> int:
         return sum(i.nbytes for i in self.items)
+
+    @property
+    def header_entries(self) -> list[HeaderEntry]:
+        return [i.header_entry for i in self.items]
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ A ``DistributedSampler``'s position is a per-rank count: the state records its `
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,6 +67,7 @@ from resurgo.state.elastic_loader import (
 from resurgo.state.elastic_sampler import ElasticSampler, EpochPass
 from resurgo.state.per_rank import PerRank
 from resurgo.state.rng import carry_over_rng
+from resurgo.wording import plural
 
 __all__ = ["track_dataloader", "is_tracked"]
 
@@ -79,7 +81,7 @@ class _Position:
 
     __slots__ = ("epoch_rng", "batches_yielded", "epoch_active", "epoch", "reset_iterator",
                  "persistent_iterator", "generation", "pending", "elastic_pass", "elastic_base",
-                 "elastic_loaded")
+                 "elastic_loaded", "live")
 
     def __init__(self) -> None:
         self.epoch_rng: dict[str, Any] | None = None  # RNG states just before the epoch's iter()
@@ -95,6 +97,7 @@ class _Position:
         self.elastic_pass: EpochPass | None = None
         self.elastic_base = 0
         self.elastic_loaded: dict[str, Any] | None = None
+        self.live: weakref.ref | None = None  # the iterator of the current epoch, while someone holds it
 
 
 def _generators(loader: DataLoader) -> dict[str, torch.Generator]:
@@ -290,7 +293,9 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
             pos.epoch_active = True
             pos.reset_iterator = will_reset
             pos.epoch += 1
-        return _TrackedIterator(pos, it, pos.generation)
+        tracked = _TrackedIterator(pos, it, pos.generation)
+        pos.live = weakref.ref(tracked)
+        return tracked
 
     def _resurgo_persistent(self) -> bool:
         return bool(getattr(self, "persistent_workers", False) and getattr(self, "num_workers", 0) > 0)
@@ -385,8 +390,16 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
             **extra,
         }
 
+    def _resurgo_before_load(self) -> None:
+        """Refuse a load while an iterator of this loader is live (checked before anything is loaded)."""
+        pos = _position(self)
+        # No local reference to the iterator: the error's traceback would keep it alive.
+        if pos.live is not None and pos.live() is not None and pos.epoch_active:
+            _refuse_live_iterator(self._resurgo_base_class.__name__, f"{plural(pos.batches_yielded, 'batch', 'batches')} handed out")
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume at the saved position on the next ``iter()`` (nothing is read until then)."""
+        self._resurgo_before_load()
         sd = dict(state_dict)
         version = sd.get("version", _FORMAT_VERSION)
         if version != _FORMAT_VERSION:
@@ -426,7 +439,7 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
             # Its position is a per-rank count: on another number of ranks the replay would take
             # other samples (some twice, some never).
             raise DataPositionError(
-                f"dataloader.distributed_num_replicas: saved by {sd['distributed_num_replicas']} ranks, this "
+                f"dataloader.distributed_num_replicas: saved by {plural(sd['distributed_num_replicas'], 'rank')}, this "
                 f"DistributedSampler has num_replicas={distributed.num_replicas}; a DistributedSampler's position "
                 "is per rank and cannot change the number of ranks: use resurgo.ElasticSampler")
         if elastic is not None:
@@ -449,6 +462,15 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
             # the replay from the epoch start brings them there.)
             for name, g in gens.items():
                 g.set_state(now[name])
+
+
+def _refuse_live_iterator(loader: str, progress: str) -> None:
+    # A loaded position applies to the next iter(): an iterator made before the load would go on
+    # from where it is, silently training on the wrong batches.
+    raise DataPositionError(
+        f"dataloader: this {loader}'s iterator was created before the load ({progress}); it would not move to "
+        "the loaded data position. Call resurgo.load before iter(loader) / the for loop (or finish or drop "
+        "that iterator first)")
 
 
 def _own(value: Any) -> Any:
@@ -504,7 +526,44 @@ _GUARDED_CLASSES: dict[type, type] = {}
 _RESUMING = "_resurgo_resuming"
 
 
+class _WatchedIterator:
+    """A StatefulDataLoader's iterator, watched: whether it is still held and not exhausted."""
+
+    def __init__(self, it: Any) -> None:
+        self._it = it
+        self.exhausted = False
+
+    def __iter__(self) -> _WatchedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._it)
+        except StopIteration:
+            self.exhausted = True
+            raise
+
+    def __len__(self) -> int:
+        return len(self._it)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_it":
+            raise AttributeError(name)
+        return getattr(self._it, name)
+
+
+_LIVE = "_resurgo_live"
+
+
+def _guarded_before_load(self: Any) -> None:
+    ref = self.__dict__.get(_LIVE)
+    # No local reference to the iterator: the error's traceback would keep it alive.
+    if ref is not None and ref() is not None and not ref().exhausted:
+        _refuse_live_iterator(self._resurgo_base_class.__name__, "its position is not the loaded one")
+
+
 def _guarded_load_state_dict(self: Any, state_dict: Any) -> Any:
+    _guarded_before_load(self)
     elastic = find_elastic_sampler(self)
     if elastic is not None and isinstance(state_dict, dict):
         # torchdata replays the batches since its last snapshot: on another world size those would
@@ -516,6 +575,12 @@ def _guarded_load_state_dict(self: Any, state_dict: Any) -> Any:
 
 
 def _guarded_iter(self: Any) -> Any:
+    watched = _WatchedIterator(_guarded_base_iter(self))
+    self.__dict__[_LIVE] = weakref.ref(watched)
+    return watched
+
+
+def _guarded_base_iter(self: Any) -> Any:
     # A resumed StatefulDataLoader (torchdata 0.11) draws a fresh base seed from the global RNG
     # (or its generator) and then overwrites it with the saved one; the uninterrupted run made that
     # draw before the checkpoint, so the restored RNG streams must not see it again.
@@ -543,6 +608,7 @@ def _rng_guarded_class(cls: type) -> type:
         guarded = type(f"Resumable{cls.__name__}", (cls,), {
             "__iter__": _guarded_iter,
             "load_state_dict": _guarded_load_state_dict,
+            "_resurgo_before_load": _guarded_before_load,
             "__module__": __name__,
             "__qualname__": f"Resumable{cls.__qualname__}",
             "__doc__": cls.__doc__,

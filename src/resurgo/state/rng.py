@@ -21,6 +21,7 @@ import xxhash
 
 from resurgo.errors import TypeMismatchError
 from resurgo.state.per_rank import PerRank
+from resurgo.wording import plural
 
 __all__ = ["RNGState", "capture_rng_state", "restore_rng_state"]
 
@@ -136,7 +137,7 @@ def carry_over_rng(saved: list[dict[str, Any]], rank: int, world: int) -> dict[s
     ``world..len(saved)-1`` are not used (rank 0 warns).
     """
     if rank == 0 and world < len(saved):
-        warnings.warn(f"resurgo: resuming {len(saved)} ranks' RNG states on {world} ranks: "
+        warnings.warn(f"resurgo: resuming {len(saved)} ranks' RNG states on {plural(world, 'rank')}: "
                       f"the streams of ranks {world}..{len(saved) - 1} are not used", stacklevel=2)
     if rank < len(saved):
         return saved[rank]

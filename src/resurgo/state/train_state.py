@@ -113,9 +113,10 @@ class TrainState:
         return sd
 
     def _resurgo_before_load(self) -> None:
-        """Before a load plans its reads: create sharded optimizer state to be filled in place."""
-        for part in self._parts.values():
-            prepare_for_load(part)
+        """Before a load plans its reads: check the DataLoader can take a position (first, so that a
+        refusal changes nothing), then create sharded optimizer state to be filled in place."""
+        for name in sorted(self._parts, key=lambda n: n != "dataloader"):
+            prepare_for_load(self._parts[name])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore every part: components, then extras, then the RNG last."""

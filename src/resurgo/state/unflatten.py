@@ -11,7 +11,8 @@ error it raises, and every ResurgoError an action raises, names the checkpoint a
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,7 @@ from resurgo.layout.shards import LocalPiece, is_sharded, local_layout
 from resurgo.state.flatten import Array, path_key
 from resurgo.state.per_rank import PerRank
 from resurgo.state.stateful import is_stateful, prepare_for_load
+from resurgo.wording import plural
 
 
 
@@ -80,17 +82,25 @@ class Restorer:
 
     def run_actions(self) -> None:
         for key, action in self.actions:
-            try:
+            with self._naming(key):
                 action()
-            except ResurgoError as e:  # a Stateful refusing what was saved (RNG, data position, parts)
-                named = naming_checkpoint(e, self.source, key)
-                if named is e:
-                    raise
-                raise named from e
-            except Exception as e:
-                if hasattr(e, "add_note"):  # Python 3.11+: another library's error keeps its type
-                    e.add_note(f"while loading key {key!r} of the checkpoint {self.source}")
+
+    @contextmanager
+    def _naming(self, key: str) -> Iterator[None]:
+        """Code of the target's (a Stateful refusing what was saved: RNG, data position, parts)
+        raising: a ResurgoError is raised again naming the checkpoint and ``key``; another
+        library's error keeps its type and gains a note saying so (Python 3.11+)."""
+        try:
+            yield
+        except ResurgoError as e:
+            named = naming_checkpoint(e, self.source, key)
+            if named is e:
                 raise
+            raise named from e
+        except Exception as e:
+            if hasattr(e, "add_note"):
+                e.add_note(f"while loading key {key!r} of the checkpoint {self.source}")
+            raise
 
     def _at(self, path: tuple) -> str:
         """The start of every message: the checkpoint and the key."""
@@ -105,7 +115,8 @@ class Restorer:
             raise ManifestError(f"{where}: every tree node must be an object with a 'type'")
         t = node["type"]
         if target is not None and is_stateful(target) and t in ("stateful", "dict", "ordered_dict"):
-            prepare_for_load(target)
+            with self._naming(path_key(path)):
+                prepare_for_load(target)
             inner = node["state"] if t == "stateful" else node
             filled = self._node(inner, target.state_dict(), path, depth + 1)
             self.actions.append((path_key(path), lambda: target.load_state_dict(filled)))
@@ -210,7 +221,7 @@ class Restorer:
             return wrapper
         if target is not None and (wrapper is None or wrapper.on_resize is None):
             raise WorldSizeMismatchError(
-                f"{self._at(path)}: saved per rank by {len(items)} ranks, loaded by {self.world}; "
+                f"{self._at(path)}: saved per rank by {plural(len(items), 'rank')}, loaded by {self.world}; "
                 "wrap the target in resurgo.PerRank(value, on_resize=...) to say how its values carry over")
         saved = [self._node(item, None, path, depth + 1) for item in items]
         out = wrapper if wrapper is not None else PerRank(None)

@@ -42,6 +42,7 @@ from resurgo.errors import RankFailedError
 from resurgo.study.training import (
     JobSpec, Training, build_training, disturb_global_rng, tensor_bytes, timed_steps, train_steps,
 )
+from resurgo.wording import plural
 
 __all__ = ["StudyConfig", "quick_config", "full_config", "with_steps", "run_study", "count_units"]
 
@@ -92,7 +93,7 @@ class StudyConfig:
             raise StudyError("width, repeats, batch size and checkpoint intervals must be >= 1")
         if self.samples < self.batch_size * max(self.scale_worlds + (1,)):
             raise StudyError(f"{self.samples} samples cannot fill one batch of {self.batch_size} per rank "
-                             f"on {max(self.scale_worlds + (1,))} ranks")
+                             f"on {plural(max(self.scale_worlds + (1,)), 'rank')}")
 
 
 def full_config(**overrides: Any) -> StudyConfig:
@@ -282,7 +283,7 @@ def scale(cfg: StudyConfig, work: Path, progress: _Progress) -> list[dict]:
             try:
                 ranks = run_ranks(world, scale_worker, {"config": cfg, "model": model, "work": str(work / f"{model}-{world}")})
             except RankFailedError as e:
-                raise StudyError(f"the scale experiment failed on {world} ranks: {e}") from None
+                raise StudyError(f"the scale experiment failed on {plural(world, 'rank')}: {e}") from None
             _remove(work / f"{model}-{world}")
             # a step finishes when its slowest rank does: take the maximum over ranks
             baseline = statistics.fmean(max(r["baseline_s"][i] for r in ranks) for i in range(2))
