@@ -486,3 +486,49 @@ def test_gc_keeps_corrupt_checkpoints_and_refuses_a_missing_root(tmp_path):
     missing = runner.invoke(app, ["gc", str(tmp_path / "nope"), "--keep-last", "1"])
     assert missing.exit_code == 2 and "no such directory" in missing.stderr
     assert runner.invoke(app, ["gc", str(tmp_path), "--keep-last", "0"]).exit_code == 2
+
+
+# -- observing commits without blocking -----------------------------------------------------------
+def test_latest_committed_step_changes_only_once_the_async_save_is_committed(tmp_path, gated_writes):
+    seen: list[tuple[int, str, str, list[int]]] = []
+
+    def on_commit(step, path):  # the checkpoint is on disk, committed, when this runs
+        seen.append((step, str(path), threading.current_thread().name, committed_steps(tmp_path)))
+
+    mgr = CheckpointManager(tmp_path, on_commit=on_commit)
+    assert mgr.latest_committed_step is None
+    mgr.save(1, state_at(1))  # staged; its write waits at the gate
+    time.sleep(0.1)
+    assert mgr.latest_committed_step is None and seen == [] and committed_steps(tmp_path) == []
+    gated_writes.set()
+    deadline = time.monotonic() + 30
+    while mgr.latest_committed_step is None and time.monotonic() < deadline:
+        time.sleep(0.005)  # polled, never waited for: the property alone reports the commit
+    assert mgr.latest_committed_step == 1
+    assert seen == [(1, str(tmp_path / checkpoint_name(1)), "resurgo-async-save", [1])]
+    for s in (2, 3):
+        mgr.save(s, state_at(s))
+    mgr.close()
+    assert [(s, p) for s, p, _, _ in seen] == [(s, str(tmp_path / checkpoint_name(s))) for s in (1, 2, 3)]
+    assert all(steps[-1] == s for s, _, _, steps in seen)
+    assert mgr.latest_committed_step == 3
+
+
+def test_on_commit_runs_in_the_callers_thread_when_sync_and_its_errors_are_warned(tmp_path):
+    calls: list[tuple[int, str]] = []
+
+    def on_commit(step, path):
+        calls.append((step, threading.current_thread().name))
+        raise ValueError(f"dashboard down at {step}")
+
+    with CheckpointManager(tmp_path, async_save=False, on_commit=on_commit) as mgr:
+        with pytest.warns(RuntimeWarning, match=r"on_commit\(4, .*step_000000004'\) raised ValueError: dashboard down at 4"):
+            mgr.save(4, state_at(4))
+        assert mgr.latest_committed_step == 4
+    assert calls == [(4, threading.current_thread().name)]
+    assert committed_steps(tmp_path) == [4]
+    with CheckpointManager(tmp_path, on_commit=on_commit) as mgr:  # asynchronous: warned from the writer
+        with pytest.warns(RuntimeWarning, match="dashboard down at 5"):
+            mgr.save(5, state_at(5))
+            mgr.wait()
+    assert calls[-1] == (5, "resurgo-async-save") and committed_steps(tmp_path) == [4, 5]

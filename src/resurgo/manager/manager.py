@@ -162,6 +162,12 @@ class CheckpointManager:
     ``tiers=[Tier(fast), Tier(durable, every_steps=..., keep_last=...), ...]`` instead of a root,
     every save goes to the first tier and the checkpoints each later tier selects are copied there
     in the background and verified; ``restore`` takes the newest that verifies in any tier.
+
+    ``on_commit(step, path)`` is called once per save of this manager, on every rank, as soon as
+    that save is committed, in the thread that committed it: the background writer thread of an
+    asynchronous save, the caller's thread of a synchronous one. It should return quickly (the
+    next save waits for it); an exception it raises is warned (RuntimeWarning), never lost, and
+    does not fail the save. :attr:`latest_committed_step` reads the same event without blocking.
     """
 
     def __init__(self, root: str | os.PathLike | None = None, *, every_steps: int | None = None,
@@ -171,7 +177,8 @@ class CheckpointManager:
                  policy: SavePolicy | None = None, retention: RetentionPolicy | None = None,
                  signals: Iterable[int] = (signal.SIGTERM,), guard: Any = None,
                  io_threads: int = DEFAULT_IO_THREADS, storage_options: dict | None = None,
-                 tiers: Iterable[Tier] | None = None) -> None:
+                 tiers: Iterable[Tier] | None = None,
+                 on_commit: Callable[[int, Path | str], None] | None = None) -> None:
         self.tiers = self._compose_tiers(root, storage_options, tiers)
         self._roots: list[LocalRoot | ObjectRoot] = [open_root(t.root, t.storage_options) for t in self.tiers]
         self._store: ManagerRoot = self._roots[0]
@@ -191,6 +198,8 @@ class CheckpointManager:
         self._copy_comm = dist_comm.current("copy") if len(self.tiers) > 1 else dist_comm.Comm(0, 1)
         self._pending: AsyncSaveHandle | None = None
         self._pending_step: int | None = None
+        self._on_commit = on_commit
+        self._latest_committed: int | None = None  # written by the committing thread: one int, atomic
         self._last_save_step: int | None = None
         self._last_save_time = time.monotonic()
         self._save_cost: float | None = None
@@ -268,6 +277,13 @@ class CheckpointManager:
         if self._daly is None or self._save_cost is None:
             return None
         return daly_interval(self._save_cost, self._daly.mtbf_seconds)
+
+    @property
+    def latest_committed_step(self) -> int | None:
+        """The step of the newest save of this manager that is committed (None before the first).
+        Never blocks: an asynchronous save counts from the moment its commit is done, before
+        ``wait()`` or the next ``maybe_save`` learns of it."""
+        return self._latest_committed
 
     def path_for(self, step: int, tier: int = 0) -> Path | str:
         return self._roots[tier].location(step)
@@ -407,13 +423,15 @@ class CheckpointManager:
         if self.async_save:
             self._pending = async_save(state, path, step=step, metadata=metadata, save_info=save_info, overwrite=overwrite,
                                        guard=self._guard, io_threads=self._io_threads,
-                                       storage_options=self._store.storage_options)
+                                       storage_options=self._store.storage_options,
+                                       on_commit=lambda _report: self._announce_commit(step, path))
             self._pending_step = step
             log.info("staged step %d; writing in the background", step)
         else:
             save(state, path, step=step, metadata=metadata, save_info=save_info, overwrite=overwrite,
                  io_threads=self._io_threads,
                  storage_options=self._store.storage_options)
+            self._announce_commit(step, path)
             self._committed(step)
         cost = time.monotonic() - t_start  # the stall of an async save, the whole of a sync one
         self._save_cost = cost if self._save_cost is None else (
@@ -438,6 +456,17 @@ class CheckpointManager:
         warnings.warn(f"resurgo: replacing {path} ({entry.status}{detail}) with a new save of step {step}; "
                       "the replacement is atomic", stacklevel=4)
         return True
+
+    def _announce_commit(self, step: int, path: Path | str) -> None:
+        """In the thread that committed ``step``: publish it, then call ``on_commit`` (warned if it raises)."""
+        self._latest_committed = step
+        if self._on_commit is None:
+            return
+        try:
+            self._on_commit(step, path)
+        except Exception as e:  # noqa: BLE001 - the checkpoint is committed whatever the callback does
+            warnings.warn(f"resurgo: on_commit({step}, {str(path)!r}) raised {type(e).__name__}: {e}",
+                          RuntimeWarning, stacklevel=2)
 
     def _reap(self) -> None:
         """Finish a background save that has ended (raising its error) and report deletion errors."""
