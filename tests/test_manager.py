@@ -214,15 +214,15 @@ def test_keep_best_uses_metrics_stored_in_the_checkpoints_across_restarts(tmp_pa
 def test_deletion_renames_the_checkpoint_away_before_removing_any_file(tmp_path, monkeypatch):
     save_steps(tmp_path, [1, 2])
     seen = []
-    real_rmtree = removal.shutil.rmtree
+    real_remove = removal.remove_checkpoint_dir
 
-    def watching_rmtree(path, *args, **kwargs):
+    def watching_remove(path, owned):
         step = catalog.step_of(catalog.temporary_target(Path(path).name))
         seen.append((Path(path).name, step, (tmp_path / checkpoint_name(step)).exists(),
                      [e.status for e in scan_root(tmp_path) if e.step == step]))
-        return real_rmtree(path, *args, **kwargs)
+        return real_remove(path, owned)
 
-    monkeypatch.setattr(removal.shutil, "rmtree", watching_rmtree)
+    monkeypatch.setattr(removal, "remove_checkpoint_dir", watching_remove)
     with CheckpointManager(tmp_path, keep_last=1, async_save=False) as mgr:
         mgr.save(3, state_at(3))
     assert sorted(step for _, step, _, _ in seen) == [1, 2]
@@ -235,7 +235,7 @@ def test_deletion_renames_the_checkpoint_away_before_removing_any_file(tmp_path,
 def test_an_interrupted_deletion_reads_as_temporary_and_is_cleaned_at_the_next_start(tmp_path, monkeypatch):
     save_steps(tmp_path, [1, 2])
     # The process dies right after the rename, and once more in the middle of removing files.
-    monkeypatch.setattr(removal, "remove_temporary", lambda path: False)
+    monkeypatch.setattr(removal, "remove_checkpoint_dir", lambda path, owned: None)
     with CheckpointManager(tmp_path, keep_last=1, async_save=False) as mgr:
         mgr.save(3, state_at(3))
     trash = [p for p in tmp_path.iterdir() if "trash" in p.name]
@@ -285,15 +285,30 @@ def test_a_save_that_failed_can_be_made_again_at_the_same_step(tmp_path, monkeyp
 
 def test_saving_over_an_incomplete_or_corrupt_step_warns_and_replaces_it(tmp_path):
     (tmp_path / checkpoint_name(3) / "data").mkdir(parents=True)
+    (tmp_path / checkpoint_name(3) / "data" / "rank00000-000.safetensors").write_bytes(b"cut short")
     with CheckpointManager(tmp_path, async_save=False) as mgr:
         with pytest.warns(UserWarning, match=r"replacing .*step_000000003 \(incomplete: data/ but no manifest.json"):
             mgr.save(3, state_at(3))
-        (tmp_path / checkpoint_name(4)).mkdir()
-        (tmp_path / checkpoint_name(4) / "manifest.json").write_text("{}")
-        with pytest.warns(UserWarning, match=r"replacing .*step_000000004 \(corrupt: .*manifest.json"):
+        resurgo.save(state_at(4), tmp_path / checkpoint_name(4), step=4)
+        data = next((tmp_path / checkpoint_name(4) / "data").iterdir())
+        data.write_bytes(data.read_bytes()[:-1])  # its manifest verifies, its data does not
+        with pytest.warns(UserWarning, match=r"replacing .*step_000000004 \(corrupt: .*bytes on disk"):
             mgr.save(4, state_at(4))
     assert committed_steps(tmp_path) == [3, 4]
     assert bits_equal(resurgo.load_dict(tmp_path / checkpoint_name(4)), state_at(4))
+
+
+def test_a_step_whose_manifest_does_not_verify_is_not_replaced(tmp_path):
+    (tmp_path / checkpoint_name(4)).mkdir()
+    (tmp_path / checkpoint_name(4) / "manifest.json").write_text("{}")
+    with CheckpointManager(tmp_path, async_save=False) as mgr:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "replacing" warning for what is refused
+            with pytest.raises(resurgo.ForeignFilesError, match=r"step_000000004: holds 'manifest.json' \(it does "
+                               r"not verify: .*'format' is 'None'.*\), which resurgo did not write"):
+                mgr.save(4, state_at(4))
+    assert names(tmp_path) == ["step_000000004"] and names(tmp_path / checkpoint_name(4)) == ["manifest.json"]
+    assert (tmp_path / checkpoint_name(4) / "manifest.json").read_text() == "{}"
 
 
 def test_a_background_error_is_raised_by_close(tmp_path, monkeypatch):

@@ -15,11 +15,12 @@ exists, memory budget, pickled values) or bad usage.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -36,7 +37,13 @@ from rich.table import Table
 from resurgo.bench import bench_storage
 from resurgo.convert import TARGETS, convert as convert_checkpoint, parse_size
 from resurgo.diff import DEFAULT_DIFF_BUDGET, CheckpointDiff, TensorDiff, diff_checkpoints
-from resurgo.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError, ResurgoError
+from resurgo.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ForeignFilesError,
+    NotACheckpointError,
+    ResurgoError,
+)
 from resurgo.format import values
 from resurgo.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from resurgo.format.tree import MAX_TREE_DEPTH
@@ -44,7 +51,7 @@ from resurgo.pipeline.verify import VerifyReport, verify_checkpoint
 from resurgo.state.flatten import path_key
 from resurgo.manager import catalog
 from resurgo.manager.catalog import file_size_problems
-from resurgo.manager.gc import DELETE, plan_gc
+from resurgo.manager.gc import DELETE, KEEP, GcItem, plan_gc
 from resurgo.manager.removal import remove_checkpoint
 from resurgo.manager.retention import shortcut_policy
 from resurgo.manager.roots import ObjectRoot, list_object_checkpoints
@@ -672,10 +679,9 @@ def gc(
             newest = {e.path: e.newest for e in entries}
             plan = plan_gc(entries, policy, now=time.time(), stale_after=stale_after, mtime=lambda p: newest[p])
             sizes = {id(item): item.entry.nbytes for item in plan}
-            if not dry_run:
-                for item in plan:
-                    if item.action == DELETE and item.entry.step is not None:
-                        store.remove(item.entry.step)
+            for item in plan:
+                if item.action == DELETE and item.entry.step is not None:
+                    _gc_remove(item, functools.partial(store.remove, item.entry.step, dry_run=dry_run))
         else:
             local = Path(root)
             if not local.exists():
@@ -685,10 +691,9 @@ def gc(
             entries = catalog.scan_root(local)
             plan = plan_gc(entries, policy, now=time.time(), stale_after=stale_after, mtime=catalog.newest_mtime)
             sizes = {id(item): catalog.dir_bytes(item.entry.path) for item in plan}
-            if not dry_run:
-                for item in plan:
-                    if item.action == DELETE:
-                        remove_checkpoint(item.entry.path)
+            for item in plan:
+                if item.action == DELETE:
+                    _gc_remove(item, functools.partial(remove_checkpoint, item.entry.path, dry_run=dry_run))
     doomed = [item for item in plan if item.action == DELETE]
     freed = sum(sizes[id(item)] for item in doomed)
     verb = "would delete" if dry_run else "deleted"
@@ -711,6 +716,16 @@ def gc(
     out.print(table)
     out.print(f"{verb} {len(doomed)} of {len(plan)}, {human_bytes(freed)}"
               + (" (dry run: nothing was deleted)" if dry_run else ""))
+
+
+def _gc_remove(item: GcItem, remove: Callable[[], bool]) -> None:
+    """Delete (or, in a dry run, check) one item; one holding files resurgo did not write is kept,
+    with a warning naming one of them."""
+    try:
+        remove()
+    except ForeignFilesError as e:
+        item.action, item.reason = KEEP, f"refused: {e}"
+        typer.echo(f"warning: {e}", err=True)
 
 
 # -- convert ----------------------------------------------------------------------------------

@@ -28,6 +28,11 @@ class CheckpointExistsError(ResurgoError, FileExistsError):
     """Saving onto an existing path without ``overwrite=True``."""
 
 
+class ForeignFilesError(CheckpointExistsError):
+    """Replacing or deleting a location would touch files resurgo did not write (a file or folder
+    of another name, a manifest that does not verify): refused, nothing changed."""
+
+
 class ManifestError(ResurgoError, ValueError):
     """The manifest is not valid: bad JSON, wrong schema, unsafe path, inconsistent sizes."""
 

@@ -28,6 +28,7 @@ from resurgo.api import DEFAULT_IO_THREADS, load, read_manifest, save
 from resurgo.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    ForeignFilesError,
     ManifestError,
     NotACheckpointError,
     ResurgoError,
@@ -35,6 +36,7 @@ from resurgo.errors import (
     UnsupportedValueError,
 )
 from resurgo.dist import comm as dist_comm
+from resurgo.format.manifest import declared_files
 from resurgo.manager import agreement
 from resurgo.manager.catalog import COMMITTED, CORRUPT, INCOMPLETE, TEMPORARY, Entry
 from resurgo.manager.daly import daly_interval
@@ -441,13 +443,19 @@ class CheckpointManager:
         self._unreadable_steps.discard(step)
 
     def _make_way(self, path: Path | str, step: int) -> bool:
-        """Whether the save must replace something already at ``path`` (it warns what)."""
+        """Whether the save must replace something already at ``path`` (it warns what). Something
+        resurgo cannot prove it wrote is not warned about: the save's staging refuses it, on every
+        rank (ForeignFilesError), before anything is written."""
         if self._store.classify(step) is None:
             return False
         self._janitor.join()  # no deletion of this very path may still be running
         entry = self._store.classify(step)
         if entry is None:
             return False
+        try:
+            self._store.remove(step, dry_run=True)
+        except ForeignFilesError:
+            return True
         if entry.status == INCOMPLETE and isinstance(self._store, ObjectRoot):
             if self._rank == 0:  # who stages the save; a save of ours that died: its token would refuse it
                 self._store.remove(step)
@@ -508,10 +516,16 @@ class CheckpointManager:
         if tier == 0:
             with self._copies_lock:
                 protect += tuple(self._copies_pending)
+        refused: list[ForeignFilesError] = []
         for s in steps_to_delete(committed, retention or self.retention, protect=protect):
             log.info("deleting step %d (%s)", s, store.location(s))
-            if store.remove(s):
-                log.info("deleted step %d", s)
+            try:
+                if store.remove(s):
+                    log.info("deleted step %d", s)
+            except ForeignFilesError as e:  # left in place; the others still go
+                refused.append(e)
+        if refused:
+            raise refused[0]
 
     def _copy_to_tier(self, step: int, tier: int) -> None:
         """Copy the fast tier's checkpoint of ``step`` to ``tier``, verify the copy there (every
@@ -546,7 +560,7 @@ class CheckpointManager:
             return
         log.info("copying step %d to %s", step, dest)
         copy_checkpoint(source, dest, src_options=self._store.storage_options, dst_options=store.storage_options,
-                        comm=comm)
+                        comm=comm, declared_files=declared_files)
 
         def verify_mine() -> list[str]:
             manifest = open_checkpoint(dest, store.storage_options).read_manifest_bytes()

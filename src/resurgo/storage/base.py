@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from resurgo.errors import CorruptCheckpointError
+from resurgo.storage.ownership import DeclaredFiles
 
 
 class ReadHandle(Protocol):
@@ -70,7 +71,7 @@ class Checkpoint(Protocol):
 
     def check_sizes(self, sizes: dict[str, int]) -> None: ...
 
-    def stage(self, overwrite: bool) -> Staging: ...
+    def stage(self, overwrite: bool, declared_files: DeclaredFiles | None = None) -> Staging: ...
 
 
 def check_size(where: object, rel: str, actual: int, expected: int) -> None:
