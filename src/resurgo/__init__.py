@@ -11,6 +11,7 @@ from resurgo.diff import CheckpointDiff, diff_checkpoints
 from resurgo.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CheckpointReplacedError,
     CorruptCheckpointError,
     DataPositionError,
     DTypeMismatchError,
@@ -46,7 +47,7 @@ __all__ = [
     "ConvertReport", "Shard", "FlatShard", "PerRank", "ShardingError", "WorldSizeMismatchError", "RankFailedError",
     "ElasticSampler", "elastic_state", "DataPositionError",
     "CheckpointManager", "Tier", "daly_interval",
-    "ResurgoError", "CheckpointExistsError", "ForeignFilesError", "CheckpointNotFoundError", "CorruptCheckpointError",
+    "ResurgoError", "CheckpointExistsError", "ForeignFilesError", "CheckpointReplacedError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "DTypeMismatchError", "IncompleteCheckpointError", "KeyMismatchError", "ManifestError",
     "NotACheckpointError", "PickleNotAllowedError", "ShapeMismatchError", "StorageError",
     "TypeMismatchError", "UnsupportedValueError", "MemoryBudgetError", "SaveInFlightError", "StudyError",

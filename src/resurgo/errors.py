@@ -86,6 +86,11 @@ class StorageError(ResurgoError, OSError):
     """The storage backend failed (disk full, permission denied, I/O error)."""
 
 
+class CheckpointReplacedError(StorageError):
+    """The checkpoint was replaced (saved over) again and again while being read, so no complete
+    version of it could be read; a single replacement is retried and never reported."""
+
+
 class ShardingError(ResurgoError, ValueError):
     """The shards the ranks declared for a tensor do not tile it exactly once, or disagree on its
     dtype or global shape."""

@@ -429,6 +429,14 @@ class ObjectCheckpoint:
     def listing(self) -> PrefixListing:
         return listing_of(list_prefix(self.fs, self.root, self.url))
 
+    def pinned(self) -> "ObjectCheckpoint":
+        """Itself: an object store cannot pin a version; a read that fails is retried when the
+        manifest changed meanwhile (:mod:`resurgo.pipeline.consistent`)."""
+        return self
+
+    def close(self) -> None:
+        pass
+
     # -- reading ------------------------------------------------------------------------------
     def read_manifest_bytes(self) -> bytes:
         full = self.full(MANIFEST_NAME)

@@ -20,6 +20,7 @@ import errno
 import os
 import shutil
 import stat
+import threading
 import uuid
 import warnings
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from pathlib import Path
 from resurgo.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CheckpointReplacedError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     NotACheckpointError,
@@ -158,17 +160,22 @@ class WriteHandle(DirectWriteHandle):
         super().__init__(path, label, direct=False)
 
 
-class ReadHandle:
-    """A data file opened for positional reads (thread-safe: pread keeps no file position)."""
+def _open_for_read(path: Path, rel: str) -> int:
+    try:  # O_NONBLOCK: opening a FIFO planted in place of a data file must not hang
+        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path}: data file {rel!r} listed in the manifest is missing") from None
+    except OSError as e:
+        raise StorageError(e.errno, f"{path}: cannot open data file {rel!r}: {e.strerror}") from None
 
-    def __init__(self, path: Path, rel: str):
+
+class ReadHandle:
+    """A data file opened for positional reads (thread-safe: pread keeps no file position).
+    ``fd``: already open (the handle owns it), else ``path`` is opened."""
+
+    def __init__(self, path: Path, rel: str, fd: int | None = None):
         self.rel = rel
-        try:  # O_NONBLOCK: opening a FIFO planted in place of a data file must not hang
-            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{path}: data file {rel!r} listed in the manifest is missing") from None
-        except OSError as e:
-            raise StorageError(e.errno, f"{path}: cannot open data file {rel!r}: {e.strerror}") from None
+        self.fd = _open_for_read(path, rel) if fd is None else fd
         st = os.fstat(self.fd)
         if not stat.S_ISREG(st.st_mode):
             os.close(self.fd)
@@ -217,7 +224,18 @@ class CheckpointDir:
         return str(self.path / rel)
 
     # -- reading ------------------------------------------------------------------------------
+    def pinned(self) -> "PinnedCheckpointDir":
+        """This checkpoint as one version: see :class:`PinnedCheckpointDir`. ``close()`` it."""
+        return PinnedCheckpointDir(self.path)
+
+    def close(self) -> None:
+        pass
+
     def read_manifest_bytes(self) -> bytes:
+        return self.manifest_path().read_bytes()
+
+    def manifest_path(self) -> Path:
+        """The manifest's path, once the checkpoint is known to be one (else the error saying what it is)."""
         if not self.path.exists():
             raise CheckpointNotFoundError(f"{self.path}: no such checkpoint")
         if is_temporary(self.path):
@@ -236,7 +254,7 @@ class CheckpointDir:
             from resurgo.errors import ManifestError
 
             raise ManifestError(f"{mpath}: {size} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may have")
-        return mpath.read_bytes()
+        return mpath
 
     def resolve(self, rel: str) -> Path:
         """The absolute path of ``rel``, refusing anything that leaves the checkpoint."""
@@ -280,6 +298,97 @@ class CheckpointDir:
         except OSError as e:
             raise StorageError(e.errno, f"{self.path}: cannot create a temporary directory: {e.strerror}") from None
         return LocalStaging(self.path, tmp, overwrite, declared_files)
+
+
+class PinnedCheckpointDir(CheckpointDir):
+    """A checkpoint directory read as one version, even while a save replaces it.
+
+    The directory is opened once; the manifest and every data file are then opened by path and
+    accepted only when they are the very files of that directory (same inode as seen through it),
+    and each stays open for the rest of the read, so the old files stay readable after an overwrite
+    swaps the directories and deletes the old one. When a file is missing or another one, and the
+    path names another directory now, the checkpoint was replaced: CheckpointReplacedError, which
+    the load retries from the start (never reported as corruption).
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        super().__init__(path)
+        self._dir_fd = -1
+        self._dir_id: tuple[int, int] | None = None
+        self._fds: dict[str, int] = {}  # rel -> an open file of the pinned directory
+        self._lock = threading.Lock()
+
+    def pinned(self) -> "PinnedCheckpointDir":
+        return self
+
+    def _pin(self) -> None:
+        if self._dir_fd >= 0:
+            return
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return  # not a directory, or gone: manifest_path() says what it is
+        st = os.fstat(fd)
+        self._dir_fd, self._dir_id = fd, (st.st_dev, st.st_ino)
+
+    def _raise_if_replaced(self, rel: str) -> None:
+        try:
+            st = os.stat(self.path)
+            now: tuple[int, int] | None = (st.st_dev, st.st_ino)
+        except OSError:
+            now = None
+        if now != self._dir_id:
+            raise CheckpointReplacedError(f"{self.path}: replaced by another save while {rel} was being opened")
+
+    def _open_pinned(self, rel: str) -> int:
+        """An open file of ``rel`` in the pinned directory (cached: opened once per read)."""
+        with self._lock:
+            fd = self._fds.get(rel)
+            if fd is not None:
+                return fd
+            self._pin()
+            path = self.resolve(rel)  # a symlink may not lead out of the checkpoint
+            try:
+                fd = _open_for_read(path, rel)
+            except CorruptCheckpointError:
+                self._raise_if_replaced(rel)
+                raise
+            opened = os.fstat(fd)
+            try:
+                st = os.stat(rel, dir_fd=self._dir_fd)
+                mine = (st.st_dev, st.st_ino) == (opened.st_dev, opened.st_ino)
+            except OSError:
+                mine = False
+            if not mine:
+                os.close(fd)
+                self._raise_if_replaced(rel)
+                raise CheckpointReplacedError(f"{self.path}: {rel} was replaced while being opened")
+            self._fds[rel] = fd
+            return fd
+
+    def read_manifest_bytes(self) -> bytes:
+        self._pin()
+        self.manifest_path()  # what the path is, if not a checkpoint
+        fd, parts, offset = self._open_pinned(MANIFEST_NAME), [], 0
+        while offset <= MAX_MANIFEST_BYTES:  # pread: the cached descriptor keeps no position
+            part = os.pread(fd, 1 << 24, offset)
+            if not part:
+                break
+            parts.append(part)
+            offset += len(part)
+        return b"".join(parts)
+
+    def open_read(self, rel: str) -> ReadHandle:
+        return ReadHandle(self.path / rel, rel, fd=os.dup(self._open_pinned(rel)))
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+            if self._dir_fd >= 0:
+                os.close(self._dir_fd)
+                self._dir_fd = -1
 
 
 class LocalStaging:
