@@ -141,3 +141,13 @@ def test_a_checkpoint_replaced_at_every_attempt_raises_a_clear_error(tmp_path, m
     monkeypatch.undo()
     assert one_version(resurgo.load_dict(path), resurgo.read_manifest(path).step) == version[0]
     assert os.listdir(tmp_path) == ["ck"]
+
+
+@pytest.mark.parametrize("how", ["error", "version"])
+def test_ranks_retry_together_and_end_on_one_version(tmp_path, how):
+    from dist_harness import run_ranks
+
+    resurgo.save({"w": torch.full((8,), 1.0)}, tmp_path / "ck", step=1)
+    resurgo.save({"w": torch.full((8,), 1.0)}, tmp_path / "other", step=2)  # same data files, another manifest
+    results = run_ranks(2, "dist_workers:load_while_replaced", str(tmp_path / "ck"), str(tmp_path / "other"), how)
+    assert results == [[2, 1, 1.0], [2, 1, 1.0]] or results == [(2, 1, 1.0), (2, 1, 1.0)]
