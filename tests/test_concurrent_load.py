@@ -39,7 +39,7 @@ def one_version(tensors: dict, step: int | None) -> int:
 
 
 class Overwriter:
-    """Saves version 1, 2, 3, ... over one path, as fast as it can, until stopped."""
+    """Saves version 1, 2, 3, ... over one path, one every few milliseconds, until stopped."""
 
     def __init__(self, path: str | Path, storage_options: dict | None = None):
         self.path, self.options = path, storage_options
@@ -55,7 +55,7 @@ class Overwriter:
                 self.version += 1
                 resurgo.save(versioned(self.version), self.path, step=self.version, overwrite=True, io_threads=4,
                              storage_options=self.options)
-                time.sleep(0.002)
+                time.sleep(0.005)
         except BaseException as e:  # noqa: BLE001 - the test reports it
             self.error = e
 

@@ -50,6 +50,10 @@ def verify_checkpoint(path: str | os.PathLike, progress: Callable[[int], None] |
             report = _verify_once(ckpt, str(path), progress, files, seen)
         except CheckpointReplacedError:
             continue
+        except ResurgoError:
+            if consistent.manifest_changed(path, storage_options, seen[0] if seen else None):
+                continue
+            raise
         finally:
             ckpt.close()
         if report.ok or not consistent.manifest_changed(path, storage_options, seen[0]):

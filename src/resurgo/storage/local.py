@@ -381,6 +381,23 @@ class PinnedCheckpointDir(CheckpointDir):
     def open_read(self, rel: str) -> ReadHandle:
         return ReadHandle(self.path / rel, rel, fd=os.dup(self._open_pinned(rel)))
 
+    def check_sizes(self, sizes: dict[str, int]) -> None:
+        """As :meth:`CheckpointDir.check_sizes`, through the pinned directory, opening nothing (a
+        rank keeps open only the files it reads)."""
+        self._pin()
+        for rel, expected in sizes.items():
+            path = self.resolve(rel)
+            try:
+                st = os.stat(rel, dir_fd=self._dir_fd) if self._dir_fd >= 0 else path.stat()
+            except FileNotFoundError:
+                self._raise_if_replaced(rel)
+                raise CorruptCheckpointError(f"{path}: data file {rel!r} listed in the manifest is missing") from None
+            except OSError as e:
+                raise StorageError(e.errno, f"{path}: cannot open data file {rel!r}: {e.strerror}") from None
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptCheckpointError(f"{path}: data file {rel!r} is not a regular file")
+            check_size(self.path, rel, st.st_size, expected)
+
     def close(self) -> None:
         with self._lock:
             for fd in self._fds.values():
