@@ -288,3 +288,26 @@ def repeated_saves(rank: int, world: int, root: str) -> dict:
     resurgo.save({"w": hold("dt_s1", full, rank, world), "step": 4}, f"{root}/c4")
     out["hits_after_new_layout"] = save_module._plans.hits
     return out
+
+
+def load_while_replaced(rank: int, world: int, path: str, other: str, how: str) -> tuple[int, int | None, float]:
+    """Rank 1's first read of the manifest sees a replacement (``how="error"``) or another version
+    (``how="version"``: the manifest of ``other``); returns (manifest reads, step, value loaded)."""
+    from resurgo.errors import CheckpointReplacedError
+    from resurgo.storage import local
+
+    original = local.PinnedCheckpointDir.read_manifest_bytes
+    reads = [0]
+
+    def read(self):  # type: ignore[no-untyped-def]
+        reads[0] += 1
+        if rank == 1 and reads[0] == 1:
+            if how == "error":
+                raise CheckpointReplacedError(f"{self.path}: replaced (injected)")
+            return local.CheckpointDir(other).read_manifest_bytes()
+        return original(self)
+
+    local.PinnedCheckpointDir.read_manifest_bytes = read  # type: ignore[method-assign]
+    target = {"w": torch.zeros(8)}
+    report = resurgo.load(target, path)
+    return reads[0], report.step, float(target["w"][0])

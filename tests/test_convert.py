@@ -515,9 +515,14 @@ def test_hf_overwrite_never_deletes_foreign_files(tmp_path):
     resurgo.save({"w": torch.ones(2)}, tmp_path / "ck")
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{}")
-    with pytest.raises(CheckpointExistsError, match=r"hf: holds files a conversion to hf did not write \('config.json'\)"):
+    with pytest.raises(resurgo.ForeignFilesError, match=r"hf: holds 'config.json', which resurgo did not write; refusing "
+                                                        r"to replace it, nothing was changed"):
         resurgo.convert(tmp_path / "ck", tmp_path / "hf", to="hf", overwrite=True)
     assert os.listdir(tmp_path / "hf") == ["config.json"]
+    resurgo.convert(tmp_path / "ck", tmp_path / "hf2", to="hf")
+    (tmp_path / "hf2" / "model.safetensors").rename(tmp_path / "hf2" / "model-00001-of-00001.safetensors")
+    resurgo.convert(tmp_path / "ck", tmp_path / "hf2", to="hf", overwrite=True)  # what a conversion writes: replaced
+    assert os.listdir(tmp_path / "hf2") == ["model.safetensors"]
 
 
 def test_destination_is_the_source(tmp_path):

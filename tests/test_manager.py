@@ -214,15 +214,15 @@ def test_keep_best_uses_metrics_stored_in_the_checkpoints_across_restarts(tmp_pa
 def test_deletion_renames_the_checkpoint_away_before_removing_any_file(tmp_path, monkeypatch):
     save_steps(tmp_path, [1, 2])
     seen = []
-    real_rmtree = removal.shutil.rmtree
+    real_remove = removal.remove_checkpoint_dir
 
-    def watching_rmtree(path, *args, **kwargs):
+    def watching_remove(path, owned):
         step = catalog.step_of(catalog.temporary_target(Path(path).name))
         seen.append((Path(path).name, step, (tmp_path / checkpoint_name(step)).exists(),
                      [e.status for e in scan_root(tmp_path) if e.step == step]))
-        return real_rmtree(path, *args, **kwargs)
+        return real_remove(path, owned)
 
-    monkeypatch.setattr(removal.shutil, "rmtree", watching_rmtree)
+    monkeypatch.setattr(removal, "remove_checkpoint_dir", watching_remove)
     with CheckpointManager(tmp_path, keep_last=1, async_save=False) as mgr:
         mgr.save(3, state_at(3))
     assert sorted(step for _, step, _, _ in seen) == [1, 2]
@@ -235,7 +235,7 @@ def test_deletion_renames_the_checkpoint_away_before_removing_any_file(tmp_path,
 def test_an_interrupted_deletion_reads_as_temporary_and_is_cleaned_at_the_next_start(tmp_path, monkeypatch):
     save_steps(tmp_path, [1, 2])
     # The process dies right after the rename, and once more in the middle of removing files.
-    monkeypatch.setattr(removal, "remove_temporary", lambda path: False)
+    monkeypatch.setattr(removal, "remove_checkpoint_dir", lambda path, owned: None)
     with CheckpointManager(tmp_path, keep_last=1, async_save=False) as mgr:
         mgr.save(3, state_at(3))
     trash = [p for p in tmp_path.iterdir() if "trash" in p.name]
@@ -285,15 +285,30 @@ def test_a_save_that_failed_can_be_made_again_at_the_same_step(tmp_path, monkeyp
 
 def test_saving_over_an_incomplete_or_corrupt_step_warns_and_replaces_it(tmp_path):
     (tmp_path / checkpoint_name(3) / "data").mkdir(parents=True)
+    (tmp_path / checkpoint_name(3) / "data" / "rank00000-000.safetensors").write_bytes(b"cut short")
     with CheckpointManager(tmp_path, async_save=False) as mgr:
         with pytest.warns(UserWarning, match=r"replacing .*step_000000003 \(incomplete: data/ but no manifest.json"):
             mgr.save(3, state_at(3))
-        (tmp_path / checkpoint_name(4)).mkdir()
-        (tmp_path / checkpoint_name(4) / "manifest.json").write_text("{}")
-        with pytest.warns(UserWarning, match=r"replacing .*step_000000004 \(corrupt: .*manifest.json"):
+        resurgo.save(state_at(4), tmp_path / checkpoint_name(4), step=4)
+        data = next((tmp_path / checkpoint_name(4) / "data").iterdir())
+        data.write_bytes(data.read_bytes()[:-1])  # its manifest verifies, its data does not
+        with pytest.warns(UserWarning, match=r"replacing .*step_000000004 \(corrupt: .*bytes on disk"):
             mgr.save(4, state_at(4))
     assert committed_steps(tmp_path) == [3, 4]
     assert bits_equal(resurgo.load_dict(tmp_path / checkpoint_name(4)), state_at(4))
+
+
+def test_a_step_whose_manifest_does_not_verify_is_not_replaced(tmp_path):
+    (tmp_path / checkpoint_name(4)).mkdir()
+    (tmp_path / checkpoint_name(4) / "manifest.json").write_text("{}")
+    with CheckpointManager(tmp_path, async_save=False) as mgr:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "replacing" warning for what is refused
+            with pytest.raises(resurgo.ForeignFilesError, match=r"step_000000004: holds 'manifest.json' \(it does "
+                               r"not verify: .*'format' is 'None'.*\), which resurgo did not write"):
+                mgr.save(4, state_at(4))
+    assert names(tmp_path) == ["step_000000004"] and names(tmp_path / checkpoint_name(4)) == ["manifest.json"]
+    assert (tmp_path / checkpoint_name(4) / "manifest.json").read_text() == "{}"
 
 
 def test_a_background_error_is_raised_by_close(tmp_path, monkeypatch):
@@ -622,3 +637,49 @@ def test_gc_of_a_durable_tier_applies_that_tiers_rules(tmp_path):
     plan = json.loads(runner.invoke(app, ["gc", str(durable), "--dry-run", "--json"]).stdout)
     assert plan["retention"]["rules"] == "keep_last 3"
     assert [i["action"] for i in plan["items"]] == ["keep"] * 3
+
+
+# -- observing commits without blocking -----------------------------------------------------------
+def test_latest_committed_step_changes_only_once_the_async_save_is_committed(tmp_path, gated_writes):
+    seen: list[tuple[int, str, str, list[int]]] = []
+
+    def on_commit(step, path):  # the checkpoint is on disk, committed, when this runs
+        seen.append((step, str(path), threading.current_thread().name, committed_steps(tmp_path)))
+
+    mgr = CheckpointManager(tmp_path, on_commit=on_commit)
+    assert mgr.latest_committed_step is None
+    mgr.save(1, state_at(1))  # staged; its write waits at the gate
+    time.sleep(0.1)
+    assert mgr.latest_committed_step is None and seen == [] and committed_steps(tmp_path) == []
+    gated_writes.set()
+    deadline = time.monotonic() + 30
+    while mgr.latest_committed_step is None and time.monotonic() < deadline:
+        time.sleep(0.005)  # polled, never waited for: the property alone reports the commit
+    assert mgr.latest_committed_step == 1
+    assert seen == [(1, str(tmp_path / checkpoint_name(1)), "resurgo-async-save", [1])]
+    for s in (2, 3):
+        mgr.save(s, state_at(s))
+    mgr.close()
+    assert [(s, p) for s, p, _, _ in seen] == [(s, str(tmp_path / checkpoint_name(s))) for s in (1, 2, 3)]
+    assert all(steps[-1] == s for s, _, _, steps in seen)
+    assert mgr.latest_committed_step == 3
+
+
+def test_on_commit_runs_in_the_callers_thread_when_sync_and_its_errors_are_warned(tmp_path):
+    calls: list[tuple[int, str]] = []
+
+    def on_commit(step, path):
+        calls.append((step, threading.current_thread().name))
+        raise ValueError(f"dashboard down at {step}")
+
+    with CheckpointManager(tmp_path, async_save=False, on_commit=on_commit) as mgr:
+        with pytest.warns(RuntimeWarning, match=r"on_commit\(4, .*step_000000004'\) raised ValueError: dashboard down at 4"):
+            mgr.save(4, state_at(4))
+        assert mgr.latest_committed_step == 4
+    assert calls == [(4, threading.current_thread().name)]
+    assert committed_steps(tmp_path) == [4]
+    with CheckpointManager(tmp_path, on_commit=on_commit) as mgr:  # asynchronous: warned from the writer
+        with pytest.warns(RuntimeWarning, match="dashboard down at 5"):
+            mgr.save(5, state_at(5))
+            mgr.wait()
+    assert calls[-1] == (5, "resurgo-async-save") and committed_steps(tmp_path) == [4, 5]

@@ -153,7 +153,7 @@ def _audit(event: str, args: tuple) -> None:
     if root is None or event != "open" or not args or not isinstance(args[0], (str, bytes, os.PathLike)):
         return
     path = os.path.realpath(os.fsdecode(args[0]))
-    if path.startswith(root + os.sep) or path.startswith(_ALLOWED_PREFIXES):
+    if path == root or path.startswith(root + os.sep) or path.startswith(_ALLOWED_PREFIXES):  # the directory too
         return
     if path.endswith((".py", ".pyc", ".so")):  # a lazy import
         return

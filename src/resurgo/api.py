@@ -11,9 +11,10 @@ import time
 from typing import Any
 
 from resurgo.dist import comm as dist_comm
-from resurgo.errors import KeyMismatchError, PickleNotAllowedError
+from resurgo.errors import CheckpointReplacedError, KeyMismatchError, PickleNotAllowedError, ResurgoError
+from resurgo.format import checksum
 from resurgo.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
-from resurgo.pipeline import inflight
+from resurgo.pipeline import consistent, inflight
 from resurgo.pipeline.reader import ReadResult, read_destinations
 from resurgo.pipeline.save import LazySources, prepare_save, write_and_commit
 from resurgo.reports import LoadReport, SaveReport
@@ -74,26 +75,49 @@ def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool
     if comm.size > 1:  # an in-flight save commits with collectives on the same group: let it finish
         inflight.settle(if_busy="wait")
 
-    def plan_and_read() -> tuple[Restorer, Any, ReadResult, Manifest, float]:
-        ckpt = open_checkpoint(path, storage_options)
-        manifest = parse_manifest(ckpt.read_manifest_bytes(), ckpt.describe(MANIFEST_NAME))
-        if manifest.pickled and not allow_pickle:
-            raise PickleNotAllowedError(
-                f"{ckpt.path}: holds pickled values; loading them could run code from the file. "
-                "Pass allow_pickle=True only if you trust this checkpoint."
-            )
-        ckpt.check_sizes({name: f.bytes for name, f in manifest.files.items()})  # before any allocation
-        restorer = Restorer(manifest, allow_pickle=allow_pickle, strict=strict, rank=comm.rank, world=comm.size,
-                            source=str(ckpt.path), ignore_mismatched=ignore_mismatched)
-        result = restorer.restore(target)
-        if strict and (restorer.missing or restorer.unexpected):
-            raise KeyMismatchError(_key_mismatch_message(ckpt, restorer.missing, restorer.unexpected),
-                                   restorer.missing, restorer.unexpected)
-        t_plan = time.perf_counter() - t_start
-        return restorer, result, read_destinations(ckpt, manifest, restorer.destinations, verify=verify,
-                                                   threads=io_threads), manifest, t_plan
+    seen: list[bytes] = []  # the manifest this attempt read
 
-    restorer, result, read, manifest, t_plan = comm.agree(plan_and_read)
+    def plan_and_read() -> tuple[Restorer, Any, ReadResult, Manifest, float]:
+        ckpt = open_checkpoint(path, storage_options).pinned()  # one version, where the backend can
+        try:
+            raw = ckpt.read_manifest_bytes()
+            seen.append(raw)
+            manifest = parse_manifest(raw, ckpt.describe(MANIFEST_NAME))
+            if manifest.pickled and not allow_pickle:
+                raise PickleNotAllowedError(
+                    f"{ckpt.path}: holds pickled values; loading them could run code from the file. "
+                    "Pass allow_pickle=True only if you trust this checkpoint."
+                )
+            ckpt.check_sizes({name: f.bytes for name, f in manifest.files.items()})  # before any allocation
+            restorer = Restorer(manifest, allow_pickle=allow_pickle, strict=strict, rank=comm.rank, world=comm.size,
+                                source=str(ckpt.path), ignore_mismatched=ignore_mismatched)
+            result = restorer.restore(target)
+            if strict and (restorer.missing or restorer.unexpected):
+                raise KeyMismatchError(_key_mismatch_message(ckpt, restorer.missing, restorer.unexpected),
+                                       restorer.missing, restorer.unexpected)
+            t_plan = time.perf_counter() - t_start
+            return restorer, result, read_destinations(ckpt, manifest, restorer.destinations, verify=verify,
+                                                       threads=io_threads), manifest, t_plan
+        finally:
+            ckpt.close()
+
+    # A save replacing the checkpoint meanwhile is not corruption: read the new version instead. Every
+    # decision is collective, so all ranks retry together and end on the same version.
+    for _ in range(consistent.ATTEMPTS):
+        seen.clear()
+        try:
+            restorer, result, read, manifest, t_plan = comm.agree(plan_and_read)
+        except CheckpointReplacedError:
+            continue  # raised on every rank by agree()
+        except ResurgoError:
+            changed = consistent.manifest_changed(path, storage_options, seen[0] if seen else None)
+            if any(comm.all_gather(changed)):
+                continue
+            raise
+        if comm.size == 1 or len(set(comm.all_gather(checksum.digest(seen[0])))) == 1:
+            break
+    else:
+        raise consistent.replaced_too_often(path)
     restorer.run_actions()
     seconds = dict(read.seconds)
     seconds["plan"] = t_plan + seconds.get("plan", 0.0)
@@ -126,7 +150,9 @@ def load(state: Any, path: str | os.PathLike, *, strict: bool = True, verify: bo
     the keys both have. A tensor whose dtype or shape differs raises DTypeMismatchError or
     ShapeMismatchError whatever ``strict`` says, unless ``ignore_mismatched=True``: then it is left
     as it is and its key listed in ``LoadReport.mismatched_keys``. Every error names the
-    checkpoint and the key. Checksums are verified unless ``verify=False``.
+    checkpoint and the key. Checksums are verified unless ``verify=False``. A save that replaces
+    the checkpoint during the load is not an error: the load reads one complete version, the old
+    or the new (:mod:`resurgo.pipeline.consistent`).
     """
     _, report = _restore(state, path, strict=strict, verify=verify, allow_pickle=allow_pickle, io_threads=io_threads,
                          storage_options=storage_options, ignore_mismatched=ignore_mismatched)

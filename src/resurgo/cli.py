@@ -16,12 +16,13 @@ imported inside the commands, so that ``resurgo --help`` starts at once.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -39,6 +40,7 @@ from resurgo.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    ForeignFilesError,
     ManifestError,
     MemoryBudgetError,
     NotACheckpointError,
@@ -50,6 +52,7 @@ from resurgo.version import __version__
 if TYPE_CHECKING:
     from resurgo.diff import CheckpointDiff, TensorDiff
     from resurgo.format.manifest import Manifest
+    from resurgo.manager.gc import GcItem
     from resurgo.pipeline.verify import VerifyReport
 
 PROGRESS_THRESHOLD_BYTES = 64 << 20  # verify and convert show a progress bar above this much tensor data
@@ -818,10 +821,9 @@ def gc(
             newest = {e.path: e.newest for e in entries}
             plan = plan_gc(entries, policy, now=time.time(), stale_after=stale_after, mtime=lambda p: newest[p])
             sizes = {id(item): item.entry.nbytes for item in plan}
-            if not dry_run:
-                for item in plan:
-                    if item.action == DELETE and item.entry.step is not None:
-                        store.remove(item.entry.step)
+            for item in plan:
+                if item.action == DELETE and item.entry.step is not None:
+                    _gc_remove(item, functools.partial(store.remove, item.entry.step, dry_run=dry_run))
         else:
             local = Path(root)
             if not local.exists():
@@ -832,10 +834,9 @@ def gc(
             policy, source = gc_policy(entries, root_name(LocalRoot(local)), **rules)
             plan = plan_gc(entries, policy, now=time.time(), stale_after=stale_after, mtime=catalog.newest_mtime)
             sizes = {id(item): catalog.dir_bytes(item.entry.path) for item in plan}
-            if not dry_run:
-                for item in plan:
-                    if item.action == DELETE:
-                        remove_checkpoint(item.entry.path)
+            for item in plan:
+                if item.action == DELETE:
+                    _gc_remove(item, functools.partial(remove_checkpoint, item.entry.path, dry_run=dry_run))
     from resurgo.manager.retention import describe
 
     rules_text = describe(policy) if policy is not None else "none (every committed checkpoint is kept)"
@@ -865,6 +866,18 @@ def gc(
     out.print(f"{verb} {len(doomed)} of {len(plan)}, {human_bytes(freed)}"
               + (" (dry run: nothing was deleted)" if dry_run else ""))
     raise typer.Exit(exit_code)
+
+
+def _gc_remove(item: GcItem, remove: Callable[[], bool]) -> None:
+    """Delete (or, in a dry run, check) one item; one holding files resurgo did not write is kept,
+    with a warning naming one of them."""
+    from resurgo.manager.gc import KEEP
+
+    try:
+        remove()
+    except ForeignFilesError as e:
+        item.action, item.reason = KEEP, f"refused: {e}"
+        typer.echo(f"warning: {e}", err=True)
 
 
 # -- convert ----------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ from resurgo.state.per_rank import PerRank
 from resurgo.storage.base import Checkpoint
 from resurgo.storage.local import AtomicOutput
 from resurgo.storage.open import is_url, local_path, open_checkpoint
+from resurgo.storage.ownership import FILE
 
 TARGETS = ("safetensors", "hf", "torch")
 DEFAULT_MEMORY_BUDGET = 1 << 30
@@ -134,7 +135,6 @@ def _to_safetensors(ckpt: Checkpoint, manifest: Manifest, dst: Path, to: str, on
     names = select_tensors(manifest, only, str(ckpt.path))
     kept, dropped = plain_values(manifest.tree, only)
     if to == "hf":
-        _check_hf_destination(dst, overwrite)
         shards = plan_shards([(k, tensor_nbytes(manifest.tensors[k])) for k in names], shard_limit)
         files: list[tuple[str | None, list[str], dict[str, str]]] = [
             (name, keys, {}) for name, keys in zip(shard_file_names(len(shards)), shards)]
@@ -148,7 +148,7 @@ def _to_safetensors(ckpt: Checkpoint, manifest: Manifest, dst: Path, to: str, on
         if manifest.metadata:
             extra["resurgo.metadata"] = json.dumps(manifest.metadata)
         files = [(None, list(names), extra)]
-    output = AtomicOutput(dst, directory=(to == "hf"), overwrite=overwrite)
+    output = AtomicOutput(dst, directory=(to == "hf"), overwrite=overwrite, owned=_hf_owned)
     stream = TensorByteStream(ckpt, manifest, budget, threads)
     seconds = {"read": 0.0, "write": 0.0}
     written: list[str] = []
@@ -200,14 +200,9 @@ def select_tensors(manifest: Manifest, only: str | None, where: str) -> dict[str
     return names
 
 
-def _check_hf_destination(dst: Path, overwrite: bool) -> None:
-    """Replacing a directory deletes it: only one that holds nothing but a previous conversion."""
-    if overwrite and dst.is_dir() and not dst.is_symlink():
-        others = sorted(n for n in os.listdir(dst) if not is_hf_output_file(n))
-        if others:
-            raise CheckpointExistsError(
-                f"{dst}: holds files a conversion to hf did not write ({', '.join(map(repr, others[:5]))}"
-                f"{', ...' if len(others) > 5 else ''}); refusing to replace the directory")
+def _hf_owned(rel: str, kind: str) -> bool:
+    """What a conversion to hf writes: the only entries an overwrite of its directory replaces."""
+    return kind == FILE and is_hf_output_file(rel)
 
 
 def _output_item(name: str, key: str, manifest: Manifest) -> HeaderEntry:

@@ -30,6 +30,11 @@ class CheckpointExistsError(ResurgoError, FileExistsError):
     """Saving onto an existing path without ``overwrite=True``."""
 
 
+class ForeignFilesError(CheckpointExistsError):
+    """Replacing or deleting a location would touch files resurgo did not write (a file or folder
+    of another name, a manifest that does not verify): refused, nothing changed."""
+
+
 class ManifestError(ResurgoError, ValueError):
     """The manifest is not valid: bad JSON, wrong schema, unsafe path, inconsistent sizes."""
 
@@ -81,6 +86,11 @@ class MemoryBudgetError(ResurgoError, MemoryError):
 
 class StorageError(ResurgoError, OSError):
     """The storage backend failed (disk full, permission denied, I/O error)."""
+
+
+class CheckpointReplacedError(StorageError):
+    """The checkpoint was replaced (saved over) again and again while being read, so no complete
+    version of it could be read; a single replacement is retried and never reported."""
 
 
 class ShardingError(ResurgoError, ValueError):

@@ -173,6 +173,12 @@ def parse_manifest(raw: bytes, source: str = MANIFEST_NAME) -> Manifest:
         return _parse_manifest(raw, source)
 
 
+def declared_files(raw: bytes, source: str = MANIFEST_NAME) -> frozenset[str]:
+    """The data files a manifest lists, once it parses and verifies (its seal included); what
+    storage may replace along with it (:mod:`resurgo.storage.ownership`)."""
+    return frozenset(parse_manifest(raw, source).files)
+
+
 def _parse_manifest(raw: bytes, source: str) -> Manifest:
     if len(raw) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{source}: manifest is {len(raw)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")

@@ -28,6 +28,7 @@ from resurgo.api import DEFAULT_IO_THREADS, load, read_manifest, save
 from resurgo.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    ForeignFilesError,
     ManifestError,
     NotACheckpointError,
     ResurgoError,
@@ -35,6 +36,7 @@ from resurgo.errors import (
     UnsupportedValueError,
 )
 from resurgo.dist import comm as dist_comm
+from resurgo.format.manifest import declared_files
 from resurgo.manager import agreement
 from resurgo.manager.catalog import COMMITTED, CORRUPT, INCOMPLETE, TEMPORARY, Entry
 from resurgo.manager.daly import daly_interval
@@ -170,6 +172,12 @@ class CheckpointManager:
     ``tiers=[Tier(fast), Tier(durable, every_steps=..., keep_last=...), ...]`` instead of a root,
     every save goes to the first tier and the checkpoints each later tier selects are copied there
     in the background and verified; ``restore`` takes the newest that verifies in any tier.
+
+    ``on_commit(step, path)`` is called once per save of this manager, on every rank, as soon as
+    that save is committed, in the thread that committed it: the background writer thread of an
+    asynchronous save, the caller's thread of a synchronous one. It should return quickly (the
+    next save waits for it); an exception it raises is warned (RuntimeWarning), never lost, and
+    does not fail the save. :attr:`latest_committed_step` reads the same event without blocking.
     """
 
     def __init__(self, root: str | os.PathLike | None = None, *, every_steps: int | None = None,
@@ -179,7 +187,8 @@ class CheckpointManager:
                  policy: SavePolicy | None = None, retention: RetentionPolicy | None = None,
                  signals: Iterable[int] = (signal.SIGTERM,), guard: Any = None,
                  io_threads: int = DEFAULT_IO_THREADS, storage_options: dict | None = None,
-                 tiers: Iterable[Tier] | None = None) -> None:
+                 tiers: Iterable[Tier] | None = None,
+                 on_commit: Callable[[int, Path | str], None] | None = None) -> None:
         self.tiers = self._compose_tiers(root, storage_options, tiers)
         self._roots: list[LocalRoot | ObjectRoot] = [open_root(t.root, t.storage_options) for t in self.tiers]
         self._store: ManagerRoot = self._roots[0]
@@ -200,6 +209,8 @@ class CheckpointManager:
         self._copy_comm = dist_comm.current("copy") if len(self.tiers) > 1 else dist_comm.Comm(0, 1)
         self._pending: AsyncSaveHandle | None = None
         self._pending_step: int | None = None
+        self._on_commit = on_commit
+        self._latest_committed: int | None = None  # written by the committing thread: one int, atomic
         self._last_save_step: int | None = None
         self._last_save_time = time.monotonic()
         self._save_cost: float | None = None
@@ -287,6 +298,13 @@ class CheckpointManager:
         if self._daly is None or self._save_cost is None:
             return None
         return daly_interval(self._save_cost, self._daly.mtbf_seconds)
+
+    @property
+    def latest_committed_step(self) -> int | None:
+        """The step of the newest save of this manager that is committed (None before the first).
+        Never blocks: an asynchronous save counts from the moment its commit is done, before
+        ``wait()`` or the next ``maybe_save`` learns of it."""
+        return self._latest_committed
 
     def path_for(self, step: int, tier: int = 0) -> Path | str:
         return self._roots[tier].location(step)
@@ -426,13 +444,15 @@ class CheckpointManager:
         if self.async_save:
             self._pending = async_save(state, path, step=step, metadata=metadata, save_info=save_info, overwrite=overwrite,
                                        guard=self._guard, io_threads=self._io_threads,
-                                       storage_options=self._store.storage_options)
+                                       storage_options=self._store.storage_options,
+                                       on_commit=lambda _report: self._announce_commit(step, path))
             self._pending_step = step
             log.info("staged step %d; writing in the background", step)
         else:
             save(state, path, step=step, metadata=metadata, save_info=save_info, overwrite=overwrite,
                  io_threads=self._io_threads,
                  storage_options=self._store.storage_options)
+            self._announce_commit(step, path)
             self._committed(step)
         cost = time.monotonic() - t_start  # the stall of an async save, the whole of a sync one
         self._save_cost = cost if self._save_cost is None else (
@@ -442,13 +462,19 @@ class CheckpointManager:
         self._unreadable_steps.discard(step)
 
     def _make_way(self, path: Path | str, step: int) -> bool:
-        """Whether the save must replace something already at ``path`` (it warns what)."""
+        """Whether the save must replace something already at ``path`` (it warns what). Something
+        resurgo cannot prove it wrote is not warned about: the save's staging refuses it, on every
+        rank (ForeignFilesError), before anything is written."""
         if self._store.classify(step) is None:
             return False
         self._janitor.join()  # no deletion of this very path may still be running
         entry = self._store.classify(step)
         if entry is None:
             return False
+        try:
+            self._store.remove(step, dry_run=True)
+        except ForeignFilesError:
+            return True
         if entry.status == INCOMPLETE and isinstance(self._store, ObjectRoot):
             if self._rank == 0:  # who stages the save; a save of ours that died: its token would refuse it
                 self._store.remove(step)
@@ -457,6 +483,17 @@ class CheckpointManager:
         warnings.warn(f"resurgo: replacing {path} ({entry.status}{detail}) with a new save of step {step}; "
                       "the replacement is atomic", stacklevel=4)
         return True
+
+    def _announce_commit(self, step: int, path: Path | str) -> None:
+        """In the thread that committed ``step``: publish it, then call ``on_commit`` (warned if it raises)."""
+        self._latest_committed = step
+        if self._on_commit is None:
+            return
+        try:
+            self._on_commit(step, path)
+        except Exception as e:  # noqa: BLE001 - the checkpoint is committed whatever the callback does
+            warnings.warn(f"resurgo: on_commit({step}, {str(path)!r}) raised {type(e).__name__}: {e}",
+                          RuntimeWarning, stacklevel=2)
 
     def _reap(self) -> None:
         """Finish a background save that has ended (raising its error) and report deletion errors."""
@@ -498,10 +535,16 @@ class CheckpointManager:
         if tier == 0:
             with self._copies_lock:
                 protect += tuple(self._copies_pending)
+        refused: list[ForeignFilesError] = []
         for s in steps_to_delete(committed, retention or self.retention, protect=protect):
             log.info("deleting step %d (%s)", s, store.location(s))
-            if store.remove(s):
-                log.info("deleted step %d", s)
+            try:
+                if store.remove(s):
+                    log.info("deleted step %d", s)
+            except ForeignFilesError as e:  # left in place; the others still go
+                refused.append(e)
+        if refused:
+            raise refused[0]
 
     def _copy_to_tier(self, step: int, tier: int) -> None:
         """Copy the fast tier's checkpoint of ``step`` to ``tier``, verify the copy there (every
@@ -536,7 +579,7 @@ class CheckpointManager:
             return
         log.info("copying step %d to %s", step, dest)
         copy_checkpoint(source, dest, src_options=self._store.storage_options, dst_options=store.storage_options,
-                        comm=comm)
+                        comm=comm, declared_files=declared_files)
 
         def verify_mine() -> list[str]:
             manifest = open_checkpoint(dest, store.storage_options).read_manifest_bytes()

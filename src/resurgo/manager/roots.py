@@ -6,6 +6,8 @@ prefix on an object store, listed in one request. There, a checkpoint is ``<root
 its ``manifest.json``; a prefix with data objects or a writer token but no manifest is an
 incomplete save (one that died, or one still running); deletion removes the manifest first, so a
 deletion cut short leaves an incomplete checkpoint, never a committed one with objects missing.
+On both, ``remove`` deletes only what resurgo can prove it wrote (:mod:`resurgo.storage.ownership`),
+else raises ForeignFilesError and deletes nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from resurgo.errors import ResurgoError
-from resurgo.format.manifest import MANIFEST_NAME, parse_manifest
+from resurgo.format.manifest import MANIFEST_NAME, declared_files, parse_manifest
 from resurgo.manager.catalog import (
     COMMITTED,
     CORRUPT,
@@ -53,8 +55,10 @@ class LocalRoot:
             return None
         return classify_step_dir(path, step)
 
-    def remove(self, step: int) -> bool:
-        return remove_checkpoint(self.location(step))
+    def remove(self, step: int, *, dry_run: bool = False) -> bool:
+        """Delete the checkpoint of ``step`` if it is resurgo's (else ForeignFilesError); False when
+        there is none. ``dry_run``: only check."""
+        return remove_checkpoint(self.location(step), dry_run=dry_run)
 
     def remove_leftover(self, entry: Entry) -> None:
         remove_temporary(entry.path)
@@ -98,14 +102,19 @@ class ObjectRoot:
         found = self._entries(only=checkpoint_name(step))
         return found[0] if found else None
 
-    def remove(self, step: int) -> bool:
-        from resurgo.storage.fsspec_store import list_prefix, remove_prefix
+    def remove(self, step: int, *, dry_run: bool = False) -> bool:
+        """Delete the objects of ``step`` if all are resurgo's (else ForeignFilesError, nothing
+        deleted); False when there are none. ``dry_run``: only check."""
+        from resurgo.storage.fsspec_store import ObjectCheckpoint, list_prefix, listing_of, remove_prefix
 
         name = checkpoint_name(step)
         objects = list_prefix(self.fs, f"{self.prefix}/{name}", self.url)
         if not objects:
             return False
-        remove_prefix(self.fs, f"{self.prefix}/{name}", f"{self.url}/{name}", sorted(objects))
+        ObjectCheckpoint(self.location(step), self.storage_options).prove(listing_of(objects), declared_files,
+                                                                        "delete it")
+        if not dry_run:
+            remove_prefix(self.fs, f"{self.prefix}/{name}", f"{self.url}/{name}", sorted(objects))
         return True
 
     def remove_leftover(self, entry: Entry) -> None:

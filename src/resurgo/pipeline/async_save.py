@@ -21,7 +21,9 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -147,7 +149,8 @@ def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: 
                step: int | None = None, metadata: dict | None = None, io_threads: int = 4,
                block_bytes: int | None = None, guard: Any = None, if_busy: str = "wait",
                memory_budget: int | None = None, fallback: str = "raise",
-               storage_options: dict | None = None, save_info: dict | None = None) -> AsyncSaveHandle:
+               storage_options: dict | None = None, save_info: dict | None = None,
+               on_commit: Callable[[SaveReport], None] | None = None) -> AsyncSaveHandle:
     """Snapshot ``state`` and save it in the background; returns an :class:`AsyncSaveHandle`.
 
     ``if_busy``: "wait" (default) for a save still in flight, or "raise" SaveInFlightError.
@@ -155,6 +158,9 @@ def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: 
     (the next ``guard.step()`` waits for the copy). ``memory_budget``: the most staging bytes
     allowed; a larger snapshot raises MemoryBudgetError, or with ``fallback="sync"`` is saved
     synchronously (streaming from the tensors, no snapshot copy) before the call returns.
+    ``on_commit(report)`` is called once the checkpoint is committed, in the thread that committed
+    it (the background writer; the caller's thread for a synchronous fallback), before ``done()``
+    turns true; an exception it raises is warned (RuntimeWarning), never lost and never fails the save.
     """
     t_start = time.perf_counter()
     if fallback not in ("raise", "sync"):
@@ -172,7 +178,7 @@ def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: 
                 f"{path}: the snapshot needs {needed} bytes of staging memory, the budget is "
                 f"{memory_budget}; raise memory_budget, or pass fallback='sync' to save synchronously"
             )
-        return _finish_synchronously(handle, prep, t_start)
+        return _finish_synchronously(handle, prep, t_start, on_commit)
     try:
         eager, deferred = _split(prep, guard)
         t0 = time.perf_counter()
@@ -243,6 +249,8 @@ def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: 
         except BaseException as e:  # reported by wait(), the next save, or at exit
             prep.staging.abort()
             handle._error = e
+        else:
+            _notify(on_commit, report)
         finally:
             handle._done.set()
 
@@ -272,7 +280,19 @@ def _split(prep: PreparedSave, guard: Any) -> tuple[list[str], list[str]]:
     return eager, deferred
 
 
-def _finish_synchronously(handle: AsyncSaveHandle, prep: PreparedSave, t_start: float) -> AsyncSaveHandle:
+def _notify(on_commit: Callable[[SaveReport], None] | None, report: SaveReport) -> None:
+    """Tell ``on_commit`` about a committed save; what it raises is warned, the save stands."""
+    if on_commit is None:
+        return
+    try:
+        on_commit(report)
+    except Exception as e:  # noqa: BLE001 - the checkpoint is committed whatever the callback does
+        warnings.warn(f"resurgo: the on_commit callback for {report.path} raised {type(e).__name__}: {e}",
+                      RuntimeWarning, stacklevel=2)
+
+
+def _finish_synchronously(handle: AsyncSaveHandle, prep: PreparedSave, t_start: float,
+                          on_commit: Callable[[SaveReport], None] | None) -> AsyncSaveHandle:
     try:
         report = write_and_commit(prep, LazySources(prep.leaves))
         report.seconds["stall"] = report.seconds["total"] = time.perf_counter() - t_start
@@ -281,6 +301,8 @@ def _finish_synchronously(handle: AsyncSaveHandle, prep: PreparedSave, t_start: 
         handle._error = e
         handle._error_seen = True
         raise
+    else:
+        _notify(on_commit, report)
     finally:
         handle._staged.set()
         handle._done.set()

@@ -35,6 +35,7 @@ from resurgo.format.manifest import (
     FlatPlace,
     Manifest,
     TensorEntry,
+    declared_files,
     json_depth_exceeds,
 )
 from resurgo.layout.box import ChunkBox, FlatRange, place_order
@@ -150,7 +151,7 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
             return None
         assert gathered is not None
         plan = _plans.plan([d for d, _ in gathered], block_fn, block_bytes)
-        staging = open_checkpoint(path, storage_options).stage(overwrite)
+        staging = open_checkpoint(path, storage_options).stage(overwrite, declared_files)
         return plan, any(p for _, p in gathered), staging
 
     decided = comm.broadcast(comm.agree(coordinate))

@@ -10,11 +10,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from resurgo.errors import CorruptCheckpointError, ResurgoError
+from resurgo.errors import CheckpointReplacedError, CorruptCheckpointError, ResurgoError
 from resurgo.format import checksum
 from resurgo.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from resurgo.format.safetensors_file import read_header
+from resurgo.pipeline import consistent
 from resurgo.pipeline.reader import check_header
+from resurgo.storage.base import Checkpoint
 from resurgo.storage.open import open_checkpoint
 
 PIECE_BYTES = 16 << 20
@@ -38,11 +40,33 @@ def verify_checkpoint(path: str | os.PathLike, progress: Callable[[int], None] |
 
     Raises only when the checkpoint cannot be read at all (missing, no manifest, invalid manifest).
     ``progress`` is called with the number of bytes just checked. ``files``: check only these data
-    files (the ranks of a job sharing the work), else all.
+    files (the ranks of a job sharing the work), else all. A save that replaces the checkpoint
+    meanwhile is not a problem: one complete version is checked (:mod:`resurgo.pipeline.consistent`).
     """
-    ckpt = open_checkpoint(path, storage_options)
-    manifest = parse_manifest(ckpt.read_manifest_bytes(), ckpt.describe(MANIFEST_NAME))
-    report = VerifyReport(str(path))
+    for _ in range(consistent.ATTEMPTS):
+        seen: list[bytes] = []
+        ckpt = open_checkpoint(path, storage_options).pinned()
+        try:
+            report = _verify_once(ckpt, str(path), progress, files, seen)
+        except CheckpointReplacedError:
+            continue
+        except ResurgoError:
+            if consistent.manifest_changed(path, storage_options, seen[0] if seen else None):
+                continue
+            raise
+        finally:
+            ckpt.close()
+        if report.ok or not consistent.manifest_changed(path, storage_options, seen[0]):
+            return report
+    raise consistent.replaced_too_often(path)
+
+
+def _verify_once(ckpt: Checkpoint, path: str, progress: Callable[[int], None] | None,
+                 files: Collection[str] | None, seen: list[bytes]) -> VerifyReport:
+    raw = ckpt.read_manifest_bytes()
+    seen.append(raw)
+    manifest = parse_manifest(raw, ckpt.describe(MANIFEST_NAME))
+    report = VerifyReport(path)
     by_file: dict[str, list[tuple[str, int]]] = {}
     for key, t in manifest.tensors.items():
         for ci, c in enumerate(t.chunks):
@@ -51,6 +75,8 @@ def verify_checkpoint(path: str | os.PathLike, progress: Callable[[int], None] |
     for name in sorted(manifest.files if files is None else set(files) & manifest.files.keys()):
         try:
             handle = ckpt.open_read(name)
+        except CheckpointReplacedError:
+            raise
         except ResurgoError as e:
             report.problems.append(str(e))
             continue

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from resurgo.errors import CorruptCheckpointError
+from resurgo.storage.ownership import DeclaredFiles
 
 
 class ReadHandle(Protocol):
@@ -66,11 +67,18 @@ class Checkpoint(Protocol):
 
     def read_manifest_bytes(self) -> bytes: ...
 
+    def pinned(self) -> "Checkpoint":
+        """This location read as one version where the backend can (a filesystem directory held
+        open), else itself; ``close()`` releases it."""
+        ...
+
+    def close(self) -> None: ...
+
     def open_read(self, rel: str) -> ReadHandle: ...
 
     def check_sizes(self, sizes: dict[str, int]) -> None: ...
 
-    def stage(self, overwrite: bool) -> Staging: ...
+    def stage(self, overwrite: bool, declared_files: DeclaredFiles | None = None) -> Staging: ...
 
 
 def check_size(where: object, rel: str, actual: int, expected: int) -> None:

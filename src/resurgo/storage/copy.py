@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from resurgo.dist.comm import Comm
 from resurgo.storage.base import Staging, check_size
 from resurgo.storage.open import open_checkpoint
+from resurgo.storage.ownership import DeclaredFiles
 
 PIECE_BYTES = 16 << 20
 
@@ -53,12 +54,14 @@ def share_of(files: list[tuple[str, int]], comm: Comm) -> list[str]:
 
 def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, src_options: dict | None = None,
                     dst_options: dict | None = None, overwrite: bool = False, threads: int = 4,
-                    comm: Comm | None = None) -> int:
+                    comm: Comm | None = None, declared_files: DeclaredFiles | None = None) -> int:
     """Copy the checkpoint ``src`` to ``dst``; returns the bytes of the checkpoint (data files and
     manifest). Up to ``threads`` data files are copied at once, each through its own buffer.
 
     ``comm`` (resurgo.dist.comm): with more than one rank, collective; every rank copies its share
-    of the files (:func:`assign_files`) and rank 0 commits."""
+    of the files (:func:`assign_files`) and rank 0 commits. Something already at ``dst`` is replaced
+    (``overwrite``) only when resurgo can prove it wrote it, ``declared_files`` reading the data
+    files its manifest lists (:mod:`resurgo.storage.ownership`)."""
     group = comm or Comm(0, 1)  # alone, agree() and broadcast() are local
     source = open_checkpoint(src, src_options)
     manifest = source.read_manifest_bytes()
@@ -97,7 +100,7 @@ def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, src_optio
         if group.is_coordinator:
             staging.commit(manifest)
 
-    opened = group.agree(lambda: open_checkpoint(dst, dst_options).stage(overwrite) if group.is_coordinator else None)
+    opened = group.agree(lambda: open_checkpoint(dst, dst_options).stage(overwrite, declared_files) if group.is_coordinator else None)
     shared = group.broadcast(opened)  # the other ranks get a copy of rank 0's staging (it pickles)
     assert shared is not None
     staging: Staging = shared

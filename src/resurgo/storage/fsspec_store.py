@@ -14,6 +14,11 @@ Commit protocol (no rename on object stores; docs/format.md section 3.2):
    an overwrite replaces the old manifest in one put (atomic on S3).
 4. The token is deleted; on an overwrite, the old checkpoint's data objects are deleted.
 
+An overwrite replaces a checkpoint only when every object under the prefix is resurgo's
+(:mod:`resurgo.storage.ownership`: a manifest that verifies, the data objects it lists, data
+objects and writer tokens of resurgo's saves); this is checked when the save starts and again
+before the manifest is put, and only data objects the old manifest lists are deleted.
+
 A save that dies leaves data objects and a token without a manifest: an incomplete checkpoint,
 which readers refuse and ``gc`` removes. Transient errors are retried with backoff
 (:mod:`resurgo.storage.retry`); permanent ones raise a ResurgoError naming the URL.
@@ -37,6 +42,7 @@ from fsspec.asyn import sync
 
 from resurgo.errors import (
     CheckpointExistsError,
+    ResurgoError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     ManifestError,
@@ -44,7 +50,9 @@ from resurgo.errors import (
     StorageError,
 )
 from resurgo.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
+from resurgo.storage import ownership
 from resurgo.storage.base import check_size
+from resurgo.storage.ownership import DeclaredFiles
 from resurgo.storage.retry import as_resurgo_error, is_precondition_failure, with_retries
 
 WRITERS_DIR = ".resurgo-writers"
@@ -421,6 +429,14 @@ class ObjectCheckpoint:
     def listing(self) -> PrefixListing:
         return listing_of(list_prefix(self.fs, self.root, self.url))
 
+    def pinned(self) -> "ObjectCheckpoint":
+        """Itself: an object store cannot pin a version; a read that fails is retried when the
+        manifest changed meanwhile (:mod:`resurgo.pipeline.consistent`)."""
+        return self
+
+    def close(self) -> None:
+        pass
+
     # -- reading ------------------------------------------------------------------------------
     def read_manifest_bytes(self) -> bytes:
         full = self.full(MANIFEST_NAME)
@@ -456,20 +472,33 @@ class ObjectCheckpoint:
             self._sizes[rel] = found[rel]
 
     # -- writing ------------------------------------------------------------------------------
-    def stage(self, overwrite: bool) -> "ObjectStaging":
-        staging = ObjectStaging(self.url, self.storage_options, uuid.uuid4().hex[:12], overwrite)
+    def stage(self, overwrite: bool, declared_files: DeclaredFiles | None = None) -> "ObjectStaging":
+        """Start a save at this prefix. ``overwrite``: replace the checkpoint there, if every object
+        under the prefix is resurgo's (``declared_files`` reads the data files its manifest lists)."""
+        staging = ObjectStaging(self.url, self.storage_options, uuid.uuid4().hex[:12], overwrite, declared_files)
         staging.begin()
         return staging
+
+    def prove(self, found: PrefixListing, declared_files: DeclaredFiles | None, doing: str) -> ownership.Claim:
+        """Which objects of the prefix (listed in ``found``) are resurgo's, when all are; else
+        ForeignFilesError naming one that is not."""
+        raw = self.read_manifest_bytes() if found.has_manifest else None
+        claim = ownership.Claim(raw, declared_files, self.url, leftovers=True)
+        entries = [(rel, ownership.FILE) for rel in found.files]
+        ownership.refuse_foreign(self.url, ownership.foreign(entries, claim), doing, claim.why)
+        return claim
 
 
 class ObjectStaging:
     """A save in progress at a URL. Pickles as its URL, options and save id (for other ranks)."""
 
-    def __init__(self, url: str, storage_options: dict, save_id: str, overwrite: bool):
+    def __init__(self, url: str, storage_options: dict, save_id: str, overwrite: bool,
+                 declared_files: DeclaredFiles | None = None):
         self.url = url
         self.storage_options = storage_options
         self.save_id = save_id
         self.overwrite = overwrite
+        self.declared_files = declared_files  # a module-level function: the staging still pickles
         self.file_tag = f"{save_id}-"
         self._ckpt: ObjectCheckpoint | None = None
         self._created: list[str] = []  # by this process (a copy keeps the source's names)
@@ -506,6 +535,8 @@ class ObjectStaging:
         if found.has_manifest and not self.overwrite:
             raise CheckpointExistsError(f"{self.url}: already exists; pass overwrite=True to replace it")
         self._refuse_other_writers(found, "refusing to start a second one")
+        if self.overwrite and found.files:
+            ck.prove(found, self.declared_files, "replace it")
         body = json.dumps({"save_id": self.save_id, "host": socket.gethostname(), "pid": os.getpid(),
                            "started_at": time.time()}).encode()
         full = ck.full(self.token)
@@ -532,12 +563,16 @@ class ObjectStaging:
             self.abort()
             raise StorageError(errno.EBUSY, f"{self.url}: this save's writer token {self.token} was removed while "
                                             "it ran (by `resurgo gc` or another job); not committing")
-        old_files: list[str] = []
+        old_files: frozenset[str] = frozenset()
         if found.has_manifest:
             if not self.overwrite:
                 self.abort()
                 raise CheckpointExistsError(f"{self.url}: appeared while saving; refusing to replace it")
-            old_files = self._files_of_current_manifest()
+            try:
+                old_files = ck.prove(found, self.declared_files, "replace it").declared
+            except ResurgoError:
+                self.abort()
+                raise
         full = ck.full(MANIFEST_NAME)
         try:
             with_retries(lambda: ck.fs.pipe_file(full, manifest, mode="overwrite" if self.overwrite else "create"),
@@ -547,16 +582,17 @@ class ObjectStaging:
                 self.abort()
                 raise CheckpointExistsError(f"{self.url}: appeared while saving; refusing to replace it") from None
             raise
-        new_files = set(json.loads(manifest)["files"])
-        self._delete([self.token] + [f for f in old_files if f not in new_files])
+        self._delete([self.token] + self._stale(old_files, manifest))
 
-    def _files_of_current_manifest(self) -> list[str]:
-        try:
-            doc = json.loads(self.ckpt.read_manifest_bytes())
-            files = doc.get("files", {}) if isinstance(doc, dict) else {}
-            return [f for f in files if isinstance(f, str) and f.startswith(DATA_DIR + "/")]
-        except Exception:  # noqa: BLE001 - an unreadable old manifest: its objects stay for gc
+    def _stale(self, old_files: frozenset[str], manifest: bytes) -> list[str]:
+        """The old checkpoint's data files that this save's manifest does not list (to delete)."""
+        if not old_files or self.declared_files is None:
             return []
+        try:
+            new_files = self.declared_files(manifest, f"{self.url}/{MANIFEST_NAME}")
+        except ResurgoError:  # not for a manifest resurgo built; then delete nothing, gc may
+            return []
+        return sorted(old_files - frozenset(new_files))
 
     def _delete(self, rels: list[str]) -> None:
         """Best effort: what is left is harmless (unlisted objects, a stale token) and gc removes it."""

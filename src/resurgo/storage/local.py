@@ -6,6 +6,10 @@ renames the temporary directory onto the checkpoint path and fsyncs the parent. 
 swaps the two directories atomically (``renameat2(RENAME_EXCHANGE)``) and only then deletes the
 old one, so the path always names a complete checkpoint and the old one is never modified in
 place. A crash at any moment leaves at worst a temporary directory, which readers ignore.
+
+Only what resurgo can prove it wrote is replaced (:mod:`resurgo.storage.ownership`): the
+directory at the path is checked when the save starts and again just before the swap, and the
+old directory is then deleted entry by entry, so anything else stays where it is.
 """
 
 from __future__ import annotations
@@ -16,12 +20,16 @@ import errno
 import os
 import shutil
 import stat
+import threading
 import uuid
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 from resurgo.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CheckpointReplacedError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     NotACheckpointError,
@@ -29,8 +37,12 @@ from resurgo.errors import (
     StorageError,
 )
 from resurgo.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
+from resurgo.storage import ownership
 from resurgo.storage.base import check_size
 from resurgo.storage.direct_io import DirectWriteHandle
+from resurgo.storage.ownership import DeclaredFiles, Owned
+
+assert ownership.MANIFEST == MANIFEST_NAME
 
 TMP_MARKER = ".resurgo-tmp-"
 _RENAME_EXCHANGE = 2
@@ -61,33 +73,79 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def _replace_directory(tmp: Path, final: Path) -> None:
-    """Put directory ``tmp`` at ``final`` (which exists), atomically where the system can, then
-    delete the old one. Without renameat2 the old one is first renamed aside, so ``final`` names
+def _replace_directory(tmp: Path, final: Path, prove: Callable[[Path], Owned]) -> None:
+    """Put directory ``tmp`` at ``final`` (which exists and ``prove`` accepts: else it raises and
+    nothing changes), atomically where the system can, then delete what ``prove`` found to be
+    ours in the old one. Without renameat2 the old one is first renamed aside, so ``final`` names
     either directory at every moment but one rename apart."""
+    owned = prove(final)
     if _exchange(tmp, final):
-        shutil.rmtree(tmp, ignore_errors=True)  # now holds the old directory
-        return
-    old = final.parent / f".{final.name}{TMP_MARKER}old-{uuid.uuid4().hex[:12]}"
-    os.rename(final, old)
-    os.rename(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+        old = tmp  # now holds the old directory
+    else:
+        old = final.parent / f".{final.name}{TMP_MARKER}old-{uuid.uuid4().hex[:12]}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+    left = ownership.remove_owned(old, owned)
+    if left:  # appeared between the check and the swap: never deleted
+        warnings.warn(f"resurgo: {final} was replaced; its old directory, now {old}, kept {left[0]!r}, which "
+                      "resurgo did not write; it is left there", RuntimeWarning, stacklevel=3)
 
 
-def _publish(tmp: Path, final: Path, overwrite: bool, doing: str) -> None:
+def _publish(tmp: Path, final: Path, overwrite: bool, doing: str, prove: Callable[[Path], Owned] | None) -> None:
     """Rename the finished ``tmp`` (a durable file or directory) onto ``final``, replacing an
-    existing one atomically when ``overwrite``, then fsync the parent. ``doing`` names the
-    operation in the message when ``final`` appeared meanwhile."""
-    if final.exists():
+    existing one atomically when ``overwrite`` (a directory only when ``prove`` accepts it), then
+    fsync the parent. ``doing`` names the operation in the message when ``final`` appeared meanwhile."""
+    if final.exists() or final.is_symlink():
         if not overwrite:
             raise CheckpointExistsError(f"{final}: appeared while {doing}; refusing to replace it")
         if tmp.is_dir():
-            _replace_directory(tmp, final)
+            if prove is None or final.is_symlink() or not final.is_dir():
+                raise CheckpointExistsError(f"{final}: appeared while {doing} and is not one resurgo may replace")
+            _replace_directory(tmp, final, prove)
         else:
             os.replace(tmp, final)  # atomic for a file
     else:
         os.rename(tmp, final)
     _fsync_dir(final.parent)
+
+
+def checkpoint_claim(path: Path, declared_files: DeclaredFiles | None) -> ownership.Claim:
+    """Which entries of the checkpoint directory ``path`` are resurgo's (see ownership), from its
+    manifest as it is now; a staging directory's leftovers are."""
+    raw = None
+    mpath = path / MANIFEST_NAME
+    try:
+        st = mpath.lstat()
+        if stat.S_ISREG(st.st_mode) and st.st_size <= MAX_MANIFEST_BYTES:
+            raw = mpath.read_bytes()
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise StorageError(e.errno, f"{mpath}: cannot read it: {e.strerror}") from None
+    temporary = is_temporary(path)
+    return ownership.Claim(raw, declared_files, str(path), leftovers=temporary, staging=temporary)
+
+
+def prove_checkpoint_dir(path: Path, declared_files: DeclaredFiles | None, doing: str) -> Owned:
+    """What of the directory ``path`` is resurgo's, when all of it is; else ForeignFilesError."""
+    try:
+        owned = checkpoint_claim(path, declared_files)
+        ownership.prove_dir(path, owned, doing, owned.why)
+    except OSError as e:
+        if isinstance(e, ResurgoError):
+            raise
+        raise StorageError(e.errno, f"{path}: cannot list it: {e.strerror}") from None
+    return owned
+
+
+def remove_checkpoint_dir(path: Path, owned: Owned) -> None:
+    """Delete the entries of ``path`` that ``owned`` accepts (a checkpoint already proven ours and
+    renamed away); ForeignFilesError when something else appeared in it meanwhile (it stays)."""
+    try:
+        left = ownership.remove_owned(path, owned)
+    except OSError as e:
+        raise StorageError(e.errno, f"{path}: could not be deleted: {e.filename}: {e.strerror}") from None
+    ownership.refuse_foreign(path, left, "delete it (the rest of it was deleted)")
 
 
 def is_temporary(path: Path) -> bool:
@@ -102,17 +160,22 @@ class WriteHandle(DirectWriteHandle):
         super().__init__(path, label, direct=False)
 
 
-class ReadHandle:
-    """A data file opened for positional reads (thread-safe: pread keeps no file position)."""
+def _open_for_read(path: Path, rel: str) -> int:
+    try:  # O_NONBLOCK: opening a FIFO planted in place of a data file must not hang
+        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path}: data file {rel!r} listed in the manifest is missing") from None
+    except OSError as e:
+        raise StorageError(e.errno, f"{path}: cannot open data file {rel!r}: {e.strerror}") from None
 
-    def __init__(self, path: Path, rel: str):
+
+class ReadHandle:
+    """A data file opened for positional reads (thread-safe: pread keeps no file position).
+    ``fd``: already open (the handle owns it), else ``path`` is opened."""
+
+    def __init__(self, path: Path, rel: str, fd: int | None = None):
         self.rel = rel
-        try:  # O_NONBLOCK: opening a FIFO planted in place of a data file must not hang
-            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{path}: data file {rel!r} listed in the manifest is missing") from None
-        except OSError as e:
-            raise StorageError(e.errno, f"{path}: cannot open data file {rel!r}: {e.strerror}") from None
+        self.fd = _open_for_read(path, rel) if fd is None else fd
         st = os.fstat(self.fd)
         if not stat.S_ISREG(st.st_mode):
             os.close(self.fd)
@@ -161,7 +224,18 @@ class CheckpointDir:
         return str(self.path / rel)
 
     # -- reading ------------------------------------------------------------------------------
+    def pinned(self) -> "PinnedCheckpointDir":
+        """This checkpoint as one version: see :class:`PinnedCheckpointDir`. ``close()`` it."""
+        return PinnedCheckpointDir(self.path)
+
+    def close(self) -> None:
+        pass
+
     def read_manifest_bytes(self) -> bytes:
+        return self.manifest_path().read_bytes()
+
+    def manifest_path(self) -> Path:
+        """The manifest's path, once the checkpoint is known to be one (else the error saying what it is)."""
         if not self.path.exists():
             raise CheckpointNotFoundError(f"{self.path}: no such checkpoint")
         if is_temporary(self.path):
@@ -180,7 +254,7 @@ class CheckpointDir:
             from resurgo.errors import ManifestError
 
             raise ManifestError(f"{mpath}: {size} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may have")
-        return mpath.read_bytes()
+        return mpath
 
     def resolve(self, rel: str) -> Path:
         """The absolute path of ``rel``, refusing anything that leaves the checkpoint."""
@@ -207,12 +281,15 @@ class CheckpointDir:
                 h.close()
 
     # -- writing ------------------------------------------------------------------------------
-    def stage(self, overwrite: bool) -> "LocalStaging":
+    def stage(self, overwrite: bool, declared_files: DeclaredFiles | None = None) -> "LocalStaging":
+        """Start a save at this path. ``overwrite``: replace what is there, if resurgo can prove it
+        wrote it (``declared_files`` reads the data files its manifest lists); else ForeignFilesError."""
         if self.path.exists() or self.path.is_symlink():
             if not overwrite:
                 raise CheckpointExistsError(f"{self.path}: already exists; pass overwrite=True to replace it")
-            if not self.path.is_dir():
+            if self.path.is_symlink() or not self.path.is_dir():
                 raise CheckpointExistsError(f"{self.path}: exists and is not a directory; refusing to replace it")
+            prove_checkpoint_dir(self.path, declared_files, "replace it")
         parent = self.path.parent
         try:
             parent.mkdir(parents=True, exist_ok=True)
@@ -220,17 +297,129 @@ class CheckpointDir:
             (tmp / "data").mkdir(parents=True)
         except OSError as e:
             raise StorageError(e.errno, f"{self.path}: cannot create a temporary directory: {e.strerror}") from None
-        return LocalStaging(self.path, tmp, overwrite)
+        return LocalStaging(self.path, tmp, overwrite, declared_files)
+
+
+class PinnedCheckpointDir(CheckpointDir):
+    """A checkpoint directory read as one version, even while a save replaces it.
+
+    The directory is opened once; the manifest and every data file are then opened by path and
+    accepted only when they are the very files of that directory (same inode as seen through it),
+    and each stays open for the rest of the read, so the old files stay readable after an overwrite
+    swaps the directories and deletes the old one. When a file is missing or another one, and the
+    path names another directory now, the checkpoint was replaced: CheckpointReplacedError, which
+    the load retries from the start (never reported as corruption).
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        super().__init__(path)
+        self._dir_fd = -1
+        self._dir_id: tuple[int, int] | None = None
+        self._fds: dict[str, int] = {}  # rel -> an open file of the pinned directory
+        self._lock = threading.Lock()
+
+    def pinned(self) -> "PinnedCheckpointDir":
+        return self
+
+    def _pin(self) -> None:
+        if self._dir_fd >= 0:
+            return
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return  # not a directory, or gone: manifest_path() says what it is
+        st = os.fstat(fd)
+        self._dir_fd, self._dir_id = fd, (st.st_dev, st.st_ino)
+
+    def _raise_if_replaced(self, rel: str) -> None:
+        try:
+            st = os.stat(self.path)
+            now: tuple[int, int] | None = (st.st_dev, st.st_ino)
+        except OSError:
+            now = None
+        if now != self._dir_id:
+            raise CheckpointReplacedError(f"{self.path}: replaced by another save while {rel} was being opened")
+
+    def _open_pinned(self, rel: str) -> int:
+        """An open file of ``rel`` in the pinned directory (cached: opened once per read)."""
+        with self._lock:
+            fd = self._fds.get(rel)
+            if fd is not None:
+                return fd
+            self._pin()
+            path = self.resolve(rel)  # a symlink may not lead out of the checkpoint
+            try:
+                fd = _open_for_read(path, rel)
+            except CorruptCheckpointError:
+                self._raise_if_replaced(rel)
+                raise
+            opened = os.fstat(fd)
+            try:
+                st = os.stat(rel, dir_fd=self._dir_fd)
+                mine = (st.st_dev, st.st_ino) == (opened.st_dev, opened.st_ino)
+            except OSError:
+                mine = False
+            if not mine:
+                os.close(fd)
+                self._raise_if_replaced(rel)
+                raise CheckpointReplacedError(f"{self.path}: {rel} was replaced while being opened")
+            self._fds[rel] = fd
+            return fd
+
+    def read_manifest_bytes(self) -> bytes:
+        self._pin()
+        self.manifest_path()  # what the path is, if not a checkpoint
+        fd, parts, offset = self._open_pinned(MANIFEST_NAME), [], 0
+        while offset <= MAX_MANIFEST_BYTES:  # pread: the cached descriptor keeps no position
+            part = os.pread(fd, 1 << 24, offset)
+            if not part:
+                break
+            parts.append(part)
+            offset += len(part)
+        return b"".join(parts)
+
+    def open_read(self, rel: str) -> ReadHandle:
+        return ReadHandle(self.path / rel, rel, fd=os.dup(self._open_pinned(rel)))
+
+    def check_sizes(self, sizes: dict[str, int]) -> None:
+        """As :meth:`CheckpointDir.check_sizes`, through the pinned directory, opening nothing (a
+        rank keeps open only the files it reads)."""
+        self._pin()
+        for rel, expected in sizes.items():
+            path = self.resolve(rel)
+            try:
+                st = os.stat(rel, dir_fd=self._dir_fd) if self._dir_fd >= 0 else path.stat()
+            except FileNotFoundError:
+                self._raise_if_replaced(rel)
+                raise CorruptCheckpointError(f"{path}: data file {rel!r} listed in the manifest is missing") from None
+            except OSError as e:
+                raise StorageError(e.errno, f"{path}: cannot open data file {rel!r}: {e.strerror}") from None
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptCheckpointError(f"{path}: data file {rel!r} is not a regular file")
+            check_size(self.path, rel, st.st_size, expected)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+            if self._dir_fd >= 0:
+                os.close(self._dir_fd)
+                self._dir_fd = -1
 
 
 class LocalStaging:
     """A save in progress: files go into a temporary directory until :meth:`commit`."""
 
-    def __init__(self, final: Path, tmp: Path, overwrite: bool):
+    def __init__(self, final: Path, tmp: Path, overwrite: bool, declared_files: DeclaredFiles | None = None):
         self.final = final
         self.tmp = tmp
         self.overwrite = overwrite
+        self.declared_files = declared_files  # a module-level function: the staging still pickles
         self.file_tag = ""  # the temporary directory is this save's own
+
+    def _prove(self, final: Path) -> Owned:
+        return prove_checkpoint_dir(final, self.declared_files, "replace it")
 
     def create(self, rel: str) -> DirectWriteHandle:
         # Data files bypass the page cache (see storage/direct_io.py); the manifest does not.
@@ -250,7 +439,7 @@ class LocalStaging:
                 h.close()
             _fsync_dir(self.tmp / "data")
             _fsync_dir(self.tmp)
-            _publish(self.tmp, self.final, self.overwrite, "saving")
+            _publish(self.tmp, self.final, self.overwrite, "saving", self._prove)
         except OSError as e:
             if isinstance(e, ResurgoError):
                 raise
@@ -267,12 +456,15 @@ class AtomicOutput:
     filesystem, so the final rename is atomic), fsynced, then renamed onto ``final``; replacing
     an existing output (``overwrite=True``) swaps it atomically like a checkpoint. A crash or an
     error leaves at worst the temporary sibling, never a half-written file under the final name.
+    A directory is replaced only when every entry in it is one ``owned`` accepts (what this kind of
+    output writes); else ForeignFilesError, before anything is written.
     """
 
-    def __init__(self, final: str | os.PathLike, *, directory: bool, overwrite: bool):
+    def __init__(self, final: str | os.PathLike, *, directory: bool, overwrite: bool, owned: Owned | None = None):
         self.final = Path(final)
         self.directory = directory
         self.overwrite = overwrite
+        self.owned: Owned = owned or (lambda rel, kind: False)
         kind = "directory" if directory else "file"
         if self.final.exists() or self.final.is_symlink():
             if not overwrite:
@@ -280,6 +472,8 @@ class AtomicOutput:
             if self.final.is_dir() != directory or self.final.is_symlink():
                 raise CheckpointExistsError(
                     f"{self.final}: exists and is not a {kind}; refusing to replace it with a {kind}")
+            if directory:
+                self._prove(self.final)
         parent = self.final.parent
         self.tmp = parent / f".{self.final.name}{TMP_MARKER}{uuid.uuid4().hex[:12]}"
         try:
@@ -288,6 +482,10 @@ class AtomicOutput:
                 self.tmp.mkdir()
         except OSError as e:
             raise StorageError(e.errno, f"{self.final}: cannot create a temporary {kind}: {e.strerror}") from None
+
+    def _prove(self, final: Path) -> Owned:
+        ownership.prove_dir(final, self.owned, "replace it")
+        return self.owned
 
     def path(self, rel: str | None = None) -> Path:
         """Where to write: the temporary file itself, or ``rel`` inside the temporary directory."""
@@ -305,7 +503,7 @@ class AtomicOutput:
         try:
             if self.directory:
                 _fsync_dir(self.tmp)
-            _publish(self.tmp, self.final, self.overwrite, "converting")
+            _publish(self.tmp, self.final, self.overwrite, "converting", self._prove)
         except OSError as e:
             if isinstance(e, ResurgoError):
                 raise
