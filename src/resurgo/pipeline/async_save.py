@@ -78,6 +78,28 @@ class AsyncSaveHandle:
     def wait_staged(self) -> None:
         self._staged.wait()
 
+    # -- transitions, made by the save this handle belongs to ---------------------------------
+    def mark_staged(self) -> None:
+        """Every tensor is copied out, or the copy gave up: nothing may wait for the snapshot anymore."""
+        self._staged.set()
+
+    def run_in(self, thread: threading.Thread) -> None:
+        """The background thread that writes this save; ``wait()`` joins it."""
+        self._thread = thread
+
+    def committed(self, report: SaveReport) -> None:
+        self._report = report
+        self._staged.set()
+        self._done.set()
+
+    def failed(self, error: BaseException, *, raised_to_caller: bool = False) -> None:
+        """The save failed; ``wait()`` raises ``error`` (and the next save or exit does, unless the
+        caller already got it)."""
+        self._error = error
+        self._error_seen = raised_to_caller
+        self._staged.set()
+        self._done.set()
+
     def _settle(self) -> None:
         self._done.wait()
         if self._thread is not None:
@@ -215,17 +237,17 @@ def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: 
             # Take over what the background has not copied yet, at full speed, rather than wait.
             if hook.pending is before_step:
                 hook.pending = None  # in the training thread: the next save may re-arm it
-            if handle._staged.is_set():
+            if handle.staged():
                 return
             try:
                 background.finish()
             except BaseException:
                 pass  # the save has failed; the background thread reports it, training goes on
             order.training_waits()  # step()'s kernels wait for the device copies, not forward's
-            handle._staged.set()
+            handle.mark_staged()
         hook.pending = before_step
     else:
-        handle._staged.set()
+        handle.mark_staged()
 
     def run() -> None:
         try:
@@ -239,24 +261,24 @@ def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: 
                     _pool.synchronize()  # staged() means landed: step() then waits for nothing
                 finally:
                     prep.seconds["stage_background"] = time.perf_counter() - t1
-                    handle._staged.set()  # even on failure: never leave the optimizer waiting
+                    handle.mark_staged()  # even on failure: never leave the optimizer waiting
             _lower_priority()  # writing and hashing yield to training
             _pool.synchronize()
             report = write_and_commit(prep, sources, digests)
             report.seconds["stall"] = handle.stall_seconds
             report.seconds["total"] = time.perf_counter() - t_start
-            handle._report = report
         except BaseException as e:  # reported by wait(), the next save, or at exit
-            prep.staging.abort()
-            handle._error = e
+            try:
+                prep.staging.abort()
+            finally:
+                handle.failed(e)
         else:
             _notify(on_commit, report)
-        finally:
-            handle._done.set()
+            handle.committed(report)
 
     # Not a daemon: the interpreter joins it before exiting, so an in-flight save always commits.
     thread = threading.Thread(target=run, name="resurgo-async-save", daemon=False)
-    handle._thread = thread
+    handle.run_in(thread)
     inflight.register(handle)
     handle.stall_seconds = time.perf_counter() - t_start  # before start(): the report reads it
     thread.start()
@@ -295,16 +317,12 @@ def _finish_synchronously(handle: AsyncSaveHandle, prep: PreparedSave, t_start: 
                           on_commit: Callable[[SaveReport], None] | None) -> AsyncSaveHandle:
     try:
         report = write_and_commit(prep, LazySources(prep.leaves))
-        report.seconds["stall"] = report.seconds["total"] = time.perf_counter() - t_start
-        handle._report = report
     except BaseException as e:
-        handle._error = e
-        handle._error_seen = True
-        raise
-    else:
-        _notify(on_commit, report)
-    finally:
-        handle._staged.set()
-        handle._done.set()
         handle.stall_seconds = time.perf_counter() - t_start
+        handle.failed(e, raised_to_caller=True)
+        raise
+    report.seconds["stall"] = report.seconds["total"] = time.perf_counter() - t_start
+    _notify(on_commit, report)
+    handle.stall_seconds = time.perf_counter() - t_start
+    handle.committed(report)
     return handle

@@ -62,32 +62,34 @@ def _targets(destinations: list[Destination]) -> tuple[list[Target], list[np.nda
     return targets, bufs, staged
 
 
-def read_destinations(ckpt: Checkpoint, manifest: Manifest, destinations: list[Destination],
-                      verify: bool = True, threads: int = 4) -> ReadResult:
-    t_start = time.perf_counter()
-    by_key = {d.key: d for d in destinations}
-    targets, bufs, staged = _targets(destinations)
-    ops = plan_reads(targets, {d.key: d.entry for d in destinations})
-    handles = _open_files(ckpt, manifest, {op.file for op in ops})
-    seconds = {"plan": time.perf_counter() - t_start, "read": 0.0, "checksum": 0.0}
-    # Object stores pay a round trip per request: neighbouring reads go as one ranged request.
-    gap, most = getattr(ckpt, "coalesce_reads", (0, 0))
-    batches = coalesce(ops, gap, most) if most else [[op] for op in ops]
-    tasks = read_tasks(batches, {name: manifest.files[name].header_bytes for name in handles} if verify else {}, gap)
+class _PlanReading:
+    """One load plan being read: the destination bytes, the open data files, and the checks each
+    read passes before its bytes are scattered into place. ``run`` is called from pool threads."""
 
-    def views_of(op: ReadOp) -> list[memoryview]:
+    def __init__(self, ckpt: Checkpoint, manifest: Manifest, destinations: list[Destination],
+                 bufs: list[np.ndarray], handles: dict[str, ReadHandle], verify: bool):
+        self.ckpt = ckpt
+        self.manifest = manifest
+        self.by_key = {d.key: d for d in destinations}
+        self.bufs = bufs
+        self.handles = handles
+        self.verify = verify
+
+    def views_of(self, op: ReadOp) -> list[memoryview]:
+        """Where each part of ``op`` lands: its destination's bytes, or a scratch buffer."""
         views = []
         for part in op.parts:
             if part.target is not None:
-                views.append(bufs[part.target].data[part.dst_offset : part.dst_offset + part.length])
+                views.append(self.bufs[part.target].data[part.dst_offset : part.dst_offset + part.length])
             else:
                 views.append(np.empty(part.length, dtype=np.uint8).data)
         return views
 
-    def run(task: ReadTask) -> tuple[float, float, float]:
-        per_op = [views_of(op) for op in task.ops]
+    def run(self, task: ReadTask) -> tuple[float, float, float]:
+        """Read one task in one request; (seconds reading, hashing, copying)."""
+        per_op = [self.views_of(op) for op in task.ops]
         flat: list[memoryview] = []
-        header = np.empty(manifest.files[task.file].header_bytes if task.header else 0, dtype=np.uint8)
+        header = np.empty(self.manifest.files[task.file].header_bytes if task.header else 0, dtype=np.uint8)
         start = end = 0 if task.header else task.ops[0].file_offset
         if task.header:
             flat.append(header.data)
@@ -98,45 +100,59 @@ def read_destinations(ckpt: Checkpoint, manifest: Manifest, destinations: list[D
             flat.extend(views)
             end = op.file_offset + op.length
         t0 = time.perf_counter()
-        handles[task.file].read_into_many(start, flat)
+        self.handles[task.file].read_into_many(start, flat)
         t1 = time.perf_counter()
         if task.header:
-            check_header_bytes(ckpt, manifest, task.file, header.data)
+            check_header_bytes(self.ckpt, self.manifest, task.file, header.data)
         t_hash = t_copy = 0.0
         for op, views in zip(task.ops, per_op):
-            h, c = finish(op, views)
+            h, c = self.finish(op, views)
             t_hash, t_copy = t_hash + h, t_copy + c
         return t1 - t0, t_hash, t_copy
 
-    def finish(op: ReadOp, views: list[memoryview]) -> tuple[float, float]:
+    def finish(self, op: ReadOp, views: list[memoryview]) -> tuple[float, float]:
+        """Verify what ``op`` read, then scatter it into place; (seconds hashing, copying)."""
         t1 = time.perf_counter()
-        if verify:
+        if self.verify:
             for part, view in zip(op.parts, views):
-                chunk = by_key[part.key].entry.chunks[part.chunk]
+                chunk = self.by_key[part.key].entry.chunks[part.chunk]
                 bad = checksum.first_bad_block(view, chunk.block_bytes, chunk.checksums, part.first_block)
                 if bad is not None:
                     start = chunk.byte_range[0] + bad * chunk.block_bytes
                     raise CorruptCheckpointError(
-                        f"{ckpt.path}: tensor {part.key!r} is corrupt in {op.file}: block {bad} "
+                        f"{self.ckpt.path}: tensor {part.key!r} is corrupt in {op.file}: block {bad} "
                         f"(file bytes {start}..{min(start + chunk.block_bytes, chunk.byte_range[1])}) "
                         f"does not match its xxh3-128 checksum"
                     )
         t2 = time.perf_counter()
         for part, view in zip(op.parts, views):
             if part.scatters:
-                scatter(np.frombuffer(view, dtype=np.uint8), part.scatters, bufs)
+                scatter(np.frombuffer(view, dtype=np.uint8), part.scatters, self.bufs)
             if part.box is not None:
-                copy_box(np.frombuffer(view, dtype=np.uint8), part.box, bufs)
+                copy_box(np.frombuffer(view, dtype=np.uint8), part.box, self.bufs)
         return t2 - t1, time.perf_counter() - t2
 
+
+def read_destinations(ckpt: Checkpoint, manifest: Manifest, destinations: list[Destination],
+                      verify: bool = True, threads: int = 4) -> ReadResult:
+    """Fill every destination from the checkpoint, reading only the bytes its places need."""
+    t_start = time.perf_counter()
+    targets, bufs, staged = _targets(destinations)
+    ops = plan_reads(targets, {d.key: d.entry for d in destinations})
+    handles = _open_files(ckpt, manifest, {op.file for op in ops})
+    seconds = {"plan": time.perf_counter() - t_start, "read": 0.0, "checksum": 0.0}
+    gap, most = ckpt.coalesce_reads
+    batches = coalesce(ops, gap, most) if most else [[op] for op in ops]
+    tasks = read_tasks(batches, {name: manifest.files[name].header_bytes for name in handles} if verify else {}, gap)
+    reading = _PlanReading(ckpt, manifest, destinations, bufs, handles, verify)
     try:
         # One batch (and its header reads) runs in this thread: run in a pool thread, its buffers
         # come from another malloc arena, which raised a windowed conversion's peak RSS by 8-16 MiB.
         if threads <= 1 or len(batches) <= 1:
-            results = [run(t) for t in tasks]
+            results = [reading.run(t) for t in tasks]
         else:
             with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="resurgo-read") as pool:
-                results = list(pool.map(run, tasks))
+                results = list(pool.map(reading.run, tasks))
     finally:
         for h in handles.values():
             h.close()

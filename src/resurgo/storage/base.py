@@ -58,7 +58,13 @@ class Staging(Protocol):
 
 
 class Checkpoint(Protocol):
-    """A checkpoint location: a directory or a URL prefix."""
+    """A checkpoint location: a directory or a URL prefix.
+
+    ``coalesce_reads`` is ``(max_gap, max_bytes)``: readers merge reads of one file less than
+    ``max_gap`` bytes apart into requests of at most ``max_bytes`` (``(0, 0)``: never, where a
+    request costs no round trip)."""
+
+    coalesce_reads: tuple[int, int]
 
     @property
     def path(self) -> object: ...

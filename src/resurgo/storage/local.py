@@ -213,6 +213,8 @@ class ReadHandle:
 class CheckpointDir:
     """A checkpoint path on the local filesystem: read side and the start of a save."""
 
+    coalesce_reads = (0, 0)  # positional reads cost no round trip: each read is its own
+
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
 
