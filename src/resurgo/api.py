@@ -13,8 +13,9 @@ from typing import Any
 from resurgo.dist import comm as dist_comm
 from resurgo.errors import CheckpointReplacedError, KeyMismatchError, PickleNotAllowedError, ResurgoError
 from resurgo.format import checksum
-from resurgo.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
+from resurgo.format.manifest import Manifest
 from resurgo.pipeline import consistent, inflight
+from resurgo.pipeline.manifest_read import read_manifest_and_bytes, read_manifest_of
 from resurgo.pipeline.reader import ReadResult, read_destinations
 from resurgo.pipeline.save import LazySources, prepare_save, write_and_commit
 from resurgo.reports import LoadReport, SaveReport
@@ -61,8 +62,7 @@ def save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_
 
 def read_manifest(path: str | os.PathLike, *, storage_options: dict | None = None) -> Manifest:
     """The validated manifest of the checkpoint at ``path`` (a local path or a URL)."""
-    ckpt = open_checkpoint(path, storage_options)
-    return parse_manifest(ckpt.read_manifest_bytes(), ckpt.describe(MANIFEST_NAME))
+    return read_manifest_of(open_checkpoint(path, storage_options))
 
 
 def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool, allow_pickle: bool,
@@ -80,9 +80,8 @@ def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool
     def plan_and_read() -> tuple[Restorer, Any, ReadResult, Manifest, float]:
         ckpt = open_checkpoint(path, storage_options).pinned()  # one version, where the backend can
         try:
-            raw = ckpt.read_manifest_bytes()
+            manifest, raw = read_manifest_and_bytes(ckpt)
             seen.append(raw)
-            manifest = parse_manifest(raw, ckpt.describe(MANIFEST_NAME))
             if manifest.pickled and not allow_pickle:
                 raise PickleNotAllowedError(
                     f"{ckpt.path}: holds pickled values; loading them could run code from the file. "

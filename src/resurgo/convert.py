@@ -42,8 +42,9 @@ import torch
 from resurgo.api import DEFAULT_IO_THREADS, load_dict
 from resurgo.errors import CheckpointExistsError, KeyMismatchError, MemoryBudgetError, UnsupportedValueError
 from resurgo.format import dtypes, values
-from resurgo.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
+from resurgo.format.manifest import Manifest
 from resurgo.format.safetensors_file import HeaderEntry, build_header
+from resurgo.pipeline.manifest_read import read_manifest_of
 from resurgo.pipeline.stream_read import TensorByteStream, tensor_nbytes
 from resurgo.plan.convert_plan import HF_INDEX_FILE, is_hf_output_file, plan_shards, shard_file_names
 from resurgo.reports import ConvertReport
@@ -113,7 +114,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, memory_b
         raise UnsupportedValueError(f"{dst}: convert writes a local file or directory, not a URL")
     dst = local_path(dst)
     ckpt = open_checkpoint(src, storage_options)
-    manifest = parse_manifest(ckpt.read_manifest_bytes(), ckpt.describe(MANIFEST_NAME))
+    manifest = read_manifest_of(ckpt)
     if not is_url(src) and os.path.realpath(dst) == os.path.realpath(local_path(src)):
         raise CheckpointExistsError(f"{dst}: is the source checkpoint; convert into another path")
     ckpt.check_sizes({name: f.bytes for name, f in manifest.files.items()})  # before any output exists

@@ -30,10 +30,11 @@ import torch
 from resurgo.api import DEFAULT_IO_THREADS
 from resurgo.errors import CorruptCheckpointError
 from resurgo.format import dtypes, values
-from resurgo.format.manifest import MANIFEST_NAME, Manifest, TensorEntry, parse_manifest
+from resurgo.format.manifest import Manifest, TensorEntry
 from resurgo.layout.box import FlatRange, place_order
 from resurgo.layout.shards import LocalPiece
 from resurgo.pipeline.buffers import typed_view
+from resurgo.pipeline.manifest_read import read_manifest_of
 from resurgo.pipeline.reader import read_destinations
 from resurgo.pipeline.verify import verify_checkpoint
 from resurgo.state.flatten import path_key
@@ -100,8 +101,7 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike, *, stats: bool 
     compares what describes the save too (creation time, library versions, ``save_info``).
     """
     ca, cb = open_checkpoint(a, storage_options), open_checkpoint(b, storage_options)
-    ma = parse_manifest(ca.read_manifest_bytes(), ca.describe(MANIFEST_NAME))
-    mb = parse_manifest(cb.read_manifest_bytes(), cb.describe(MANIFEST_NAME))
+    ma, mb = read_manifest_of(ca), read_manifest_of(cb)
     for ckpt, m in ((ca, ma), (cb, mb)):  # a missing or cut file costs a stat to catch, not a read
         ckpt.check_sizes({name: f.bytes for name, f in m.files.items()})
     out = CheckpointDiff(str(a), str(b))

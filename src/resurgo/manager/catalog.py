@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from resurgo.errors import ResurgoError
-from resurgo.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
+from resurgo.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from resurgo.storage.local import TMP_MARKER, CheckpointDir, is_temporary
 
 COMMITTED, INCOMPLETE, TEMPORARY, CORRUPT = "committed", "incomplete", "temporary", "corrupt"
@@ -130,7 +130,7 @@ def _lenient_manifest_fields(d: Path) -> tuple[int | None, str | None]:
     """step and created_at from a manifest that may not validate (best effort, for display)."""
     try:
         raw = (d / MANIFEST_NAME).read_bytes()
-        doc = json.loads(raw) if len(raw) <= (64 << 20) else None
+        doc = json.loads(raw) if len(raw) <= MAX_MANIFEST_BYTES else None
     except (OSError, ValueError, RecursionError):
         return None, None
     if not isinstance(doc, dict):

@@ -8,11 +8,11 @@ functions of it and testable without a clock or a disk. ``AnyOf`` / ``AllOf`` co
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from resurgo.manager.checks import positive_int, positive_seconds
 from resurgo.manager.daly import daly_interval
 
 
@@ -33,18 +33,6 @@ class SavePolicy(Protocol):
     def should_save(self, ctx: SaveContext) -> bool: ...
 
 
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, not {value!r}")
-    return value
-
-
-def _positive_seconds(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive finite number of seconds, not {value!r}")
-    return float(value)
-
-
 @dataclass(frozen=True)
 class EveryNSteps:
     """Save at every multiple of ``n`` (steps 0, n, 2n, ...)."""
@@ -52,7 +40,7 @@ class EveryNSteps:
     n: int
 
     def __post_init__(self) -> None:
-        _positive_int("EveryNSteps.n", self.n)
+        positive_int("EveryNSteps.n", self.n)
 
     def should_save(self, ctx: SaveContext) -> bool:
         return ctx.step % self.n == 0
@@ -65,7 +53,7 @@ class EverySeconds:
     seconds: float
 
     def __post_init__(self) -> None:
-        _positive_seconds("EverySeconds.seconds", self.seconds)
+        positive_seconds("EverySeconds.seconds", self.seconds)
 
     def should_save(self, ctx: SaveContext) -> bool:
         return ctx.now - ctx.last_save_time >= self.seconds
@@ -106,7 +94,7 @@ class DalyInterval:
     mtbf_seconds: float
 
     def __post_init__(self) -> None:
-        _positive_seconds("DalyInterval.mtbf_seconds", self.mtbf_seconds)
+        positive_seconds("DalyInterval.mtbf_seconds", self.mtbf_seconds)
 
     def interval(self, save_cost: float) -> float:
         return daly_interval(save_cost, self.mtbf_seconds)

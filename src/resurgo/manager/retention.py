@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from resurgo.errors import UnsupportedValueError
+from resurgo.manager.checks import positive_int
 
 
 @dataclass(frozen=True)
@@ -34,12 +35,6 @@ class RetentionPolicy(Protocol):
     def keep(self, checkpoints: Sequence[Kept]) -> set[int]: ...
 
 
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, not {value!r}")
-    return value
-
-
 @dataclass(frozen=True)
 class KeepLast:
     """The ``n`` newest checkpoints (by step)."""
@@ -47,7 +42,7 @@ class KeepLast:
     n: int
 
     def __post_init__(self) -> None:
-        _positive_int("KeepLast.n", self.n)
+        positive_int("KeepLast.n", self.n)
 
     def keep(self, checkpoints: Sequence[Kept]) -> set[int]:
         return set(sorted(c.step for c in checkpoints)[-self.n:])
@@ -66,7 +61,7 @@ class KeepEvery:
     n: int
 
     def __post_init__(self) -> None:
-        _positive_int("KeepEvery.n", self.n)
+        positive_int("KeepEvery.n", self.n)
 
     def keep(self, checkpoints: Sequence[Kept]) -> set[int]:
         return {c.step for c in checkpoints if c.step % self.n == 0}
@@ -95,7 +90,7 @@ class KeepBest:
             raise ValueError(f"KeepBest.metric must be a metric name, not {self.metric!r}")
         if self.mode not in ("min", "max"):
             raise ValueError(f"KeepBest.mode must be 'min' or 'max', not {self.mode!r}")
-        _positive_int("KeepBest.k", self.k)
+        positive_int("KeepBest.k", self.k)
 
     def keep(self, checkpoints: Sequence[Kept]) -> set[int]:
         scored = []

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from resurgo.errors import ResurgoError
-from resurgo.format.manifest import MANIFEST_NAME, declared_files, parse_manifest
+from resurgo.format.manifest import MANIFEST_NAME, declared_files
+from resurgo.pipeline.manifest_read import read_manifest_of
 from resurgo.manager.catalog import (
     COMMITTED,
     CORRUPT,
@@ -134,8 +135,7 @@ def classify_prefix(url: str, name: str, found: "PrefixListing", storage_options
     from resurgo.storage.fsspec_store import ObjectCheckpoint
 
     try:
-        manifest = parse_manifest(ObjectCheckpoint(url, storage_options).read_manifest_bytes(),
-                                  f"{url}/{MANIFEST_NAME}")
+        manifest = read_manifest_of(ObjectCheckpoint(url, storage_options))
     except ResurgoError as e:
         return Entry(path, CORRUPT, step, None, str(e), url=url, newest=found.newest, nbytes=found.total_bytes)
     problems = [f"{f}: missing" if f not in found.files else

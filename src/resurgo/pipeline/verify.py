@@ -12,9 +12,10 @@ import numpy as np
 
 from resurgo.errors import CheckpointReplacedError, CorruptCheckpointError, ResurgoError
 from resurgo.format import checksum
-from resurgo.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
+from resurgo.format.manifest import Manifest
 from resurgo.format.safetensors_file import read_header
 from resurgo.pipeline import consistent
+from resurgo.pipeline.manifest_read import read_manifest_and_bytes
 from resurgo.pipeline.reader import check_header
 from resurgo.storage.base import Checkpoint
 from resurgo.storage.open import open_checkpoint
@@ -63,9 +64,8 @@ def verify_checkpoint(path: str | os.PathLike, progress: Callable[[int], None] |
 
 def _verify_once(ckpt: Checkpoint, path: str, progress: Callable[[int], None] | None,
                  files: Collection[str] | None, seen: list[bytes]) -> VerifyReport:
-    raw = ckpt.read_manifest_bytes()
+    manifest, raw = read_manifest_and_bytes(ckpt)
     seen.append(raw)
-    manifest = parse_manifest(raw, ckpt.describe(MANIFEST_NAME))
     report = VerifyReport(path)
     by_file: dict[str, list[tuple[str, int]]] = {}
     for key, t in manifest.tensors.items():
