@@ -43,12 +43,11 @@ from resurgo.errors import (
 from resurgo.version import __version__
 
 if TYPE_CHECKING:
-    from resurgo.api import load, load_dict, read_manifest, save
+    from resurgo.api import AsyncSaveHandle, async_save, load, load_dict, read_manifest, save
     from resurgo.convert import convert
     from resurgo.diff import CheckpointDiff, diff_checkpoints
     from resurgo.layout.shards import FlatShard, Shard
     from resurgo.manager import CheckpointManager, Tier, daly_interval
-    from resurgo.pipeline.async_save import AsyncSaveHandle, async_save
     from resurgo.reports import ConvertReport, LoadReport, SaveReport
     from resurgo.state.elastic_loader import elastic_state
     from resurgo.state.elastic_sampler import ElasticSampler
@@ -62,7 +61,7 @@ _LAZY = {
     "diff_checkpoints": "resurgo.diff", "CheckpointDiff": "resurgo.diff",
     "Shard": "resurgo.layout.shards", "FlatShard": "resurgo.layout.shards",
     "CheckpointManager": "resurgo.manager", "Tier": "resurgo.manager", "daly_interval": "resurgo.manager",
-    "async_save": "resurgo.pipeline.async_save", "AsyncSaveHandle": "resurgo.pipeline.async_save",
+    "async_save": "resurgo.api", "AsyncSaveHandle": "resurgo.api",
     "SaveReport": "resurgo.reports", "LoadReport": "resurgo.reports", "ConvertReport": "resurgo.reports",
     "PerRank": "resurgo.state.per_rank",
     "elastic_state": "resurgo.state.elastic_loader",

@@ -1,7 +1,8 @@
-"""The public entry points: ``save``, ``load`` and ``load_dict``.
+"""The public entry points: ``save``, ``async_save``, ``load``, ``load_dict`` and ``read_manifest``.
 
-Each is the pipeline end to end: flatten the state, plan, write or read in parallel, commit or
-fill the target. The pieces live in their own modules; this file only wires them together.
+Each is a thin wrapper over the pipeline (:mod:`resurgo.pipeline.save`,
+:mod:`resurgo.pipeline.async_save`, :mod:`resurgo.pipeline.load`): the public signatures, their
+defaults and their documentation live here; the work lives there.
 """
 
 from __future__ import annotations
@@ -10,22 +11,20 @@ import os
 import time
 from typing import Any
 
-from resurgo.dist import comm as dist_comm
-from resurgo.errors import CheckpointReplacedError, KeyMismatchError, PickleNotAllowedError, ResurgoError
-from resurgo.format import checksum
-from resurgo.format.manifest import Manifest
-from resurgo.pipeline import consistent, inflight
-from resurgo.pipeline.manifest_read import read_manifest_and_bytes, read_manifest_of
-from resurgo.pipeline.reader import ReadResult, read_destinations
-from resurgo.pipeline.save import LazySources, prepare_save, write_and_commit
-from resurgo.reports import LoadReport, SaveReport
-from resurgo.state.unflatten import Restorer
-from resurgo.storage.base import Checkpoint
-from resurgo.storage.open import open_checkpoint
+from collections.abc import Callable
 
+from resurgo.format.manifest import Manifest
+from resurgo.pipeline import inflight
+from resurgo.pipeline.async_save import AsyncSaveHandle, start_async_save
+from resurgo.pipeline.load import restore
+from resurgo.pipeline.manifest_read import read_manifest_of
+from resurgo.pipeline.save import DEFAULT_IO_THREADS, LazySources, prepare_save, write_and_commit
+from resurgo.reports import LoadReport, SaveReport
+from resurgo.storage.open import open_checkpoint
 from resurgo.version import __version__
 
-DEFAULT_IO_THREADS = 4
+__all__ = ["save", "async_save", "AsyncSaveHandle", "load", "load_dict", "read_manifest", "DEFAULT_IO_THREADS",
+           "__version__"]
 
 
 def save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_pickle: bool = False,
@@ -60,82 +59,34 @@ def save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_
     return report
 
 
+def async_save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_pickle: bool = False,
+               step: int | None = None, metadata: dict | None = None, io_threads: int = DEFAULT_IO_THREADS,
+               block_bytes: int | None = None, storage_options: dict | None = None,
+               save_info: dict | None = None, guard: Any = None, if_busy: str = "wait",
+               memory_budget: int | None = None, fallback: str = "raise",
+               on_commit: Callable[[SaveReport], None] | None = None) -> AsyncSaveHandle:
+    """Snapshot ``state`` and save it in the background; returns an :class:`AsyncSaveHandle`
+    once every tensor is copied out (``handle.wait()`` -> SaveReport, or the save's error).
+
+    The arguments of :func:`save`, and: ``guard``, an optimizer whose parameters and state may be
+    copied after the call returns (the next ``guard.step()`` waits for the copy); ``if_busy``,
+    "wait" (default) for a save still in flight or "raise" SaveInFlightError; ``memory_budget``,
+    the most staging bytes allowed (a larger snapshot raises MemoryBudgetError, or with
+    ``fallback="sync"`` is saved synchronously before the call returns); ``on_commit(report)``,
+    called once the checkpoint is committed, in the thread that committed it (the background
+    writer; the caller's thread for a synchronous fallback), before ``done()`` turns true; an
+    exception it raises is warned (RuntimeWarning), never lost, and never fails the save.
+    """
+    return start_async_save(state, path, overwrite=overwrite, allow_pickle=allow_pickle, step=step,
+                            metadata=metadata, io_threads=io_threads, block_bytes=block_bytes,
+                            storage_options=storage_options, save_info=save_info, guard=guard,
+                            if_busy=if_busy, memory_budget=memory_budget, fallback=fallback,
+                            on_commit=on_commit)
+
+
 def read_manifest(path: str | os.PathLike, *, storage_options: dict | None = None) -> Manifest:
     """The validated manifest of the checkpoint at ``path`` (a local path or a URL)."""
     return read_manifest_of(open_checkpoint(path, storage_options))
-
-
-def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool, allow_pickle: bool,
-             io_threads: int, storage_options: dict | None = None,
-             ignore_mismatched: bool = False) -> tuple[Any, LoadReport]:
-    """Plan, check and read everything, then fill the target. In a distributed job every rank reads
-    only what its own layout needs; if any rank fails before the target is touched, all raise."""
-    t_start = time.perf_counter()
-    comm = dist_comm.current()
-    if comm.size > 1:  # an in-flight save commits with collectives on the same group: let it finish
-        inflight.settle(if_busy="wait")
-
-    seen: list[bytes] = []  # the manifest this attempt read
-
-    def plan_and_read() -> tuple[Restorer, Any, ReadResult, Manifest, float]:
-        ckpt = open_checkpoint(path, storage_options).pinned()  # one version, where the backend can
-        try:
-            manifest, raw = read_manifest_and_bytes(ckpt)
-            seen.append(raw)
-            if manifest.pickled and not allow_pickle:
-                raise PickleNotAllowedError(
-                    f"{ckpt.path}: holds pickled values; loading them could run code from the file. "
-                    "Pass allow_pickle=True only if you trust this checkpoint."
-                )
-            ckpt.check_sizes({name: f.bytes for name, f in manifest.files.items()})  # before any allocation
-            restorer = Restorer(manifest, allow_pickle=allow_pickle, strict=strict, rank=comm.rank, world=comm.size,
-                                source=str(ckpt.path), ignore_mismatched=ignore_mismatched)
-            result = restorer.restore(target)
-            if strict and (restorer.missing or restorer.unexpected):
-                raise KeyMismatchError(_key_mismatch_message(ckpt, restorer.missing, restorer.unexpected),
-                                       restorer.missing, restorer.unexpected)
-            t_plan = time.perf_counter() - t_start
-            return restorer, result, read_destinations(ckpt, manifest, restorer.destinations, verify=verify,
-                                                       threads=io_threads), manifest, t_plan
-        finally:
-            ckpt.close()
-
-    # A save replacing the checkpoint meanwhile is not corruption: read the new version instead. Every
-    # decision is collective, so all ranks retry together and end on the same version.
-    for _ in range(consistent.ATTEMPTS):
-        seen.clear()
-        try:
-            restorer, result, read, manifest, t_plan = comm.agree(plan_and_read)
-        except CheckpointReplacedError:
-            continue  # raised on every rank by agree()
-        except ResurgoError:
-            changed = consistent.manifest_changed(path, storage_options, seen[0] if seen else None)
-            if any(comm.all_gather(changed)):
-                continue
-            raise
-        if comm.size == 1 or len(set(comm.all_gather(checksum.digest(seen[0])))) == 1:
-            break
-    else:
-        raise consistent.replaced_too_often(path)
-    restorer.run_actions()
-    seconds = dict(read.seconds)
-    seconds["plan"] = t_plan + seconds.get("plan", 0.0)
-    seconds["total"] = time.perf_counter() - t_start
-    return result, LoadReport(
-        path=str(path), bytes_read=read.bytes_read, files=read.files, num_tensors=len(restorer.destinations),
-        seconds=seconds, missing_keys=restorer.missing, unexpected_keys=restorer.unexpected,
-        mismatched_keys=restorer.mismatched, step=manifest.step,
-    )
-
-
-def _key_mismatch_message(ckpt: Checkpoint, missing: list[str], unexpected: list[str]) -> str:
-    parts = [f"{ckpt.path}: keys differ between the target state and the checkpoint (strict=True)."]
-    if missing:
-        parts.append(f"Missing from the checkpoint ({len(missing)}): {', '.join(map(repr, missing))}.")
-    if unexpected:
-        parts.append(f"In the checkpoint but not in the target ({len(unexpected)}): {', '.join(map(repr, unexpected))}.")
-    parts.append("Pass strict=False to load the keys that match.")
-    return " ".join(parts)
 
 
 def load(state: Any, path: str | os.PathLike, *, strict: bool = True, verify: bool = True,
@@ -153,7 +104,7 @@ def load(state: Any, path: str | os.PathLike, *, strict: bool = True, verify: bo
     the checkpoint during the load is not an error: the load reads one complete version, the old
     or the new (:mod:`resurgo.pipeline.consistent`).
     """
-    _, report = _restore(state, path, strict=strict, verify=verify, allow_pickle=allow_pickle, io_threads=io_threads,
+    _, report = restore(state, path, strict=strict, verify=verify, allow_pickle=allow_pickle, io_threads=io_threads,
                          storage_options=storage_options, ignore_mismatched=ignore_mismatched)
     return report
 
@@ -161,6 +112,6 @@ def load(state: Any, path: str | os.PathLike, *, strict: bool = True, verify: bo
 def load_dict(path: str | os.PathLike, *, verify: bool = True, allow_pickle: bool = False,
               io_threads: int = DEFAULT_IO_THREADS, storage_options: dict | None = None) -> Any:
     """The whole checkpoint as new values: nested containers of full tensors and plain values."""
-    result, _ = _restore(None, path, strict=True, verify=verify, allow_pickle=allow_pickle, io_threads=io_threads,
+    result, _ = restore(None, path, strict=True, verify=verify, allow_pickle=allow_pickle, io_threads=io_threads,
                          storage_options=storage_options)
     return result

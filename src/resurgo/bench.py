@@ -21,12 +21,11 @@ from pathlib import Path
 
 import torch
 
-from resurgo.api import load, save
+from resurgo.api import async_save, load, save
 from resurgo.errors import CheckpointNotFoundError
 from resurgo.manager.daly import daly_interval
 from resurgo.manager.removal import remove_temporary
 from resurgo.manager.roots import LocalRoot, ManagerRoot, open_root
-from resurgo.pipeline.async_save import async_save
 from resurgo.storage.open import is_url, join, local_path
 
 MECHANISMS = ("save", "async_stall", "async_durable", "load", "torch_save", "torch_load")

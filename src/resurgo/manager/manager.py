@@ -24,7 +24,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from resurgo.api import DEFAULT_IO_THREADS, load, read_manifest, save
+from resurgo.api import DEFAULT_IO_THREADS, AsyncSaveHandle, async_save, load, read_manifest, save
 from resurgo.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -60,7 +60,6 @@ from resurgo.manager.retention import (
 )
 from resurgo.manager.roots import LocalRoot, ManagerRoot, ObjectRoot, open_root, root_name
 from resurgo.manager.tiers import Tier
-from resurgo.pipeline.async_save import AsyncSaveHandle, async_save
 from resurgo.pipeline.verify import verify_checkpoint
 from resurgo.storage.copy import copy_checkpoint, manifest_files, share_of
 from resurgo.storage.open import open_checkpoint

@@ -167,23 +167,15 @@ def _guarded_storages(guard: Any) -> set[tuple]:
     return {_storage_key(t) for t in tensors}
 
 
-def async_save(state: Any, path: Any, *, overwrite: bool = False, allow_pickle: bool = False,
-               step: int | None = None, metadata: dict | None = None, io_threads: int = 4,
-               block_bytes: int | None = None, guard: Any = None, if_busy: str = "wait",
-               memory_budget: int | None = None, fallback: str = "raise",
-               storage_options: dict | None = None, save_info: dict | None = None,
-               on_commit: Callable[[SaveReport], None] | None = None) -> AsyncSaveHandle:
-    """Snapshot ``state`` and save it in the background; returns an :class:`AsyncSaveHandle`.
-
-    ``if_busy``: "wait" (default) for a save still in flight, or "raise" SaveInFlightError.
-    ``guard``: an optimizer whose parameters and state may be copied after the call returns
-    (the next ``guard.step()`` waits for the copy). ``memory_budget``: the most staging bytes
-    allowed; a larger snapshot raises MemoryBudgetError, or with ``fallback="sync"`` is saved
-    synchronously (streaming from the tensors, no snapshot copy) before the call returns.
-    ``on_commit(report)`` is called once the checkpoint is committed, in the thread that committed
-    it (the background writer; the caller's thread for a synchronous fallback), before ``done()``
-    turns true; an exception it raises is warned (RuntimeWarning), never lost and never fails the save.
-    """
+def start_async_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_pickle: bool,
+                     step: int | None, metadata: dict | None, io_threads: int, block_bytes: int | None,
+                     storage_options: dict | None, save_info: dict | None, guard: Any, if_busy: str,
+                     memory_budget: int | None, fallback: str,
+                     on_commit: Callable[[SaveReport], None] | None) -> AsyncSaveHandle:
+    """The work of :func:`resurgo.async_save` (its arguments are documented there): snapshot the
+    state into staging buffers (the guard's share beside training), then write and commit in a
+    background thread. A snapshot over ``memory_budget`` with ``fallback="sync"`` streams from the
+    tensors instead, before returning."""
     t_start = time.perf_counter()
     if fallback not in ("raise", "sync"):
         raise ValueError(f"fallback must be 'raise' or 'sync', not {fallback!r}")

@@ -92,6 +92,7 @@ def check_metadata(metadata: dict | None, step: int | None, name: str = "metadat
         raise UnsupportedValueError(f"{name} must be plain JSON (str, int, float, bool, None, list, dict): {e}") from None
 
 
+DEFAULT_IO_THREADS = 4  # writer (and reader) threads per rank: data files written in parallel
 AUTO_PER_RANK_BYTES = 1 << 20  # plain tensors up to this size are compared across ranks
 
 

@@ -1,0 +1,98 @@
+"""Load orchestration: plan, check and read everything, then fill the target.
+
+Every rank reads only what its own layout needs. The whole plan and every read are checked
+before the target changes (:class:`~resurgo.state.unflatten.Restorer`); if any rank fails, every
+rank raises the same error (:func:`~resurgo.dist.comm.Comm.agree`). A save that replaces the
+checkpoint meanwhile is read again from its new manifest (:mod:`resurgo.pipeline.consistent`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from resurgo.dist import comm as dist_comm
+from resurgo.errors import CheckpointReplacedError, KeyMismatchError, PickleNotAllowedError, ResurgoError
+from resurgo.format import checksum
+from resurgo.format.manifest import Manifest
+from resurgo.pipeline import consistent, inflight
+from resurgo.pipeline.manifest_read import read_manifest_and_bytes
+from resurgo.pipeline.reader import ReadResult, read_destinations
+from resurgo.reports import LoadReport
+from resurgo.state.unflatten import Restorer
+from resurgo.storage.base import Checkpoint
+from resurgo.storage.open import open_checkpoint
+
+
+def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool, allow_pickle: bool,
+            io_threads: int, storage_options: dict | None = None,
+            ignore_mismatched: bool = False) -> tuple[Any, LoadReport]:
+    """Plan, check and read everything, then fill the target. In a distributed job every rank reads
+    only what its own layout needs; if any rank fails before the target is touched, all raise."""
+    t_start = time.perf_counter()
+    comm = dist_comm.current()
+    if comm.size > 1:  # an in-flight save commits with collectives on the same group: let it finish
+        inflight.settle(if_busy="wait")
+
+    seen: list[bytes] = []  # the manifest this attempt read
+
+    def plan_and_read() -> tuple[Restorer, Any, ReadResult, Manifest, float]:
+        ckpt = open_checkpoint(path, storage_options).pinned()  # one version, where the backend can
+        try:
+            manifest, raw = read_manifest_and_bytes(ckpt)
+            seen.append(raw)
+            if manifest.pickled and not allow_pickle:
+                raise PickleNotAllowedError(
+                    f"{ckpt.path}: holds pickled values; loading them could run code from the file. "
+                    "Pass allow_pickle=True only if you trust this checkpoint."
+                )
+            ckpt.check_sizes({name: f.bytes for name, f in manifest.files.items()})  # before any allocation
+            restorer = Restorer(manifest, allow_pickle=allow_pickle, strict=strict, rank=comm.rank, world=comm.size,
+                                source=str(ckpt.path), ignore_mismatched=ignore_mismatched)
+            result = restorer.restore(target)
+            if strict and (restorer.missing or restorer.unexpected):
+                raise KeyMismatchError(_key_mismatch_message(ckpt, restorer.missing, restorer.unexpected),
+                                       restorer.missing, restorer.unexpected)
+            t_plan = time.perf_counter() - t_start
+            return restorer, result, read_destinations(ckpt, manifest, restorer.destinations, verify=verify,
+                                                       threads=io_threads), manifest, t_plan
+        finally:
+            ckpt.close()
+
+    # A save replacing the checkpoint meanwhile is not corruption: read the new version instead. Every
+    # decision is collective, so all ranks retry together and end on the same version.
+    for _ in range(consistent.ATTEMPTS):
+        seen.clear()
+        try:
+            restorer, result, read, manifest, t_plan = comm.agree(plan_and_read)
+        except CheckpointReplacedError:
+            continue  # raised on every rank by agree()
+        except ResurgoError:
+            changed = consistent.manifest_changed(path, storage_options, seen[0] if seen else None)
+            if any(comm.all_gather(changed)):
+                continue
+            raise
+        if comm.size == 1 or len(set(comm.all_gather(checksum.digest(seen[0])))) == 1:
+            break
+    else:
+        raise consistent.replaced_too_often(path)
+    restorer.run_actions()
+    seconds = dict(read.seconds)
+    seconds["plan"] = t_plan + seconds.get("plan", 0.0)
+    seconds["total"] = time.perf_counter() - t_start
+    return result, LoadReport(
+        path=str(path), bytes_read=read.bytes_read, files=read.files, num_tensors=len(restorer.destinations),
+        seconds=seconds, missing_keys=restorer.missing, unexpected_keys=restorer.unexpected,
+        mismatched_keys=restorer.mismatched, step=manifest.step,
+    )
+
+
+def _key_mismatch_message(ckpt: Checkpoint, missing: list[str], unexpected: list[str]) -> str:
+    parts = [f"{ckpt.path}: keys differ between the target state and the checkpoint (strict=True)."]
+    if missing:
+        parts.append(f"Missing from the checkpoint ({len(missing)}): {', '.join(map(repr, missing))}.")
+    if unexpected:
+        parts.append(f"In the checkpoint but not in the target ({len(unexpected)}): {', '.join(map(repr, unexpected))}.")
+    parts.append("Pass strict=False to load the keys that match.")
+    return " ".join(parts)
