@@ -12,7 +12,8 @@ import torch
 from typer.testing import CliRunner
 
 import resurgo
-from resurgo.cli import app, human_bytes
+from resurgo.cli import app
+from resurgo.cli.render import human_bytes
 from resurgo.diff import diff_checkpoints, value_nodes
 from resurgo.errors import CorruptCheckpointError
 
