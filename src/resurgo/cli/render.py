@@ -177,84 +177,28 @@ def render_node(node: Optional[dict]) -> str:
     return render_scalar(node)
 
 
-def _key_component(knode: Any) -> Any:
+def _scalar_sequence(node: dict) -> bool:
     from resurgo.format import values
 
-    if isinstance(knode, str):
-        return knode
-    if isinstance(knode, dict) and knode.get("type") in values.SCALAR_TYPES and knode.get("type") != "pickle":
-        try:
-            return values.decode_scalar(knode, "", allow_pickle=False)
-        except ResurgoError:
-            pass
-    return "<?>"
+    return node["type"] in ("list", "tuple") and all(n["type"] in values.SCALAR_TYPES for n in node["items"])
 
 
-def tree_values(tree: Any) -> list[tuple[str, str, str]]:
-    """(key, type, short text) of every non-tensor leaf of a manifest tree, in tree order.
+def tree_values(tree: dict) -> list[tuple[str, str, str]]:
+    """(key, type, short text) of every non-tensor leaf of a validated manifest tree, in tree order.
 
-    Keys follow the tensor key convention (path joined with '.', Statefuls add no component).
-    A list or tuple of scalars is shown on one line; empty containers appear as ``{}``/``[]``.
+    Keys are made as tensor keys are (:mod:`resurgo.format.tree`). A list or tuple of scalars is
+    shown on one line; empty containers appear as ``{}``/``[]``.
     """
-    from resurgo.format import values
-    from resurgo.format.tree import MAX_TREE_DEPTH
-    from resurgo.state.flatten import path_key
+    from resurgo.format.tree import iter_values
 
-    out: list[tuple[str, str, str]] = []
-
-    def scalar_seq(t: str, items: list) -> str:
-        inner = ", ".join(render_scalar(n) for n in items)
-        if t == "tuple":
-            return clip(f"({inner},)" if len(items) == 1 else f"({inner})")
-        return clip(f"[{inner}]")
-
-    def walk(node: Any, path: tuple, depth: int) -> None:
-        key = path_key(path)
-        if not isinstance(node, dict) or not isinstance(node.get("type"), str):
-            out.append((key, "?", "<invalid node>"))
-            return
-        t = node["type"]
-        if depth > MAX_TREE_DEPTH:
-            out.append((key, t, "<nested too deep>"))
-            return
-        if t in ("tensor", "ndarray"):
-            return
-        if t == "stateful":
-            walk(node.get("state"), path, depth + 1)
-            return
-        if t in EMPTY:
-            items = node.get("items")
-            if not isinstance(items, list):
-                out.append((key, t, "<invalid node>"))
-            elif not items:
-                out.append((key, t, EMPTY[t]))
-            elif t in ("dict", "ordered_dict"):
-                for pair in items:
-                    if isinstance(pair, list) and len(pair) == 2:
-                        walk(pair[1], path + (_key_component(pair[0]),), depth + 1)
-                    else:
-                        out.append((key, t, "<invalid item>"))
-            elif all(isinstance(n, dict) and n.get("type") in values.SCALAR_TYPES for n in items):
-                out.append((key, t, scalar_seq(t, items)))
-            else:
-                for i, n in enumerate(items):
-                    walk(n, path + (i,), depth + 1)
-            return
-        if t == "per_rank":  # one value per saving rank: key@rankN, as per-rank tensors are named
-            items = node.get("items")
-            if not isinstance(items, list):
-                out.append((key, t, "<invalid node>"))
-                return
-            for r, n in enumerate(items):
-                walk(n, path[:-1] + (f"{path[-1]}@rank{r}",) if path else (f"@rank{r}",), depth + 1)
-            return
-        if t == "torch_size":
-            out.append((key, t, clip(f"torch.Size({node.get('items')!r})")))
-            return
-        if t in values.SCALAR_TYPES:
-            out.append((key, t, render_scalar(node)))
-            return
-        out.append((key, clip(t, 40), "<unknown node type>"))
-
-    walk(tree, (), 0)
+    out = []
+    for leaf in iter_values(tree, whole=_scalar_sequence):
+        node, t = leaf.node, leaf.node["type"]
+        if t in ("list", "tuple") and node["items"]:
+            inner = ", ".join(render_scalar(n) for n in node["items"])
+            text = clip(f"({inner},)" if t == "tuple" and len(node["items"]) == 1
+                        else f"({inner})" if t == "tuple" else f"[{inner}]")
+        else:
+            text = render_node(node)
+        out.append((leaf.key, t, text))
     return out
