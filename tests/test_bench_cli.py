@@ -9,7 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from resurgo import bench
-from resurgo.cli import app, parse_duration
+from resurgo.cli import app
+from resurgo.cli.bench import parse_duration
 from resurgo.manager.daly import daly_interval
 from resurgo.storage.fsspec_store import split_url
 

@@ -18,7 +18,8 @@ import torch
 from typer.testing import CliRunner
 
 import resurgo
-from resurgo.cli import app, human_bytes
+from resurgo.cli import app
+from resurgo.cli.render import human_bytes
 from helpers import flip_stored_bit, sealed_manifest
 
 runner = CliRunner()

@@ -12,8 +12,10 @@ import torch
 from typer.testing import CliRunner
 
 import resurgo
-from resurgo.cli import app, human_bytes
-from resurgo.diff import diff_checkpoints, value_nodes
+from resurgo.cli import app
+from resurgo.cli.render import human_bytes
+from resurgo.diff import diff_checkpoints
+from resurgo.format.tree import iter_values
 from resurgo.errors import CorruptCheckpointError
 
 from helpers import flip_stored_bit, resealed
@@ -145,7 +147,7 @@ def test_corrupt_data_read_for_a_comparison_is_an_error(tmp_path: Path):
     assert result.exit_code == 4 and "no such checkpoint" in result.stderr
 
 
-def test_value_nodes_keys_follow_tensor_keys():
+def test_value_keys_follow_tensor_keys():
     tree = {"type": "dict", "items": [
         ["opt", {"type": "dict", "items": [[{"type": "int", "value": 0}, {"type": "int", "value": 7}]]}],
         ["betas", {"type": "tuple", "items": [{"type": "float", "bits": "3feccccccccccccd"}]}],
@@ -154,7 +156,7 @@ def test_value_nodes_keys_follow_tensor_keys():
         ["rng", {"type": "per_rank", "items": [{"type": "int", "value": 1}, {"type": "int", "value": 2}]}],
         ["mod", {"type": "stateful", "class": "M", "state": {"type": "dict", "items": [["n", {"type": "none"}]]}}],
     ]}
-    assert sorted(k for k, _ in value_nodes(tree)) == ["betas.0", "empty", "mod.n", "opt.0", "rng@rank0", "rng@rank1"]
+    assert sorted(leaf.key for leaf in iter_values(tree)) == ["betas.0", "empty", "mod.n", "opt.0", "rng@rank0", "rng@rank1"]
 
 
 def test_checkpoints_at_urls_compare_too(tmp_path: Path, mem_url: str):

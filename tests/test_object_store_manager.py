@@ -52,6 +52,41 @@ def test_manager_on_memory_url_retention_restore_and_incomplete(mem_url):
     assert mgr.steps() == [4, 5]
 
 
+@pytest.mark.parametrize("kind", ["directory", "memory url"])
+def test_run_gc_and_list_checkpoints_treat_a_directory_and_a_url_alike(tmp_path, mem_url, kind):
+    """One code path for both kinds of root: the plan, the sizes, the deletions, and a refusal
+    (a file resurgo did not write keeps its checkpoint, named in the reason and in ``refused``)."""
+    from resurgo.manager.catalog import COMMITTED, list_checkpoints
+    from resurgo.manager.gc import run_gc
+
+    root = str(tmp_path / "run") if kind == "directory" else mem_url
+    with resurgo.CheckpointManager(root, async_save=False) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+    fs, prefix = split_url(mem_url, None)
+    if kind == "directory":
+        (tmp_path / "run" / "step_000000001" / "notes.txt").write_text("mine")
+    else:
+        fs.pipe_file(f"{prefix}/step_000000001/notes.txt", b"mine")
+    listed = list_checkpoints(root, verify=True)
+    assert [(e.path.as_posix(), e.status, e.step) for e in listed] == [
+        (f"step_00000000{s}", COMMITTED, s) for s in (1, 2, 3)]
+    assert all(e.nbytes > 257 * 4 for e in listed)
+
+    dry = run_gc(root, keep_last=1, dry_run=True)
+    assert [(i.entry.step, i.action) for i in dry.plan] == [(1, "keep"), (2, "delete"), (3, "keep")]
+    assert dry.plan[0].reason.startswith("refused: ") and "holds 'notes.txt'" in dry.plan[0].reason
+    assert len(dry.refused) == 1 and "holds 'notes.txt'" in dry.refused[0]
+    assert dry.rules == "keep_last 1"
+    assert [e.step for e in list_checkpoints(root)] == [1, 2, 3]  # a dry run deletes nothing
+    size_of_2 = next(e.nbytes for e in listed if e.step == 2)
+    assert dry.plan[1].nbytes == size_of_2
+
+    done = run_gc(root, keep_last=1)
+    assert [i.entry.step for i in done.deleted] == [2] and done.deleted[0].nbytes == size_of_2
+    assert [e.step for e in list_checkpoints(root)] == [1, 3]
+
+
 def test_tiers_copy_verify_retain_and_fall_back_to_durable(tmp_path, mem_url):
     fast = tmp_path / "fast"
     tiers = [Tier(fast, keep_last=1), Tier(mem_url, every_steps=2, keep_last=2)]

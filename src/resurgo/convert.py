@@ -32,7 +32,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +44,11 @@ from resurgo.errors import CheckpointExistsError, KeyMismatchError, MemoryBudget
 from resurgo.format import dtypes, values
 from resurgo.format.manifest import Manifest
 from resurgo.format.safetensors_file import HeaderEntry, build_header
+from resurgo.format.tree import iter_values
 from resurgo.pipeline.manifest_read import read_manifest_of
 from resurgo.pipeline.stream_read import TensorByteStream, tensor_nbytes
 from resurgo.plan.convert_plan import HF_INDEX_FILE, is_hf_output_file, plan_shards, shard_file_names
 from resurgo.reports import ConvertReport
-from resurgo.state.flatten import path_key
 from resurgo.state.per_rank import PerRank
 from resurgo.storage.base import Checkpoint
 from resurgo.storage.local import AtomicOutput
@@ -259,7 +259,8 @@ def plain_values(tree: dict, only: str | None = None) -> tuple[dict[str, Any], l
     unpickled."""
     kept: dict[str, Any] = {}
     dropped: list[str] = []
-    for key, node in _value_leaves(tree, ()):
+    for leaf in iter_values(tree):
+        key, node = leaf.key, leaf.node
         if only is not None:
             if not key.startswith(only):
                 continue
@@ -270,30 +271,6 @@ def plain_values(tree: dict, only: str | None = None) -> tuple[dict[str, Any], l
         else:
             dropped.append(key)
     return kept, dropped
-
-
-def _value_leaves(node: dict, path: tuple, suffix: str = "") -> Iterator[tuple[str, dict]]:
-    """(flat key, node) of every non-tensor leaf; the manifest was validated, so depth is bounded.
-    Values saved per rank are keyed ``<key>@rank<r>``, as their tensors are."""
-    t = node["type"]
-    if t in ("tensor", "ndarray"):
-        return
-    if t == "stateful":
-        yield from _value_leaves(node["state"], path, suffix)
-    elif t == "per_rank":
-        for r, item in enumerate(node["items"]):
-            yield from _value_leaves(item, path, f"{suffix}@rank{r}")
-    elif t in ("dict", "ordered_dict", "list", "tuple"):
-        items = node["items"]
-        if not items:
-            yield path_key(path) + suffix, node
-        for i, item in enumerate(items):
-            if t in ("dict", "ordered_dict"):
-                yield from _value_leaves(item[1], path + (values.decode_key(item[0], path_key(path)),), suffix)
-            else:
-                yield from _value_leaves(item, path + (i,), suffix)
-    else:
-        yield path_key(path) + suffix, node
 
 
 # -- torch --------------------------------------------------------------------------------------

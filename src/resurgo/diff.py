@@ -22,7 +22,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,13 +31,13 @@ from resurgo.api import DEFAULT_IO_THREADS
 from resurgo.errors import CorruptCheckpointError
 from resurgo.format import dtypes, values
 from resurgo.format.manifest import Manifest, TensorEntry
+from resurgo.format.tree import iter_values
 from resurgo.layout.box import FlatRange, place_order
 from resurgo.layout.shards import LocalPiece
 from resurgo.pipeline.buffers import typed_view
 from resurgo.pipeline.manifest_read import read_manifest_of
 from resurgo.pipeline.reader import read_destinations
 from resurgo.pipeline.verify import verify_checkpoint
-from resurgo.state.flatten import path_key
 from resurgo.state.unflatten import Destination
 from resurgo.storage.base import Checkpoint
 from resurgo.storage.open import open_checkpoint
@@ -122,7 +122,7 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike, *, stats: bool 
             out.equal_by_checksums += 1
         if found is None or found.change == "data":
             out.tensors_compared += 1
-    va, vb = dict(value_nodes(ma.tree)), dict(value_nodes(mb.tree))
+    va, vb = ({leaf.key: leaf.node for leaf in iter_values(m.tree)} for m in (ma, mb))
     for key in sorted(k for k in va.keys() | vb.keys() if keep(k)):
         if _canonical(va.get(key)) != _canonical(vb.get(key)):
             out.values.append(ValueDiff(key, va.get(key), vb.get(key)))
@@ -258,29 +258,3 @@ def _max_abs_diff(a: np.ndarray, b: np.ndarray, dtype: str, unequal: np.ndarray)
     except (RuntimeError, TypeError):  # a dtype torch cannot convert on this build
         return None
     return float(gap.max()) if gap.numel() else None
-
-
-def value_nodes(tree: dict) -> Iterator[tuple[str, dict]]:
-    """(key, node) of every non-tensor leaf of a validated manifest tree; keys as tensor keys are
-    made (a per-rank value's items as ``key@rankN``). Empty containers count as leaves."""
-    stack: list[tuple[dict, tuple]] = [(tree, ())]
-    while stack:
-        node, path = stack.pop()
-        t = node["type"]
-        if t in ("tensor", "ndarray"):
-            continue
-        if t == "stateful":
-            stack.append((node["state"], path))
-        elif t in ("dict", "ordered_dict") and node["items"]:
-            stack.extend((v, path + (_key(k),)) for k, v in node["items"])
-        elif t in ("list", "tuple") and node["items"]:
-            stack.extend((v, path + (i,)) for i, v in enumerate(node["items"]))
-        elif t == "per_rank":
-            stem = path[:-1] + (f"{path[-1]}@rank",) if path else ("@rank",)
-            stack.extend((v, stem[:-1] + (f"{stem[-1]}{r}",)) for r, v in enumerate(node["items"]))
-        else:
-            yield path_key(path), node
-
-
-def _key(knode: str | dict) -> Any:
-    return knode if isinstance(knode, str) else values.decode_scalar(knode, "", allow_pickle=False)

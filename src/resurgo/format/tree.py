@@ -1,15 +1,23 @@
-"""Structural check of the manifest's ``tree``: node types, their fields, tensor references, depth.
+"""The manifest's ``tree``: its node kinds, the key rules, one walk over its leaves, and its check.
+
+Node kinds: containers (dict, ordered_dict, list, tuple), ``stateful`` (an object's state_dict,
+no key component of its own), ``per_rank`` (one subtree per saving rank), tensor references
+(tensor, ndarray) and scalar leaves (docs/format.md, "The tree"). Key rules: a leaf's flat key is
+its path joined with ``.`` (:func:`path_key`); inside a per-rank subtree the key gains
+``@rank<r>`` (:func:`per_rank_key`), as the manifest names per-rank tensors. :func:`iter_leaves`
+walks a validated tree once for everything that reads it (inspect, convert, diff).
 
 The tree is untrusted JSON. :func:`validate_tree` checks it completely, without unpickling and
 without recursion deeper than :data:`MAX_TREE_DEPTH`, so that :func:`read_manifest` rejects what
 a load would reject for reasons of the file alone (not of the target). Every node is an object
-with a ``type`` and exactly the fields of that type (docs/format.md, "The tree").
+with a ``type`` and exactly the fields of that type.
 """
 
 from __future__ import annotations
 
 import base64
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from resurgo.errors import ManifestError
@@ -20,6 +28,9 @@ from resurgo.format import values
 MAX_TREE_DEPTH = 64
 
 CONTAINERS = ("dict", "ordered_dict", "list", "tuple")
+MAPPINGS = ("dict", "ordered_dict")
+TENSORS = ("tensor", "ndarray")  # references to a manifest tensor entry, by key
+PER_RANK, STATEFUL = "per_rank", "stateful"
 KEY_TYPES = values.KEY_TYPES
 FIELDS: dict[str, frozenset[str]] = {
     "none": frozenset(),
@@ -43,6 +54,60 @@ FIELDS: dict[str, frozenset[str]] = {
     "tensor": frozenset({"key"}),
     "ndarray": frozenset({"key"}),
 }
+
+
+def path_key(path: tuple) -> str:
+    """The flat key of a path of dict keys and list indexes: ``model.fc.weight``, ``opt.state.0``."""
+    return ".".join(str(c) for c in path)
+
+
+def per_rank_key(key: str, rank: int) -> str:
+    """The key of rank ``rank``'s own value of a per-rank ``key``: ``rng.torch@rank3``."""
+    return f"{key}@rank{rank}"
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """A leaf of a validated tree: a tensor reference, a scalar, a torch_size, or an empty container."""
+
+    key: str  # its flat key; inside a per-rank subtree, per_rank_key(path_key(path), rank)
+    node: dict
+    path: tuple  # dict keys (decoded) and list indexes from the root; Statefuls add none
+    rank: int | None  # the item of the (outermost) per_rank node it is under; None: under none
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.node["type"] in TENSORS
+
+
+def iter_leaves(tree: dict, whole: Callable[[dict], bool] | None = None) -> Iterator[Leaf]:
+    """Every leaf of a validated ``tree``, in tree order; ``whole(node)``: yield that container as
+    one leaf instead of its items. A tensor leaf's key is the key its node refers to: the save names
+    a tensor under a per_rank node after its path and the rank of the outermost per_rank node
+    (nested ones, of one item each, add nothing). Iterative, so deep trees need no recursion."""
+    stack: list[tuple[dict, tuple, int | None]] = [(tree, (), None)]
+    while stack:
+        node, path, rank = stack.pop()
+        t = node["type"]
+        children: list[tuple[dict, tuple, int | None]] = []
+        if t == STATEFUL:
+            children = [(node["state"], path, rank)]
+        elif t == PER_RANK:
+            children = [(item, path, r if rank is None else rank) for r, item in enumerate(node["items"])]
+        elif t in CONTAINERS and node["items"] and not (whole is not None and whole(node)):
+            if t in MAPPINGS:
+                children = [(v, path + (values.decode_key(k, path_key(path)),), rank) for k, v in node["items"]]
+            else:
+                children = [(v, path + (i,), rank) for i, v in enumerate(node["items"])]
+        else:
+            key = path_key(path)
+            yield Leaf(key if rank is None else per_rank_key(key, rank), node, path, rank)
+        stack.extend(reversed(children))
+
+
+def iter_values(tree: dict, whole: Callable[[dict], bool] | None = None) -> Iterator[Leaf]:
+    """The leaves of :func:`iter_leaves` that are not tensors: the values the tree holds itself."""
+    return (leaf for leaf in iter_leaves(tree, whole) if not leaf.is_tensor)
 
 
 def validate_tree(tree: Any, tensor_kinds: Mapping[str, str], pickled: bool, source: str) -> None:

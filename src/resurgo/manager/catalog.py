@@ -8,7 +8,8 @@ a checksum pass, also bad bytes). Classifying reads manifests and stats files, n
 
 A manager root holds one directory per checkpoint named ``step_000000123`` (zero-padded, so names
 sort by step) and the temporary directories of its saves and deletions beside them.
-:func:`scan_root` lists such a root; :func:`classify` is shared with ``resurgo ls``.
+:func:`scan_root` lists such a root; :func:`list_checkpoints` finds every checkpoint below a
+directory or URL prefix (``resurgo ls``).
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ import json
 import os
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from resurgo.errors import ResurgoError
+from resurgo.errors import CheckpointNotFoundError, NotACheckpointError, ResurgoError
 from resurgo.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from resurgo.storage.local import TMP_MARKER, CheckpointDir, is_temporary
 
@@ -203,3 +204,64 @@ def scan_root(root: Path) -> list[Entry]:
             found.append(Entry(root / name, TEMPORARY, step_of(target), None, _temporary_detail(name)))
     found.sort(key=lambda e: (e.step, e.status != COMMITTED, e.path.name))
     return found
+
+
+def require_directory(path: Path, expected: str = "a directory") -> None:
+    """CheckpointNotFoundError when ``path`` does not exist, NotACheckpointError when it is a file."""
+    if not path.exists():
+        raise CheckpointNotFoundError(f"{path}: no such directory")
+    if not path.is_dir():
+        raise NotACheckpointError(f"{path}: is a file, expected {expected}")
+
+
+def _walk(root: Path) -> list[Entry]:
+    """Every checkpoint (or leftover of a save) at or below the directory ``root``; an entry's path
+    is relative to ``root``, its ``nbytes`` every file under it. Does not descend into a
+    checkpoint, an incomplete save or a temporary directory, nor follow links to directories."""
+    require_directory(root)
+    found: list[Entry] = []
+    stack = [root]
+    while stack:
+        d = stack.pop()
+        c = classify(d)
+        if c is not None:
+            found.append(replace(c, path=d.relative_to(root), nbytes=dir_bytes(d)))
+            continue
+        try:
+            with os.scandir(d) as it:
+                stack.extend(Path(entry.path) for entry in it if entry.is_dir(follow_symlinks=False))
+        except OSError:
+            continue
+    found.sort(key=lambda e: e.path.parts)  # "." (the root itself) has no parts: first
+    return found
+
+
+def list_checkpoints(location: str | os.PathLike, *, verify: bool = False) -> list[Entry]:
+    """Every checkpoint (or leftover of a save) at or below a directory or a URL prefix (one
+    listing), sorted by path; an entry's ``path`` is relative to ``location`` (``.`` for itself)
+    and ``nbytes`` is its size as stored. ``verify``: also check every checksum of the committed
+    ones; one that fails (or changed since it was listed) becomes corrupt, its first problem the detail.
+    """
+    from resurgo.storage.open import is_url, join
+
+    if is_url(location):
+        from resurgo.manager.roots import list_object_checkpoints
+
+        entries = list_object_checkpoints(str(location))
+    else:
+        entries = _walk(Path(location))
+    if verify:
+        from resurgo.pipeline.verify import verify_checkpoint
+
+        for e in entries:
+            if e.status != COMMITTED:
+                continue
+            try:
+                report = verify_checkpoint(location if e.path == Path(".") else join(location, e.path.as_posix()))
+            except ResurgoError as err:
+                e.status, e.detail = CORRUPT, str(err)
+                continue
+            if not report.ok:
+                more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
+                e.status, e.detail = CORRUPT, report.problems[0] + more
+    return entries

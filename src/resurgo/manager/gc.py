@@ -1,4 +1,5 @@
-"""What ``resurgo gc`` removes from a manager root: a pure plan over the catalog's entries.
+"""What ``resurgo gc`` removes from a manager root: a pure plan over the catalog's entries
+(:func:`plan_gc`), and its execution on a directory or an object store (:func:`run_gc`).
 
 Committed checkpoints go by the retention policy (never the newest): by default the rules the
 manager recorded in the newest committed checkpoint's ``save_info`` (:func:`gc_policy`), each of
@@ -11,11 +12,15 @@ and removing them is a decision for a person.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from resurgo.errors import UnsupportedValueError
-from resurgo.manager.catalog import COMMITTED, CORRUPT, Entry
+from resurgo.errors import ForeignFilesError, UnsupportedValueError
+from resurgo.manager.catalog import COMMITTED, CORRUPT, Entry, require_directory
+from resurgo.manager.roots import LocalRoot, open_root, root_name
 from resurgo.manager.retention import (
     KeepAny,
     KeepBest,
@@ -37,6 +42,21 @@ class GcItem:
     entry: Entry
     action: str  # delete | keep
     reason: str
+    nbytes: int = 0  # its size as stored (set by run_gc)
+
+
+@dataclass
+class GcRun:
+    """What :func:`run_gc` did (or, in a dry run, would do)."""
+
+    plan: list[GcItem]  # one item per entry of the root, in step order
+    rules: str  # the retention rules applied, in words
+    source: str  # where they come from
+    refused: list[str] = field(default_factory=list)  # deletions refused: files resurgo did not write
+
+    @property
+    def deleted(self) -> list[GcItem]:
+        return [item for item in self.plan if item.action == DELETE]
 
 
 def _recorded_spec(newest: Entry, root: str) -> tuple[bool, Any]:
@@ -127,3 +147,31 @@ def plan_gc(entries: Sequence[Entry], policy: RetentionPolicy | None, *, now: fl
                 plan.append(GcItem(e, KEEP, f"{e.status}, changed {age:.0f} s ago (a save may be running; "
                                             f"stale after {stale_after:g} s)"))
     return plan
+
+
+def run_gc(root: str | os.PathLike, *, keep_last: int | None = None, keep_every: int | None = None,
+           keep_best: tuple | None = None, no_keep_best: bool = False, ignore_recorded: bool = False,
+           stale_after: float = 3600.0, dry_run: bool = False) -> GcRun:
+    """Plan gc for a manager root (a directory or a URL; rules as in :func:`gc_policy`) and delete
+    what the plan deletes, or in a ``dry_run`` only check that it may be deleted. An item holding
+    files resurgo did not write is kept: its reason and :attr:`GcRun.refused` say why."""
+    store = open_root(root)
+    if isinstance(store, LocalRoot):
+        require_directory(store.root, "a CheckpointManager root directory")
+    entries = store.scan()  # on an object store one listing: an incomplete save's age is its newest object's
+    policy, source = gc_policy(entries, root_name(store), keep_last=keep_last, keep_every=keep_every,
+                               keep_best=keep_best, no_keep_best=no_keep_best, ignore_recorded=ignore_recorded)
+    by_path: dict[Path, Entry] = {e.path: e for e in entries}
+    plan = plan_gc(entries, policy, now=time.time(), stale_after=stale_after,
+                   mtime=lambda path: store.changed_at(by_path[path]))
+    run = GcRun(plan, describe(policy) if policy is not None else "none (every committed checkpoint is kept)", source)
+    for item in plan:
+        item.nbytes = store.entry_bytes(item.entry)
+        if item.action == DELETE:
+            try:
+                store.remove_entry(item.entry, dry_run=dry_run)
+            except ForeignFilesError as e:
+                item.action, item.reason = KEEP, f"refused: {e}"
+                run.refused.append(str(e))
+    return run
+

@@ -13,11 +13,12 @@ else raises ForeignFilesError and deletes nothing.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from resurgo.errors import ResurgoError
-from resurgo.format.manifest import MANIFEST_NAME, declared_files
+from resurgo.format.manifest import MANIFEST_NAME, Manifest, declared_files
 from resurgo.pipeline.manifest_read import read_manifest_of
 from resurgo.manager.catalog import (
     COMMITTED,
@@ -26,6 +27,9 @@ from resurgo.manager.catalog import (
     Entry,
     checkpoint_name,
     classify_step_dir,
+    dir_bytes,
+    file_size_problems,
+    newest_mtime,
     scan_root,
     step_of,
 )
@@ -63,6 +67,18 @@ class LocalRoot:
 
     def remove_leftover(self, entry: Entry) -> None:
         remove_temporary(entry.path)
+
+    def remove_entry(self, entry: Entry, *, dry_run: bool = False) -> bool:
+        """Delete what :meth:`scan` listed as ``entry`` (a checkpoint, an incomplete one or a
+        temporary directory) if it is resurgo's (else ForeignFilesError); False when it is gone."""
+        return remove_checkpoint(entry.path, dry_run=dry_run)
+
+    def entry_bytes(self, entry: Entry) -> int:
+        return dir_bytes(entry.path)
+
+    def changed_at(self, entry: Entry) -> float:
+        """When anything under ``entry`` last changed (a save in progress keeps it fresh)."""
+        return newest_mtime(entry.path)
 
 
 class ObjectRoot:
@@ -119,8 +135,19 @@ class ObjectRoot:
         return True
 
     def remove_leftover(self, entry: Entry) -> None:
-        if entry.step is not None:
-            self.remove(entry.step)
+        self.remove_entry(entry)
+
+    def remove_entry(self, entry: Entry, *, dry_run: bool = False) -> bool:
+        """Delete the objects of what :meth:`scan` listed as ``entry`` if all are resurgo's (else
+        ForeignFilesError); False when there are none."""
+        return entry.step is not None and self.remove(entry.step, dry_run=dry_run)
+
+    def entry_bytes(self, entry: Entry) -> int:
+        return entry.nbytes  # from the listing
+
+    def changed_at(self, entry: Entry) -> float:
+        """The latest modification time of its objects (from the listing)."""
+        return entry.newest
 
 
 def classify_prefix(url: str, name: str, found: "PrefixListing", storage_options: dict | None,
@@ -138,9 +165,7 @@ def classify_prefix(url: str, name: str, found: "PrefixListing", storage_options
         manifest = read_manifest_of(ObjectCheckpoint(url, storage_options))
     except ResurgoError as e:
         return Entry(path, CORRUPT, step, None, str(e), url=url, newest=found.newest, nbytes=found.total_bytes)
-    problems = [f"{f}: missing" if f not in found.files else
-                f"{f}: {found.files[f]} bytes stored, the manifest says {e.bytes}"
-                for f, e in manifest.files.items() if found.files.get(f) != e.bytes]
+    problems = stored_size_problems(found.files, manifest)
     if step is not None and manifest.step != step:
         problems.append(f"its manifest says step {manifest.step}, its name says step {step}")
     if problems:
@@ -150,6 +175,22 @@ def classify_prefix(url: str, name: str, found: "PrefixListing", storage_options
     return Entry(path, COMMITTED, manifest.step if step is None else step, manifest.created_at, "",
                  dict(manifest.metadata), dict(manifest.save_info), url=url, newest=found.newest,
                  nbytes=found.total_bytes)
+
+
+def stored_size_problems(stored: Mapping[str, int], manifest: Manifest) -> list[str]:
+    """Data objects missing from ``stored`` (name -> bytes) or of another size than the manifest says."""
+    return [f"{name}: missing" if name not in stored else f"{name}: {stored[name]} bytes stored, the manifest says {e.bytes}"
+            for name, e in manifest.files.items() if stored.get(name) != e.bytes]
+
+
+def size_problems(location: str | os.PathLike, manifest: Manifest) -> list[str]:
+    """Data files (or objects, at a URL) missing or of another size than ``manifest`` says: one
+    stat per file, or one listing; no data is read."""
+    if not is_url(location):
+        return file_size_problems(location, manifest)
+    from resurgo.storage.fsspec_store import ObjectCheckpoint
+
+    return stored_size_problems(ObjectCheckpoint(str(location)).listing().files, manifest)
 
 
 def list_object_checkpoints(url: str, storage_options: dict | None = None) -> list[Entry]:
@@ -173,7 +214,8 @@ def list_object_checkpoints(url: str, storage_options: dict | None = None) -> li
     return sorted(entries, key=lambda e: str(e.path))
 
 
-ManagerRoot = LocalRoot | ObjectRoot  # the same methods: location, scan, classify, remove, remove_leftover
+ManagerRoot = LocalRoot | ObjectRoot  # the same methods: location, scan, classify, remove, remove_leftover,
+# remove_entry, entry_bytes, changed_at
 
 
 def root_name(store: ManagerRoot) -> str:

@@ -19,6 +19,7 @@ import xxhash
 
 from resurgo.errors import ShardingError
 from resurgo.format import dtypes
+from resurgo.format.tree import TENSORS, per_rank_key
 from resurgo.gcpause import collector_paused
 from resurgo.layout.box import ChunkBox, FlatRange, Place, covers_exactly_once, place_order
 from resurgo.plan.save_plan import WriteItem
@@ -81,10 +82,6 @@ class GlobalPlan:
         return [sum(w.item.nbytes for w in ws) for ws in self.writes]
 
 
-def per_rank_key(key: str, rank: int) -> str:
-    return f"{key}@rank{rank}"
-
-
 def _place_text(place: Place) -> str:
     if isinstance(place, ChunkBox):
         return f"box offsets {list(place.offsets)} shape {list(place.shape)}"
@@ -98,7 +95,7 @@ def _must_split(node: Any, keys: set[str]) -> bool:
     while stack:
         n = stack.pop()
         if isinstance(n, dict):
-            if n.get("type") == "per_rank" or n.get("type") in ("tensor", "ndarray") and n.get("key") in keys:
+            if n.get("type") == "per_rank" or n.get("type") in TENSORS and n.get("key") in keys:
                 return True
             stack.extend(n.values())
         elif isinstance(n, list):
@@ -114,7 +111,7 @@ def merge_trees(trees: list[dict], differing: set[str]) -> tuple[dict, set[str]]
 
     def rename(node: Any, rank: int) -> Any:
         if isinstance(node, dict):
-            if node.get("type") in ("tensor", "ndarray") and isinstance(node.get("key"), str):
+            if node.get("type") in TENSORS and isinstance(node.get("key"), str):
                 per_rank.add(node["key"])
                 return {**node, "key": per_rank_key(node["key"], rank)}
             return {k: rename(v, rank) for k, v in node.items()}

@@ -1,7 +1,8 @@
 """Save side: turn a nested state into the manifest's tagged ``tree`` plus a flat {key: tensor}.
 
-Keys are the path of each tensor joined with ``.`` (``model.fc.weight``, ``optimizer.state.0.exp_avg``);
-Statefuls contribute their ``state_dict()`` and no path component. Containers, dict key types and
+Keys are the path of each tensor joined with ``.`` (``model.fc.weight``, ``optimizer.state.0.exp_avg``;
+the key rules are :mod:`resurgo.format.tree`'s); Statefuls contribute their ``state_dict()`` and no
+path component. Containers, dict key types and
 scalars are kept exactly in the tree, so the structure comes back as it went in.
 """
 
@@ -17,7 +18,7 @@ import torch
 
 from resurgo.errors import UnsupportedValueError
 from resurgo.format import dtypes, values
-from resurgo.format.tree import MAX_TREE_DEPTH
+from resurgo.format.tree import MAX_TREE_DEPTH, path_key
 from resurgo.layout.shards import LocalPiece, is_sharded, local_layout
 from resurgo.state.per_rank import PerRank
 from resurgo.state.stateful import class_name, is_stateful
@@ -42,10 +43,6 @@ class TensorLeaf:
         for d in self.shape:
             n *= d
         return n
-
-
-def path_key(path: tuple) -> str:
-    return ".".join(str(c) for c in path)
 
 
 def describe_tensor(value: Array, key: str) -> TensorLeaf:

@@ -30,10 +30,10 @@ from resurgo.errors import (
 )
 from resurgo.format import dtypes, values
 from resurgo.format.manifest import Manifest, TensorEntry
-from resurgo.format.tree import MAX_TREE_DEPTH
+from resurgo.format.tree import MAX_TREE_DEPTH, path_key
 from resurgo.layout.box import ChunkBox
 from resurgo.layout.shards import LocalPiece, is_sharded, local_layout
-from resurgo.state.flatten import Array, path_key
+from resurgo.state.flatten import Array
 from resurgo.state.per_rank import PerRank
 from resurgo.state.stateful import is_stateful, prepare_for_load
 from resurgo.wording import plural

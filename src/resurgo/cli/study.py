@@ -1,0 +1,104 @@
+"""``resurgo study``: reproduce the checkpointing study (:mod:`resurgo.study`) and write its report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.markup import escape
+
+from resurgo.cli.app import fail_cleanly
+from resurgo.cli.render import console as make_console
+from resurgo.errors import CheckpointNotFoundError, StorageError
+
+
+def _names(text: Optional[str]) -> Optional[tuple[str, ...]]:
+    return None if text is None else tuple(n.strip() for n in text.split(",") if n.strip())
+
+
+def _check_writable(directory: Path) -> None:
+    """Create ``directory`` if needed and make sure a file can be written in it (StorageError if not)."""
+    import tempfile
+
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        raise StorageError(f"{directory}: cannot write there ({e.strerror or e}); choose another --out") from None
+
+
+def study(
+    quick: bool = typer.Option(False, "--quick", help="Networks at 1/8 width, a few steps: minutes on 2 cores."),
+    out: Path = typer.Option(Path("study-results"), "--out", metavar="DIR", help="Directory for report.md, the plots, results.json."),
+    data: Optional[Path] = typer.Option(None, "--data", metavar="DIR", help="A local CIFAR-10 python copy (data_batch_1..5) "
+                                        "instead of synthetic data."),
+    models: Optional[str] = typer.Option(None, "--models", metavar="NAMES", help="Comma-separated: resnet50,vgg16."),
+    mechanisms: Optional[str] = typer.Option(None, "--mechanisms", metavar="NAMES", help="Comma-separated, default all: "
+                                             "torch_save,dcp,dcp_async,safetensors,resurgo,resurgo_async,"
+                                             "resurgo_async_guard."),
+    ranks: Optional[str] = typer.Option(None, "--ranks", metavar="COUNTS", help="Comma-separated rank counts for the scale "
+                                        "experiment (default 1,2,4; empty to skip it)."),
+    width: Optional[int] = typer.Option(None, "--width", metavar="N", help="Channels of the first stage (64 = published)."),
+    steps: Optional[int] = typer.Option(None, "--steps", metavar="N", help="Steps per training run (>= 4)."),
+    repeats: Optional[int] = typer.Option(None, "--repeats", metavar="N", help="Cost pairs (without, with checkpoints) per "
+                                          "mechanism; medians reported (quick: 3, full: 1)."),
+    threads: Optional[int] = typer.Option(None, "--threads", metavar="N", help="torch threads of the study process (default 1)."),
+) -> None:
+    """Reproduce the checkpointing study (cost, formats and sizes, scale, determinism) with ResNet-50
+    and VGG-16 on CIFAR-10-shaped data, for torch.save, DCP, safetensors and resurgo."""
+    from dataclasses import replace
+
+    from rich.progress import TimeElapsedColumn
+
+    from resurgo.study.experiments import full_config, quick_config, run_study, with_steps
+    from resurgo.study.report import REPORT, require_matplotlib, write_outputs
+
+    with fail_cleanly():
+        require_matplotlib()  # before minutes of training, not after
+        cfg = quick_config() if quick else full_config()
+        chosen_models = _names(models)
+        if chosen_models is not None:
+            cfg = replace(cfg, models=chosen_models,
+                          scale_models=tuple(m for m in cfg.scale_models if m in chosen_models) or chosen_models[:1])
+        chosen_mechanisms = _names(mechanisms)
+        if chosen_mechanisms is not None:
+            cfg = replace(cfg, mechanisms=chosen_mechanisms)
+        if ranks is not None:
+            try:
+                cfg = replace(cfg, scale_worlds=tuple(int(n) for n in _names(ranks) or ()))
+            except ValueError:
+                raise typer.BadParameter(f"--ranks takes comma-separated integers, got {ranks!r}") from None
+        if width is not None:
+            cfg = replace(cfg, width=width)
+        if threads is not None:
+            cfg = replace(cfg, threads=threads)
+        if repeats is not None:
+            cfg = replace(cfg, cost_repeats=repeats)
+        if data is not None:
+            cfg = replace(cfg, data_dir=str(data))
+        if steps is not None:
+            cfg = with_steps(cfg, steps)
+        cfg.check()
+        if data is not None and not data.is_dir():
+            raise CheckpointNotFoundError(f"{data}: no such directory (--data takes a local CIFAR-10 python copy, "
+                                          "data_batch_1..5)")
+        _check_writable(out)  # before anything is drawn or trained
+        console = make_console()
+        from rich.progress import BarColumn, Progress, TextColumn
+
+        columns = (TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TimeElapsedColumn())
+        with Progress(*columns, console=console, transient=False) as progress:
+            task = progress.add_task("starting", total=None)
+
+            def on_progress(done: int, total: int, label: str) -> None:
+                progress.update(task, completed=done, total=total, description=label)
+
+            results = run_study(cfg, out, on_progress)
+        write_outputs(results, out)
+    console.print(f"study done in {results['duration_s']:.0f} s: {escape(str(out / REPORT))}")
+    for model, det in results["determinism"].items():
+        diffs = ", ".join(f"{name} {r['max_abs_diff']:.3g}" for name, r in det["restarts"].items())
+        console.print(f"  {model}: largest loss difference after restart: {escape(diffs)}")
