@@ -111,6 +111,11 @@ class DataPositionError(ResurgoError, ValueError):
     loader it is loaded into (another dataset length or shuffle flag, a count out of range)."""
 
 
+class ImportSpecError(ResurgoError, ValueError):
+    """An import spec is not valid: bad JSON or schema, an unknown dtype, an unsafe path, a
+    destination outside its tensor, or pieces that leave a gap or overlap (the region is named)."""
+
+
 class StudyError(ResurgoError, ValueError):
     """``resurgo study`` cannot run as asked: an unknown model or mechanism, unreadable data."""
 

@@ -51,3 +51,17 @@ class ConvertReport:
     raw_dtype_keys: list[str] = field(default_factory=list)  # stored as U8 bytes (dtype safetensors lacks)
     seconds: dict[str, float] = field(default_factory=dict)
     """Phases: read (waiting for verified tensor bytes), write, total."""
+
+
+@dataclass
+class ImportReport:
+    src: str  # the source directory (or file)
+    dst: str
+    source: str  # "hf", "torch" or "spec"
+    num_tensors: int
+    num_values: int  # non-tensor values kept
+    tensor_bytes: int  # bytes of tensor data written
+    bytes_read: int  # tensor bytes read from the sources, replicas (compared) included
+    bytes_written: int  # every byte of every file, manifest and headers included
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Phases: total."""

@@ -89,12 +89,26 @@ class LocalLayout:
     local: torch.Tensor  # the tensor the user handed us (a DTensor's local tensor)
 
 
+class Pieces:
+    """Several blocks or flat ranges of one global tensor held by this process, each a tensor
+    whose elements, in row-major order, are those of its place (an import's source pieces, read
+    where they lie in foreign files). ``empty``: the tensor to describe one with no pieces."""
+
+    def __init__(self, global_shape: tuple[int, ...], pieces: tuple["LocalPiece", ...], empty: torch.Tensor):
+        self.global_shape = tuple(global_shape)
+        self.pieces = tuple(pieces)
+        self.local = pieces[0].tensor if pieces else empty
+
+    def __repr__(self) -> str:
+        return f"Pieces({len(self.pieces)} pieces, global_shape={list(self.global_shape)})"
+
+
 def is_dtensor(value: Any) -> bool:
     return type(value).__name__ == "DTensor" and hasattr(value, "to_local") and hasattr(value, "placements")
 
 
 def is_sharded(value: Any) -> bool:
-    return isinstance(value, (Shard, FlatShard)) or is_dtensor(value)
+    return isinstance(value, (Shard, FlatShard, Pieces)) or is_dtensor(value)
 
 
 def local_layout(value: Any, key: str) -> LocalLayout:
@@ -105,6 +119,8 @@ def local_layout(value: Any, key: str) -> LocalLayout:
     if isinstance(value, FlatShard):
         rng = FlatRange(value.start, value.start + value.local.numel())
         return LocalLayout(value.global_shape, (LocalPiece(rng, value.local),), value.local)
+    if isinstance(value, Pieces):
+        return LocalLayout(value.global_shape, value.pieces, value.local)
     if is_dtensor(value):
         return _dtensor_layout(value, key)
     return LocalLayout(tuple(value.shape), (LocalPiece(ChunkBox.whole(tuple(value.shape)), value),), value)

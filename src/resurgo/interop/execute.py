@@ -1,0 +1,167 @@
+"""The one spec executor: a validated :class:`ImportSpec` becomes an ordinary resurgo checkpoint.
+
+It is not a second pipeline. Each piece is a view of the source file where its bytes lie (a
+copy-on-write memory map, never written: pages are read as the writer asks for them), declared
+to the save machinery as a :class:`~resurgo.layout.shards.Pieces` leaf; ``prepare_save`` plans the
+files and ``write_and_commit`` streams them (a contiguous piece straight from the map, a strided
+one a slice at a time), checksums them and commits atomically. Before anything is written every
+source file is checked to exist and be long enough, and replicas are compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from resurgo.errors import CheckpointNotFoundError, CorruptCheckpointError, ImportSpecError, MemoryBudgetError
+from resurgo.format import dtypes
+from resurgo.interop.spec import ImportSpec, Piece, Source, row_major_strides, span_elements
+from resurgo.layout.shards import LocalPiece, Pieces
+from resurgo.pipeline.buffers import as_copyable, copy_flat_range
+from resurgo.pipeline.save import DEFAULT_IO_THREADS, LazySources, prepare_save, write_and_commit
+from resurgo.pipeline.writer import SLICE_BYTES
+from resurgo.reports import ImportReport
+
+DEFAULT_MEMORY_BUDGET = 1 << 30
+
+
+@dataclass(frozen=True)
+class _Region:
+    """The bytes of a file or of one stored zip member: where they start in the file, how many."""
+
+    path: Path
+    start: int
+    size: int
+    name: str  # for messages: "file" or "file:member"
+
+
+class _Sources:
+    """Source files and members, resolved and memory-mapped once each."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._regions: dict[tuple[str, str | None], _Region] = {}
+        self._maps: dict[Path, np.memmap] = {}
+
+    def region(self, file: str, member: str | None) -> _Region:
+        key = (file, member)
+        if key not in self._regions:
+            self._regions[key] = self._resolve(file, member)
+        return self._regions[key]
+
+    def _resolve(self, file: str, member: str | None) -> _Region:
+        path = self.root / file
+        if not path.is_file():
+            raise CheckpointNotFoundError(f"{path}: source file not found (named by the spec, relative to {self.root})")
+        size = path.stat().st_size
+        if member is None:
+            return _Region(path, 0, size, str(path))
+        try:
+            with zipfile.ZipFile(path) as z:
+                info = z.getinfo(member)
+                with open(path, "rb") as f:  # the member's data follow its local header
+                    f.seek(info.header_offset)
+                    local = f.read(30)
+        except KeyError:
+            raise ImportSpecError(f"{path}: archive has no member {member!r}") from None
+        except (zipfile.BadZipFile, OSError) as e:
+            raise CorruptCheckpointError(f"{path}: not a readable zip archive ({e}); was it truncated?") from None
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise ImportSpecError(f"{path}: member {member!r} is compressed; only stored members can be imported")
+        if len(local) != 30 or local[:4] != b"PK\x03\x04":
+            raise CorruptCheckpointError(f"{path}: member {member!r} has no valid local header")
+        start = info.header_offset + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
+        available = max(0, min(info.file_size, size - start))
+        return _Region(path, start, available, f"{path}:{member}")
+
+    def tensor(self, src: Source | Piece, shape: list[int], dtype: str) -> torch.Tensor:
+        """A view of the source's elements (nothing is read until the bytes are used)."""
+        tdtype = dtypes.TORCH_DTYPES[dtype]
+        size = tdtype.itemsize
+        span = span_elements(shape, src.strides)
+        if span == 0:
+            return torch.empty(shape, dtype=tdtype)
+        region = self.region(src.file, src.member)
+        start = region.start + src.offset
+        if region.path not in self._maps:
+            self._maps[region.path] = np.memmap(region.path, dtype=np.uint8, mode="c")
+        flat = torch.from_numpy(self._maps[region.path][start: start + span * size]).view(tdtype)
+        strides = tuple(src.strides) if src.strides is not None else row_major_strides(shape)
+        return flat.as_strided(tuple(shape), strides)
+
+    def check_length(self, src: Source | Piece, shape: list[int], dtype: str, what: str) -> int:
+        """The bytes the source's elements span; CorruptCheckpointError if the file is too short."""
+        span = span_elements(shape, src.strides) * dtypes.itemsize(dtype)
+        if span == 0:
+            return 0
+        region = self.region(src.file, src.member)
+        need = src.offset + span
+        if need > region.size:
+            raise CorruptCheckpointError(
+                f"{region.name}: {what} needs bytes [{src.offset}, {need}) but it holds {region.size} bytes "
+                f"(expected at least {need}); the source file is truncated or the spec is wrong")
+        return math.prod(shape) * dtypes.itemsize(dtype)
+
+
+def _equal_bits(a: torch.Tensor, b: torch.Tensor, slice_elements: int) -> bool:
+    """Whether two tensors of one shape hold the same bits, compared a slice at a time."""
+    a, b = as_copyable(a), as_copyable(b)
+    n = a.numel()
+    step = max(1, slice_elements)
+    buf_a, buf_b = torch.empty(min(n, step), dtype=a.dtype), torch.empty(min(n, step), dtype=b.dtype)
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        copy_flat_range(a, lo, hi, buf_a[: hi - lo])
+        copy_flat_range(b, lo, hi, buf_b[: hi - lo])
+        if not torch.equal(buf_a[: hi - lo], buf_b[: hi - lo]):
+            return False
+    return True
+
+
+def execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, *, source: str = "spec",
+            memory_budget: int | None = None, storage_options: dict | None = None,
+            metadata: dict | None = None) -> ImportReport:
+    """Write the checkpoint ``dst`` from the sources under ``root`` as ``spec`` (validated) says."""
+    t_start = time.perf_counter()
+    budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
+    if budget < SLICE_BYTES:
+        raise MemoryBudgetError(f"memory_budget={budget} is below one write slice ({SLICE_BYTES} bytes); raise it")
+    sources = _Sources(Path(root))
+    bytes_read = 0
+    for t in spec.tensors:  # every length first: nothing is written from a truncated source
+        for i, p in enumerate(t.pieces):
+            bytes_read += sources.check_length(p, p.shape, t.dtype, f"tensor {t.key!r} piece {i}")
+            for j, r in enumerate(p.replicas):
+                bytes_read += sources.check_length(r, p.shape, t.dtype, f"tensor {t.key!r} piece {i} replica {j}")
+    compare_elements = budget // 4
+    for t in spec.tensors:
+        for i, p in enumerate(t.pieces):
+            for j, r in enumerate(p.replicas):
+                first = sources.tensor(p, p.shape, t.dtype)
+                if not _equal_bits(first, sources.tensor(r, p.shape, t.dtype), compare_elements // first.element_size()):
+                    raise CorruptCheckpointError(
+                        f"{sources.region(r.file, r.member).name}: tensor {t.key!r} piece {i} replica {j} differs from "
+                        f"the piece at {sources.region(p.file, p.member).name} offset {p.offset}: replicas must be equal")
+    state: dict[str, Any] = {}
+    for t in spec.tensors:
+        if math.prod(t.shape) == 0:  # nothing to read: an empty tensor of its shape
+            state[t.key] = torch.empty(t.shape, dtype=dtypes.TORCH_DTYPES[t.dtype])
+            continue
+        pieces = tuple(LocalPiece(p.place, sources.tensor(p, p.shape, t.dtype)) for p in t.pieces if p.numel > 0)
+        state[t.key] = Pieces(tuple(t.shape), pieces, pieces[0].tensor)
+    state.update(spec.values)
+    threads = max(1, min(DEFAULT_IO_THREADS, budget // SLICE_BYTES))
+    prep = prepare_save(state, dst, overwrite=False, allow_pickle=False, step=None, metadata=metadata,
+                        io_threads=threads, block_bytes=None, storage_options=storage_options)
+    saved = write_and_commit(prep, LazySources(prep.leaves))
+    return ImportReport(src=str(root), dst=str(dst), source=source, num_tensors=len(spec.tensors),
+                        num_values=len(spec.values), tensor_bytes=prep.tensor_bytes, bytes_read=bytes_read,
+                        bytes_written=saved.bytes_written, seconds={"total": time.perf_counter() - t_start})
