@@ -23,7 +23,8 @@ LAYERS: list[set[str]] = [
     {"state", "storage"},  # flatten/restore the user's state; backends
     {"pipeline"},  # staging, writers, readers, commit sequences
     {"api"},  # the public entry points
-    {"conversion", "diff", "manager", "interop"},  # built on the public entry points
+    {"conversion", "diff", "manager"},  # built on the public entry points
+    {"interop"},  # foreign checkpoints: the save machinery, and conversion's size parsing
     {"bench", "study", "__init__"},  # programs built on the library; the package's public names
     {"cli"},  # the command line
     {"__main__"},

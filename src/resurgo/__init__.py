@@ -1,7 +1,7 @@
 """resurgo: checkpoint/restart for deep-learning training.
 
 Public API (see README.md and docs/): ``save``, ``load``, ``load_dict``, ``convert``,
-``TrainState``, ``ElasticSampler``, ``elastic_state``, ``CheckpointManager``, ``Tier``, ``daly_interval``,
+``import_checkpoint``, ``TrainState``, ``ElasticSampler``, ``elastic_state``, ``CheckpointManager``, ``Tier``, ``daly_interval``,
 ``ResurgoError`` and its subclasses, ``SaveReport``, ``LoadReport``, ``ConvertReport``.
 
 The names that need torch are imported on first use (PEP 562), so that ``import resurgo.cli``
@@ -21,6 +21,7 @@ from resurgo.errors import (
     DataPositionError,
     DTypeMismatchError,
     ForeignFilesError,
+    ImportSpecError,
     IncompleteCheckpointError,
     KeyMismatchError,
     ManifestError,
@@ -46,7 +47,8 @@ if TYPE_CHECKING:
     from resurgo.diff import CheckpointDiff, diff_checkpoints
     from resurgo.layout.shards import FlatShard, Shard
     from resurgo.manager import CheckpointManager, Tier, daly_interval
-    from resurgo.reports import ConvertReport, LoadReport, SaveReport
+    from resurgo.interop.api import import_checkpoint
+    from resurgo.reports import ConvertReport, ImportReport, LoadReport, SaveReport
     from resurgo.state.elastic_loader import elastic_state
     from resurgo.state.elastic_sampler import ElasticSampler
     from resurgo.state.per_rank import PerRank
@@ -55,7 +57,8 @@ if TYPE_CHECKING:
 # name -> the module that defines it (imported on first access)
 _LAZY = {
     "save": "resurgo.api", "load": "resurgo.api", "load_dict": "resurgo.api", "read_manifest": "resurgo.api",
-    "convert": "resurgo.conversion",
+    "convert": "resurgo.conversion", "import_checkpoint": "resurgo.interop.api",
+    "ImportReport": "resurgo.reports",
     "diff_checkpoints": "resurgo.diff", "CheckpointDiff": "resurgo.diff",
     "Shard": "resurgo.layout.shards", "FlatShard": "resurgo.layout.shards",
     "CheckpointManager": "resurgo.manager", "Tier": "resurgo.manager", "daly_interval": "resurgo.manager",
@@ -84,7 +87,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "__version__", "save", "async_save", "AsyncSaveHandle", "load", "load_dict", "read_manifest", "convert", "diff_checkpoints", "CheckpointDiff", "TrainState", "SaveReport", "LoadReport",
+    "__version__", "save", "async_save", "AsyncSaveHandle", "load", "load_dict", "read_manifest", "convert", "import_checkpoint", "ImportReport", "ImportSpecError", "diff_checkpoints", "CheckpointDiff", "TrainState", "SaveReport", "LoadReport",
     "ConvertReport", "Shard", "FlatShard", "PerRank", "ShardingError", "WorldSizeMismatchError", "RankFailedError",
     "ElasticSampler", "elastic_state", "DataPositionError",
     "CheckpointManager", "Tier", "daly_interval",

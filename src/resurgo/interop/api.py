@@ -1,0 +1,81 @@
+"""``resurgo.import_checkpoint``: a foreign checkpoint as an ordinary resurgo checkpoint.
+
+The importer of ``source`` emits a spec (:mod:`resurgo.interop.spec`), or the caller gives one;
+:func:`resurgo.interop.execute.execute` writes it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from resurgo.conversion import parse_size
+from resurgo.errors import ImportSpecError, UnsupportedValueError
+from resurgo.interop import spec as spec_lang
+from resurgo.interop.execute import execute
+from resurgo.interop.hf import spec_from_hf
+from resurgo.interop.spec import ImportSpec
+from resurgo.interop.torch_file import spec_from_torch_file
+from resurgo.reports import ImportReport
+
+SOURCES = ("hf", "torch", "spec")
+LATER = ("dcp", "deepspeed")
+
+
+def spec_of(src: str | os.PathLike, source: str) -> tuple[ImportSpec, Path]:
+    """(the spec an importer emits for ``src``, the directory its file names are relative to)."""
+    path = Path(src)
+    if source in LATER:
+        raise UnsupportedValueError(f"{src}: importing from {source!r} is not available yet "
+                                    f"(available: {', '.join(SOURCES)}; 'spec' applies a spec you write)")
+    if source == "hf":
+        return spec_from_hf(path), path
+    if source == "torch":
+        return spec_from_torch_file(path), path.parent
+    if source == "spec":
+        raise ImportSpecError(f"{src}: source='spec' needs spec= (an ImportSpec, or the path of a spec JSON file)")
+    raise UnsupportedValueError(f"source must be one of {', '.join(map(repr, SOURCES + LATER))}, not {source!r}")
+
+
+def load_spec(spec: ImportSpec | str | os.PathLike) -> ImportSpec:
+    """An ImportSpec as given, validated, or read from a JSON file."""
+    if isinstance(spec, ImportSpec):
+        spec_lang.validate(spec)
+        return spec
+    path = Path(spec)
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        raise ImportSpecError(f"{path}: spec file not found") from None
+    return spec_lang.loads(text, str(path))
+
+
+def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source: str,
+                      spec: ImportSpec | str | os.PathLike | None = None, memory_budget: int | str | None = None,
+                      allow_pickle: bool = False, storage_options: dict | None = None) -> ImportReport:
+    """Import the foreign checkpoint at ``src`` as a resurgo checkpoint at ``dst``; returns an
+    :class:`ImportReport`.
+
+    ``source``: ``"hf"`` (a Hugging Face model directory), ``"torch"`` (a torch.save file) or
+    ``"spec"`` (``src`` is the directory the spec's file names are relative to; ``spec`` is an
+    ImportSpec or a spec JSON file). With ``"hf"`` or ``"torch"``, a ``spec`` replaces the one
+    the importer would emit. ``memory_budget`` (bytes or ``"2GB"``, default 1 GiB) bounds the
+    buffers; source bytes are read from memory maps as they are written. ``dst`` appears only
+    when complete and is never replaced (CheckpointExistsError). Nothing is unpickled beyond
+    tensor locations and plain values; ``allow_pickle=True`` is not supported yet.
+    ``storage_options`` go to fsspec for a URL ``dst``.
+    """
+    if allow_pickle:
+        raise UnsupportedValueError("import_checkpoint(allow_pickle=True) is not available yet: "
+                                    "only tensors and plain values are imported")
+    budget = None if memory_budget is None else parse_size(memory_budget, "memory_budget")
+    if spec is not None:
+        chosen = load_spec(spec)
+        root = Path(src) if source != "torch" else Path(src).parent
+        if source in LATER or source not in SOURCES:
+            spec_of(src, source)  # the same refusal
+    else:
+        chosen, root = spec_of(src, source)
+    report = execute(chosen, root, dst, source=source, memory_budget=budget, storage_options=storage_options)
+    report.src = str(src)
+    return report

@@ -1,0 +1,73 @@
+"""A spec from a Hugging Face model directory: ``model.safetensors``, shards listed by
+``model.safetensors.index.json``, or ``pytorch_model.bin`` (a torch.save file).
+
+Only the safetensors headers are read (:func:`resurgo.format.safetensors_file.read_header`): every
+tensor is one piece, at its byte offset in its file, covering the whole tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from resurgo.errors import CorruptCheckpointError, NotACheckpointError, UnsupportedValueError
+from resurgo.format import dtypes
+from resurgo.format.safetensors_file import read_header
+from resurgo.interop.spec import Box, ImportSpec, Piece, TensorSpec
+from resurgo.interop.torch_file import spec_from_torch_file
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+TORCH_BIN = "pytorch_model.bin"
+_DTYPE_OF_CODE = {code: name for name, code in dtypes.SAFETENSORS_CODES.items()}
+
+
+def spec_from_hf(directory: str | Path) -> ImportSpec:
+    root = Path(directory)
+    if (root / INDEX).is_file():
+        try:
+            weight_map = json.loads((root / INDEX).read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CorruptCheckpointError(f"{root / INDEX}: not a valid index ({type(e).__name__}: {e})") from None
+        tensors = [t for f in files for t in _safetensors_tensors(root, f)]
+        listed, found = set(weight_map), {t.key for t in tensors}
+        if listed != found:
+            raise CorruptCheckpointError(f"{root / INDEX}: lists tensors its shards do not hold, or the reverse: "
+                                         f"{sorted(listed ^ found)[:10]}")
+        return ImportSpec(tensors=tensors)
+    if (root / SINGLE).is_file():
+        return ImportSpec(tensors=_safetensors_tensors(root, SINGLE))
+    if (root / TORCH_BIN).is_file():
+        return spec_from_torch_file(root / TORCH_BIN)
+    raise NotACheckpointError(f"{root}: not a Hugging Face model directory (expected {SINGLE}, {INDEX} or {TORCH_BIN})")
+
+
+def _safetensors_tensors(root: Path, rel: str) -> list[TensorSpec]:
+    path = root / rel
+    try:
+        with open(path, "rb") as f:
+            header = read_header(f.read(8), f.read)
+    except FileNotFoundError:
+        raise NotACheckpointError(f"{path}: shard named by the index not found") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{path}: not a valid safetensors file ({e})") from None
+    tensors = []
+    for name, (start, stop) in sorted(header.entries.items(), key=lambda e: e[1]):
+        entry = header.raw[name]
+        code, shape = entry.get("dtype"), entry.get("shape")
+        if code not in _DTYPE_OF_CODE:
+            raise UnsupportedValueError(f"{path}: tensor {name!r} has dtype {code!r}, which resurgo does not know")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise CorruptCheckpointError(f"{path}: tensor {name!r} has no valid shape")
+        dtype = _DTYPE_OF_CODE[code]
+        numel = 1
+        for d in shape:
+            numel *= d
+        if stop - start != numel * dtypes.itemsize(dtype):
+            raise CorruptCheckpointError(f"{path}: tensor {name!r} spans {stop - start} bytes, its shape {shape} "
+                                         f"and dtype {dtype} need {numel * dtypes.itemsize(dtype)}")
+        pieces = [Piece(file=rel, offset=header.data_start + start, shape=shape,
+                        box=Box(offsets=[0] * len(shape), shape=shape))] if numel else []
+        tensors.append(TensorSpec(key=name, dtype=dtype, shape=shape, pieces=pieces))
+    return tensors
