@@ -159,10 +159,11 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version_cal
 def _register() -> None:
     """Each command module holds one function; its name on the command line is given here, in
     the order ``--help`` lists them. (Imported last: those modules use the helpers above.)"""
-    from resurgo.cli import bench, convert, diff, gc, inspect, ls, study, verify
+    from resurgo.cli import bench, convert, diff, gc, import_, inspect, ls, study, verify
 
     for name, command in (("inspect", inspect.inspect), ("diff", diff.diff), ("verify", verify.verify),
-                          ("ls", ls.ls), ("gc", gc.gc), ("convert", convert.convert), ("bench", bench.bench),
+                          ("ls", ls.ls), ("gc", gc.gc), ("convert", convert.convert),
+                          ("import", import_.import_), ("bench", bench.bench),
                           ("study", study.study)):
         app.command(name, cls=_Command)(command)
 

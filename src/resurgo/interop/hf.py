@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from resurgo.errors import CorruptCheckpointError, NotACheckpointError, UnsupportedValueError
+from resurgo.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError, UnsupportedValueError
 from resurgo.format import dtypes
 from resurgo.format.safetensors_file import read_header
 from resurgo.interop.spec import Box, ImportSpec, Piece, TensorSpec
@@ -24,6 +24,8 @@ _DTYPE_OF_CODE = {code: name for name, code in dtypes.SAFETENSORS_CODES.items()}
 
 def spec_from_hf(directory: str | Path) -> ImportSpec:
     root = Path(directory)
+    if not root.exists():
+        raise CheckpointNotFoundError(f"{root}: not found")
     if (root / INDEX).is_file():
         try:
             weight_map = json.loads((root / INDEX).read_text())["weight_map"]

@@ -136,7 +136,15 @@ def loads(text: str | bytes, where: str = "spec") -> ImportSpec:
 
 
 def dumps(spec: ImportSpec) -> str:
-    return spec.model_dump_json(indent=1, exclude_defaults=False) + "\n"
+    """The spec as JSON, one tensor per line (fields left at their defaults omitted); loads() reads it back."""
+    doc = spec.model_dump(exclude_none=True)
+    for t in doc["tensors"]:
+        for p in t["pieces"]:
+            if not p["replicas"]:
+                del p["replicas"]
+    tensors = ",\n  ".join(json.dumps(t, separators=(",", ":")) for t in doc["tensors"])
+    return (f'{{"format": {json.dumps(doc["format"])}, "version": {doc["version"]},\n "tensors": [\n  {tensors}\n ],\n'
+            f' "values": {json.dumps(doc["values"], allow_nan=False)}}}\n')
 
 
 # -- validation -------------------------------------------------------------------------------

@@ -1,0 +1,67 @@
+"""``resurgo import``: a Hugging Face directory, a torch.save file or a spec applied to any files,
+as a resurgo checkpoint (:func:`resurgo.interop.api.import_checkpoint`); ``--emit-spec`` writes
+the spec an importer produces instead, as a starting point to edit."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.markup import escape
+
+from resurgo.cli.app import EXIT_USAGE, fail_cleanly, size_option
+from resurgo.cli.render import console, error, human_bytes, plural, print_json
+
+FROM = ("hf", "torch", "spec", "dcp", "deepspeed")
+
+
+def import_(
+    src: str = typer.Argument(..., metavar="SRC", help="hf: a model directory; torch: a torch.save file; "
+                                                         "spec: the directory the spec's file names are relative to."),
+    dst: Optional[str] = typer.Argument(None, metavar="DST", help="The new checkpoint (must not exist)."),
+    source: str = typer.Option(..., "--from", metavar="FORMAT", help="hf | torch | spec (dcp and deepspeed: not yet)."),
+    spec: Optional[Path] = typer.Option(None, "--spec", metavar="FILE", help="A spec JSON file (needed with --from spec)."),
+    emit_spec: Optional[Path] = typer.Option(
+        None, "--emit-spec", metavar="FILE", help="Write the spec the importer produces to FILE and import nothing."),
+    memory_budget: Optional[str] = typer.Option(
+        None, "--memory-budget", metavar="SIZE", help="The most bytes of buffers held at once, e.g. 2GB (default 1GiB)."),
+    as_json: bool = typer.Option(False, "--json", help="Print a machine-readable report."),
+) -> None:
+    """Import a foreign checkpoint (Hugging Face, torch.save, or any files a spec describes).
+
+    Exit 0 done, 2 refused (bad spec, DST exists, pickled code), 3 damaged source (truncated
+    file, replicas that differ), 4 source not found."""
+    if source not in FROM:
+        error(f"--from must be one of {', '.join(FROM)}, not {source!r}")
+        raise typer.Exit(EXIT_USAGE)
+    if source == "spec" and spec is None:
+        error("--from spec needs --spec FILE")
+        raise typer.Exit(EXIT_USAGE)
+    if (dst is None) == (emit_spec is None):
+        error("give DST to import, or --emit-spec FILE to write the spec only")
+        raise typer.Exit(EXIT_USAGE)
+    budget = size_option(memory_budget, "--memory-budget")
+    from resurgo.interop import spec as spec_lang
+    from resurgo.interop.api import import_checkpoint, spec_of
+
+    with fail_cleanly():
+        if emit_spec is not None:
+            produced, _ = spec_of(src, source)
+            if emit_spec.exists():
+                from resurgo.errors import CheckpointExistsError
+
+                raise CheckpointExistsError(f"{emit_spec}: exists; choose another file for --emit-spec")
+            emit_spec.write_text(spec_lang.dumps(produced))
+            console().print(f"spec of {escape(src)} ({plural(len(produced.tensors), 'tensor')}) written to "
+                            f"{escape(str(emit_spec))}", soft_wrap=True)
+            return
+        assert dst is not None
+        report = import_checkpoint(src, dst, source=source, spec=spec, memory_budget=budget)
+    if as_json:
+        print_json(asdict(report))
+        return
+    console().print(f"[bold green]OK[/bold green] {escape(src)} -> {escape(dst)} ({source}): "
+                    f"{plural(report.num_tensors, 'tensor')}, {human_bytes(report.tensor_bytes)}, "
+                    f"{plural(report.num_values, 'value')}, {report.seconds['total']:.2f} s", soft_wrap=True)
