@@ -230,7 +230,9 @@ def coverage_problem(places: list[Place], shape: tuple[int, ...]) -> str | None:
     kinds = {type(p) for p in nonempty}
     if len(kinds) > 1:
         return "pieces mix boxes and flat ranges; use one kind per tensor"
-    if not nonempty or kinds == {FlatRange}:
+    if not nonempty:
+        return _gap_text(0, describe(ChunkBox.whole(shape)), shape)
+    if kinds == {FlatRange}:
         return _flat_problem([p for p in nonempty if isinstance(p, FlatRange)], math.prod(shape), shape)
     return _box_problem([p for p in nonempty if isinstance(p, ChunkBox)], shape)
 
