@@ -60,6 +60,14 @@ class FlatPlace(_Strict):
     stop: int
 
 
+def place_of(box: Optional[BoxPlace], flat: Optional[FlatPlace]) -> Place:
+    """The place a ``box`` or (when it is None) a ``flat`` field describes."""
+    if box is not None:
+        return ChunkBox(tuple(box.offsets), tuple(box.shape))
+    assert flat is not None
+    return FlatRange(flat.start, flat.stop)
+
+
 class ChunkEntry(_Strict):
     """One stored piece of a tensor: where it sits in the tensor and where its bytes are."""
 
@@ -73,10 +81,7 @@ class ChunkEntry(_Strict):
 
     @property
     def place(self) -> Place:
-        if self.box is not None:
-            return ChunkBox(tuple(self.box.offsets), tuple(self.box.shape))
-        assert self.flat is not None
-        return FlatRange(self.flat.start, self.flat.stop)
+        return place_of(self.box, self.flat)
 
     @property
     def nbytes(self) -> int:

@@ -23,9 +23,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from resurgo.errors import ImportSpecError
 from resurgo.format import dtypes
+from resurgo.format.manifest import BoxPlace as Box
+from resurgo.format.manifest import FlatPlace as Flat
+from resurgo.format.manifest import place_of
 from resurgo.layout.box import ChunkBox, FlatRange, Place, covers_exactly_once
 
-SPEC_FORMAT = "resurgo.import-spec"
+SPEC_FORMAT: Literal["resurgo.import-spec"] = "resurgo.import-spec"
 SPEC_VERSION = 1
 MAX_NDIM = 64
 MAX_ELEMENTS = 1 << 62
@@ -33,16 +36,6 @@ MAX_ELEMENTS = 1 << 62
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-class Box(_Strict):
-    offsets: list[int]
-    shape: list[int]
-
-
-class Flat(_Strict):
-    start: int
-    stop: int
 
 
 class Source(_Strict):
@@ -68,15 +61,8 @@ class Piece(_Strict):
     replicas: list[Source] = Field(default_factory=list)
 
     @property
-    def source(self) -> Source:
-        return Source(file=self.file, member=self.member, offset=self.offset, strides=self.strides)
-
-    @property
     def place(self) -> Place:
-        if self.box is not None:
-            return ChunkBox(tuple(self.box.offsets), tuple(self.box.shape))
-        assert self.flat is not None
-        return FlatRange(self.flat.start, self.flat.stop)
+        return place_of(self.box, self.flat)
 
     @property
     def numel(self) -> int:
