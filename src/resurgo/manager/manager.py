@@ -191,7 +191,7 @@ class CheckpointManager:
         self.tiers = self._compose_tiers(root, storage_options, tiers)
         self._roots: list[Root] = [open_root(t.root, t.storage_options) for t in self.tiers]
         self._store: Root = self._roots[0]
-        self.root: Path | str = self._store.path  # type: ignore[assignment]
+        self.root: Path | str = self._store.path
         if keep_last is None and self.tiers[0].keep_last is not None:
             keep_last = self.tiers[0].keep_last
         self.save_policy = self._compose_policy(policy, every_steps, every_seconds, at_steps, interval, mtbf)
@@ -306,7 +306,7 @@ class CheckpointManager:
         return self._latest_committed
 
     def path_for(self, step: int, tier: int = 0) -> Path | str:
-        return self._roots[tier].location(checkpoint_name(step))  # type: ignore[return-value]
+        return self._roots[tier].location(checkpoint_name(step))
 
     def steps(self, tier: int = 0) -> list[int]:
         """Steps of the committed checkpoints in the root (or that tier), oldest first (reads

@@ -10,9 +10,9 @@ them; :mod:`resurgo.storage.open` picks one for a path or URL.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from resurgo.errors import CorruptCheckpointError
@@ -136,14 +136,14 @@ class Root(Protocol):
     size_words: str
 
     @property
-    def path(self) -> "os.PathLike[str] | str": ...
+    def path(self) -> Path | str: ...
 
     def require(self, expected: str) -> None:
         """CheckpointNotFoundError or NotACheckpointError when the root is not there (a directory);
         a URL prefix always is."""
         ...
 
-    def location(self, name: str) -> "os.PathLike[str] | str":
+    def location(self, name: str) -> Path | str:
         """The path or URL of the entry ``name`` ("." for the root itself)."""
         ...
 
