@@ -30,7 +30,7 @@ from typer.testing import CliRunner
 
 import resurgo
 from resurgo.cli import app
-from resurgo.convert import parse_size, plain_values
+from resurgo.conversion import parse_size, plain_values
 from resurgo.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,

@@ -11,7 +11,7 @@ import torch
 import resurgo
 from resurgo.pipeline.verify import verify_checkpoint
 from resurgo.plan.save_plan import MIN_FILE_BYTES
-from resurgo.storage.copy import copy_checkpoint
+from resurgo.pipeline.copy import copy_checkpoint
 from helpers import bits_equal
 
 

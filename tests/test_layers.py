@@ -23,7 +23,7 @@ LAYERS: list[set[str]] = [
     {"state", "storage"},  # flatten/restore the user's state; backends
     {"pipeline"},  # staging, writers, readers, commit sequences
     {"api"},  # the public entry points
-    {"convert", "diff", "manager"},  # built on the public entry points
+    {"conversion", "diff", "manager"},  # built on the public entry points
     {"bench", "study", "__init__"},  # programs built on the library; the package's public names
     {"cli"},  # the command line
     {"__main__"},

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import resurgo
 from resurgo.manager import CheckpointManager, Tier
 from resurgo.manager.catalog import COMMITTED, TEMPORARY, checkpoint_name, scan
-from resurgo.storage.copy import assign_files
+from resurgo.plan.copy_plan import assign_files
 
 from dist_harness import run_ranks
 

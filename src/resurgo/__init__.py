@@ -11,8 +11,6 @@ The names that need torch are imported on first use (PEP 562), so that ``import 
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 from resurgo.errors import (
@@ -44,7 +42,7 @@ from resurgo.version import __version__
 
 if TYPE_CHECKING:
     from resurgo.api import AsyncSaveHandle, async_save, load, load_dict, read_manifest, save
-    from resurgo.convert import convert
+    from resurgo.conversion import convert
     from resurgo.diff import CheckpointDiff, diff_checkpoints
     from resurgo.layout.shards import FlatShard, Shard
     from resurgo.manager import CheckpointManager, Tier, daly_interval
@@ -57,7 +55,7 @@ if TYPE_CHECKING:
 # name -> the module that defines it (imported on first access)
 _LAZY = {
     "save": "resurgo.api", "load": "resurgo.api", "load_dict": "resurgo.api", "read_manifest": "resurgo.api",
-    "convert": "resurgo.convert",
+    "convert": "resurgo.conversion",
     "diff_checkpoints": "resurgo.diff", "CheckpointDiff": "resurgo.diff",
     "Shard": "resurgo.layout.shards", "FlatShard": "resurgo.layout.shards",
     "CheckpointManager": "resurgo.manager", "Tier": "resurgo.manager", "daly_interval": "resurgo.manager",
@@ -83,17 +81,6 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-class _Package(types.ModuleType):
-    """``resurgo.convert`` is the function, also once the submodule of that name is imported (the
-    import system then sets the package's attribute to the submodule)."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "convert" and isinstance(value, types.ModuleType):
-            value = value.convert
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 __all__ = [

@@ -81,7 +81,7 @@ def size_option(value: Optional[str], what: str) -> Optional[int]:
     """The bytes of a size option (``2GB``, ``512MiB``); exit 2 with a message when it is not one."""
     if value is None:
         return None
-    from resurgo.convert import parse_size
+    from resurgo.conversion import parse_size
 
     try:
         return parse_size(value, what)

@@ -38,7 +38,7 @@ def convert(
 
     Exit 0 done, 2 refused (the output exists, pickled values), 3 damaged checkpoint (nothing
     written), 4 unreadable."""
-    from resurgo.convert import TARGETS, convert as convert_checkpoint
+    from resurgo.conversion import TARGETS, convert as convert_checkpoint
 
     if to not in TARGETS:
         error(f"--to must be one of {', '.join(TARGETS)}, not {to!r}")

@@ -59,8 +59,9 @@ from resurgo.manager.retention import (
     steps_to_delete,
 )
 from resurgo.manager.tiers import Tier
+from resurgo.pipeline.copy import copy_checkpoint, data_files, share_of
+from resurgo.pipeline.manifest_read import read_manifest_of
 from resurgo.pipeline.verify import verify_checkpoint
-from resurgo.storage.copy import copy_checkpoint, manifest_files, share_of
 from resurgo.storage.base import Root
 from resurgo.storage.open import open_checkpoint, open_root
 
@@ -581,9 +582,9 @@ class CheckpointManager:
                         comm=comm, declared_files=declared_files)
 
         def verify_mine() -> list[str]:
-            manifest = open_checkpoint(dest, store.storage_options).read_manifest_bytes()
+            manifest = read_manifest_of(open_checkpoint(dest, store.storage_options))
             return verify_checkpoint(dest, storage_options=store.storage_options,
-                                     files=share_of(manifest_files(manifest), comm)).problems
+                                     files=share_of(data_files(manifest), comm)).problems
 
         problems = [p for ps in comm.all_gather(comm.agree(verify_mine)) for p in ps]
         if problems:

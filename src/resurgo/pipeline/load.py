@@ -73,7 +73,7 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
             if any(comm.all_gather(changed)):
                 continue
             raise
-        if comm.size == 1 or len(set(comm.all_gather(checksum.digest(seen[0])))) == 1:
+        if comm.size == 1 or _one_version_per_path(comm.all_gather((str(path), checksum.digest(seen[0])))):
             break
     else:
         raise consistent.replaced_too_often(path)
@@ -96,3 +96,12 @@ def _key_mismatch_message(ckpt: Checkpoint, missing: list[str], unexpected: list
         parts.append(f"In the checkpoint but not in the target ({len(unexpected)}): {', '.join(map(repr, unexpected))}.")
     parts.append("Pass strict=False to load the keys that match.")
     return " ".join(parts)
+
+
+def _one_version_per_path(read: list[tuple[str, str]]) -> bool:
+    """Whether the ranks that loaded the same path read the same manifest. Ranks may load
+    different paths (each its own checkpoint); only a path read in two versions calls for a retry."""
+    versions: dict[str, set[str]] = {}
+    for path, digest in read:
+        versions.setdefault(path, set()).add(digest)
+    return all(len(digests) == 1 for digests in versions.values())

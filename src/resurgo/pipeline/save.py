@@ -40,6 +40,7 @@ from resurgo.format.manifest import (
 )
 from resurgo.layout.box import ChunkBox, FlatRange, place_order
 from resurgo.pipeline.buffers import TensorStream, source_for_write
+from resurgo.pipeline.collective import write_then_commit
 from resurgo.pipeline.writer import WrittenChunk, WrittenFile, write_data_file
 from resurgo.plan.global_plan import GlobalPlan, PlanCache, RankDecl, RankWrite, TensorDecl, TensorMeta
 from resurgo.plan.save_plan import SavePlan, plan_files
@@ -190,8 +191,8 @@ class LazySources(Mapping):
 def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | TensorStream"],
                      digests: Mapping[str, list[str]] | None = None) -> SaveReport:
     """Write this rank's data files (one thread per file); once every rank's are durable, rank 0
-    writes the manifest and commits. On any failure, on any rank, the staging directory is removed,
-    nothing is committed, and every rank raises the same error."""
+    writes the manifest and commits (:mod:`resurgo.pipeline.collective`). On any failure, on any
+    rank, the staging is removed, nothing is committed, and every rank raises the same error."""
     t_start = time.perf_counter()
     comm = prep.comm
 
@@ -202,24 +203,10 @@ def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | Ten
         with ThreadPoolExecutor(len(files), thread_name_prefix="resurgo-write") as pool:
             return list(pool.map(lambda f: write_data_file(prep.staging, f, sources, digests), files))
 
-    def commit() -> tuple[int, float]:
-        if not comm.is_coordinator:
-            return 0, 0.0
-        assert everyone is not None
-        raw = build_manifest(prep, [w for ws in everyone for w in ws]).to_json_bytes()
-        t0 = time.perf_counter()
-        prep.staging.commit(raw)
-        return len(raw), time.perf_counter() - t0
+    def manifest(everyone: list[list[WrittenFile]]) -> bytes:
+        return build_manifest(prep, [w for ws in everyone for w in ws]).to_json_bytes()
 
-    everyone: list[list[WrittenFile]] | None = None
-    try:
-        written = comm.agree(write)
-        everyone = comm.gather(written)
-        manifest_bytes, t_commit = comm.agree(commit)
-    except BaseException:
-        if comm.is_coordinator:
-            prep.staging.abort()
-        raise
+    written, manifest_bytes, t_commit = write_then_commit(comm, prep.staging, write, manifest)
     seconds = dict(prep.seconds)
     seconds["commit"] = t_commit
     for phase in ("write", "checksum", "fsync"):

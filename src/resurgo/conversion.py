@@ -1,4 +1,4 @@
-"""``resurgo.convert``: a checkpoint as one safetensors file, Hugging Face sharded safetensors, or a
+"""Conversion behind ``resurgo.convert``: a checkpoint as one safetensors file, Hugging Face sharded safetensors, or a
 torch.save file.
 
 The source is a checkpoint directory or URL (``s3://...``, with ``storage_options``); the output is
