@@ -28,8 +28,8 @@ from resurgo.errors import (
     StorageError,
     UnsupportedValueError,
 )
-from resurgo.manager import CheckpointManager, catalog, removal
-from resurgo.manager.catalog import COMMITTED, TEMPORARY, checkpoint_name, scan_root
+from resurgo.manager import CheckpointManager, catalog
+from resurgo.manager.catalog import COMMITTED, TEMPORARY, checkpoint_name, scan
 from resurgo.pipeline import async_save as async_mod
 from resurgo.storage import local
 from helpers import bits_equal, flip_stored_bit
@@ -52,7 +52,7 @@ def names(root: Path) -> list[str]:
 
 
 def committed_steps(root: Path) -> list[int]:
-    return [e.step for e in scan_root(root) if e.status == COMMITTED]
+    return [e.step for e in scan(root) if e.status == COMMITTED]
 
 
 # -- saving by policy ------------------------------------------------------------------------------
@@ -214,15 +214,15 @@ def test_keep_best_uses_metrics_stored_in_the_checkpoints_across_restarts(tmp_pa
 def test_deletion_renames_the_checkpoint_away_before_removing_any_file(tmp_path, monkeypatch):
     save_steps(tmp_path, [1, 2])
     seen = []
-    real_remove = removal.remove_checkpoint_dir
+    real_remove = local.remove_checkpoint_dir
 
     def watching_remove(path, owned):
         step = catalog.step_of(catalog.temporary_target(Path(path).name))
         seen.append((Path(path).name, step, (tmp_path / checkpoint_name(step)).exists(),
-                     [e.status for e in scan_root(tmp_path) if e.step == step]))
+                     [e.status for e in scan(tmp_path) if e.step == step]))
         return real_remove(path, owned)
 
-    monkeypatch.setattr(removal, "remove_checkpoint_dir", watching_remove)
+    monkeypatch.setattr(local, "remove_checkpoint_dir", watching_remove)
     with CheckpointManager(tmp_path, keep_last=1, async_save=False) as mgr:
         mgr.save(3, state_at(3))
     assert sorted(step for _, step, _, _ in seen) == [1, 2]
@@ -235,7 +235,7 @@ def test_deletion_renames_the_checkpoint_away_before_removing_any_file(tmp_path,
 def test_an_interrupted_deletion_reads_as_temporary_and_is_cleaned_at_the_next_start(tmp_path, monkeypatch):
     save_steps(tmp_path, [1, 2])
     # The process dies right after the rename, and once more in the middle of removing files.
-    monkeypatch.setattr(removal, "remove_checkpoint_dir", lambda path, owned: None)
+    monkeypatch.setattr(local, "remove_checkpoint_dir", lambda path, owned: None)
     with CheckpointManager(tmp_path, keep_last=1, async_save=False) as mgr:
         mgr.save(3, state_at(3))
     trash = [p for p in tmp_path.iterdir() if "trash" in p.name]
@@ -244,8 +244,8 @@ def test_an_interrupted_deletion_reads_as_temporary_and_is_cleaned_at_the_next_s
     for t in trash:
         with pytest.raises(IncompleteCheckpointError, match="temporary directory"):
             resurgo.load(blank(), t)
-        assert catalog.classify(t).status == TEMPORARY
-        assert "deletion was interrupted" in catalog.classify(t).detail
+        (entry,) = [e for e in scan(tmp_path) if e.path.name == t.name]
+        assert entry.status == TEMPORARY and "deletion was interrupted" in entry.detail
     monkeypatch.undo()
     with CheckpointManager(tmp_path) as mgr:
         mgr.wait()

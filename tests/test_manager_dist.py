@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from resurgo.manager import CheckpointManager
-from resurgo.manager.catalog import COMMITTED, checkpoint_name, scan_root
+from resurgo.manager.catalog import COMMITTED, checkpoint_name, scan
 from helpers import bits_equal, flip_stored_bit
 
 WORLD = 2
@@ -71,12 +71,12 @@ def _worker(rank: int, tmp: str) -> None:
     out["preempt_stop"] = mgr.should_stop
     mgr.close()
     dist.barrier()
-    out["preempt_steps"] = [e.step for e in scan_root(tmp_path / "preempt") if e.status == COMMITTED]
+    out["preempt_steps"] = [e.step for e in scan(tmp_path / "preempt") if e.status == COMMITTED]
 
     with CheckpointManager(tmp_path / "decide", policy=OnlyOnRank(0), async_save=False) as mgr:
         out["decide_saved"] = [mgr.maybe_save(s, state_at(s)) for s in (3, 4)]
     dist.barrier()
-    out["decide_steps"] = [e.step for e in scan_root(tmp_path / "decide") if e.status == COMMITTED]
+    out["decide_steps"] = [e.step for e in scan(tmp_path / "decide") if e.status == COMMITTED]
 
     (tmp_path / f"result{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()

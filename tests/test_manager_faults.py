@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from resurgo.manager.catalog import COMMITTED, TEMPORARY, TRASH_TAG, scan_root
+from resurgo.manager.catalog import COMMITTED, TEMPORARY, TRASH_TAG, scan
 from resurgo.pipeline.verify import verify_checkpoint
 from resurgo.storage import direct_io, local
 from resurgo.storage.local import TMP_MARKER
@@ -172,7 +172,7 @@ def landed_in(root: Path, lines: list[str]) -> str:
 
 def check_root_after_kill(root: Path, history: dict) -> int | None:
     """The invariants of the root once the process is dead; returns the newest committed step."""
-    entries = scan_root(root)
+    entries = scan(root)
     named = [e for e in entries if e.status != TEMPORARY]
     assert all(e.status == COMMITTED for e in named), [(e.path.name, e.status, e.detail) for e in named]
     committed = [e.step for e in named]
@@ -185,7 +185,7 @@ def check_root_after_kill(root: Path, history: dict) -> int | None:
     assert newest >= history["newest"], f"the newest committed step went back from {history['newest']} to {newest}"
     history["newest"] = newest
     for e in named:
-        report = verify_checkpoint(e.path)
+        report = verify_checkpoint(e.location)
         assert report.ok, (e.path, report.problems)
     return newest
 
@@ -241,8 +241,8 @@ def kill_and_restart(tmp_path: Path, kills: int, seed: int, fresh_interpreter: b
         for s, loss in parse_losses(run.lines).items():
             assert loss.hex() == ref_losses[s].hex(), f"loss at step {s} differs from the uninterrupted run"
     assert_same_result(tmp_path / "ref.pt", tmp_path / "out.pt")
-    assert all(e.status == COMMITTED for e in scan_root(root))
-    assert [e.step for e in scan_root(root)] == [steps - 2, steps]  # keep_last=2
+    assert all(e.status == COMMITTED for e in scan(root))
+    assert [e.step for e in scan(root)] == [steps - 2, steps]  # keep_last=2
     print(f"\n{kills} kills landed in: {json.dumps(dict(landed))}")
     return landed
 

@@ -19,7 +19,8 @@ from resurgo.cli import app
 from resurgo.errors import CheckpointExistsError, ForeignFilesError
 from resurgo.manager import CheckpointManager, Tier
 from resurgo.manager.catalog import checkpoint_name
-from resurgo.manager.roots import ObjectRoot
+from resurgo.storage.fsspec_store import ObjectRoot
+from resurgo.format.manifest import declared_files
 from resurgo.pipeline import async_save as async_mod
 from resurgo.storage import local
 from resurgo.storage.fsspec_store import split_url
@@ -258,7 +259,7 @@ def test_object_store_manager_never_deletes_foreign_objects(mem_url):
     fs.pipe_file(f"{root}/{checkpoint_name(4)}/my.cfg", b"mine")
     before = objects(mem_url)
     with pytest.raises(ForeignFilesError, match=r"step_000000001: holds 'notes.txt'"):
-        ObjectRoot(mem_url).remove(1)
+        ObjectRoot(mem_url).remove(checkpoint_name(1), declared_files)
     with pytest.warns(UserWarning) as caught:
         with CheckpointManager(mem_url, keep_last=1, async_save=False) as mgr:
             mgr.wait()  # the start's clean-up of incomplete prefixes has run

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import resurgo
 from resurgo.manager import CheckpointManager, Tier
-from resurgo.manager.catalog import COMMITTED, TEMPORARY, checkpoint_name, scan_root
+from resurgo.manager.catalog import COMMITTED, TEMPORARY, checkpoint_name, scan
 from resurgo.plan.copy_plan import assign_files
 
 from dist_harness import run_ranks
@@ -72,9 +72,9 @@ def test_a_copy_failing_on_one_rank_leaves_no_copy_and_every_rank_hears(tmp_path
     for r in results:
         assert len(r["errors"]) == 1 and "a tier copy or a deletion) failed: rank 1 failed" in r["errors"][0]
         assert "injected failure creating data/rank00001-000.safetensors" in r["errors"][0]
-    assert [e.status for e in scan_root(tmp_path / "durable")] == []  # no copy, no temporary directory
-    assert [(e.step, e.status) for e in scan_root(tmp_path / "fast")] == [(7, COMMITTED)]
-    assert TEMPORARY not in {e.status for e in scan_root(tmp_path / "fast")}
+    assert [e.status for e in scan(tmp_path / "durable")] == []  # no copy, no temporary directory
+    assert [(e.step, e.status) for e in scan(tmp_path / "fast")] == [(7, COMMITTED)]
+    assert TEMPORARY not in {e.status for e in scan(tmp_path / "fast")}
 
 
 @settings(max_examples=200, deadline=None)

@@ -24,9 +24,9 @@ import torch
 from resurgo.api import async_save, load, save
 from resurgo.errors import CheckpointNotFoundError
 from resurgo.manager.daly import daly_interval
-from resurgo.manager.removal import remove_temporary
-from resurgo.manager.roots import LocalRoot, ManagerRoot, open_root
-from resurgo.storage.open import is_url, join, local_path
+from resurgo.manager.catalog import checkpoint_name, remove
+from resurgo.storage.base import Root
+from resurgo.storage.open import is_url, join, local_path, open_root
 
 MECHANISMS = ("save", "async_stall", "async_durable", "load", "torch_save", "torch_load")
 
@@ -77,10 +77,10 @@ def bench_storage(location: str | os.PathLike, *, size: int = 1 << 30, tensors: 
     root = open_root(scratch, storage_options)
     report = BenchReport(str(location), state_bytes, len(state), repeats)
     times: dict[str, list[float]] = {m: [] for m in MECHANISMS}
-    with_torch = reference and isinstance(root, LocalRoot)
+    with_torch = reference and not is_url(scratch)
     try:
         for rep in range(repeats):
-            sync_at, async_at = root.location(2 * rep), root.location(2 * rep + 1)
+            sync_at, async_at = root.location(checkpoint_name(2 * rep)), root.location(checkpoint_name(2 * rep + 1))
             t = time.perf_counter()
             save(state, sync_at, storage_options=storage_options)
             times["save"].append(time.perf_counter() - t)
@@ -93,7 +93,7 @@ def bench_storage(location: str | os.PathLike, *, size: int = 1 << 30, tensors: 
             load(state, sync_at, storage_options=storage_options)
             times["load"].append(time.perf_counter() - t)
             for step in (2 * rep, 2 * rep + 1):
-                root.remove(step)
+                remove(root, checkpoint_name(step))
             if with_torch:
                 reference_file = Path(local_path(scratch)) / "reference.pt"
                 times["torch_save"].append(_torch_save(state, reference_file))
@@ -122,12 +122,12 @@ def _torch_save(state: dict, path: Path) -> float:
     return time.perf_counter() - t
 
 
-def _remove_scratch(root: ManagerRoot, scratch: str | os.PathLike, repeats: int) -> None:
+def _remove_scratch(root: Root, scratch: str | os.PathLike, repeats: int) -> None:
     for step in range(2 * repeats):
-        root.remove(step)
+        remove(root, checkpoint_name(step))
     if not is_url(scratch):
         path = Path(local_path(scratch))
         (path / "reference.pt").unlink(missing_ok=True)
         for leftover in path.iterdir():  # a save cut short by an error leaves its temporary directory
-            remove_temporary(leftover)
+            remove(root, leftover.name)
         path.rmdir()

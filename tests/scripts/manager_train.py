@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import xxhash
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from kill_resume_worker import build, train, write_result  # noqa: E402
 
 from resurgo import CheckpointManager, TrainState  # noqa: E402
-from resurgo.manager import removal  # noqa: E402
+from resurgo.storage import local  # noqa: E402
 
 
 class WideMLP(nn.Module):
@@ -97,13 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("resurgo.manager").addHandler(handler)
     logging.getLogger("resurgo.manager").setLevel(logging.INFO)
     if args.slow_delete:
-        remove_files = removal.remove_temporary
+        remove_files = local.remove_checkpoint_dir
 
-        def slowly(path: Path) -> bool:
+        def slowly(path: Path, owned: Any) -> None:  # between the rename away and the removal of files
             time.sleep(args.slow_delete)
-            return remove_files(path)
+            remove_files(path, owned)
 
-        removal.remove_temporary = slowly
+        local.remove_checkpoint_dir = slowly  # type: ignore[assignment]
 
     ts = build(model_cls=WideMLP)
     with CheckpointManager(args.root, every_steps=args.save_every, keep_last=args.keep_last) as mgr:

@@ -24,7 +24,7 @@ def _place_json(chunk) -> dict:
 
 def inspect_summary(path: str | os.PathLike, with_chunks: bool = False) -> dict:
     """Everything ``inspect --json`` prints: read from the manifest only."""
-    from resurgo.manager.roots import size_problems
+    from resurgo.manager.catalog import size_problems
 
     manifest, manifest_bytes = load_manifest(path)
     tensors = {}

@@ -1,14 +1,16 @@
-"""What is in a checkpoint directory tree, read-only: each entry's status, step, time and metrics.
+"""What is in a root of checkpoints (a directory or a URL prefix), read-only: each entry's
+status, step, time and metrics; and the one way the manager deletes an entry.
 
 Statuses: ``committed`` (a manifest that validates and data files of the sizes it lists),
 ``incomplete`` (no manifest: a save that never committed, or the remains of a deletion),
 ``temporary`` (a ``.NAME.resurgo-tmp-*`` directory: an interrupted save, or a checkpoint being
 deleted) and ``corrupt`` (a manifest that does not validate, or data files of other sizes; with
-a checksum pass, also bad bytes). Classifying reads manifests and stats files, never data.
+a checksum pass, also bad bytes). :func:`classify_listing` decides it for both backends from the
+root's listing of the entry and its manifest: it reads manifests, never data.
 
-A manager root holds one directory per checkpoint named ``step_000000123`` (zero-padded, so names
+A manager root holds one checkpoint per step named ``step_000000123`` (zero-padded, so names
 sort by step) and the temporary directories of its saves and deletions beside them.
-:func:`scan_root` lists such a root; :func:`list_checkpoints` finds every checkpoint below a
+:func:`scan` lists such a root; :func:`list_checkpoints` finds every checkpoint below a
 directory or URL prefix (``resurgo ls``).
 """
 
@@ -17,19 +19,20 @@ from __future__ import annotations
 import json
 import os
 import re
-import uuid
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from resurgo.errors import CheckpointNotFoundError, NotACheckpointError, ResurgoError
-from resurgo.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest
-from resurgo.storage.local import TMP_MARKER, CheckpointDir, is_temporary
+from resurgo.errors import ResurgoError
+from resurgo.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, declared_files, parse_manifest
+from resurgo.storage.base import Listing, Root
+from resurgo.storage.local import TMP_MARKER, TRASH_TAG
+from resurgo.storage.open import open_root
 
 COMMITTED, INCOMPLETE, TEMPORARY, CORRUPT = "committed", "incomplete", "temporary", "corrupt"
 STEP_PREFIX = "step_"
 STEP_DIGITS = 9
-TRASH_TAG = "trash-"  # after TMP_MARKER: a checkpoint renamed away to be deleted
 _STEP_NAME = re.compile(r"^step_(\d+)$")
 
 
@@ -55,28 +58,28 @@ def temporary_target(name: str) -> str | None:
     return name[1:name.index(TMP_MARKER)]
 
 
-def trash_name(name: str) -> str:
-    """The name a checkpoint is renamed to before it is deleted: a temporary directory."""
-    return f".{name}{TMP_MARKER}{TRASH_TAG}{uuid.uuid4().hex[:12]}"
-
-
 @dataclass
 class Entry:
-    path: Path
+    path: Path  # its name relative to the root ("." for the root itself)
     status: str
     step: int | None
     created_at: str | None
     detail: str
     metadata: dict[str, Any] = field(default_factory=dict)  # a committed checkpoint's manifest metadata
     save_info: dict[str, Any] = field(default_factory=dict)  # and its save_info (the manager's retention rules)
-    url: str | None = None  # on an object store: its URL (``path`` is then its name)
-    newest: float = 0.0  # on an object store: the latest modification time of its objects
-    nbytes: int = 0  # on an object store: the bytes of its objects
+    where: Path | str | None = None  # its path or URL (None: ``path``)
+    newest: float = 0.0  # the latest modification time of what is stored under it
+    nbytes: int = 0  # the bytes stored under it
+
+    @property
+    def name(self) -> str:
+        """Its name in its root, as :class:`~resurgo.storage.base.Root` methods take it."""
+        return self.path.as_posix()
 
     @property
     def location(self) -> str:
-        """How messages name it: its URL or its path."""
-        return self.url or str(self.path)
+        """How messages name it: its path or URL."""
+        return str(self.where if self.where is not None else self.path)
 
     @property
     def metrics(self) -> dict[str, Any]:
@@ -85,54 +88,27 @@ class Entry:
         return dict(m) if isinstance(m, dict) else {}
 
 
-def file_size_problems(path: str | os.PathLike, manifest: Manifest) -> list[str]:
-    """Data files that are missing or of another size than the manifest says (a stat, no reads)."""
-    ckpt = CheckpointDir(path)
-    problems = []
-    for name, entry in manifest.files.items():
-        try:
-            size = ckpt.resolve(name).stat().st_size
-        except ResurgoError as e:
-            problems.append(str(e))
-            continue
-        except OSError:
-            problems.append(f"{name}: missing")
-            continue
-        if size != entry.bytes:
-            problems.append(f"{name}: {size} bytes on disk, the manifest says {entry.bytes}")
-    return problems
+def size_problems_in(stored: Mapping[str, int], manifest: Manifest, size_words: str = "stored") -> list[str]:
+    """Data files missing from ``stored`` (name -> bytes, as listed) or of another size than the
+    manifest says; ``size_words`` names where the sizes come from ("on disk", "stored")."""
+    return [f"{name}: missing" if name not in stored else
+            f"{name}: {stored[name]} bytes {size_words}, the manifest says {e.bytes}"
+            for name, e in manifest.files.items() if stored.get(name) != e.bytes]
 
 
-def dir_bytes(d: Path) -> int:
-    """Every file under ``d``, as found on disk (links not followed)."""
-    total = 0
-    for root, _dirs, files in os.walk(d, onerror=lambda e: None):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_size
-            except OSError:
-                pass
-    return total
+def size_problems(location: str | os.PathLike, manifest: Manifest) -> list[str]:
+    """Data files (or objects, at a URL) missing or of another size than ``manifest`` says: one
+    listing; no data is read."""
+    root = open_root(location)
+    found = root.listing(".")
+    return size_problems_in(found.files if found is not None else {}, manifest, root.size_words)
 
 
-def newest_mtime(d: Path) -> float:
-    """The latest modification time of ``d`` or anything under it (a save in progress keeps it fresh)."""
-    newest = 0.0
-    for root, dirs, files in os.walk(d, onerror=lambda e: None):
-        for name in [*dirs, *files, ""]:
-            try:
-                newest = max(newest, os.lstat(os.path.join(root, name) if name else root).st_mtime)
-            except OSError:
-                pass
-    return newest
-
-
-def _lenient_manifest_fields(d: Path) -> tuple[int | None, str | None]:
+def _lenient_manifest_fields(raw: bytes | None) -> tuple[int | None, str | None]:
     """step and created_at from a manifest that may not validate (best effort, for display)."""
     try:
-        raw = (d / MANIFEST_NAME).read_bytes()
-        doc = json.loads(raw) if len(raw) <= MAX_MANIFEST_BYTES else None
-    except (OSError, ValueError, RecursionError):
+        doc = json.loads(raw) if raw is not None and len(raw) <= MAX_MANIFEST_BYTES else None
+    except (ValueError, RecursionError):
         return None, None
     if not isinstance(doc, dict):
         return None, None
@@ -149,91 +125,83 @@ def _temporary_detail(name: str) -> str:
     return "temporary directory left by an interrupted save"
 
 
-def classify(d: Path) -> Entry | None:
-    """What ``d`` is, when it is a checkpoint or the remains of a save; None otherwise."""
-    has_manifest = (d / MANIFEST_NAME).exists()
-    if is_temporary(d):
-        step, created = _lenient_manifest_fields(d) if has_manifest else (None, None)
-        if step is None:  # a manager's: the step is in the name
-            step = step_of(temporary_target(d.name) or "")
-        return Entry(d, TEMPORARY, step, created, _temporary_detail(d.name))
-    if not has_manifest:
-        if (d / "data").is_dir():
-            return Entry(d, INCOMPLETE, None, None, f"data/ but no {MANIFEST_NAME}: the save never committed")
-        return None
+def classify_listing(root: Root, found: Listing, step: int | None = None) -> Entry | None:
+    """What the entry ``found`` of ``root`` is, when it is a checkpoint or the remains of a save;
+    None otherwise. ``step``: the step its name says (a manager's checkpoint, which is then never
+    None), which the manifest must agree with. Reads the manifest, compares the listed sizes."""
+    base = Path(found.name).name
+    here: dict[str, Any] = {"where": root.location(found.name), "newest": found.newest, "nbytes": found.total_bytes}
+    if not found.is_dir:
+        return Entry(Path(found.name), CORRUPT, step, None, "not a directory: a checkpoint is a directory", **here)
+    target = temporary_target(base)
+    if target is not None:
+        return Entry(Path(found.name), TEMPORARY, step if step is not None else step_of(target), None,
+                     _temporary_detail(base), **here)
+    if not found.has_manifest:
+        running = " (or is still running)" if root.saves_in_place else ""
+        if found.has_data or found.writers:
+            what = "a writer token" if found.writers and not found.has_data else "data/"
+            return Entry(Path(found.name), INCOMPLETE, step, None,
+                         f"{what} but no {MANIFEST_NAME}: the save never committed{running}", **here)
+        if step is None:
+            return None
+        return Entry(Path(found.name), INCOMPLETE, step, None,
+                     f"no {MANIFEST_NAME}: the save never committed{running}", **here)
+    ckpt, raw = root.open(found.name), None
     try:
-        manifest = parse_manifest(CheckpointDir(d).read_manifest_bytes(), MANIFEST_NAME)
+        raw = ckpt.read_manifest_bytes()
+        manifest = parse_manifest(raw, ckpt.describe(MANIFEST_NAME))
     except ResurgoError as e:
-        step, created = _lenient_manifest_fields(d)
-        return Entry(d, CORRUPT, step, created, str(e))
-    problems = file_size_problems(d, manifest)
+        lenient_step, created = _lenient_manifest_fields(raw)
+        return Entry(Path(found.name), CORRUPT, step if step is not None else lenient_step, created, str(e), **here)
+    problems = size_problems_in(found.files, manifest, root.size_words)
+    if step is not None and manifest.step != step:
+        problems.append(f"its manifest says step {manifest.step}, its name says step {step}")
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        return Entry(d, CORRUPT, manifest.step, manifest.created_at, problems[0] + more)
-    return Entry(d, COMMITTED, manifest.step, manifest.created_at, "", dict(manifest.metadata),
-                 dict(manifest.save_info))
+        return Entry(Path(found.name), CORRUPT, manifest.step if step is None else step, manifest.created_at,
+                     problems[0] + more, **here)
+    return Entry(Path(found.name), COMMITTED, manifest.step, manifest.created_at, "", dict(manifest.metadata),
+                 dict(manifest.save_info), **here)
 
 
-def classify_step_dir(d: Path, step: int) -> Entry:
-    """What the directory of ``step`` in a manager root is (it exists)."""
-    if not d.is_dir() or d.is_symlink():
-        return Entry(d, CORRUPT, step, None, "not a directory: a checkpoint is a directory")
-    entry = classify(d) or Entry(d, INCOMPLETE, None, None, f"no {MANIFEST_NAME}: the save never committed")
-    if entry.status == COMMITTED and entry.step != step:
-        return Entry(d, CORRUPT, step, entry.created_at,
-                     f"its manifest says step {entry.step}, its name says step {step}")
-    entry.step = step
-    return entry
+def _root(root: Root | str | os.PathLike) -> Root:
+    return open_root(root) if isinstance(root, (str, os.PathLike)) else root
 
 
-def scan_root(root: Path) -> list[Entry]:
+def _manager_step(name: str) -> int | None:
+    """The step of an entry of a manager root: a checkpoint, or a temporary directory of one."""
+    step = step_of(name)
+    return step if step is not None else step_of(temporary_target(name) or "")
+
+
+def scan(root: Root | str | os.PathLike) -> list[Entry]:
     """The checkpoints of a manager root and the temporary directories of its saves and
     deletions, sorted by step. Other entries of the root are not the manager's: left out."""
+    store = _root(root)
     found = []
-    try:
-        names = os.listdir(root)
-    except FileNotFoundError:
-        return []
-    for name in names:
-        step = step_of(name)
-        if step is not None:
-            found.append(classify_step_dir(root / name, step))
-            continue
-        target = temporary_target(name)
-        if target is not None and step_of(target) is not None and (root / name).is_dir():
-            found.append(Entry(root / name, TEMPORARY, step_of(target), None, _temporary_detail(name)))
+    for listing in store.listings(select=lambda name: _manager_step(name) is not None):
+        if temporary_target(listing.name) is not None and not listing.is_dir:
+            continue  # a file named like a temporary directory is not the manager's
+        entry = classify_listing(store, listing, _manager_step(listing.name))
+        if entry is not None:
+            found.append(entry)
     found.sort(key=lambda e: (e.step, e.status != COMMITTED, e.path.name))
     return found
 
 
-def require_directory(path: Path, expected: str = "a directory") -> None:
-    """CheckpointNotFoundError when ``path`` does not exist, NotACheckpointError when it is a file."""
-    if not path.exists():
-        raise CheckpointNotFoundError(f"{path}: no such directory")
-    if not path.is_dir():
-        raise NotACheckpointError(f"{path}: is a file, expected {expected}")
+def classify(root: Root | str | os.PathLike, step: int) -> Entry | None:
+    """What the checkpoint of ``step`` in a manager root is; None when nothing is there."""
+    store = _root(root)
+    listing = store.listing(checkpoint_name(step))
+    return None if listing is None else classify_listing(store, listing, step)
 
 
-def _walk(root: Path) -> list[Entry]:
-    """Every checkpoint (or leftover of a save) at or below the directory ``root``; an entry's path
-    is relative to ``root``, its ``nbytes`` every file under it. Does not descend into a
-    checkpoint, an incomplete save or a temporary directory, nor follow links to directories."""
-    require_directory(root)
-    found: list[Entry] = []
-    stack = [root]
-    while stack:
-        d = stack.pop()
-        c = classify(d)
-        if c is not None:
-            found.append(replace(c, path=d.relative_to(root), nbytes=dir_bytes(d)))
-            continue
-        try:
-            with os.scandir(d) as it:
-                stack.extend(Path(entry.path) for entry in it if entry.is_dir(follow_symlinks=False))
-        except OSError:
-            continue
-    found.sort(key=lambda e: e.path.parts)  # "." (the root itself) has no parts: first
-    return found
+def remove(root: Root, name: str, *, dry_run: bool = False) -> bool:
+    """Delete the entry ``name`` of ``root`` (a checkpoint, an incomplete one or a temporary
+    directory) crash-safely, if resurgo wrote all of it (else ForeignFilesError, nothing
+    deleted); False when nothing is there. ``dry_run``: only check."""
+    return root.remove(name, declared_files, dry_run=dry_run)
 
 
 def list_checkpoints(location: str | os.PathLike, *, verify: bool = False) -> list[Entry]:
@@ -242,14 +210,10 @@ def list_checkpoints(location: str | os.PathLike, *, verify: bool = False) -> li
     and ``nbytes`` is its size as stored. ``verify``: also check every checksum of the committed
     ones; one that fails (or changed since it was listed) becomes corrupt, its first problem the detail.
     """
-    from resurgo.storage.open import is_url, join
-
-    if is_url(location):
-        from resurgo.manager.roots import list_object_checkpoints
-
-        entries = list_object_checkpoints(str(location))
-    else:
-        entries = _walk(Path(location))
+    root = open_root(location)
+    root.require("a directory")
+    entries = [e for e in (classify_listing(root, found) for found in root.walk()) if e is not None]
+    entries.sort(key=lambda e: e.path.parts)  # "." (the root itself) has no parts: first
     if verify:
         from resurgo.pipeline.verify import verify_checkpoint
 
@@ -257,7 +221,7 @@ def list_checkpoints(location: str | os.PathLike, *, verify: bool = False) -> li
             if e.status != COMMITTED:
                 continue
             try:
-                report = verify_checkpoint(location if e.path == Path(".") else join(location, e.path.as_posix()))
+                report = verify_checkpoint(e.location, storage_options=root.storage_options)
             except ResurgoError as err:
                 e.status, e.detail = CORRUPT, str(err)
                 continue

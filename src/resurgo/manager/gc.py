@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from resurgo.errors import ForeignFilesError, UnsupportedValueError
-from resurgo.manager.catalog import COMMITTED, CORRUPT, Entry, require_directory
-from resurgo.manager.roots import LocalRoot, open_root, root_name
+from resurgo.manager.catalog import COMMITTED, CORRUPT, Entry, remove, scan
+from resurgo.storage.open import open_root
 from resurgo.manager.retention import (
     KeepAny,
     KeepBest,
@@ -156,20 +156,18 @@ def run_gc(root: str | os.PathLike, *, keep_last: int | None = None, keep_every:
     what the plan deletes, or in a ``dry_run`` only check that it may be deleted. An item holding
     files resurgo did not write is kept: its reason and :attr:`GcRun.refused` say why."""
     store = open_root(root)
-    if isinstance(store, LocalRoot):
-        require_directory(store.root, "a CheckpointManager root directory")
-    entries = store.scan()  # on an object store one listing: an incomplete save's age is its newest object's
-    policy, source = gc_policy(entries, root_name(store), keep_last=keep_last, keep_every=keep_every,
+    store.require("a CheckpointManager root directory")
+    entries = scan(store)  # an incomplete save's age is that of the newest thing stored under it
+    policy, source = gc_policy(entries, store.name, keep_last=keep_last, keep_every=keep_every,
                                keep_best=keep_best, no_keep_best=no_keep_best, ignore_recorded=ignore_recorded)
     by_path: dict[Path, Entry] = {e.path: e for e in entries}
-    plan = plan_gc(entries, policy, now=time.time(), stale_after=stale_after,
-                   mtime=lambda path: store.changed_at(by_path[path]))
+    plan = plan_gc(entries, policy, now=time.time(), stale_after=stale_after, mtime=lambda path: by_path[path].newest)
     run = GcRun(plan, describe(policy) if policy is not None else "none (every committed checkpoint is kept)", source)
     for item in plan:
-        item.nbytes = store.entry_bytes(item.entry)
+        item.nbytes = item.entry.nbytes
         if item.action == DELETE:
             try:
-                store.remove_entry(item.entry, dry_run=dry_run)
+                remove(store, item.entry.name, dry_run=dry_run)
             except ForeignFilesError as e:
                 item.action, item.reason = KEEP, f"refused: {e}"
                 run.refused.append(str(e))

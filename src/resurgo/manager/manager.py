@@ -3,7 +3,7 @@
 The manager owns one root directory of checkpoints named by step (see
 :mod:`resurgo.manager.catalog`). It composes the pieces of this package: save policies decide at
 each ``maybe_save``, retention policies choose what to delete after each commit, deletions run
-in a background thread and are crash-safe (:mod:`resurgo.manager.removal`), and in a multi-rank
+in a background thread and are crash-safe (:meth:`resurgo.storage.base.Root.remove`), and in a multi-rank
 job the ranks agree on every decision (:mod:`resurgo.manager.agreement`). One job per root: the
 manager removes temporary directories it finds there when it starts.
 """
@@ -38,7 +38,7 @@ from resurgo.errors import (
 from resurgo.dist import comm as dist_comm
 from resurgo.format.manifest import declared_files
 from resurgo.manager import agreement
-from resurgo.manager.catalog import COMMITTED, CORRUPT, INCOMPLETE, TEMPORARY, Entry
+from resurgo.manager.catalog import COMMITTED, CORRUPT, INCOMPLETE, TEMPORARY, Entry, checkpoint_name, classify, remove, scan
 from resurgo.manager.daly import daly_interval
 from resurgo.manager.policies import (
     AnyOf,
@@ -58,12 +58,12 @@ from resurgo.manager.retention import (
     shortcut_policy,
     steps_to_delete,
 )
-from resurgo.manager.roots import LocalRoot, ManagerRoot, ObjectRoot, open_root, root_name
 from resurgo.manager.tiers import Tier
 from resurgo.pipeline.copy import copy_checkpoint, data_files, share_of
 from resurgo.pipeline.manifest_read import read_manifest_of
 from resurgo.pipeline.verify import verify_checkpoint
-from resurgo.storage.open import open_checkpoint
+from resurgo.storage.base import Root
+from resurgo.storage.open import open_checkpoint, open_root
 
 log = logging.getLogger("resurgo.manager")
 
@@ -190,9 +190,9 @@ class CheckpointManager:
                  tiers: Iterable[Tier] | None = None,
                  on_commit: Callable[[int, Path | str], None] | None = None) -> None:
         self.tiers = self._compose_tiers(root, storage_options, tiers)
-        self._roots: list[LocalRoot | ObjectRoot] = [open_root(t.root, t.storage_options) for t in self.tiers]
-        self._store: ManagerRoot = self._roots[0]
-        self.root: Path | str = self._roots[0].root if isinstance(self._roots[0], LocalRoot) else self._roots[0].url
+        self._roots: list[Root] = [open_root(t.root, t.storage_options) for t in self.tiers]
+        self._store: Root = self._roots[0]
+        self.root: Path | str = self._store.path
         if keep_last is None and self.tiers[0].keep_last is not None:
             keep_last = self.tiers[0].keep_last
         self.save_policy = self._compose_policy(policy, every_steps, every_seconds, at_steps, interval, mtbf)
@@ -227,10 +227,10 @@ class CheckpointManager:
         self._install_signal_handlers(tuple(signals))
         if self._rank == 0:
             for store in self._roots:
-                for entry in store.scan():
-                    # Of a save, copy or deletion that was interrupted (on an object store: a
-                    # prefix without manifest; one job per root, so none is still running).
-                    if entry.status == TEMPORARY or (entry.status == INCOMPLETE and isinstance(store, ObjectRoot)):
+                for entry in scan(store):
+                    # Of a save, copy or deletion that was interrupted (where saves write in place:
+                    # a checkpoint without manifest; one job per root, so none is still running).
+                    if entry.status == TEMPORARY or (entry.status == INCOMPLETE and store.saves_in_place):
                         self._janitor.submit(functools.partial(self._remove_leftover, store, entry))
 
     @staticmethod
@@ -255,7 +255,7 @@ class CheckpointManager:
         copies in durable tiers are byte copies, so every tier's rules are recorded with its root."""
         record: dict[str, Any] = {"retention": policy_spec(self.retention)}
         if len(self.tiers) > 1:
-            record["tiers"] = [{"root": root_name(store), "retention": policy_spec(self.retention) if i == 0 else
+            record["tiers"] = [{"root": store.name, "retention": policy_spec(self.retention) if i == 0 else
                                 policy_spec(KeepLast(t.keep_last) if t.keep_last is not None else None)}
                                for i, (store, t) in enumerate(zip(self._roots, self.tiers))]
         return record
@@ -307,12 +307,12 @@ class CheckpointManager:
         return self._latest_committed
 
     def path_for(self, step: int, tier: int = 0) -> Path | str:
-        return self._roots[tier].location(step)
+        return self._roots[tier].location(checkpoint_name(step))
 
     def steps(self, tier: int = 0) -> list[int]:
         """Steps of the committed checkpoints in the root (or that tier), oldest first (reads
         manifests, no data)."""
-        return [e.step for e in self._roots[tier].scan() if e.status == COMMITTED and e.step is not None]
+        return [e.step for e in scan(self._roots[tier]) if e.status == COMMITTED and e.step is not None]
 
     def notify_preemption(self) -> None:
         """Ask for a save-and-stop at the next ``maybe_save``, as a preemption signal does."""
@@ -360,7 +360,7 @@ class CheckpointManager:
         """``step`` in each tier that holds it committed, the fast tier first (else the fast tier's
         path, whose load then names what is wrong)."""
         found = [(step, i) for i, store in enumerate(self._roots)
-                 if (e := store.classify(step)) is not None and e.status == COMMITTED]
+                 if (e := classify(store, step)) is not None and e.status == COMMITTED]
         return found or [(step, 0)]
 
     def _restore_candidates(self) -> list[tuple[int, int]]:
@@ -368,7 +368,7 @@ class CheckpointManager:
         warns about each incomplete or corrupt checkpoint."""
         candidates = []
         for tier, store in enumerate(self._roots):
-            for entry in store.scan():
+            for entry in scan(store):
                 assert entry.step is not None
                 if entry.status == COMMITTED:
                     candidates.append((entry.step, tier))
@@ -465,19 +465,19 @@ class CheckpointManager:
         """Whether the save must replace something already at ``path`` (it warns what). Something
         resurgo cannot prove it wrote is not warned about: the save's staging refuses it, on every
         rank (ForeignFilesError), before anything is written."""
-        if self._store.classify(step) is None:
+        if classify(self._store, step) is None:
             return False
         self._janitor.join()  # no deletion of this very path may still be running
-        entry = self._store.classify(step)
+        entry = classify(self._store, step)
         if entry is None:
             return False
         try:
-            self._store.remove(step, dry_run=True)
+            remove(self._store, entry.name, dry_run=True)
         except ForeignFilesError:
             return True
-        if entry.status == INCOMPLETE and isinstance(self._store, ObjectRoot):
+        if entry.status == INCOMPLETE and self._store.saves_in_place:
             if self._rank == 0:  # who stages the save; a save of ours that died: its token would refuse it
-                self._store.remove(step)
+                remove(self._store, entry.name)
             return False
         detail = f": {entry.detail}" if entry.detail else ""
         warnings.warn(f"resurgo: replacing {path} ({entry.status}{detail}) with a new save of step {step}; "
@@ -529,7 +529,7 @@ class CheckpointManager:
     def _apply_retention(self, just_committed: int, unreadable: frozenset[int], tier: int = 0,
                          retention: RetentionPolicy | None = None) -> None:
         store = self._roots[tier]
-        committed = [Kept(e.step, e.metrics) for e in store.scan()
+        committed = [Kept(e.step, e.metrics) for e in scan(store)
                      if e.status == COMMITTED and e.step is not None and e.step not in unreadable]
         protect: tuple[int, ...] = (just_committed,)
         if tier == 0:
@@ -537,9 +537,9 @@ class CheckpointManager:
                 protect += tuple(self._copies_pending)
         refused: list[ForeignFilesError] = []
         for s in steps_to_delete(committed, retention or self.retention, protect=protect):
-            log.info("deleting step %d (%s)", s, store.location(s))
+            log.info("deleting step %d (%s)", s, self.path_for(s, tier))
             try:
-                if store.remove(s):
+                if remove(store, checkpoint_name(s)):
                     log.info("deleted step %d", s)
             except ForeignFilesError as e:  # left in place; the others still go
                 refused.append(e)
@@ -563,16 +563,16 @@ class CheckpointManager:
         """Collective over the "copy" channel: every rank copies and verifies its share of the files."""
         comm = self._copy_comm
         store, source = self._roots[tier], self.path_for(step)
-        dest = store.location(step)
+        dest = self.path_for(step, tier)
 
         def make_way() -> bool:  # rank 0 decides; the other ranks follow
             if comm.rank != 0:
                 return False
-            existing = store.classify(step)
+            existing = classify(store, step)
             if existing is not None and existing.status == COMMITTED:
                 return True
             if existing is not None:
-                store.remove(step)  # an interrupted copy
+                remove(store, existing.name)  # an interrupted copy
             return False
 
         if comm.broadcast(comm.agree(make_way)):
@@ -589,7 +589,7 @@ class CheckpointManager:
         problems = [p for ps in comm.all_gather(comm.agree(verify_mine)) for p in ps]
         if problems:
             if comm.rank == 0:
-                store.remove(step)
+                remove(store, checkpoint_name(step))
             raise CorruptCheckpointError(f"{dest}: the copy of step {step} does not verify ({problems[0]}); "
                                          "it was removed")
         log.info("copied and verified step %d in %s", step, dest)
@@ -598,9 +598,9 @@ class CheckpointManager:
             self._apply_retention(step, frozenset(), tier, KeepLast(keep))
 
     @staticmethod
-    def _remove_leftover(store: ManagerRoot, entry: Entry) -> None:
+    def _remove_leftover(store: Root, entry: Entry) -> None:
         log.info("removing leftover %s", entry.location)
-        store.remove_leftover(entry)
+        remove(store, entry.name)
 
     # -- preemption signals -----------------------------------------------------------------------
     def _install_signal_handlers(self, signals: tuple[int, ...]) -> None:

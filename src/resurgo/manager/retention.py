@@ -3,7 +3,7 @@
 A retention policy is any object with ``keep(checkpoints) -> set[int]`` (the steps it wants
 kept). ``KeepAny`` keeps what any of its policies keeps. :func:`steps_to_delete` adds the rules no
 policy can override: the newest checkpoint and any protected step (the one just committed) are
-always kept. No I/O here; :mod:`resurgo.manager.removal` deletes.
+always kept. No I/O here; :func:`resurgo.manager.catalog.remove` deletes.
 
 Each built-in policy has a plain-data form (``to_spec()``, :func:`policy_from_spec`): the manager
 records its policy in every checkpoint's ``save_info``, so that ``resurgo gc`` applies the same

@@ -34,7 +34,7 @@ import socket
 import time
 import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import fsspec
@@ -51,12 +51,10 @@ from resurgo.errors import (
 )
 from resurgo.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
 from resurgo.storage import ownership
-from resurgo.storage.base import check_size
+from resurgo.storage.base import DATA_DIR, WRITERS_DIR, Listing, check_size
 from resurgo.storage.ownership import DeclaredFiles
 from resurgo.storage.retry import as_resurgo_error, is_precondition_failure, with_retries
 
-WRITERS_DIR = ".resurgo-writers"
-DATA_DIR = "data"
 PART_BYTES = 8 << 20  # multipart part size (S3: at least 5 MiB but the last)
 PARTS_IN_FLIGHT = 2  # per object: bounds the memory of an upload to about this many parts
 RANGE_SPLIT_BYTES = 16 << 20  # a larger ranged read is split into parallel requests of this size
@@ -345,30 +343,6 @@ def _open_for_write(fs: Any, full: str, label: str) -> "ObjectWriteHandle | S3Mu
     return S3MultipartWriteHandle(fs, full, label) if _is_s3(fs) else ObjectWriteHandle(fs, full, label)
 
 
-@dataclass
-class PrefixListing:
-    """What lies under one checkpoint prefix, from a single listing."""
-
-    files: dict[str, int] = field(default_factory=dict)  # relative path -> size
-    newest: float = 0.0  # the latest modification time, seconds since the epoch (0: unknown)
-
-    @property
-    def has_manifest(self) -> bool:
-        return MANIFEST_NAME in self.files
-
-    @property
-    def writers(self) -> list[str]:
-        return sorted(r.split("/", 1)[1] for r in self.files if r.startswith(WRITERS_DIR + "/"))
-
-    @property
-    def has_data(self) -> bool:
-        return any(r.startswith(DATA_DIR + "/") for r in self.files)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.files.values())
-
-
 def _mtime(info: dict) -> float:
     value: Any = info.get("LastModified", info.get("mtime", info.get("created")))
     if value is not None and hasattr(value, "timestamp"):
@@ -391,8 +365,8 @@ def list_prefix(fs: Any, root: str, url: str) -> dict[str, dict]:
     return {name[len(root) + 1:]: info for name, info in found.items() if name.startswith(root + "/")}
 
 
-def listing_of(objects: dict[str, dict]) -> PrefixListing:
-    out = PrefixListing()
+def listing_of(objects: dict[str, dict], name: str = ".") -> Listing:
+    out = Listing(name)
     for rel, info in objects.items():
         out.files[rel] = int(info.get("size") or 0)
         out.newest = max(out.newest, _mtime(info))
@@ -426,7 +400,7 @@ class ObjectCheckpoint:
         _check_rel(self.url, rel)
         return f"{self.root}/{rel}"
 
-    def listing(self) -> PrefixListing:
+    def listing(self) -> Listing:
         return listing_of(list_prefix(self.fs, self.root, self.url))
 
     def pinned(self) -> "ObjectCheckpoint":
@@ -479,7 +453,7 @@ class ObjectCheckpoint:
         staging.begin()
         return staging
 
-    def prove(self, found: PrefixListing, declared_files: DeclaredFiles | None, doing: str) -> ownership.Claim:
+    def prove(self, found: Listing, declared_files: DeclaredFiles | None, doing: str) -> ownership.Claim:
         """Which objects of the prefix (listed in ``found``) are resurgo's, when all are; else
         ForeignFilesError naming one that is not."""
         raw = self.read_manifest_bytes() if found.has_manifest else None
@@ -520,7 +494,7 @@ class ObjectStaging:
     def token(self) -> str:
         return f"{WRITERS_DIR}/{self.save_id}"
 
-    def _refuse_other_writers(self, found: PrefixListing, when: str) -> None:
+    def _refuse_other_writers(self, found: Listing, when: str) -> None:
         others = [w for w in found.writers if w != self.save_id]
         if others:
             raise CheckpointExistsError(
@@ -543,7 +517,7 @@ class ObjectStaging:
         with_retries(lambda: ck.fs.pipe_file(full, body, mode="create"), self.url, "writing the writer token")
         self._refuse_other_writers_then_release(ck.listing(), "refusing to start a second one")
 
-    def _refuse_other_writers_then_release(self, found: PrefixListing, when: str) -> None:
+    def _refuse_other_writers_then_release(self, found: Listing, when: str) -> None:
         try:
             self._refuse_other_writers(found, when)
         except CheckpointExistsError:
@@ -623,3 +597,73 @@ def remove_prefix(fs: Any, root: str, url: str, rels: list[str]) -> None:
         if group:
             paths = [f"{root}/{r}" for r in group]
             with_retries(lambda: fs.rm(paths), url, "deleting")
+
+
+class ObjectRoot:
+    """A root of checkpoints under a URL prefix: each checkpoint is a prefix below it, with its
+    ``manifest.json``; a prefix with data objects or a writer token but no manifest is an
+    incomplete save (one that died, or one still running). Listed in one request.
+
+    Deletion removes only what resurgo can prove it wrote, the manifest first, so a deletion cut
+    short leaves an incomplete checkpoint, never a committed one with objects missing."""
+
+    saves_in_place = True  # no rename: a save writes under the checkpoint's own prefix
+    size_words = "stored"
+
+    def __init__(self, url: str, storage_options: dict | None = None):
+        self.url = url.rstrip("/")
+        self.name = self.url
+        self.storage_options: dict | None = dict(storage_options or {})
+        self.fs, self.prefix = split_url(self.url, self.storage_options)
+
+    @property
+    def path(self) -> str:
+        return self.url
+
+    def __str__(self) -> str:
+        return self.url
+
+    def require(self, expected: str) -> None:
+        pass  # a prefix exists as soon as an object is put below it
+
+    def location(self, name: str) -> str:
+        return self.url if name == "." else f"{self.url}/{name}"
+
+    def open(self, name: str) -> ObjectCheckpoint:
+        return ObjectCheckpoint(self.location(name), self.storage_options)
+
+    def _objects(self, name: str) -> dict[str, dict]:
+        prefix = self.prefix if name == "." else f"{self.prefix}/{name}"
+        return list_prefix(self.fs, prefix, self.location(name))
+
+    def listings(self, select: Callable[[str], bool] | None = None) -> list[Listing]:
+        groups: dict[str, dict[str, dict]] = {}
+        for rel, info in self._objects(".").items():
+            name, _, inner = rel.partition("/")
+            if inner and (select is None or select(name)):
+                groups.setdefault(name, {})[inner] = info
+        return [listing_of(objects, name) for name, objects in sorted(groups.items())]
+
+    def listing(self, name: str) -> Listing | None:
+        objects = self._objects(name)
+        return listing_of(objects, name) if objects else None
+
+    def walk(self) -> list[Listing]:
+        groups: dict[str, dict[str, dict]] = {}
+        for rel, info in self._objects(".").items():
+            parts = rel.split("/")
+            for i, part in enumerate(parts):
+                if part in (DATA_DIR, WRITERS_DIR) and i < len(parts) - 1 or (part == MANIFEST_NAME and i == len(parts) - 1):
+                    groups.setdefault("/".join(parts[:i]), {})["/".join(parts[i:])] = info
+                    break
+        return [listing_of(objects, prefix or ".") for prefix, objects in sorted(groups.items())]
+
+    def remove(self, name: str, declared_files: DeclaredFiles | None, *, dry_run: bool = False) -> bool:
+        objects = self._objects(name)
+        if not objects:
+            return False
+        self.open(name).prove(listing_of(objects, name), declared_files, "delete it")
+        if not dry_run:
+            prefix = self.prefix if name == "." else f"{self.prefix}/{name}"
+            remove_prefix(self.fs, prefix, self.location(name), sorted(objects))
+        return True

@@ -10,6 +10,14 @@ place. A crash at any moment leaves at worst a temporary directory, which reader
 Only what resurgo can prove it wrote is replaced (:mod:`resurgo.storage.ownership`): the
 directory at the path is checked when the save starts and again just before the swap, and the
 old directory is then deleted entry by entry, so anything else stays where it is.
+
+A root of checkpoints (:class:`LocalRoot`) deletes one the same way: once proven resurgo's, it is
+renamed to a temporary name (``.NAME.resurgo-tmp-trash-*``): the rename is atomic, so it stops
+being a checkpoint at once, and every reader treats the new name as temporary. The parent is
+fsynced, and only then are the files removed, one by one (a file that appeared meanwhile stays,
+and is reported). A crash before the rename leaves the checkpoint whole; a crash after it leaves
+a temporary directory, which the manager's next start or ``resurgo gc`` removes. Never a
+half-deleted checkpoint under its name.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from resurgo.errors import (
     CheckpointNotFoundError,
     CheckpointReplacedError,
     CorruptCheckpointError,
+    ForeignFilesError,
     IncompleteCheckpointError,
     NotACheckpointError,
     ResurgoError,
@@ -38,13 +47,14 @@ from resurgo.errors import (
 )
 from resurgo.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
 from resurgo.storage import ownership
-from resurgo.storage.base import check_size
+from resurgo.storage.base import DATA_DIR, Listing, check_size
 from resurgo.storage.direct_io import DirectWriteHandle
 from resurgo.storage.ownership import DeclaredFiles, Owned
 
 assert ownership.MANIFEST == MANIFEST_NAME
 
 TMP_MARKER = ".resurgo-tmp-"
+TRASH_TAG = "trash-"  # after TMP_MARKER: a checkpoint renamed away to be deleted
 _RENAME_EXCHANGE = 2
 
 
@@ -150,6 +160,132 @@ def remove_checkpoint_dir(path: Path, owned: Owned) -> None:
 
 def is_temporary(path: Path) -> bool:
     return TMP_MARKER in path.name
+
+
+def trash_name(name: str) -> str:
+    """The name a checkpoint is renamed to before it is deleted: a temporary directory."""
+    return f".{name}{TMP_MARKER}{TRASH_TAG}{uuid.uuid4().hex[:12]}"
+
+
+def _listing(path: Path, name: str) -> Listing:
+    """What is stored under the directory ``path`` (links not followed)."""
+    files: dict[str, int] = {}
+    folders: set[str] = set()
+    newest = 0.0
+    for top, dirs, names in os.walk(path, onerror=lambda e: None):
+        rel_top = os.path.relpath(top, path)
+        for entry in [*dirs, *names, ""]:
+            full = os.path.join(top, entry) if entry else top
+            try:
+                st = os.lstat(full)
+            except OSError:
+                continue
+            newest = max(newest, st.st_mtime)
+            if not entry:
+                continue
+            rel = entry if rel_top == "." else f"{rel_top}/{entry}".replace(os.sep, "/")
+            if entry in dirs:
+                folders.add(rel)
+            else:
+                files[rel] = st.st_size
+    return Listing(name, files, newest, frozenset(folders))
+
+
+class LocalRoot:
+    """A directory of checkpoints (each a directory below it) and the temporary directories of
+    their saves and deletions; deletion as the module docstring says."""
+
+    saves_in_place = False  # a save writes into a temporary sibling and renames it
+    size_words = "on disk"
+    storage_options: dict | None = None
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.name = str(self.path.absolute())
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def require(self, expected: str = "a directory") -> None:
+        if not self.path.exists():
+            raise CheckpointNotFoundError(f"{self.path}: no such directory")
+        if not self.path.is_dir():
+            raise NotACheckpointError(f"{self.path}: is a file, expected {expected}")
+
+    def location(self, name: str) -> Path:
+        return self.path if name == "." else self.path / name
+
+    def open(self, name: str) -> "CheckpointDir":
+        return CheckpointDir(self.location(name))
+
+    def listing(self, name: str) -> Listing | None:
+        path = self.location(name)
+        if not (path.exists() or path.is_symlink()):
+            return None
+        if path.is_symlink() or not path.is_dir():
+            return Listing(name, is_dir=False)
+        return _listing(path, name)
+
+    def listings(self, select: Callable[[str], bool] | None = None) -> list[Listing]:
+        try:
+            names = sorted(os.listdir(self.path))
+        except FileNotFoundError:
+            return []
+        found = [self.listing(n) for n in names if select is None or select(n)]
+        return [f for f in found if f is not None]
+
+    def walk(self) -> list[Listing]:
+        """Does not descend into a checkpoint-like directory, nor follow links to directories."""
+        found: list[Listing] = []
+        stack = [self.path]
+        while stack:
+            d = stack.pop()
+            if is_temporary(d) or (d / MANIFEST_NAME).exists() or (d / DATA_DIR).is_dir():
+                found.append(_listing(d, d.relative_to(self.path).as_posix()))
+                continue
+            try:
+                with os.scandir(d) as it:
+                    stack.extend(Path(entry.path) for entry in it if entry.is_dir(follow_symlinks=False))
+            except OSError:
+                continue
+        return found
+
+    def _prove(self, path: Path, declared_files: DeclaredFiles | None) -> Owned | None:
+        """What of ``path`` is resurgo's (ForeignFilesError unless all of it); None when it is gone."""
+        if not (path.exists() or path.is_symlink()):
+            return None
+        if path.is_symlink() or not path.is_dir():
+            raise ForeignFilesError(f"{path}: is not a directory resurgo wrote (a link or a file); refusing to delete it")
+        try:
+            return prove_checkpoint_dir(path, declared_files, "delete it")
+        except StorageError as e:
+            if not path.exists():
+                return None  # removed at the same time by someone else (another gc)
+            raise e
+
+    def remove(self, name: str, declared_files: DeclaredFiles | None, *, dry_run: bool = False) -> bool:
+        path = self.location(name)
+        owned = self._prove(path, declared_files)
+        if owned is None:
+            return False
+        if dry_run:
+            return True
+        if is_temporary(path):  # an interrupted save or deletion: no reader takes it for a checkpoint
+            remove_checkpoint_dir(path, owned)
+            return True
+        trash = path.parent / trash_name(path.name)
+        try:
+            path.rename(trash)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise StorageError(e.errno, f"{path}: cannot rename it away for deletion: {e.strerror}") from None
+        try:
+            _fsync_dir(path.parent)  # the rename is durable before any file goes
+        except OSError as e:
+            raise StorageError(e.errno, f"{path.parent}: fsync failed after renaming {path.name} away: {e.strerror}") from None
+        remove_checkpoint_dir(trash, owned)
+        return True
 
 
 class WriteHandle(DirectWriteHandle):
