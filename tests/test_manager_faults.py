@@ -253,6 +253,7 @@ def test_sigkill_at_random_moments_loses_nothing(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # 52 fresh interpreters, each importing torch: minutes on 2 cores
 def test_sigkill_fifty_times_loses_nothing(tmp_path):
     landed = kill_and_restart(tmp_path, kills=52, seed=11, fresh_interpreter=True)
     assert sum(landed.values()) == 52
