@@ -1,5 +1,5 @@
-"""Conversion behind ``resurgo.convert``: a checkpoint as one safetensors file, Hugging Face sharded safetensors, or a
-torch.save file.
+"""Conversion behind ``resurgo.convert``: a checkpoint as one safetensors file, Hugging Face sharded safetensors, a
+torch.save file, or a PyTorch Distributed Checkpoint (DCP) directory.
 
 The source is a checkpoint directory or URL (``s3://...``, with ``storage_options``); the output is
 local. Every tensor is read through the load pipeline (so chunks are assembled and every checksum is
@@ -7,7 +7,8 @@ verified; from an object store, in ranged requests) and the output appears atomi
 renamed at the end. The safetensors targets stream: the header is written first (sizes are known
 from the manifest), then the tensors' bytes, a batch within ``memory_budget`` at a time
 (:mod:`resurgo.pipeline.stream_read`). A torch.save file needs every tensor as an object, so
-``to="torch"`` holds the whole state in memory.
+``to="torch"`` holds the whole state in memory, and so does ``to="dcp"`` (DCP's writer takes the
+state dict as objects, and one directory is written by one ``dcp.save``).
 
 What each target keeps (docs/guide.md, "Converting"):
 - safetensors: every tensor under its flat key; in ``__metadata__``, the plain non-tensor values
@@ -21,6 +22,11 @@ What each target keeps (docs/guide.md, "Converting"):
   its default ``weights_only=True``: a value saved per rank becomes a list indexed by rank, a numpy
   array a torch tensor of the same dtype, shape and bytes, a numpy scalar a Python number
   (:func:`weights_only_plain`). Pickled values (``allow_pickle=True``) stay objects.
+- dcp: that structure flattened as DCP flattens a nested state dict (dict keys joined by ".", lists
+  holding tensors or dicts indexed, other values whole), written by DCP's own ``dcp.save`` and
+  ``FileSystemWriter``: tensors whole (one chunk each), other values as DCP byte items. So
+  ``dcp.load`` fills a nested target (``{"model": model.state_dict()}``) or a flat one, on any
+  world size and in any sharding.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import math
 import os
 import re
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,7 +62,7 @@ from resurgo.storage.local import AtomicOutput
 from resurgo.storage.open import is_url, local_path, open_checkpoint
 from resurgo.storage.ownership import FILE
 
-TARGETS = ("safetensors", "hf", "torch")
+TARGETS = ("safetensors", "hf", "torch", "dcp")
 DEFAULT_MEMORY_BUDGET = 1 << 30
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # "5GB", the default of transformers and huggingface_hub
 SAFETENSORS_RESERVED = "__metadata__"
@@ -92,13 +99,15 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, memory_b
     ``to``: ``"safetensors"`` (one file), ``"hf"`` (a directory of ``model-0000i-of-0000N.safetensors``
     shards of at most ``max_shard_bytes`` tensor bytes each, default 5GB, plus
     ``model.safetensors.index.json``; a single shard is ``model.safetensors``) or ``"torch"`` (one
-    torch.save file). ``only``: keep the tensors whose key starts with this prefix, stripped
-    (``only="model."`` gives names a Hugging Face model loads); safetensors and hf only.
+    torch.save file) or ``"dcp"`` (a directory ``torch.distributed.checkpoint.load`` reads: ``.metadata``
+    and ``*.distcp`` files). ``only``: keep the tensors whose key starts with this prefix, stripped
+    (``only="model."`` gives names a Hugging Face model loads); safetensors, hf and dcp (where the
+    non-tensor values under the prefix are kept too).
     ``memory_budget`` (bytes or ``"2GB"``): the most tensor bytes held at once, default 1 GiB for
-    the streaming targets; for ``"torch"``, which holds the whole state, a budget smaller than the
+    the streaming targets; for ``"torch"`` and ``"dcp"``, which hold the whole state, a budget smaller than the
     state raises MemoryBudgetError before anything is read. Refuses an existing ``dst`` unless
     ``overwrite=True``; then replaces it atomically. ``allow_pickle`` is needed only for
-    ``"torch"`` from a checkpoint with pickled values (the other targets never unpickle: such
+    ``"torch"`` and ``"dcp"`` from a checkpoint with pickled values (the other targets never unpickle: such
     values are dropped). ``progress`` is called with each number of tensor bytes written.
     ``storage_options`` go to fsspec for a URL ``src`` (credentials, ``endpoint_url``, ...).
     """
@@ -108,7 +117,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, memory_b
     if max_shard_bytes is not None and to != "hf":
         raise ValueError(f"max_shard_bytes applies to to='hf' only, not to={to!r}")
     if only is not None and to == "torch":
-        raise ValueError("only= applies to the safetensors and hf targets; to='torch' keeps the whole structure")
+        raise ValueError("only= applies to the safetensors, hf and dcp targets; to='torch' keeps the whole structure")
     budget = None if memory_budget is None else parse_size(memory_budget, "memory_budget")
     if is_url(dst):
         raise UnsupportedValueError(f"{dst}: convert writes a local file or directory, not a URL")
@@ -118,7 +127,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, memory_b
     if not is_url(src) and os.path.realpath(dst) == os.path.realpath(local_path(src)):
         raise CheckpointExistsError(f"{dst}: is the source checkpoint; convert into another path")
     ckpt.check_sizes({name: f.bytes for name, f in manifest.files.items()})  # before any output exists
-    if to == "torch":
+    if to == "dcp":
+        report = _to_dcp(src, storage_options, ckpt, manifest, Path(dst), only, budget, overwrite, allow_pickle,
+                         io_threads, progress)
+    elif to == "torch":
         report = _to_torch(src, storage_options, ckpt, manifest, Path(dst), budget, overwrite, allow_pickle,
                            io_threads, progress)
     else:
@@ -302,19 +314,26 @@ def weights_only_plain(value: Any) -> Any:
     return value
 
 
-def _to_torch(src: str | os.PathLike, storage_options: dict | None, ckpt: Checkpoint, manifest: Manifest, dst: Path,
-              budget: int | None, overwrite: bool, allow_pickle: bool, threads: int,
-              progress: Callable[[int], None] | None) -> ConvertReport:
+def _check_whole_state(ckpt: Checkpoint, manifest: Manifest, budget: int | None, what: str) -> int:
+    """The tensor bytes of the whole state, which ``what`` holds in memory and stores with torch.save;
+    refuses a state over ``budget`` or with a dtype torch.save cannot store, before reading anything."""
     total = manifest.tensor_bytes
     if budget is not None and total > budget:
         raise MemoryBudgetError(
-            f"{ckpt.path}: a torch.save file needs the whole state in memory ({total} bytes of tensors), "
+            f"{ckpt.path}: {what} needs the whole state in memory ({total} bytes of tensors), "
             f"more than memory_budget={budget}; raise the budget, or convert to safetensors or hf, which stream")
     for key, entry in manifest.tensors.items():
         if entry.kind == "torch" and not torch_save_supports(entry.dtype):
             raise UnsupportedValueError(
                 f"{ckpt.path}: tensor {key!r} has dtype {entry.dtype}, which torch.save cannot store; "
                 "convert to safetensors instead (it keeps the raw bytes)")
+    return total
+
+
+def _to_torch(src: str | os.PathLike, storage_options: dict | None, ckpt: Checkpoint, manifest: Manifest, dst: Path,
+              budget: int | None, overwrite: bool, allow_pickle: bool, threads: int,
+              progress: Callable[[int], None] | None) -> ConvertReport:
+    total = _check_whole_state(ckpt, manifest, budget, "a torch.save file")
     output = AtomicOutput(dst, directory=False, overwrite=overwrite)
     seconds: dict[str, float] = {}
     try:
@@ -338,3 +357,79 @@ def _to_torch(src: str | os.PathLike, storage_options: dict | None, ckpt: Checkp
         src=str(ckpt.path), dst=str(dst), to="torch", files=[dst.name], num_tensors=len(manifest.tensors),
         tensor_bytes=total, bytes_written=size, bytes_read=total,  # load_dict reads every stored byte once
         peak_buffer_bytes=total, tensors_skipped=[], values_dropped=[], raw_dtype_keys=[], seconds=seconds)
+
+
+# -- dcp ----------------------------------------------------------------------------------------
+DCP_METADATA = ".metadata"
+_DCP_DATA = re.compile(r"[^/]+\.distcp")
+
+
+def is_dcp_output_file(name: str) -> bool:
+    """True for the names DCP's FileSystemWriter writes (what an overwrite of a dcp output may replace)."""
+    return name == DCP_METADATA or _DCP_DATA.fullmatch(name) is not None
+
+
+def _dcp_owned(rel: str, kind: str) -> bool:
+    return kind == FILE and is_dcp_output_file(rel)
+
+
+def dcp_items(state: Any, only: str | None, where: str) -> tuple[dict[str, Any], list[str]]:
+    """({key: value} as DCP stores ``state``, tensor keys outside ``only``): the state flattened by
+    DCP's own rule, so that ``dcp.load`` of a nested target finds its keys; under ``only``, the keys
+    that start with it, stripped."""
+    # DCP's flattening is private API, but it is the rule dcp.load applies to every target: using it
+    # (rather than a copy) keeps the keys identical. Stable since torch 2.4.
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    if not isinstance(state, dict):
+        raise UnsupportedValueError(
+            f"{where}: the checkpoint's root is a {type(state).__name__}; a DCP state dict is a dict "
+            "(convert to torch instead)")
+    try:
+        flat, _ = flatten_state_dict(state)
+    except ValueError as e:  # two paths that join to one key ({"a.b": x, "a": {"b": y}})
+        raise UnsupportedValueError(f"{where}: cannot be a DCP state dict: {e}") from None
+    if only is None:
+        return flat, []
+    kept = {k[len(only):]: v for k, v in flat.items() if k.startswith(only)}
+    if not kept:
+        firsts = sorted({k.split(".")[0] + ("." if "." in k else "") for k in flat})
+        raise KeyMismatchError(
+            f"{where}: no key starts with {only!r} (the keys start with: "
+            f"{', '.join(map(repr, firsts[:10])) or 'nothing: the state is empty'})", missing=[only])
+    if "" in kept:
+        raise UnsupportedValueError(f"{where}: {only!r} is a whole key, which would be named ''; choose a shorter prefix")
+    return kept, [k for k, v in flat.items() if isinstance(v, torch.Tensor) and not k.startswith(only)]
+
+
+def _to_dcp(src: str | os.PathLike, storage_options: dict | None, ckpt: Checkpoint, manifest: Manifest, dst: Path,
+            only: str | None, budget: int | None, overwrite: bool, allow_pickle: bool, threads: int,
+            progress: Callable[[int], None] | None) -> ConvertReport:
+    import torch.distributed.checkpoint as dcp
+
+    total = _check_whole_state(ckpt, manifest, budget, "a DCP checkpoint")
+    output = AtomicOutput(dst, directory=True, overwrite=overwrite, owned=_dcp_owned)
+    try:
+        t0 = time.perf_counter()
+        state = weights_only_plain(load_dict(src, verify=True, allow_pickle=allow_pickle, io_threads=threads,
+                                             storage_options=storage_options))
+        items, skipped = dcp_items(state, only, str(ckpt.path))
+        t1 = time.perf_counter()
+        with warnings.catch_warnings():  # no_dist is the point here: one process writes the whole state
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.save(items, storage_writer=dcp.FileSystemWriter(output.path(), sync_files=True), no_dist=True)
+        files = sorted(os.listdir(output.path()))
+        size = sum(output.path(name).stat().st_size for name in files)
+        seconds = {"read": t1 - t0, "write": time.perf_counter() - t1}
+        output.publish()
+    except BaseException:
+        output.abort()
+        raise
+    tensors = [v for v in items.values() if isinstance(v, torch.Tensor)]
+    tensor_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    if progress is not None:
+        progress(tensor_bytes)
+    return ConvertReport(
+        src=str(ckpt.path), dst=str(dst), to="dcp", files=files, num_tensors=len(tensors),
+        tensor_bytes=tensor_bytes, bytes_written=size, bytes_read=total,  # load_dict reads every stored byte once
+        peak_buffer_bytes=total, tensors_skipped=skipped, values_dropped=[], raw_dtype_keys=[], seconds=seconds)
