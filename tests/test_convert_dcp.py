@@ -142,3 +142,82 @@ def test_only_keeps_and_strips_a_prefix(tmp_path):
                                                r"'model\.', 'optimizer\.', 'rng\.', 'step'\)"):
         resurgo.convert(tmp_path / "ck", tmp_path / "x", to="dcp", only="modle.")
     assert not (tmp_path / "x").exists() and leftovers(tmp_path) == []
+
+
+def test_refused_over_the_memory_budget_and_sub_byte_dtypes(tmp_path):
+    resurgo.save({"w": torch.zeros(1000), "v": torch.zeros(24)}, tmp_path / "ck")
+    with pytest.raises(MemoryBudgetError, match=r"ck: a DCP checkpoint needs the whole state in memory \(4096 bytes "
+                                                r"of tensors\), more than memory_budget=4000; raise the budget, or "
+                                                r"convert to safetensors or hf, which stream"):
+        resurgo.convert(tmp_path / "ck", tmp_path / "dcp", to="dcp", memory_budget=4000)
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    resurgo.convert(tmp_path / "ck", tmp_path / "dcp", to="dcp", memory_budget="4096B")
+
+    resurgo.save({"bits": torch.zeros(4, dtype=torch.uint8).view(torch.uint1)}, tmp_path / "ck1")
+    with pytest.raises(UnsupportedValueError, match=r"tensor 'bits' has dtype uint1, which torch.save cannot store"):
+        resurgo.convert(tmp_path / "ck1", tmp_path / "d1", to="dcp")
+    assert not (tmp_path / "d1").exists() and leftovers(tmp_path) == []
+
+
+def test_overwrite_replaces_only_a_dcp_directory(tmp_path):
+    resurgo.save({"w": torch.arange(4.0)}, tmp_path / "ck")
+    resurgo.save({"w": torch.arange(4.0) + 10}, tmp_path / "ck2")
+    dst = tmp_path / "dcp"
+    resurgo.convert(tmp_path / "ck", dst, to="dcp")
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in dst.iterdir())
+    with pytest.raises(CheckpointExistsError, match=r"dcp: already exists; pass overwrite=True"):
+        resurgo.convert(tmp_path / "ck2", dst, to="dcp")
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in dst.iterdir()) == before
+    (dst / "__1_0.distcp").write_bytes(b"from a save on more ranks")  # DCP's names: still a DCP directory
+    resurgo.convert(tmp_path / "ck2", dst, to="dcp", overwrite=True)
+    target = {"w": torch.zeros(4)}
+    load_dcp(target, dst)
+    assert bits_equal(target["w"], torch.arange(4.0) + 10) and sorted(os.listdir(dst)) == [".metadata", "__0_0.distcp"]
+
+    (dst / "config.json").write_text("{}")
+    with pytest.raises(resurgo.ForeignFilesError, match=r"dcp: holds 'config.json', which resurgo did not write; "
+                                                        r"refusing to replace it, nothing was changed"):
+        resurgo.convert(tmp_path / "ck", dst, to="dcp", overwrite=True)
+    assert sorted(os.listdir(dst)) == [".metadata", "__0_0.distcp", "config.json"]
+    (dst / "config.json").unlink()
+    (dst / "sub").mkdir()
+    (dst / "sub" / "x.distcp").write_bytes(b"")
+    with pytest.raises(resurgo.ForeignFilesError, match=r"holds 'sub'"):
+        resurgo.convert(tmp_path / "ck", dst, to="dcp", overwrite=True)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointExistsError, match=r"file: exists and is not a directory"):
+        resurgo.convert(tmp_path / "ck", tmp_path / "file", to="dcp", overwrite=True)
+    assert leftovers(tmp_path) == []
+
+
+def test_dcp_output_names():
+    assert is_dcp_output_file(".metadata") and is_dcp_output_file("__0_0.distcp") and is_dcp_output_file("__12_3.distcp")
+    assert not any(map(is_dcp_output_file, ["metadata", ".metadata.tmp", "sub/__0_0.distcp", "x.distcp.tmp", "a.pt"]))
+
+
+def test_corrupt_source_writes_nothing(tmp_path):
+    resurgo.save({"a": torch.zeros(1000), "z": torch.arange(1000.0)}, tmp_path / "ck")
+    chunk = resurgo.read_manifest(tmp_path / "ck").tensors["z"].chunks[0]
+    raw = bytearray((tmp_path / "ck" / chunk.file).read_bytes())
+    raw[chunk.byte_range[0] + 5] ^= 0x10
+    (tmp_path / "ck" / chunk.file).write_bytes(bytes(raw))
+    with pytest.raises(resurgo.CorruptCheckpointError, match=r"ck: tensor 'z' is corrupt"):
+        resurgo.convert(tmp_path / "ck", tmp_path / "dcp", to="dcp")
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+def test_cli_convert_to_dcp(tmp_path):
+    runner = CliRunner()
+    resurgo.save({"model": {"w": torch.arange(6.0)}, "opt": {"m": torch.ones(2)}, "lr": 0.5}, tmp_path / "ck")
+    r = runner.invoke(app, ["convert", str(tmp_path / "ck"), str(tmp_path / "dcp"), "--to", "dcp", "--only", "model."])
+    assert r.exit_code == 0, r.output
+    assert "(dcp): 1 tensor, 24 B in 2 files" in r.output and "1 tensor outside --only 'model.' not converted" in r.output
+    target = {"w": torch.zeros(6)}
+    load_dcp(target, tmp_path / "dcp")
+    assert bits_equal(target["w"], torch.arange(6.0))
+    r = runner.invoke(app, ["convert", str(tmp_path / "ck"), str(tmp_path / "dcp"), "--to", "dcp"])
+    assert r.exit_code == 2 and "already exists" in r.output
+    r = runner.invoke(app, ["convert", str(tmp_path / "ck"), str(tmp_path / "d2"), "--to", "dcp", "--memory-budget", "10B"])
+    assert r.exit_code == 2 and "needs the whole state in memory" in r.output, r.output
+    r = runner.invoke(app, ["convert", str(tmp_path / "ck"), str(tmp_path / "d3"), "--to", "dcp", "--json"])
+    assert r.exit_code == 0 and '"to": "dcp"' in r.stdout
