@@ -25,6 +25,7 @@ from resurgo.cli import app
 from resurgo.conversion import is_dcp_output_file, weights_only_plain
 from resurgo.errors import CheckpointExistsError, KeyMismatchError, MemoryBudgetError, UnsupportedValueError
 from resurgo.storage.local import TMP_MARKER
+from dcp_workers import build
 from dist_harness import run_ranks
 from helpers import bits_equal, random_tensor
 
@@ -221,3 +222,27 @@ def test_cli_convert_to_dcp(tmp_path):
     assert r.exit_code == 2 and "needs the whole state in memory" in r.output, r.output
     r = runner.invoke(app, ["convert", str(tmp_path / "ck"), str(tmp_path / "d3"), "--to", "dcp", "--json"])
     assert r.exit_code == 0 and '"to": "dcp"' in r.stdout
+
+
+def test_fsdp2_checkpoint_of_two_ranks_loads_into_another_sharding(tmp_path):
+    """Saved by 2 gloo ranks (FSDP2, rows sharded), converted in one process, loaded by ``dcp.load``
+    on 2 ranks into FSDP2 sharded by columns, and in one process into a plain module."""
+    run_ranks(2, "dcp_workers:save_fsdp", str(tmp_path))
+    reference = torch.load(tmp_path / "reference.pt")
+    assert max(len(t.chunks) for t in resurgo.read_manifest(tmp_path / "ck").tensors.values()) == 2
+    report = resurgo.convert(tmp_path / "ck", tmp_path / "dcp", to="dcp")
+    assert report.files == [".metadata", "__0_0.distcp"]
+    metadata = dcp.FileSystemReader(tmp_path / "dcp").read_metadata().state_dict_metadata
+    assert all(len(metadata[k].chunks) == 1 for k in reference)  # full tensors, one chunk each
+
+    placements = run_ranks(2, "dcp_workers:load_dcp_fsdp", str(tmp_path))
+    assert placements[0] == ['0.weight: (Shard(dim=1),)', '0.bias: (Shard(dim=0),)', '2.weight: (Shard(dim=1),)',
+                             '2.bias: (Shard(dim=0),)']
+    loaded = torch.load(tmp_path / "loaded.pt")
+    assert loaded.pop("step") == 3 and loaded.pop("lr") == 0.1
+    assert bits_equal(loaded, reference)
+
+    model = build()
+    sd = model.state_dict()
+    load_dcp({"model": sd}, tmp_path / "dcp")
+    assert bits_equal({f"model.{k}": v for k, v in sd.items()}, {k: v for k, v in reference.items() if k.startswith("model.")})
