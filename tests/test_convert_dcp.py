@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -246,3 +247,14 @@ def test_fsdp2_checkpoint_of_two_ranks_loads_into_another_sharding(tmp_path):
     sd = model.state_dict()
     load_dcp({"model": sd}, tmp_path / "dcp")
     assert bits_equal({f"model.{k}": v for k, v in sd.items()}, {k: v for k, v in reference.items() if k.startswith("model.")})
+
+
+def test_pickled_values_need_allow_pickle(tmp_path):
+    resurgo.save({"w": torch.ones(3), "obj": Fraction(1, 3)}, tmp_path / "ck", allow_pickle=True)
+    with pytest.raises(resurgo.PickleNotAllowedError, match="holds pickled values"):
+        resurgo.convert(tmp_path / "ck", tmp_path / "dcp", to="dcp")
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    resurgo.convert(tmp_path / "ck", tmp_path / "dcp", to="dcp", allow_pickle=True)
+    target = {"w": torch.zeros(3), "obj": None}
+    load_dcp(target, tmp_path / "dcp")
+    assert target["obj"] == Fraction(1, 3) and bits_equal(target["w"], torch.ones(3))
