@@ -24,6 +24,7 @@ import torch
 from resurgo.errors import CheckpointNotFoundError, CorruptCheckpointError, ImportSpecError, MemoryBudgetError
 from resurgo.format import dtypes
 from resurgo.interop.spec import ImportSpec, Piece, Source, row_major_strides, span_elements
+from resurgo.interop.torch_file import member_start
 from resurgo.layout.shards import LocalPiece, Pieces
 from resurgo.pipeline.buffers import as_copyable, copy_flat_range
 from resurgo.pipeline.save import DEFAULT_IO_THREADS, LazySources, prepare_save, write_and_commit
@@ -65,20 +66,13 @@ class _Sources:
         if member is None:
             return _Region(path, 0, size, str(path))
         try:
-            with zipfile.ZipFile(path) as z:
+            with open(path, "rb") as f, zipfile.ZipFile(f) as z:
                 info = z.getinfo(member)
-                with open(path, "rb") as f:  # the member's data follow its local header
-                    f.seek(info.header_offset)
-                    local = f.read(30)
+                start = member_start(f, info, str(path))
         except KeyError:
             raise ImportSpecError(f"{path}: archive has no member {member!r}") from None
         except (zipfile.BadZipFile, OSError) as e:
             raise CorruptCheckpointError(f"{path}: not a readable zip archive ({e}); was it truncated?") from None
-        if info.compress_type != zipfile.ZIP_STORED:
-            raise ImportSpecError(f"{path}: member {member!r} is compressed; only stored members can be imported")
-        if len(local) != 30 or local[:4] != b"PK\x03\x04":
-            raise CorruptCheckpointError(f"{path}: member {member!r} has no valid local header")
-        start = info.header_offset + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
         available = max(0, min(info.file_size, size - start))
         return _Region(path, start, available, f"{path}:{member}")
 
