@@ -10,6 +10,7 @@ source file is checked to exist and be long enough, and replicas are compared bi
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import time
@@ -21,7 +22,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from resurgo.errors import CheckpointNotFoundError, CorruptCheckpointError, ImportSpecError, MemoryBudgetError
+from resurgo.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ImportSpecError,
+    MemoryBudgetError,
+    PickleNotAllowedError,
+)
 from resurgo.format import dtypes
 from resurgo.interop.spec import ImportSpec, Piece, Source, row_major_strides, span_elements
 from resurgo.interop.torch_file import member_start
@@ -120,15 +127,42 @@ def _equal_bits(a: torch.Tensor, b: torch.Tensor, slice_elements: int) -> bool:
     return True
 
 
+def _load_objects(spec: ImportSpec, sources: _Sources, allow_pickle: bool) -> dict[str, Any]:
+    """The spec's pickled objects, fully unpickled: only with ``allow_pickle``."""
+    objects: dict[str, Any] = {}
+    for key, obj in spec.objects.items():
+        region = sources.region(obj.file, None)
+        if not allow_pickle:
+            raise PickleNotAllowedError(
+                f"{region.name}: {key!r} is a pickled Python object (bytes [{obj.offset}, {obj.offset + obj.length})) "
+                "that only full unpickling can build, which may run code of the file's choosing; pass "
+                "allow_pickle=True (--allow-pickle) only if you trust this checkpoint")
+        if obj.offset + obj.length > region.size:
+            raise CorruptCheckpointError(
+                f"{region.name}: object {key!r} needs bytes [{obj.offset}, {obj.offset + obj.length}) but it holds "
+                f"{region.size} bytes; the source file is truncated or the spec is wrong")
+        with open(region.path, "rb") as f:
+            f.seek(obj.offset)
+            data = f.read(obj.length)
+        try:
+            objects[key] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        except Exception as e:  # noqa: BLE001 - any failure of a foreign pickle is a damaged source
+            raise CorruptCheckpointError(f"{region.name}: object {key!r} could not be unpickled "
+                                         f"({type(e).__name__}: {e})") from None
+    return objects
+
+
 def execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, *, source: str = "spec",
             memory_budget: int | None = None, storage_options: dict | None = None,
-            metadata: dict | None = None) -> ImportReport:
-    """Write the checkpoint ``dst`` from the sources under ``root`` as ``spec`` (validated) says."""
+            metadata: dict | None = None, allow_pickle: bool = False) -> ImportReport:
+    """Write the checkpoint ``dst`` from the sources under ``root`` as ``spec`` (validated) says.
+    The spec's ``objects`` are unpickled only with ``allow_pickle`` (PickleNotAllowedError otherwise)."""
     t_start = time.perf_counter()
     budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
     if budget < SLICE_BYTES:
         raise MemoryBudgetError(f"memory_budget={budget} is below one write slice ({SLICE_BYTES} bytes); raise it")
     sources = _Sources(Path(root))
+    objects = _load_objects(spec, sources, allow_pickle)
     bytes_read = 0
     for t in spec.tensors:  # every length first: nothing is written from a truncated source
         for i, p in enumerate(t.pieces):
@@ -152,10 +186,11 @@ def execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, *
         pieces = tuple(LocalPiece(p.place, sources.tensor(p, p.shape, t.dtype)) for p in t.pieces if p.numel > 0)
         state[t.key] = Pieces(tuple(t.shape), pieces, pieces[0].tensor)
     state.update(spec.values)
+    state.update(objects)
     threads = max(1, min(DEFAULT_IO_THREADS, budget // SLICE_BYTES))
-    prep = prepare_save(state, dst, overwrite=False, allow_pickle=False, step=None, metadata=metadata,
+    prep = prepare_save(state, dst, overwrite=False, allow_pickle=allow_pickle, step=None, metadata=metadata,
                         io_threads=threads, block_bytes=None, storage_options=storage_options)
     saved = write_and_commit(prep, LazySources(prep.leaves))
     return ImportReport(src=str(root), dst=str(dst), source=source, num_tensors=len(spec.tensors),
-                        num_values=len(spec.values), tensor_bytes=prep.tensor_bytes, bytes_read=bytes_read,
+                        num_values=len(spec.values) + len(objects), tensor_bytes=prep.tensor_bytes, bytes_read=bytes_read,
                         bytes_written=saved.bytes_written, seconds={"total": time.perf_counter() - t_start})
