@@ -5,7 +5,8 @@ copy-on-write memory map, never written: pages are read as the writer asks for t
 to the save machinery as a :class:`~resurgo.layout.shards.Pieces` leaf; ``prepare_save`` plans the
 files and ``write_and_commit`` streams them (a contiguous piece straight from the map, a strided
 one a slice at a time), checksums them and commits atomically. Before anything is written every
-source file is checked to exist and be long enough, and replicas are compared bit for bit.
+source file is checked to exist and be long enough, and replicas are compared bit for bit. The
+spec's pickled ``objects`` are unpickled, and saved as pickled values, only with ``allow_pickle``.
 """
 
 from __future__ import annotations
