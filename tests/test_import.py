@@ -287,7 +287,7 @@ def test_crafted_pickle_is_refused_and_has_no_effect(tmp_path, payload_of, globa
 
 
 def test_sources_not_available_yet_and_existing_destination(tmp_path):
-    for source in ("dcp", "deepspeed"):
+    for source in ("deepspeed",):
         with pytest.raises(UnsupportedValueError, match=f"importing from '{source}' is not available yet"):
             resurgo.import_checkpoint(tmp_path, tmp_path / "out", source=source)
     (tmp_path / "m").mkdir()
@@ -311,7 +311,7 @@ def test_cli_import_emit_spec_and_exit_codes(tmp_path):
     assert resurgo.load_dict(tmp_path / "b").keys() == resurgo.load_dict(tmp_path / "a").keys()
     assert cli(tmp_path / "m", tmp_path / "c", "--from", "spec").exit_code == 2  # --spec missing
     assert cli(tmp_path / "m", tmp_path / "c", "--from", "tar").exit_code == 2
-    assert cli(tmp_path / "m", tmp_path / "c", "--from", "dcp").exit_code == 2
+    assert cli(tmp_path / "m", tmp_path / "c", "--from", "deepspeed").exit_code == 2
     assert cli(tmp_path / "m", tmp_path / "a", "--from", "hf").exit_code == 2  # exists
     (tmp_path / "bad.json").write_text("{}")
     assert cli(tmp_path / "m", tmp_path / "c", "--from", "spec", "--spec", tmp_path / "bad.json").exit_code == 2

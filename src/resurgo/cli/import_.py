@@ -1,6 +1,6 @@
-"""``resurgo import``: a Hugging Face directory, a torch.save file or a spec applied to any files,
-as a resurgo checkpoint (:func:`resurgo.interop.api.import_checkpoint`); ``--emit-spec`` writes
-the spec an importer produces instead, as a starting point to edit."""
+"""``resurgo import``: a DCP directory, a Hugging Face directory, a torch.save file or a spec
+applied to any files, as a resurgo checkpoint (:func:`resurgo.interop.api.import_checkpoint`);
+``--emit-spec`` writes the spec an importer produces instead, as a starting point to edit."""
 
 from __future__ import annotations
 
@@ -14,22 +14,25 @@ from rich.markup import escape
 from resurgo.cli.app import EXIT_USAGE, fail_cleanly, size_option
 from resurgo.cli.render import console, error, human_bytes, plural, print_json
 
-FROM = ("hf", "torch", "spec", "dcp", "deepspeed")
+FROM = ("dcp", "hf", "torch", "spec", "deepspeed")
 
 
 def import_(
-    src: str = typer.Argument(..., metavar="SRC", help="hf: a model directory; torch: a torch.save file; "
+    src: str = typer.Argument(..., metavar="SRC", help="dcp: a torch.distributed.checkpoint directory; hf: a model directory; torch: a torch.save file; "
                                                          "spec: the directory the spec's file names are relative to."),
     dst: Optional[str] = typer.Argument(None, metavar="DST", help="The new checkpoint (must not exist)."),
-    source: str = typer.Option(..., "--from", metavar="FORMAT", help="hf | torch | spec (dcp and deepspeed: not yet)."),
+    source: str = typer.Option(..., "--from", metavar="FORMAT", help="dcp | hf | torch | spec (deepspeed: not yet)."),
     spec: Optional[Path] = typer.Option(None, "--spec", metavar="FILE", help="A spec JSON file (needed with --from spec)."),
     emit_spec: Optional[Path] = typer.Option(
         None, "--emit-spec", metavar="FILE", help="Write the spec the importer produces to FILE and import nothing."),
     memory_budget: Optional[str] = typer.Option(
         None, "--memory-budget", metavar="SIZE", help="The most bytes of buffers held at once, e.g. 2GB (default 1GiB)."),
+    allow_pickle: bool = typer.Option(
+        False, "--allow-pickle", help="Also import items that only full unpickling builds (runs the source's code: "
+                                      "trusted sources only)."),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable report."),
 ) -> None:
-    """Import a foreign checkpoint (Hugging Face, torch.save, or any files a spec describes).
+    """Import a foreign checkpoint (DCP, Hugging Face, torch.save, or any files a spec describes).
 
     Exit 0 done, 2 refused (bad spec, DST exists, pickled code), 3 damaged source (truncated
     file, replicas that differ), 4 source not found."""
@@ -58,7 +61,7 @@ def import_(
                             f"{escape(str(emit_spec))}", soft_wrap=True)
             return
         assert dst is not None
-        report = import_checkpoint(src, dst, source=source, spec=spec, memory_budget=budget)
+        report = import_checkpoint(src, dst, source=source, spec=spec, memory_budget=budget, allow_pickle=allow_pickle)
     if as_json:
         print_json(asdict(report))
         return

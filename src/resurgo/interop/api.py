@@ -12,14 +12,15 @@ from pathlib import Path
 from resurgo.conversion import parse_size
 from resurgo.errors import ImportSpecError, UnsupportedValueError
 from resurgo.interop import spec as spec_lang
+from resurgo.interop.dcp import spec_from_dcp
 from resurgo.interop.execute import execute
 from resurgo.interop.hf import spec_from_hf
 from resurgo.interop.spec import ImportSpec
 from resurgo.interop.torch_file import spec_from_torch_file
 from resurgo.reports import ImportReport
 
-SOURCES = ("hf", "torch", "spec")
-LATER = ("dcp", "deepspeed")
+SOURCES = ("dcp", "hf", "torch", "spec")
+LATER = ("deepspeed",)
 
 
 def spec_of(src: str | os.PathLike, source: str) -> tuple[ImportSpec, Path]:
@@ -28,6 +29,8 @@ def spec_of(src: str | os.PathLike, source: str) -> tuple[ImportSpec, Path]:
     if source in LATER:
         raise UnsupportedValueError(f"{src}: importing from {source!r} is not available yet "
                                     f"(available: {', '.join(SOURCES)}; 'spec' applies a spec you write)")
+    if source == "dcp":
+        return spec_from_dcp(path), path
     if source == "hf":
         return spec_from_hf(path), path
     if source == "torch":
@@ -56,18 +59,16 @@ def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source:
     """Import the foreign checkpoint at ``src`` as a resurgo checkpoint at ``dst``; returns an
     :class:`ImportReport`.
 
-    ``source``: ``"hf"`` (a Hugging Face model directory), ``"torch"`` (a torch.save file) or
-    ``"spec"`` (``src`` is the directory the spec's file names are relative to; ``spec`` is an
-    ImportSpec or a spec JSON file). With ``"hf"`` or ``"torch"``, a ``spec`` replaces the one
-    the importer would emit. ``memory_budget`` (bytes or ``"2GB"``, default 1 GiB) bounds the
+    ``source``: ``"dcp"`` (a torch.distributed.checkpoint directory), ``"hf"`` (a Hugging Face
+    model directory), ``"torch"`` (a torch.save file) or ``"spec"`` (``src`` is the directory the
+    spec's file names are relative to; ``spec`` is an ImportSpec or a spec JSON file). With an
+    importer's source, a ``spec`` replaces the one the importer would emit. ``memory_budget`` (bytes or ``"2GB"``, default 1 GiB) bounds the
     buffers; source bytes are read from memory maps as they are written. ``dst`` appears only
     when complete and is never replaced (CheckpointExistsError). Nothing is unpickled beyond
-    tensor locations and plain values; ``allow_pickle=True`` is not supported yet.
-    ``storage_options`` go to fsspec for a URL ``dst``.
+    tensor locations and plain values; the spec's pickled ``objects`` (DCP items that are not
+    plain values) raise PickleNotAllowedError unless ``allow_pickle=True``, which unpickles them
+    fully (only for a trusted source). ``storage_options`` go to fsspec for a URL ``dst``.
     """
-    if allow_pickle:
-        raise UnsupportedValueError("import_checkpoint(allow_pickle=True) is not available yet: "
-                                    "only tensors and plain values are imported")
     budget = None if memory_budget is None else parse_size(memory_budget, "memory_budget")
     if spec is not None:
         chosen = load_spec(spec)
@@ -76,6 +77,7 @@ def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source:
             spec_of(src, source)  # the same refusal
     else:
         chosen, root = spec_of(src, source)
-    report = execute(chosen, root, dst, source=source, memory_budget=budget, storage_options=storage_options)
+    report = execute(chosen, root, dst, source=source, memory_budget=budget, storage_options=storage_options,
+                     allow_pickle=allow_pickle)
     report.src = str(src)
     return report

@@ -5,11 +5,13 @@ copy-on-write memory map, never written: pages are read as the writer asks for t
 to the save machinery as a :class:`~resurgo.layout.shards.Pieces` leaf; ``prepare_save`` plans the
 files and ``write_and_commit`` streams them (a contiguous piece straight from the map, a strided
 one a slice at a time), checksums them and commits atomically. Before anything is written every
-source file is checked to exist and be long enough, and replicas are compared bit for bit.
+source file is checked to exist and be long enough, and replicas are compared bit for bit. The
+spec's pickled ``objects`` are unpickled, and saved as pickled values, only with ``allow_pickle``.
 """
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import time
@@ -21,9 +23,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from resurgo.errors import CheckpointNotFoundError, CorruptCheckpointError, ImportSpecError, MemoryBudgetError
+from resurgo.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ImportSpecError,
+    MemoryBudgetError,
+    PickleNotAllowedError,
+)
 from resurgo.format import dtypes
 from resurgo.interop.spec import ImportSpec, Piece, Source, row_major_strides, span_elements
+from resurgo.interop.torch_file import member_start
 from resurgo.layout.shards import LocalPiece, Pieces
 from resurgo.pipeline.buffers import as_copyable, copy_flat_range
 from resurgo.pipeline.save import DEFAULT_IO_THREADS, LazySources, prepare_save, write_and_commit
@@ -65,20 +74,13 @@ class _Sources:
         if member is None:
             return _Region(path, 0, size, str(path))
         try:
-            with zipfile.ZipFile(path) as z:
+            with open(path, "rb") as f, zipfile.ZipFile(f) as z:
                 info = z.getinfo(member)
-                with open(path, "rb") as f:  # the member's data follow its local header
-                    f.seek(info.header_offset)
-                    local = f.read(30)
+                start = member_start(f, info, str(path))
         except KeyError:
             raise ImportSpecError(f"{path}: archive has no member {member!r}") from None
         except (zipfile.BadZipFile, OSError) as e:
             raise CorruptCheckpointError(f"{path}: not a readable zip archive ({e}); was it truncated?") from None
-        if info.compress_type != zipfile.ZIP_STORED:
-            raise ImportSpecError(f"{path}: member {member!r} is compressed; only stored members can be imported")
-        if len(local) != 30 or local[:4] != b"PK\x03\x04":
-            raise CorruptCheckpointError(f"{path}: member {member!r} has no valid local header")
-        start = info.header_offset + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
         available = max(0, min(info.file_size, size - start))
         return _Region(path, start, available, f"{path}:{member}")
 
@@ -126,15 +128,42 @@ def _equal_bits(a: torch.Tensor, b: torch.Tensor, slice_elements: int) -> bool:
     return True
 
 
+def _load_objects(spec: ImportSpec, sources: _Sources, allow_pickle: bool) -> dict[str, Any]:
+    """The spec's pickled objects, fully unpickled: only with ``allow_pickle``."""
+    objects: dict[str, Any] = {}
+    for key, obj in spec.objects.items():
+        region = sources.region(obj.file, None)
+        if not allow_pickle:
+            raise PickleNotAllowedError(
+                f"{region.name}: {key!r} is a pickled Python object (bytes [{obj.offset}, {obj.offset + obj.length})) "
+                "that only full unpickling can build, which may run code of the file's choosing; pass "
+                "allow_pickle=True (--allow-pickle) only if you trust this checkpoint")
+        if obj.offset + obj.length > region.size:
+            raise CorruptCheckpointError(
+                f"{region.name}: object {key!r} needs bytes [{obj.offset}, {obj.offset + obj.length}) but it holds "
+                f"{region.size} bytes; the source file is truncated or the spec is wrong")
+        with open(region.path, "rb") as f:
+            f.seek(obj.offset)
+            data = f.read(obj.length)
+        try:
+            objects[key] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        except Exception as e:  # noqa: BLE001 - any failure of a foreign pickle is a damaged source
+            raise CorruptCheckpointError(f"{region.name}: object {key!r} could not be unpickled "
+                                         f"({type(e).__name__}: {e})") from None
+    return objects
+
+
 def execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, *, source: str = "spec",
             memory_budget: int | None = None, storage_options: dict | None = None,
-            metadata: dict | None = None) -> ImportReport:
-    """Write the checkpoint ``dst`` from the sources under ``root`` as ``spec`` (validated) says."""
+            metadata: dict | None = None, allow_pickle: bool = False) -> ImportReport:
+    """Write the checkpoint ``dst`` from the sources under ``root`` as ``spec`` (validated) says.
+    The spec's ``objects`` are unpickled only with ``allow_pickle`` (PickleNotAllowedError otherwise)."""
     t_start = time.perf_counter()
     budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
     if budget < SLICE_BYTES:
         raise MemoryBudgetError(f"memory_budget={budget} is below one write slice ({SLICE_BYTES} bytes); raise it")
     sources = _Sources(Path(root))
+    objects = _load_objects(spec, sources, allow_pickle)
     bytes_read = 0
     for t in spec.tensors:  # every length first: nothing is written from a truncated source
         for i, p in enumerate(t.pieces):
@@ -158,10 +187,11 @@ def execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, *
         pieces = tuple(LocalPiece(p.place, sources.tensor(p, p.shape, t.dtype)) for p in t.pieces if p.numel > 0)
         state[t.key] = Pieces(tuple(t.shape), pieces, pieces[0].tensor)
     state.update(spec.values)
+    state.update(objects)
     threads = max(1, min(DEFAULT_IO_THREADS, budget // SLICE_BYTES))
-    prep = prepare_save(state, dst, overwrite=False, allow_pickle=False, step=None, metadata=metadata,
+    prep = prepare_save(state, dst, overwrite=False, allow_pickle=allow_pickle, step=None, metadata=metadata,
                         io_threads=threads, block_bytes=None, storage_options=storage_options)
     saved = write_and_commit(prep, LazySources(prep.leaves))
     return ImportReport(src=str(root), dst=str(dst), source=source, num_tensors=len(spec.tensors),
-                        num_values=len(spec.values), tensor_bytes=prep.tensor_bytes, bytes_read=bytes_read,
+                        num_values=len(spec.values) + len(objects), tensor_bytes=prep.tensor_bytes, bytes_read=bytes_read,
                         bytes_written=saved.bytes_written, seconds={"total": time.perf_counter() - t_start})

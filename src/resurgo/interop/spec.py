@@ -5,7 +5,9 @@ pieces; a piece names a source file (relative to the source directory), optional
 a zip archive in it (torch.save files), the byte offset of its first element, its element shape
 and element strides, where its elements go in the global tensor (a box or a flat range) and
 optionally replicas: other copies of the same elements that must be equal bit for bit.
-Non-tensor values are plain JSON under ``values``.
+Non-tensor values are plain JSON under ``values``; Python objects that only full unpickling
+can build are named under ``objects`` (file and byte range) and imported only when pickling is
+allowed.
 
 :func:`validate` checks a spec without reading anything: dtypes known, shapes and strides in
 range, safe paths, every destination inside its tensor, and every tensor covered exactly once;
@@ -76,11 +78,21 @@ class TensorSpec(_Strict):
     pieces: list[Piece]
 
 
+class PickledObject(_Strict):
+    """A Python object torch.save'd at bytes ``[offset, offset + length)`` of ``file``: imported
+    only with ``allow_pickle=True``, since loading it may run code of the file's choosing."""
+
+    file: str
+    offset: int = 0
+    length: int
+
+
 class ImportSpec(_Strict):
     format: Literal["resurgo.import-spec"] = SPEC_FORMAT
     version: int = SPEC_VERSION
     tensors: list[TensorSpec] = Field(default_factory=list)
     values: dict[str, Any] = Field(default_factory=dict)
+    objects: dict[str, PickledObject] = Field(default_factory=dict)
 
 
 def row_major_strides(shape: list[int] | tuple[int, ...]) -> tuple[int, ...]:
@@ -129,8 +141,9 @@ def dumps(spec: ImportSpec) -> str:
             if not p["replicas"]:
                 del p["replicas"]
     tensors = ",\n  ".join(json.dumps(t, separators=(",", ":")) for t in doc["tensors"])
+    objects = f',\n "objects": {json.dumps(doc["objects"])}' if doc["objects"] else ""
     return (f'{{"format": {json.dumps(doc["format"])}, "version": {doc["version"]},\n "tensors": [\n  {tensors}\n ],\n'
-            f' "values": {json.dumps(doc["values"], allow_nan=False)}}}\n')
+            f' "values": {json.dumps(doc["values"], allow_nan=False)}{objects}}}\n')
 
 
 # -- validation -------------------------------------------------------------------------------
@@ -190,6 +203,14 @@ def validate(spec: ImportSpec, where: str = "spec") -> None:
         problem = coverage_problem([p.place for p in t.pieces], tuple(t.shape))
         if problem is not None:
             raise ImportSpecError(f"{what}: {problem}")
+    for key, obj in spec.objects.items():
+        what = f"{where}: object {key!r}"
+        if not key or key in seen or key in spec.values:
+            raise ImportSpecError(f"{what}: the key is empty or appears twice (tensors, values and objects share "
+                                  "one namespace)")
+        _check_path(obj.file, f"{what}: file")
+        if obj.offset < 0 or obj.length < 0:
+            raise ImportSpecError(f"{what}: offset {obj.offset} and length {obj.length} must not be negative")
 
 
 def describe(place: Place) -> str:

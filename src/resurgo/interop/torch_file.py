@@ -1,12 +1,11 @@
-"""A spec from a torch.save file (zip format), without executing any of its pickle.
+"""A spec from a torch.save file (zip format), without executing any of its pickle; and the
+reading of torch.save archives that other importers share (an archive inside a larger file, the
+start of a stored member's data).
 
-The file's ``data.pkl`` is read by a restricted unpickler that admits only what torch.save
-writes for tensors and plain containers (:data:`ALLOWED`): ``torch._utils._rebuild_tensor_v2``
-and ``_rebuild_parameter``, the typed storage classes, ``collections.OrderedDict`` and
-``torch.Size``. Each of them builds a record, never a tensor: a tensor becomes the location of
-its bytes (archive member ``<prefix>/data/<storage>``, byte offset, shape, element strides,
-dtype). Any other global, ``os.system`` or ``builtins.eval`` as much as a user's class, raises
-PickleNotAllowedError before it is called.
+The archive's ``data.pkl`` is read by the restricted unpickler of :mod:`.unpickle` with its
+torch.save allowlist: a tensor becomes the location of its bytes (archive member
+``<prefix>/data/<storage>``, byte offset, shape, element strides, dtype), and any other global
+raises PickleNotAllowedError before it is called.
 """
 
 from __future__ import annotations
@@ -14,85 +13,78 @@ from __future__ import annotations
 import io
 import json
 import math
-import pickle
 import zipfile
-from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from resurgo.errors import CheckpointNotFoundError, CorruptCheckpointError, PickleNotAllowedError, UnsupportedValueError
+from resurgo.errors import CheckpointNotFoundError, CorruptCheckpointError, ImportSpecError, UnsupportedValueError
 from resurgo.format import dtypes
 from resurgo.format.tree import path_key
 from resurgo.interop.spec import Box, ImportSpec, Piece, TensorSpec, row_major_strides
+from resurgo.interop.unpickle import TORCH_SAVE, TensorRef, restricted_load
 from resurgo.layout.box import ChunkBox
 
 MAX_PICKLE_BYTES = 1 << 30
-
-# Storage class names torch.save writes (``torch.FloatStorage``...) -> the dtype of their elements.
-STORAGE_DTYPES: dict[str, str] = {
-    name: dtypes.TORCH_DTYPE_NAMES[dt] for dt, name in torch.storage._dtype_to_storage_type_map().items()
-    if dt in dtypes.TORCH_DTYPE_NAMES}
+LOCAL_HEADER = 30  # bytes of a zip local file header before its name and extra field
+TORCH_SAVE_HOLDS = "a torch.save of tensors and plain values"
 
 
-@dataclass(frozen=True)
-class StorageRef:
-    key: str  # the storage's member name under <prefix>/data/
-    dtype: str
-    numel: int
+class ZipSlice(io.RawIOBase):
+    """A read-only file of the bytes ``[start, start + size)`` of ``f``: a zip archive written
+    into a larger file (DCP writes each chunk with torch.save at an offset of its file)."""
+
+    def __init__(self, f: io.BufferedIOBase, start: int, size: int):
+        super().__init__()
+        self._f, self._start, self._size, self._pos = f, start, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._size}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), self._size - self._pos))
+        self._f.seek(self._start + self._pos)
+        got = self._f.readinto(memoryview(b)[:n])
+        self._pos += got
+        return got
 
 
-@dataclass(frozen=True)
-class TensorRef:
-    storage: StorageRef
-    offset: int  # elements
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
+def member_start(fp: io.RawIOBase | io.BufferedIOBase, info: zipfile.ZipInfo, where: str) -> int:
+    """Where a stored member's data begin in ``fp`` (they follow its local header)."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise ImportSpecError(f"{where}: member {info.filename!r} is compressed; only stored members can be imported")
+    fp.seek(info.header_offset)
+    local = fp.read(LOCAL_HEADER)
+    if len(local) != LOCAL_HEADER or local[:4] != b"PK\x03\x04":
+        raise CorruptCheckpointError(f"{where}: member {info.filename!r} has no valid local header")
+    return info.header_offset + LOCAL_HEADER + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
 
 
-def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, *rest: Any) -> TensorRef:
-    if not isinstance(storage, StorageRef):
-        raise CorruptCheckpointError("_rebuild_tensor_v2 without a storage reference")
-    return TensorRef(storage, int(storage_offset), tuple(int(d) for d in size), tuple(int(s) for s in stride))
-
-
-def _rebuild_parameter(data: Any, *rest: Any) -> Any:
-    return data  # a Parameter is stored as its tensor
-
-
-class _StorageType:
-    def __init__(self, name: str):
-        self.dtype = STORAGE_DTYPES[name]
-
-
-ALLOWED: dict[tuple[str, str], Any] = {
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
-    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-    ("collections", "OrderedDict"): OrderedDict,
-    ("torch", "Size"): tuple,
-    **{("torch", name): _StorageType(name) for name in STORAGE_DTYPES},
-}
-
-
-class _Restricted(pickle.Unpickler):
-    def __init__(self, data: bytes, where: str):
-        super().__init__(io.BytesIO(data))
-        self.where = where
-
-    def find_class(self, module: str, name: str) -> Any:
-        found = ALLOWED.get((module, name))
-        if found is None:
-            raise PickleNotAllowedError(
-                f"{self.where}: the pickle needs the global {module}.{name}, which a torch.save of tensors and "
-                "plain values never holds; it was not imported or called (allow_pickle is not supported by import)")
-        return found
-
-    def persistent_load(self, pid: Any) -> StorageRef:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)):
-            raise PickleNotAllowedError(f"{self.where}: unknown persistent id {pid!r:.200}")
-        return StorageRef(str(pid[2]), pid[1].dtype, int(pid[4]))
+def read_archive(z: zipfile.ZipFile, where: str) -> tuple[Any, str]:
+    """(the structure a torch.save archive pickles, with TensorRefs for tensors; its prefix)."""
+    try:
+        pkl = [n for n in z.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
+        if len(pkl) != 1:
+            raise CorruptCheckpointError(f"{where}: expected one '<name>/data.pkl' member, found {len(pkl)}")
+        prefix = pkl[0][: -len("/data.pkl")]
+        if f"{prefix}/byteorder" in z.namelist() and z.read(f"{prefix}/byteorder") != b"little":
+            raise UnsupportedValueError(f"{where}: tensors were saved big-endian; only little-endian is supported")
+        if z.getinfo(pkl[0]).file_size > MAX_PICKLE_BYTES:
+            raise CorruptCheckpointError(f"{where}: {pkl[0]} is larger than {MAX_PICKLE_BYTES} bytes")
+        data = z.read(pkl[0])
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        raise CorruptCheckpointError(f"{where}: not a readable zip archive ({e}); was it truncated?") from None
+    return restricted_load(data, f"{where}:{pkl[0]}", TORCH_SAVE, TORCH_SAVE_HOLDS, storages=True), prefix
 
 
 def read_objects(path: Path) -> tuple[Any, str]:
@@ -104,23 +96,9 @@ def read_objects(path: Path) -> tuple[Any, str]:
                                     "load it with torch and save it again)")
     try:
         with zipfile.ZipFile(path) as z:
-            pkl = [n for n in z.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
-            if len(pkl) != 1:
-                raise CorruptCheckpointError(f"{path}: expected one '<name>/data.pkl' member, found {len(pkl)}")
-            prefix = pkl[0][: -len("/data.pkl")]
-            if f"{prefix}/byteorder" in z.namelist() and z.read(f"{prefix}/byteorder") != b"little":
-                raise UnsupportedValueError(f"{path}: tensors were saved big-endian; only little-endian is supported")
-            if z.getinfo(pkl[0]).file_size > MAX_PICKLE_BYTES:
-                raise CorruptCheckpointError(f"{path}: {pkl[0]} is larger than {MAX_PICKLE_BYTES} bytes")
-            data = z.read(pkl[0])
-    except (zipfile.BadZipFile, OSError, EOFError) as e:
+            return read_archive(z, str(path))
+    except (zipfile.BadZipFile, OSError) as e:
         raise CorruptCheckpointError(f"{path}: not a readable zip archive ({e}); was it truncated?") from None
-    try:
-        return _Restricted(data, f"{path}:{pkl[0]}").load(), prefix
-    except (pickle.UnpicklingError, EOFError, TypeError, ValueError, IndexError, AttributeError) as e:
-        if isinstance(e, (PickleNotAllowedError, CorruptCheckpointError)):
-            raise
-        raise CorruptCheckpointError(f"{path}:{pkl[0]}: not a valid pickle ({type(e).__name__}: {e})") from None
 
 
 def spec_from_torch_file(path: str | Path, rel: str | None = None) -> ImportSpec:

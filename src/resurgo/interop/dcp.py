@@ -1,0 +1,221 @@
+"""A spec from a ``torch.distributed.checkpoint`` (DCP) directory: ``.metadata`` and the
+``__<rank>_<n>.distcp`` files that ``dcp.save`` writes with its FileSystemWriter (torch 2.x).
+
+``.metadata`` is a pickle, read by the restricted unpickler of :mod:`.unpickle` with the DCP
+allowlist. It lists every global tensor (dtype, global shape, chunks: offsets and sizes in it)
+and every non-tensor item, and maps each chunk or item to a byte range of a ``.distcp`` file.
+A tensor chunk's range holds a torch.save archive of the chunk: its ``data.pkl`` is read with the
+torch.save allowlist, and the piece points straight at the chunk's bytes in the stored storage
+member, with the chunk's offsets and sizes as its destination box. A non-tensor item's range
+holds a torch.save archive of the object: a plain value (None, bool, int, float, str, lists and
+dicts of them) becomes a spec value; anything else becomes a pickled object, imported only with
+``allow_pickle``. Keys are DCP's flat names (``model.layers.0.weight``, ``optim.state.0.exp_avg``).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from resurgo.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    NotACheckpointError,
+    PickleNotAllowedError,
+    UnsupportedValueError,
+)
+from resurgo.format import dtypes
+from resurgo.interop.spec import Box, ImportSpec, Piece, PickledObject, TensorSpec, row_major_strides
+from resurgo.interop.torch_file import MAX_PICKLE_BYTES, ZipSlice, member_start, read_archive
+from resurgo.interop.unpickle import TensorRef, dcp_metadata_allowed, restricted_load
+
+METADATA = ".metadata"
+ZIP_MAGIC = b"PK\x03\x04"
+
+
+def read_metadata(root: Path) -> Any:
+    """DCP's Metadata object of the checkpoint at ``root``, built without running its code."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if not root.exists():
+        raise CheckpointNotFoundError(f"{root}: not found")
+    path = root / METADATA
+    if not path.is_file():
+        raise NotACheckpointError(f"{root}: not a DCP checkpoint (no {METADATA} file; dcp.save writes it last)")
+    data = path.read_bytes()
+    md = restricted_load(data, str(path), dcp_metadata_allowed(), "a torch.distributed.checkpoint .metadata")
+    if not (isinstance(md, Metadata) and isinstance(md.state_dict_metadata, dict)
+            and isinstance(md.storage_data, dict)):
+        raise CorruptCheckpointError(f"{path}: not DCP metadata written by a filesystem writer "
+                                     "(expected a Metadata with state_dict_metadata and storage_data)")
+    return md
+
+
+class _DistcpFiles:
+    """The .distcp files the metadata names: checked to exist once each, opened once each."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._open: dict[str, Any] = {}
+
+    def slice(self, info: Any, what: str) -> tuple[Path, ZipSlice, bytes]:
+        """(the file, a view of the item's byte range, its first 4 bytes)."""
+        rel = info.relative_path
+        path = self.root / rel
+        if rel not in self._open:
+            if not path.is_file():
+                raise CorruptCheckpointError(
+                    f"{path}: missing; {self.root / METADATA} places {what} in it (was one rank's file not copied?)")
+            self._open[rel] = open(path, "rb")  # noqa: SIM115 - closed by close()
+        f = self._open[rel]
+        size = path.stat().st_size
+        if info.offset < 0 or info.length < 0 or info.offset + info.length > size:
+            raise CorruptCheckpointError(
+                f"{path}: {what} needs bytes [{info.offset}, {info.offset + info.length}) but the file holds {size} "
+                "bytes; it is truncated")
+        if getattr(info, "transform_descriptors", None):
+            raise UnsupportedValueError(f"{path}: {what} was written through storage extensions "
+                                        f"{list(info.transform_descriptors)} (compression?); only plain items import")
+        view = ZipSlice(f, info.offset, info.length)
+        head = view.read(4)
+        view.seek(0)
+        return path, view, head
+
+    def close(self) -> None:
+        for f in self._open.values():
+            f.close()
+
+
+def spec_from_dcp(directory: str | Path) -> ImportSpec:
+    """The spec of the DCP checkpoint in ``directory``: every tensor under its DCP name, pieced
+    from its chunks; every non-tensor item as a value, or as a pickled object when it is not plain."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    root = Path(directory)
+    md = read_metadata(root)
+    where = str(root / METADATA)
+    storage = {(idx.fqn, None if idx.offset is None else tuple(idx.offset)): info
+               for idx, info in md.storage_data.items()}
+    files = _DistcpFiles(root)
+    tensors: list[TensorSpec] = []
+    values: dict[str, Any] = {}
+    objects: dict[str, PickledObject] = {}
+    try:
+        for fqn, item in md.state_dict_metadata.items():
+            if isinstance(item, TensorStorageMetadata):
+                tensors.append(_tensor(fqn, item, storage, files, where))
+            elif isinstance(item, BytesStorageMetadata):
+                info = _info(storage, fqn, None, where)
+                value, plain = _bytes_item(fqn, info, files)
+                if plain:
+                    values[fqn] = value
+                else:
+                    objects[fqn] = PickledObject(file=info.relative_path, offset=info.offset, length=info.length)
+            else:
+                raise CorruptCheckpointError(f"{where}: item {fqn!r} is a {type(item).__name__}, neither a tensor "
+                                             "nor a bytes item")
+    finally:
+        files.close()
+    return ImportSpec(tensors=tensors, values=values, objects=objects)
+
+
+def _info(storage: dict, fqn: str, offset: tuple[int, ...] | None, where: str) -> Any:
+    info = storage.get((fqn, offset))
+    if info is None:
+        at = "" if offset is None else f" chunk at offsets {list(offset)}"
+        raise CorruptCheckpointError(f"{where}: {fqn!r}{at} has no storage entry (the metadata is incomplete)")
+    return info
+
+
+def _tensor(fqn: str, item: Any, storage: dict, files: _DistcpFiles, where: str) -> TensorSpec:
+    dtype = dtypes.TORCH_DTYPE_NAMES.get(item.properties.dtype)
+    if dtype is None:
+        raise UnsupportedValueError(f"{where}: tensor {fqn!r} has dtype {item.properties.dtype}, which resurgo "
+                                    "does not store")
+    pieces = []
+    for chunk in item.chunks:
+        offsets, sizes = [int(o) for o in chunk.offsets], [int(s) for s in chunk.sizes]
+        if math.prod(sizes) == 0:
+            continue
+        info = _info(storage, fqn, tuple(offsets), where)
+        what = f"tensor {fqn!r} chunk at offsets {offsets}"
+        path, view, head = files.slice(info, what)
+        if head == ZIP_MAGIC:
+            offset, strides = _archived_chunk(path, view, info.offset, dtype, sizes, what)
+        elif info.length == math.prod(sizes) * dtypes.itemsize(dtype):  # written raw, not with torch.save
+            offset, strides = info.offset, None
+        else:
+            raise CorruptCheckpointError(f"{path}: {what} at byte {info.offset} is neither a torch.save archive nor "
+                                         f"{math.prod(sizes)} raw {dtype} elements")
+        pieces.append(Piece(file=info.relative_path, offset=offset, shape=sizes, strides=strides,
+                            box=Box(offsets=offsets, shape=sizes)))
+    return TensorSpec(key=fqn, dtype=dtype, shape=[int(d) for d in item.size], pieces=pieces)
+
+
+def _archived_chunk(path: Path, view: ZipSlice, base: int, dtype: str, sizes: list[int],
+                    what: str) -> tuple[int, list[int] | None]:
+    """(the byte offset in the .distcp file of the chunk's first element, its strides or None)."""
+    name = f"{path}[{base}:]"
+    try:
+        with zipfile.ZipFile(view) as z:
+            ref, prefix = read_archive(z, name)
+            if not isinstance(ref, TensorRef):
+                raise CorruptCheckpointError(f"{name}: {what} holds a {type(ref).__name__}, not a tensor")
+            info = z.getinfo(f"{prefix}/data/{ref.storage.key}")
+    except KeyError:
+        raise CorruptCheckpointError(f"{name}: {what}: the archive lacks its storage member") from None
+    except (zipfile.BadZipFile, OSError) as e:
+        raise CorruptCheckpointError(f"{path}: {what} at byte {base} is not a readable archive ({e}); "
+                                     "the file is damaged or truncated") from None
+    if ref.storage.dtype != dtype or list(ref.shape) != sizes:
+        raise CorruptCheckpointError(f"{name}: {what} holds a {ref.storage.dtype} tensor of shape {list(ref.shape)}; "
+                                     f"the metadata says {dtype} {sizes}")
+    start = member_start(view, info, name)
+    itemsize = dtypes.itemsize(dtype)
+    span = 1 + sum((d - 1) * s for d, s in zip(ref.shape, ref.strides))
+    if (ref.offset + span) * itemsize > info.file_size:
+        raise CorruptCheckpointError(f"{name}: {what} reaches past its storage of {info.file_size} bytes")
+    strides = None if ref.strides == row_major_strides(ref.shape) else list(ref.strides)
+    return base + start + ref.offset * itemsize, strides
+
+
+def _bytes_item(fqn: str, info: Any, files: _DistcpFiles) -> tuple[Any, bool]:
+    """(the item's plain value, True), or (None, False) when only full unpickling can build it."""
+    what = f"item {fqn!r}"
+    path, view, head = files.slice(info, what)
+    if head != ZIP_MAGIC:
+        raise UnsupportedValueError(f"{path}: {what} at byte {info.offset} is raw bytes (an io.BytesIO in the "
+                                    "saved state), which import does not carry")
+    if info.length > MAX_PICKLE_BYTES:
+        raise CorruptCheckpointError(f"{path}: {what} is larger than {MAX_PICKLE_BYTES} bytes")
+    name = f"{path}[{info.offset}:]"
+    try:
+        with zipfile.ZipFile(io.BytesIO(view.read())) as z:
+            value, _ = read_archive(z, name)
+    except PickleNotAllowedError:
+        return None, False
+    except (zipfile.BadZipFile, OSError) as e:
+        raise CorruptCheckpointError(f"{path}: {what} at byte {info.offset} is not a readable archive ({e}); "
+                                     "the file is damaged or truncated") from None
+    if _plain(value):
+        return value, True
+    return None, False
+
+
+def _plain(value: Any) -> bool:
+    """Whether the value is JSON data (tuples count: they become lists) with str keys."""
+    if isinstance(value, TensorRef):
+        return False
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+    return True

@@ -1,0 +1,147 @@
+"""Restricted unpickling of foreign checkpoints: the one place that decides which globals a
+pickle may name.
+
+A foreign pickle is read by :class:`RestrictedUnpickler` with one allowlist. Each allowlist maps
+``(module, name)`` to what the pickle gets instead of the real global:
+
+- :data:`TORCH_SAVE`: what torch.save writes for tensors and plain containers
+  (``torch._utils._rebuild_tensor_v2`` and ``_rebuild_parameter``, the typed storage classes,
+  ``collections.OrderedDict``, ``torch.Size``). Each builds a record, never a tensor: a tensor
+  becomes a :class:`TensorRef`, the location of its bytes in the archive.
+- :func:`dcp_metadata_allowed`: what a ``torch.distributed.checkpoint`` ``.metadata`` file holds:
+  DCP's metadata dataclasses (plain records whose construction runs no code of the file's
+  choosing), torch dtypes, ``torch.Size``, the layout lookup and pure paths.
+
+Any other global, ``os.system`` or ``builtins.eval`` as much as a user's class, raises
+PickleNotAllowedError naming it before it is imported or called.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import pathlib
+import pickle
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from resurgo.errors import CorruptCheckpointError, PickleNotAllowedError
+from resurgo.format import dtypes
+
+# Storage class names torch.save writes (``torch.FloatStorage``...) -> the dtype of their elements.
+STORAGE_DTYPES: dict[str, str] = {
+    name: dtypes.TORCH_DTYPE_NAMES[dt] for dt, name in torch.storage._dtype_to_storage_type_map().items()
+    if dt in dtypes.TORCH_DTYPE_NAMES}
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    key: str  # the storage's member name under <prefix>/data/
+    dtype: str
+    numel: int
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    storage: StorageRef
+    offset: int  # elements
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+
+def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, *rest: Any) -> TensorRef:
+    if not isinstance(storage, StorageRef):
+        raise CorruptCheckpointError("_rebuild_tensor_v2 without a storage reference")
+    return TensorRef(storage, int(storage_offset), tuple(int(d) for d in size), tuple(int(s) for s in stride))
+
+
+def _rebuild_parameter(data: Any, *rest: Any) -> Any:
+    return data  # a Parameter is stored as its tensor
+
+
+class _StorageType:
+    def __init__(self, name: str):
+        self.dtype = STORAGE_DTYPES[name]
+
+
+TORCH_SAVE: dict[tuple[str, str], Any] = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("collections", "OrderedDict"): OrderedDict,
+    ("torch", "Size"): tuple,
+    **{("torch", name): _StorageType(name) for name in STORAGE_DTYPES},
+}
+
+
+@functools.cache
+def dcp_metadata_allowed() -> dict[tuple[str, str], Any]:
+    """The globals a DCP ``.metadata`` pickle may name (torch 2.x): its dataclasses, enums, dtypes."""
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    md = "torch.distributed.checkpoint.metadata"
+    names = ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+             "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+    return {
+        **{(md, n): getattr(metadata, n) for n in names},
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
+        ("torch", "Size"): torch.Size,
+        ("torch.serialization", "_get_layout"): _layout,
+        **{("torch", str(dt).removeprefix("torch.")): dt for dt in dtypes.TORCH_DTYPE_NAMES},
+        # StorageMeta.checkpoint_id: kept as a pure path, which touches no file system
+        ("pathlib", "PosixPath"): pathlib.PurePosixPath,
+        ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+        ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
+        ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
+        ("collections", "OrderedDict"): OrderedDict,
+    }
+
+
+_LAYOUTS = {"torch.strided": torch.strided, "torch.sparse_coo": torch.sparse_coo}
+
+
+def _layout(name: Any) -> torch.layout:
+    if name not in _LAYOUTS:
+        raise CorruptCheckpointError(f"unknown tensor layout {name!r:.100}")
+    return _LAYOUTS[name]
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """An unpickler that resolves globals only through ``allowed``; ``holds`` says, for the
+    refusal message, what the pickle is expected to hold. With ``storages``, torch.save's
+    persistent storage ids become StorageRefs; any other persistent id is refused."""
+
+    def __init__(self, data: bytes, where: str, allowed: Mapping[tuple[str, str], Any], holds: str,
+                 storages: bool = False):
+        super().__init__(io.BytesIO(data))
+        self.where, self.allowed, self.holds, self.storages = where, allowed, holds, storages
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = self.allowed.get((module, name))
+        if found is None:
+            raise PickleNotAllowedError(
+                f"{self.where}: the pickle needs the global {module}.{name}, which {self.holds} never holds; "
+                "it was not imported or called")
+        return found
+
+    def persistent_load(self, pid: Any) -> StorageRef:
+        if not (self.storages and isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
+                and isinstance(pid[1], _StorageType)):
+            raise PickleNotAllowedError(f"{self.where}: unknown persistent id {pid!r:.200}")
+        return StorageRef(str(pid[2]), pid[1].dtype, int(pid[4]))
+
+
+def restricted_load(data: bytes, where: str, allowed: Mapping[tuple[str, str], Any], holds: str,
+                    storages: bool = False) -> Any:
+    """The object ``data`` pickles, built through ``allowed`` only; PickleNotAllowedError for any
+    other global, CorruptCheckpointError naming ``where`` for a pickle that is not valid."""
+    try:
+        return RestrictedUnpickler(data, where, allowed, holds, storages).load()
+    except (PickleNotAllowedError, CorruptCheckpointError):
+        raise
+    except (pickle.UnpicklingError, EOFError, TypeError, ValueError, IndexError, AttributeError, KeyError,
+            RuntimeError) as e:
+        raise CorruptCheckpointError(f"{where}: not a valid pickle ({type(e).__name__}: {e})") from None
