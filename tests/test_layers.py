@@ -25,6 +25,7 @@ LAYERS: list[set[str]] = [
     {"api"},  # the public entry points
     {"conversion", "diff", "manager"},  # built on the public entry points
     {"interop"},  # foreign checkpoints: the save machinery, and conversion's size parsing
+    {"integrations"},  # training frameworks (optional extras) on the public entry points
     {"bench", "study", "__init__"},  # programs built on the library; the package's public names
     {"cli"},  # the command line
     {"__main__"},
@@ -95,3 +96,15 @@ def test_the_check_sees_upward_relative_lazy_and_forbidden_imports():
     assert [b.split(":")[0] for b in bad] == ["line 1", "line 1", "line 3", "line 3", "line 4"]
     assert violations("storage", "import torch\n", ["resurgo", "storage"]) == [
         "line 1: imports torch (storage knows nothing of tensors)"]
+
+
+def test_no_module_outside_integrations_imports_them():
+    """The frameworks are optional: nothing of resurgo's own imports an integration (so none of them)."""
+    bad = []
+    for path in MODULES:
+        if unit_of(path) == "integrations":
+            continue
+        package = ["resurgo", *path.relative_to(SRC).parent.parts]
+        bad += [f"{path.relative_to(SRC)} line {line}: {name}" for line, name in imports(path.read_text(), package)
+                if name.startswith("resurgo.integrations")]
+    assert bad == []
