@@ -15,6 +15,9 @@ context it runs in (tests/test_docs.py fails on a block without one):
 - ``s3``: as ``training``, against the test SeaweedFS server: ``opts`` are its storage options,
   the bucket ``ckpt`` of the snippet is a fresh bucket, and local paths under ``/dev/shm/`` go
   under the test's directory instead (:data:`S3_SUBSTITUTIONS`).
+- ``lightning``: ``import lightning as L``, ``model`` (a tiny LightningModule with dropout and a
+  shuffled loader of 4 batches an epoch) and ``ModelCheckpoint`` are defined by
+  :data:`LIGHTNING_PRELUDE`; skipped where the ``lightning`` package is not installed.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-CONTEXTS = ("standalone", "training", "kill-resume", "distributed", "s3")
+CONTEXTS = ("standalone", "training", "kill-resume", "distributed", "s3", "lightning")
 MARKER = re.compile(r"^<!-- doc-test: ([a-z0-9-]+) -->$")
 
 
@@ -139,3 +142,33 @@ dist.destroy_process_group()
 '''
 
 S3_SUBSTITUTIONS = (("s3://ckpt/", "s3://{bucket}/"), ("/dev/shm/", "{tmp}/shm/"))
+
+
+LIGHTNING_PRELUDE = '''
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+L.seed_everything(0)
+
+
+class Tiny(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
+
+    def training_step(self, batch, batch_idx):
+        loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+        return torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
+
+
+model = Tiny()
+'''

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from doc_snippets import (CONTEXTS, DISTRIBUTED_EPILOGUE, DISTRIBUTED_PRELUDE, KILL_RESUME_EPILOGUE,
-                          S3_SUBSTITUTIONS, TRAINING_PRELUDE, Snippet, snippets)
+                          LIGHTNING_PRELUDE, S3_SUBSTITUTIONS, TRAINING_PRELUDE, Snippet, snippets)
 
 ALL = snippets()
 KILL_AT = 250  # train_step calls: after the checkpoints of steps 100 and 200 were started
@@ -63,6 +63,12 @@ def test_standalone_snippet_runs(snippet: Snippet, tmp_path, monkeypatch):
 @pytest.mark.parametrize("snippet", by_context("training"))
 def test_training_snippet_runs(snippet: Snippet, tmp_path, monkeypatch):
     _exec_here(TRAINING_PRELUDE + snippet.code, snippet.name, tmp_path, monkeypatch)
+
+
+@pytest.mark.parametrize("snippet", by_context("lightning"))
+def test_lightning_snippet_runs(snippet: Snippet, tmp_path, monkeypatch):
+    pytest.importorskip("lightning")
+    _exec_here(LIGHTNING_PRELUDE + snippet.code, snippet.name, tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("snippet", by_context("s3"))

@@ -145,3 +145,34 @@ def test_remove_checkpoint_deletes_only_what_resurgo_wrote(tmp_path):
         io.remove_checkpoint(tmp_path / "c.ckpt")
     assert (tmp_path / "c.ckpt" / "notes.txt").read_text() == "mine"
     assert (tmp_path / "c.ckpt" / "manifest.json").is_file()
+
+
+def test_resumes_from_a_ckpt_file_of_lightnings_own_checkpoint_io_and_saves_resurgo(tmp_path):
+    L.seed_everything(0)
+    model = Tiny()
+    plain = L.Trainer(max_steps=BATCHES_PER_EPOCH, accelerator="cpu", devices=1, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    plain.fit(model)
+    plain.save_checkpoint(tmp_path / "old.ckpt")
+    assert (tmp_path / "old.ckpt").is_file()  # torch.save's zip file
+
+    again = Tiny()
+    t = trainer(tmp_path, 2 * BATCHES_PER_EPOCH, [ResurgoCallback()], enable_checkpointing=False)
+    t.fit(again, ckpt_path=tmp_path / "old.ckpt")
+    assert t.global_step == 2 * BATCHES_PER_EPOCH
+    t.save_checkpoint(tmp_path / "new.ckpt")
+    assert resurgo.load_dict(tmp_path / "new.ckpt")["global_step"] == 2 * BATCHES_PER_EPOCH
+
+
+class Opaque:
+    """A class weights_only loading refuses (module-level so that torch.save can pickle it)."""
+
+
+def test_a_ckpt_file_that_needs_unpickling_is_refused_naming_it_and_the_flag(tmp_path):
+    from resurgo.errors import PickleNotAllowedError
+
+    torch.save({"state_dict": {"w": torch.ones(2)}, "hyper_parameters": Opaque()}, tmp_path / "old.ckpt")
+    with pytest.raises(PickleNotAllowedError, match=r"old\.ckpt: .*holds test_lightning\.Opaque.*allow_pickle=True"):
+        ResurgoCheckpointIO().load_checkpoint(tmp_path / "old.ckpt")
+    loaded = ResurgoCheckpointIO(allow_pickle=True).load_checkpoint(tmp_path / "old.ckpt")
+    assert isinstance(loaded["hyper_parameters"], Opaque)

@@ -13,6 +13,7 @@ Needs the ``lightning`` package (``pip install 'resurgo[lightning]'``).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -78,9 +79,12 @@ class ResurgoCheckpointIO(CheckpointIO):
         try:
             return torch.load(path, map_location=map_location or "cpu", weights_only=not self.allow_pickle)
         except pickle.UnpicklingError as err:
+            # torch's message is long and advises torch's own flags: keep only what it refused.
+            refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+            what = f"it holds {refused.group(1)}" if refused else "weights_only loading refuses it"
             raise PickleNotAllowedError(
-                f"{path}: a Lightning checkpoint with values that weights_only loading refuses ({err}). "
-                "If you trust the file, pass ResurgoCheckpointIO(allow_pickle=True)") from err
+                f"{path}: a Lightning checkpoint that needs unpickling to load ({what}). If you trust "
+                "the file, pass ResurgoCheckpointIO(allow_pickle=True); the next save is a resurgo checkpoint") from err
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
         target = Path(path)
