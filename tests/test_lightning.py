@@ -176,3 +176,15 @@ def test_a_ckpt_file_that_needs_unpickling_is_refused_naming_it_and_the_flag(tmp
         ResurgoCheckpointIO().load_checkpoint(tmp_path / "old.ckpt")
     loaded = ResurgoCheckpointIO(allow_pickle=True).load_checkpoint(tmp_path / "old.ckpt")
     assert isinstance(loaded["hyper_parameters"], Opaque)
+
+
+def test_a_value_that_is_not_plain_is_refused_naming_its_key_unless_pickle_is_allowed(tmp_path):
+    from resurgo.errors import UnsupportedValueError
+
+    checkpoint = {"state_dict": {"w": torch.ones(2)}, "hyper_parameters": {"encoder": Opaque()}}
+    with pytest.raises(UnsupportedValueError, match=r"hyper_parameters\.encoder.*allow_pickle=True"):
+        ResurgoCheckpointIO().save_checkpoint(checkpoint, tmp_path / "a.ckpt")
+    assert not (tmp_path / "a.ckpt").exists()
+    io = ResurgoCheckpointIO(allow_pickle=True)
+    io.save_checkpoint(checkpoint, tmp_path / "a.ckpt")
+    assert isinstance(io.load_checkpoint(tmp_path / "a.ckpt")["hyper_parameters"]["encoder"], Opaque)
