@@ -81,6 +81,15 @@ def test_zero_checkpoint_imports_bit_for_bit(zero_runs, tmp_path, stage):
     assert bits(got["model.frozen.weight"]) == bits(Tiny().frozen.weight)
     assert bits(got["model.head.weight"]) == bits(got["model.emb.weight"])
     assert report.num_tensors == len([k for k in got if not isinstance(got[k], (int, str))])
+    # universal load: rows 1.. of a matrix as a row-parallel rank, a flat range as an FSDP rank
+    rows = torch.zeros(10, 7)
+    resurgo.load({"model.emb.weight": resurgo.Shard(rows, (11, 7), (1, 0))}, tmp_path / "imported", strict=False)
+    flat = torch.zeros(20)
+    resurgo.load({"optim.state.fc1.weight.exp_avg": resurgo.FlatShard(flat, (5, 7), 13)}, tmp_path / "imported",
+                 strict=False)
+    assert bits(rows) == bits(reference["emb.weight"][1:])
+    assert bits(flat) == bits(live["optim.state.fc1.weight.exp_avg"].reshape(-1)[13:33])
+    assert runner.invoke(app, ["verify", str(tmp_path / "imported")]).exit_code == 0
     # through the tag folder too, and the CLI
     assert runner.invoke(app, ["import", str(src / "global_step3"), str(tmp_path / "cli"), "--from",
                                "deepspeed"]).exit_code == 0

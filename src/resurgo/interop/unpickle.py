@@ -91,10 +91,6 @@ class Record:
         # A plain dict (or copyreg's (dict, slots) pair) of attributes; kept as data, never set on a real class.
         self.state = state
 
-    def get(self, name: str, default: Any = None) -> Any:
-        state = self.state[0] if isinstance(getattr(self, "state", None), tuple) else getattr(self, "state", None)
-        return state.get(name, default) if isinstance(state, dict) else default
-
 
 class _NoClass:
     """The class argument of ``_rebuild_from_type_v2``: named, never instantiated."""
