@@ -5,7 +5,11 @@ odd numels (so partitions are padded), a frozen layer and tied weights, three st
 (``get_fp32_state_dict_from_zero_checkpoint``) and ``live.pt`` (each parameter's full fp32 weight
 and Adam moments gathered from the live engine with ``safe_get_full_*``).
 
-    python deepspeed_workers.py STAGE OUT_DIR PORT
+    python deepspeed_workers.py STAGE OUT_DIR PORT [GROUPS]
+
+GROUPS 2 puts the biases in a second parameter group (no weight decay); then only
+``zero_to_fp32.pt`` is written, since DeepSpeed 0.19.8's ``safe_get_full_optimizer_state`` fails
+with two groups ("exp_avg not found in optimizer state fragment").
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ class Tiny(nn.Module):
         return self.head(h).square().mean() + self.fc2(self.frozen(torch.relu(self.fc1(h)))).square().mean()
 
 
-def worker(rank: int, world: int, stage: int, out: str, port: int) -> None:
+def worker(rank: int, world: int, stage: int, out: str, port: int, groups: int) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     import deepspeed
@@ -44,7 +48,13 @@ def worker(rank: int, world: int, stage: int, out: str, port: int) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     model = Tiny()
-    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if groups == 1:
+        optim = torch.optim.AdamW([p for _, p in trainable], lr=1e-2)
+    else:
+        optim = torch.optim.AdamW([{"params": [p for n, p in trainable if not n.endswith("bias")]},
+                                   {"params": [p for n, p in trainable if n.endswith("bias")], "weight_decay": 0.0}],
+                                  lr=1e-2)
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
               "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optim, config=config)
@@ -53,6 +63,8 @@ def worker(rank: int, world: int, stage: int, out: str, port: int) -> None:
         engine.backward(engine(torch.randint(0, 11, (2, 4), generator=g)))
         engine.step()
     engine.save_checkpoint(out, tag="global_step3")
+    if groups != 1:
+        return
     live = {}
     for name, p in engine.module.named_parameters():
         if p.requires_grad:  # collectives: every rank calls them
@@ -65,7 +77,8 @@ def worker(rank: int, world: int, stage: int, out: str, port: int) -> None:
 
 if __name__ == "__main__":
     stage, out, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-    mp.spawn(worker, args=(2, stage, out, port), nprocs=2)
+    groups = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+    mp.spawn(worker, args=(2, stage, out, port, groups), nprocs=2)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     torch.save(get_fp32_state_dict_from_zero_checkpoint(out), os.path.join(out, "zero_to_fp32.pt"))

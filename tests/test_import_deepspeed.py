@@ -40,18 +40,19 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def zero_runs(tmp_path_factory) -> dict[int, Path]:
-    """{stage: a real ZeRO checkpoint directory with zero_to_fp32.pt and live.pt beside it}."""
+def zero_runs(tmp_path_factory) -> dict[int | str, Path]:
+    """{stage: a real ZeRO checkpoint directory with zero_to_fp32.pt and live.pt beside it;
+    "1g2", "3g2": ZeRO-1 and -3 with two parameter groups, zero_to_fp32.pt only}."""
     root = tmp_path_factory.mktemp("deepspeed")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0"}
     runs = {}
-    for stage in (1, 2, 3):
-        out = root / f"zero{stage}"
+    for stage, groups in ((1, 1), (2, 1), (3, 1), (1, 2), (3, 2)):
+        out = root / f"zero{stage}-{groups}"
         done = subprocess.run([sys.executable, str(HERE / "deepspeed_workers.py"), str(stage), str(out),
-                               str(free_port())], env=env, capture_output=True, text=True, timeout=600)
+                               str(free_port()), str(groups)], env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, f"DeepSpeed ZeRO-{stage} run failed (is deepspeed on the path? make " \
                                      f"test-deepspeed):\n{done.stderr[-3000:]}"
-        runs[stage] = out
+        runs[stage if groups == 1 else f"{stage}g{groups}"] = out
     return runs
 
 
@@ -94,6 +95,19 @@ def test_zero_checkpoint_imports_bit_for_bit(zero_runs, tmp_path, stage):
     assert runner.invoke(app, ["import", str(src / "global_step3"), str(tmp_path / "cli"), "--from",
                                "deepspeed"]).exit_code == 0
     assert bits(resurgo.load_dict(tmp_path / "cli")["model.fc1.weight"]) == bits(reference["fc1.weight"])
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("run", ["1g2", "3g2"])
+def test_two_parameter_groups_import_bit_for_bit(zero_runs, tmp_path, run):
+    src = zero_runs[run]
+    resurgo.import_checkpoint(src, tmp_path / "imported", source="deepspeed")
+    got = resurgo.load_dict(tmp_path / "imported")
+    reference = torch.load(src / "zero_to_fp32.pt", weights_only=True)
+    assert {"fc1.bias", "fc2.bias", "emb.weight", "fc2.weight"} <= reference.keys()
+    for name, want in reference.items():
+        assert bits(got[f"model.{name}"]) == bits(want), name
+    assert float(got["optim.state.fc2.bias.step"]) == 3.0 and got["optim.state.fc2.bias.exp_avg"].shape == (3,)
 
 
 @pytest.mark.deepspeed
