@@ -167,14 +167,14 @@ def _numel(ref: TensorRef) -> int:
     return math.prod(ref.shape)
 
 
-def _pieces(runs: list[tuple[int, _Run, int]], lo: int, hi: int) -> list[Piece]:
+def _pieces(runs: list[tuple[int, _Run, int]], lo: int, hi: int, base: int = 0) -> list[Piece]:
     """Pieces of the flat range [lo, hi) of runs laid end to end ((start, run, numel) each), as flat
-    ranges of a tensor that begins at ``lo``."""
+    ranges of a tensor whose element ``base`` is element ``lo`` of the runs."""
     out = []
     for start, run, numel in runs:
         a, b = max(lo, start), min(hi, start + numel)
         if a < b:
-            out.append(run.piece(a - start, b - a, a - lo))
+            out.append(run.piece(a - start, b - a, a - lo + base))
     return out
 
 
@@ -193,11 +193,16 @@ def _optim_tensors(name: str, shape: tuple[int, ...], numel: int, runs_of: dict[
     for moment, runs in runs_of.items():
         out.append(TensorSpec(key=f"optim.state.{name}.{moment}", dtype="float32", shape=list(shape),
                               pieces=_pieces(runs, lo, lo + numel) if numel else []))
-    if steps:
-        out.append(TensorSpec(key=f"optim.state.{name}.step", dtype="float32", shape=[],
-                              pieces=[steps[0].model_copy(update={"replicas": [
-                                  Source(file=s.file, member=s.member, offset=s.offset) for s in steps[1:]]})]))
-    return out
+    return out + _step_tensor(name, steps)
+
+
+def _step_tensor(name: str, steps: list[Piece]) -> list[TensorSpec]:
+    """The parameter's Adam step: rank 0's scalar, every other rank's as a replica that must equal it."""
+    if not steps:
+        return []
+    replicas = [Source(file=s.file, member=s.member, offset=s.offset) for s in steps[1:]]
+    return [TensorSpec(key=f"optim.state.{name}.step", dtype="float32", shape=[],
+                       pieces=[steps[0].model_copy(update={"replicas": replicas})])]
 
 
 def _step_pieces(optims: list[_File], states: list[dict], group: int) -> list[Piece]:
@@ -264,18 +269,18 @@ def _zero3(groups: list[list[tuple[str, tuple[int, ...]]]], optims: list[_File],
         inner = osd.get("optimizer_state_dict")
         if not isinstance(flat, list) or not isinstance(inner, dict):
             raise CorruptCheckpointError(f"{f.rel}: no fp32_flat_groups (not a ZeRO-3 optimizer file?)")
-        runs: dict[str, list[tuple[int, _Run, int]]] = {"fp32": [], "exp_avg": [], "exp_avg_sq": []}
+        rank_runs: dict[str, list[tuple[int, _Run, int]]] = {"fp32": [], "exp_avg": [], "exp_avg_sq": []}
         rank_states, total = [], 0
         for g, value in enumerate(flat):
-            part = _ref(f, value, f"fp32 flat group {g}")
-            n = _numel(part)
-            runs["fp32"].append((total, _Run(f, part), n))
+            weights = _ref(f, value, f"fp32 flat group {g}")
+            n = _numel(weights)
+            rank_runs["fp32"].append((total, _Run(f, weights), n))
             entry = _moment_state(f, inner, g, f"flat group {g}")
             rank_states.append(entry)
             for moment in ("exp_avg", "exp_avg_sq"):
-                runs[moment].append((total, _Run(f, _ref(f, entry.get(moment), f"group {g}'s {moment}")), n))
+                rank_runs[moment].append((total, _Run(f, _ref(f, entry.get(moment), f"group {g}'s {moment}")), n))
             total += n
-        per_rank.append(runs)
+        per_rank.append(rank_runs)
         states.append(rank_states)
     tensors: list[TensorSpec] = []
     offset = 0
@@ -288,22 +293,18 @@ def _zero3(groups: list[list[tuple[str, tuple[int, ...]]]], optims: list[_File],
             lo, hi = r * part, min((r + 1) * part, numel)
             if lo >= hi:
                 continue
-            for kind, runs in per_rank[r].items():
-                found = _pieces(runs, offset, offset + hi - lo)
+            for kind, kind_runs in per_rank[r].items():
+                found = _pieces(kind_runs, offset, offset + hi - lo, base=lo)
                 if sum(p.numel for p in found) != hi - lo:
                     raise CorruptCheckpointError(f"{optims[r].rel}: its flat groups end before parameter {name!r}'s "
                                                  "part: files of two different runs are mixed?")
-                pieces[kind] += [p.model_copy(update={"flat": Flat(start=p.flat.start + lo, stop=p.flat.stop + lo)})
-                                 for p in found]
+                pieces[kind] += found
         offset += part
         tensors.append(TensorSpec(key=f"model.{name}", dtype="float32", shape=list(shape), pieces=pieces["fp32"]))
         for moment in ("exp_avg", "exp_avg_sq"):
             tensors.append(TensorSpec(key=f"optim.state.{name}.{moment}", dtype="float32", shape=list(shape),
                                       pieces=pieces[moment]))
-        if steps:
-            tensors.append(TensorSpec(key=f"optim.state.{name}.step", dtype="float32", shape=[],
-                                      pieces=[steps[0].model_copy(update={"replicas": [
-                                          Source(file=s.file, member=s.member, offset=s.offset) for s in steps[1:]]})]))
+        tensors += _step_tensor(name, steps)
     # Frozen parameters: each rank holds ceil(numel / world) elements of each, as zero_to_fp32 reads them.
     for name, shape in (models[0].obj.get("frozen_param_shapes") or {}).items():
         numel, pieces_f = math.prod(shape), []
