@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 import resurgo
 from resurgo.cli import app
-from resurgo.errors import CorruptCheckpointError, NotACheckpointError, PickleNotAllowedError
+from resurgo.errors import CorruptCheckpointError, NotACheckpointError, PickleNotAllowedError, UnsupportedValueError
 
 runner = CliRunner()
 HERE = Path(__file__).parent
@@ -154,7 +154,12 @@ def test_crafted_pickle_is_refused_and_has_no_effect(tmp_path, payload_of, globa
     assert result.exit_code == 2 and not marker.exists() and not (tmp_path / "out").exists()
 
 
-def test_not_a_deepspeed_checkpoint(tmp_path):
+def test_not_a_deepspeed_checkpoint_and_bf16_optimizer_files(tmp_path):
+    (tmp_path / "bf16" / "global_step1").mkdir(parents=True)
+    (tmp_path / "bf16" / "latest").write_text("global_step1")
+    (tmp_path / "bf16" / "global_step1" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    with pytest.raises(UnsupportedValueError, match="bf16_zero_pp_rank_.* optimizer files .* do not import yet"):
+        resurgo.import_checkpoint(tmp_path / "bf16", tmp_path / "out", source="deepspeed")
     (tmp_path / "empty").mkdir()
     with pytest.raises(NotACheckpointError, match="not a DeepSpeed checkpoint"):
         resurgo.import_checkpoint(tmp_path / "empty", tmp_path / "out", source="deepspeed")

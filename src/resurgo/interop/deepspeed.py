@@ -77,7 +77,7 @@ def find_tag_dir(root: Path) -> tuple[Path, str]:
         if not (root / tag).is_dir():
             raise CorruptCheckpointError(f"{latest}: names {tag!r}, but {root / tag} is missing")
         return root / tag, tag
-    if any(OPTIM.match(p.name) for p in root.iterdir()) if root.is_dir() else False:
+    if root.is_dir() and any(OPTIM.match(p.name) for p in root.iterdir()):
         return root, ""
     raise NotACheckpointError(f"{root}: not a DeepSpeed checkpoint (no 'latest' file and no "
                               "zero_pp_rank_*_mp_rank_00_optim_states.pt files)")
@@ -101,6 +101,9 @@ def spec_from_deepspeed(directory: str | Path) -> ImportSpec:
         return _File(f"{tag}/{name}" if tag else name, prefix, obj)
 
     ranks = sorted(int(m.group(1)) for p in folder.iterdir() if (m := OPTIM.match(p.name)))
+    if not ranks and any(p.name.startswith("bf16_zero_pp_rank_") for p in folder.iterdir()):
+        raise UnsupportedValueError(f"{folder}: holds bf16_zero_pp_rank_* optimizer files (DeepSpeed's bf16 "
+                                    "optimizer), which do not import yet; only fp32 ZeRO optimizer files do")
     first = load(f"zero_pp_rank_{ranks[0] if ranks else 0}_mp_rank_00_optim_states.pt")
     osd = _get(first, "optimizer_state_dict", dict)
     stage = osd.get("zero_stage")
