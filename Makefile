@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo study study-full demo-kill test test-slow bench bench-async bench-overhead bench-s3 install clean
+.PHONY: demo study study-full demo-kill test test-slow test-deepspeed bench bench-async bench-overhead bench-s3 install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,18 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+# The DeepSpeed import tests train real ZeRO-1/2/3 jobs on CPU (gloo, no compiled ops). deepspeed
+# and its small pure-Python dependencies go into $(DS_SITE), not the environment: resurgo never
+# imports deepspeed, only these tests do.
+DS_SITE := .deepspeed-site
+$(DS_SITE)/.installed: $(STAMP)
+	DS_BUILD_OPS=0 $(BIN)/pip install --quiet --disable-pip-version-check --no-deps --target $(DS_SITE) \
+		deepspeed==0.19.8 hjson==3.1.0 ninja==1.13.2 py-cpuinfo==9.0.0 msgpack==1.2.4 psutil==7.2.2 einops==0.8.2 tqdm==4.70.1
+	touch $@
+
+test-deepspeed: $(DS_SITE)/.installed
+	PYTHONPATH=$(DS_SITE) DS_ACCELERATOR=cpu $(BIN)/python -m pytest -q -m deepspeed
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_save_load.py

@@ -286,10 +286,9 @@ def test_crafted_pickle_is_refused_and_has_no_effect(tmp_path, payload_of, globa
     assert result.exit_code == 2 and not marker.exists()
 
 
-def test_sources_not_available_yet_and_existing_destination(tmp_path):
-    for source in ("deepspeed",):
-        with pytest.raises(UnsupportedValueError, match=f"importing from '{source}' is not available yet"):
-            resurgo.import_checkpoint(tmp_path, tmp_path / "out", source=source)
+def test_unknown_source_and_existing_destination(tmp_path):
+    with pytest.raises(UnsupportedValueError, match="source must be one of 'dcp', 'deepspeed', 'hf', 'torch', 'spec', not 'tar'"):
+        resurgo.import_checkpoint(tmp_path, tmp_path / "out", source="tar")
     (tmp_path / "m").mkdir()
     save_file(model_state(), str(tmp_path / "m" / "model.safetensors"))
     resurgo.import_checkpoint(tmp_path / "m", tmp_path / "out", source="hf")
@@ -311,7 +310,7 @@ def test_cli_import_emit_spec_and_exit_codes(tmp_path):
     assert resurgo.load_dict(tmp_path / "b").keys() == resurgo.load_dict(tmp_path / "a").keys()
     assert cli(tmp_path / "m", tmp_path / "c", "--from", "spec").exit_code == 2  # --spec missing
     assert cli(tmp_path / "m", tmp_path / "c", "--from", "tar").exit_code == 2
-    assert cli(tmp_path / "m", tmp_path / "c", "--from", "deepspeed").exit_code == 2
+    assert cli(tmp_path / "m", tmp_path / "c", "--from", "deepspeed").exit_code == 4  # not a DeepSpeed checkpoint
     assert cli(tmp_path / "m", tmp_path / "a", "--from", "hf").exit_code == 2  # exists
     (tmp_path / "bad.json").write_text("{}")
     assert cli(tmp_path / "m", tmp_path / "c", "--from", "spec", "--spec", tmp_path / "bad.json").exit_code == 2

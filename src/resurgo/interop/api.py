@@ -13,31 +13,30 @@ from resurgo.conversion import parse_size
 from resurgo.errors import ImportSpecError, UnsupportedValueError
 from resurgo.interop import spec as spec_lang
 from resurgo.interop.dcp import spec_from_dcp
+from resurgo.interop.deepspeed import spec_from_deepspeed
 from resurgo.interop.execute import execute
 from resurgo.interop.hf import spec_from_hf
 from resurgo.interop.spec import ImportSpec
 from resurgo.interop.torch_file import spec_from_torch_file
 from resurgo.reports import ImportReport
 
-SOURCES = ("dcp", "hf", "torch", "spec")
-LATER = ("deepspeed",)
+SOURCES = ("dcp", "deepspeed", "hf", "torch", "spec")
 
 
 def spec_of(src: str | os.PathLike, source: str) -> tuple[ImportSpec, Path]:
     """(the spec an importer emits for ``src``, the directory its file names are relative to)."""
     path = Path(src)
-    if source in LATER:
-        raise UnsupportedValueError(f"{src}: importing from {source!r} is not available yet "
-                                    f"(available: {', '.join(SOURCES)}; 'spec' applies a spec you write)")
     if source == "dcp":
         return spec_from_dcp(path), path
+    if source == "deepspeed":
+        return spec_from_deepspeed(path), path
     if source == "hf":
         return spec_from_hf(path), path
     if source == "torch":
         return spec_from_torch_file(path), path.parent
     if source == "spec":
         raise ImportSpecError(f"{src}: source='spec' needs spec= (an ImportSpec, or the path of a spec JSON file)")
-    raise UnsupportedValueError(f"source must be one of {', '.join(map(repr, SOURCES + LATER))}, not {source!r}")
+    raise UnsupportedValueError(f"source must be one of {', '.join(map(repr, SOURCES))}, not {source!r}")
 
 
 def load_spec(spec: ImportSpec | str | os.PathLike) -> ImportSpec:
@@ -59,7 +58,8 @@ def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source:
     """Import the foreign checkpoint at ``src`` as a resurgo checkpoint at ``dst``; returns an
     :class:`ImportReport`.
 
-    ``source``: ``"dcp"`` (a torch.distributed.checkpoint directory), ``"hf"`` (a Hugging Face
+    ``source``: ``"dcp"`` (a torch.distributed.checkpoint directory), ``"deepspeed"`` (a
+    DeepSpeed ZeRO 1/2/3 checkpoint directory: the one holding ``latest``, or a tag folder), ``"hf"`` (a Hugging Face
     model directory), ``"torch"`` (a torch.save file) or ``"spec"`` (``src`` is the directory the
     spec's file names are relative to; ``spec`` is an ImportSpec or a spec JSON file). With an
     importer's source, a ``spec`` replaces the one the importer would emit. ``memory_budget`` (bytes or ``"2GB"``, default 1 GiB) bounds the
@@ -73,7 +73,7 @@ def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source:
     if spec is not None:
         chosen = load_spec(spec)
         root = Path(src) if source != "torch" else Path(src).parent
-        if source in LATER or source not in SOURCES:
+        if source not in SOURCES:
             spec_of(src, source)  # the same refusal
     else:
         chosen, root = spec_of(src, source)

@@ -14,6 +14,7 @@ import io
 import json
 import math
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -70,8 +71,10 @@ def member_start(fp: io.RawIOBase | io.BufferedIOBase, info: zipfile.ZipInfo, wh
     return info.header_offset + LOCAL_HEADER + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
 
 
-def read_archive(z: zipfile.ZipFile, where: str) -> tuple[Any, str]:
-    """(the structure a torch.save archive pickles, with TensorRefs for tensors; its prefix)."""
+def read_archive(z: zipfile.ZipFile, where: str, allowed: Mapping[tuple[str, str], Any] = TORCH_SAVE,
+                 holds: str = TORCH_SAVE_HOLDS) -> tuple[Any, str]:
+    """(the structure a torch.save archive pickles, with TensorRefs for tensors; its prefix);
+    ``allowed``: the globals its pickle may name (default: tensors and plain containers)."""
     try:
         pkl = [n for n in z.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
         if len(pkl) != 1:
@@ -84,10 +87,11 @@ def read_archive(z: zipfile.ZipFile, where: str) -> tuple[Any, str]:
         data = z.read(pkl[0])
     except (zipfile.BadZipFile, OSError, EOFError) as e:
         raise CorruptCheckpointError(f"{where}: not a readable zip archive ({e}); was it truncated?") from None
-    return restricted_load(data, f"{where}:{pkl[0]}", TORCH_SAVE, TORCH_SAVE_HOLDS, storages=True), prefix
+    return restricted_load(data, f"{where}:{pkl[0]}", allowed, holds, storages=True), prefix
 
 
-def read_objects(path: Path) -> tuple[Any, str]:
+def read_objects(path: Path, allowed: Mapping[tuple[str, str], Any] = TORCH_SAVE,
+                 holds: str = TORCH_SAVE_HOLDS) -> tuple[Any, str]:
     """(the unpickled structure with TensorRefs for tensors, the archive's prefix)."""
     if not path.is_file():
         raise CheckpointNotFoundError(f"{path}: torch.save file not found")
@@ -96,7 +100,7 @@ def read_objects(path: Path) -> tuple[Any, str]:
                                     "load it with torch and save it again)")
     try:
         with zipfile.ZipFile(path) as z:
-            return read_archive(z, str(path))
+            return read_archive(z, str(path), allowed, holds)
     except (zipfile.BadZipFile, OSError) as e:
         raise CorruptCheckpointError(f"{path}: not a readable zip archive ({e}); was it truncated?") from None
 

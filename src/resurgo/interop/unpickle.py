@@ -8,6 +8,10 @@ A foreign pickle is read by :class:`RestrictedUnpickler` with one allowlist. Eac
   (``torch._utils._rebuild_tensor_v2`` and ``_rebuild_parameter``, the typed storage classes,
   ``collections.OrderedDict``, ``torch.Size``). Each builds a record, never a tensor: a tensor
   becomes a :class:`TensorRef`, the location of its bytes in the archive.
+- :data:`DEEPSPEED`: what DeepSpeed's ``*_model_states.pt`` and ``*_optim_states.pt`` files hold
+  beyond that: its loss scaler, ``fragment_address`` and ``ZeroStageEnum`` become plain records
+  and ints (deepspeed is never imported), and tensors rebuilt through ``torch.Tensor``'s
+  ``_rebuild_from_type_v2`` stay TensorRefs.
 - :func:`dcp_metadata_allowed`: what a ``torch.distributed.checkpoint`` ``.metadata`` file holds:
   DCP's metadata dataclasses (plain records whose construction runs no code of the file's
   choosing), torch dtypes, ``torch.Size``, the layout lookup and pure paths.
@@ -74,6 +78,44 @@ TORCH_SAVE: dict[tuple[str, str], Any] = {
     ("collections", "OrderedDict"): OrderedDict,
     ("torch", "Size"): tuple,
     **{("torch", name): _StorageType(name) for name in STORAGE_DTYPES},
+}
+
+
+class Record:
+    """A stand-in for a foreign class that holds only data: its pickled attributes, nothing run."""
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        # A plain dict (or copyreg's (dict, slots) pair) of attributes; kept as data, never set on a real class.
+        self.state = state
+
+
+class _NoClass:
+    """The class argument of ``_rebuild_from_type_v2``: named, never instantiated."""
+
+
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+    if func is not _rebuild_tensor_v2 or new_type is not _NoClass or not isinstance(args, tuple):
+        raise CorruptCheckpointError("_rebuild_from_type_v2 that does not rebuild a plain tensor")
+    return func(*args)
+
+
+def _zero_stage(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 3:
+        raise CorruptCheckpointError(f"ZeroStageEnum({value!r:.50}) is not a ZeRO stage 0-3")
+    return value
+
+
+DEEPSPEED: dict[tuple[str, str], Any] = {
+    **TORCH_SAVE,
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+    ("torch", "Tensor"): _NoClass,
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"): _zero_stage,
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"): Record,
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"): Record,
+    ("deepspeed.utils.tensor_fragment", "fragment_address"): Record,
 }
 
 
