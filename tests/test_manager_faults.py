@@ -123,6 +123,10 @@ class Run:
                 return line
         return None
 
+    def no_deletion_under_way(self) -> bool:
+        started = sum(line.startswith("EVENT deleting step") for line in self.lines)
+        return started == sum(line.startswith("EVENT deleted step") for line in self.lines)
+
     def kill(self) -> None:
         os.kill(self.pid, signal.SIGKILL)
 
@@ -141,6 +145,11 @@ def kill_in(run: Run, phase: str, rng: random.Random) -> bool:
     if phase == "training":
         marker, delay = "LOSS", rng.uniform(0.0, 0.03)
         for _ in range(rng.randint(0, 2)):
+            if run.wait_for("LOSS") is None:
+                return False
+        # Retention deletes in the background (paused SLOW_DELETE in the middle): a kill meant for
+        # training waits for a step taken while no deletion is under way.
+        while not run.no_deletion_under_way():
             if run.wait_for("LOSS") is None:
                 return False
     else:
