@@ -29,6 +29,20 @@ def no_save_left_behind():
         pass
 
 
+@pytest.fixture(autouse=True)
+def torch_flags_restored():
+    """A test that turns on deterministic algorithms (Lightning's ``deterministic=True`` does, and
+    leaves them on) must not change what later tests run with."""
+    import torch
+
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    cudnn = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    yield
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
+
+
 @pytest.fixture(scope="session")
 def seaweed(tmp_path_factory):
     """One SeaweedFS server with an S3 gateway for the whole session, stopped at its end."""

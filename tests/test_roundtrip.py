@@ -209,3 +209,15 @@ def test_save_info_is_apart_from_metadata(tmp_path):
     assert m.metadata == {"run": 1} and m.save_info == {"host": "h"}
     resurgo.save({"t": torch.ones(2)}, tmp_path / "b")
     assert "save_info" not in json.loads((tmp_path / "b" / "manifest.json").read_bytes())
+
+
+@pytest.mark.parametrize("dtype", [torch.bits16, torch.uint4, torch.float4_e2m1fn_x2, torch.float32], ids=str)
+def test_loads_with_deterministic_algorithms_on(tmp_path, dtype):
+    """torch.empty fills new memory when deterministic algorithms are on, and raises for dtypes it
+    cannot fill; loads allocate bytes and view them, so they work under Lightning's deterministic=True."""
+    state = {"t": random_tensor(dtype, (5, 7), seed=1), "zero_d": random_tensor(dtype, (), seed=2)}
+    resurgo.save(state, tmp_path / "c")
+    torch.use_deterministic_algorithms(True)  # the conftest fixture turns it back off
+    out = resurgo.load_dict(tmp_path / "c")
+    assert all(out[k].dtype == dtype and bits_equal(out[k], v) for k, v in state.items())
+

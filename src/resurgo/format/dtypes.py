@@ -66,3 +66,17 @@ def numpy_dtype_name(dtype: np.dtype) -> str | None:
         return None
     name = dtype.name
     return name if name in NUMPY_DTYPES and NUMPY_DTYPES[name] == dtype else None
+
+
+def uninitialized(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized host tensor of ``shape`` and ``dtype``, allocated as bytes and viewed.
+
+    ``torch.empty`` fills new memory when deterministic algorithms are on
+    (``torch.use_deterministic_algorithms(True)``, as Lightning's ``deterministic=True`` sets),
+    and has no fill for the sub-byte and bit dtypes (``bits16``, ``int4``, ``float4_e2m1fn_x2``):
+    it raises. Bytes can always be allocated (and filled), and every dtype views them."""
+    shape = tuple(shape)
+    numel = 1
+    for d in shape:
+        numel *= d
+    return torch.empty(numel * dtype.itemsize, dtype=torch.uint8).view(dtype).reshape(shape)

@@ -90,7 +90,7 @@ class _Sources:
         size = tdtype.itemsize
         span = span_elements(shape, src.strides)
         if span == 0:
-            return torch.empty(shape, dtype=tdtype)
+            return dtypes.uninitialized(shape, tdtype)
         region = self.region(src.file, src.member)
         start = region.start + src.offset
         if region.path not in self._maps:
@@ -118,7 +118,7 @@ def _equal_bits(a: torch.Tensor, b: torch.Tensor, slice_elements: int) -> bool:
     a, b = as_copyable(a), as_copyable(b)
     n = a.numel()
     step = max(1, slice_elements)
-    buf_a, buf_b = torch.empty(min(n, step), dtype=a.dtype), torch.empty(min(n, step), dtype=b.dtype)
+    buf_a, buf_b = dtypes.uninitialized((min(n, step),), a.dtype), dtypes.uninitialized((min(n, step),), b.dtype)
     for lo in range(0, n, step):
         hi = min(n, lo + step)
         copy_flat_range(a, lo, hi, buf_a[: hi - lo])
@@ -182,7 +182,7 @@ def execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, *
     state: dict[str, Any] = {}
     for t in spec.tensors:
         if math.prod(t.shape) == 0:  # nothing to read: an empty tensor of its shape
-            state[t.key] = torch.empty(t.shape, dtype=dtypes.TORCH_DTYPES[t.dtype])
+            state[t.key] = dtypes.uninitialized(t.shape, dtypes.TORCH_DTYPES[t.dtype])
             continue
         pieces = tuple(LocalPiece(p.place, sources.tensor(p, p.shape, t.dtype)) for p in t.pieces if p.numel > 0)
         state[t.key] = Pieces(tuple(t.shape), pieces, pieces[0].tensor)

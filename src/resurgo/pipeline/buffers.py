@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from resurgo.format import dtypes
 from resurgo.state.flatten import Array
 
 
@@ -91,5 +92,5 @@ def writable_bytes(dest: Array) -> np.ndarray | None:
 def typed_view(flat: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """Reinterpret flat bytes as a torch tensor of ``dtype`` and ``shape`` (no copy)."""
     if flat.size == 0:  # torch gives an empty array stride 0, and view() to a wider dtype then fails
-        return torch.empty(shape, dtype=dtype)
+        return dtypes.uninitialized(shape, dtype)
     return torch.from_numpy(flat).view(dtype).reshape(shape)

@@ -304,4 +304,4 @@ def new_array(entry: TensorEntry) -> Array:
     """An uninitialized array for a saved tensor; its size is bounded by the bytes its chunks hold."""
     if entry.kind == "numpy":
         return np.empty(entry.shape, dtype=dtypes.NUMPY_DTYPES[entry.dtype])
-    return torch.empty(entry.shape, dtype=dtypes.TORCH_DTYPES[entry.dtype])
+    return dtypes.uninitialized(entry.shape, dtypes.TORCH_DTYPES[entry.dtype])
