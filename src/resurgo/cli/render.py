@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from resurgo.errors import ResurgoError
+from resurgo.wording import plural  # re-exported: the commands count their nouns through render
 
 PROGRESS_THRESHOLD_BYTES = 64 << 20  # verify and convert show a progress bar above this much tensor data
 MAX_VALUE_CHARS = 72  # non-tensor values are clipped to this many characters
@@ -68,12 +69,6 @@ def human_seconds(s: float) -> str:
         if s >= size:
             return f"{s / size:.1f} {unit}"
     return f"{s:.1f} s"
-
-
-def plural(n: int, word: str) -> str:
-    from resurgo.wording import plural as _plural
-
-    return _plural(n, word)
 
 
 def clip(text: str, limit: int = MAX_VALUE_CHARS) -> str:
