@@ -15,6 +15,7 @@ import pickle
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -319,3 +320,63 @@ def test_cli_import_emit_spec_and_exit_codes(tmp_path):
     (tmp_path / "m" / "model.safetensors").write_bytes(data[:-4])
     assert cli(tmp_path / "m", tmp_path / "c", "--from", "hf").exit_code == 3
     assert not (tmp_path / "c").exists()
+
+
+def reference_mean(copies: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """docs/import.md's averaging written out with numpy: exact float64 of each copy, summed in
+    listing order, divided by the count, rounded to float32, then (16-bit dtypes) to the dtype."""
+    acc = copies[0].double().numpy().copy()
+    for c in copies[1:]:
+        acc = acc + c.double().numpy()
+    mean = acc / len(copies)
+    return torch.from_numpy(mean) if dtype == torch.float64 else torch.from_numpy(mean.astype(np.float32)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.float16])
+def test_mean_combines_replicas_with_the_documented_arithmetic(tmp_path, dtype):
+    g = torch.Generator().manual_seed(3)
+    copies = [torch.randn(5, 7, generator=g).to(dtype) for _ in range(3)]
+    for c in copies:  # signed zeros: -0.0 + -0.0 + -0.0 stays -0.0 (a sum started from +0.0 would not)
+        c[0, 0] = -0.0
+    if dtype == torch.float64:  # listing order matters: (1e16 + 1) - 1e16 is 0, (1e16 - 1e16) + 1 is 1
+        copies[0][1, 1], copies[1][1, 1], copies[2][1, 1] = 1e16, 1.0, -1e16
+    write_raw(tmp_path, b"".join(c.view(torch.uint8).numpy().tobytes() for c in copies))
+    nbytes = copies[0].numel() * copies[0].element_size()
+    doc = spec_doc([{"key": "ln", "dtype": str(dtype).removeprefix("torch."), "shape": [5, 7], "pieces": [
+        piece(0, [5, 7], box={"offsets": [0, 0], "shape": [5, 7]}, combine="mean",
+              replicas=[{"file": "src.bin", "offset": nbytes}, {"file": "src.bin", "offset": 2 * nbytes}])]}])
+    report = import_spec(tmp_path, doc)
+    got = resurgo.load_dict(tmp_path / "out")["ln"]
+    want = reference_mean(copies, dtype)
+    assert same(got, want) and report.bytes_read == 3 * nbytes
+    assert not same(got, copies[0])  # the copies differ: neither one was written as it is
+    assert got[0, 0].item() == 0.0 and torch.signbit(got[0, 0])
+    if dtype == torch.float64:
+        assert got[1, 1].item() == 0.0
+
+
+def test_mean_rounds_through_float32_as_torch_converts(tmp_path):
+    """Four bfloat16 copies whose float64 mean is 1 + 2^-8 + 2^-30: rounded to float32 it is the
+    midpoint 1 + 2^-8, which rounds to even (1.0); rounded once it would be 1 + 2^-7."""
+    values = torch.tensor([4.0, 2.0 ** -6, 2.0 ** -28, 0.0], dtype=torch.bfloat16)
+    write_raw(tmp_path, values.view(torch.uint8).numpy().tobytes())
+    doc = spec_doc([{"key": "x", "dtype": "bfloat16", "shape": [1], "pieces": [
+        piece(0, [1], box={"offsets": [0], "shape": [1]}, combine="mean",
+              replicas=[{"file": "src.bin", "offset": 2 * i} for i in (1, 2, 3)])]}])
+    import_spec(tmp_path, doc)
+    assert resurgo.load_dict(tmp_path / "out")["x"].item() == 1.0
+
+
+def test_mean_is_refused_for_integer_dtypes_and_round_trips_in_json():
+    mean_piece = piece(0, [4], box={"offsets": [0], "shape": [4]}, combine="mean", replicas=[{"file": "b.bin"}])
+    with pytest.raises(ImportSpecError, match=r"spec: tensor 'step': piece 0: combine 'mean' averages floating-point "
+                                              r"elements only \(float64, float32, .*\), not int64; use combine 'equal'"):
+        spec_lang.loads(json.dumps(spec_doc([{"key": "step", "dtype": "int64", "shape": [4], "pieces": [mean_piece]}])))
+    with pytest.raises(ImportSpecError, match=r"pieces\.0\.combine: Input should be 'equal' or 'mean'"):
+        spec_lang.loads(json.dumps(spec_doc([{"key": "w", "dtype": "float32", "shape": [4],
+                                               "pieces": [{**mean_piece, "combine": "sum"}]}])))
+    spec = spec_lang.loads(json.dumps(spec_doc([{"key": "w", "dtype": "float32", "shape": [4], "pieces": [mean_piece]},
+                                                {"key": "v", "dtype": "float32", "shape": [4], "pieces": [piece(0, [4], box={"offsets": [0], "shape": [4]})]}])))
+    text = spec_lang.dumps(spec)
+    assert spec_lang.loads(text) == spec and spec.tensors[0].pieces[0].combine == "mean"
+    assert text.count('"combine":"mean"') == 1 and '"equal"' not in text  # the default is left out

@@ -5,7 +5,8 @@ copy-on-write memory map, never written: pages are read as the writer asks for t
 to the save machinery as a :class:`~resurgo.layout.shards.Pieces` leaf; ``prepare_save`` plans the
 files and ``write_and_commit`` streams them (a contiguous piece straight from the map, a strided
 one a slice at a time), checksums them and commits atomically. Before anything is written every
-source file is checked to exist and be long enough, and replicas are compared bit for bit. The
+source file is checked to exist and be long enough, and replicas are compared bit for bit, or,
+for a piece whose ``combine`` is ``"mean"``, averaged into memory (within the budget). The
 spec's pickled ``objects`` are unpickled, and saved as pickled values, only with ``allow_pickle``.
 """
 
@@ -128,6 +129,26 @@ def _equal_bits(a: torch.Tensor, b: torch.Tensor, slice_elements: int) -> bool:
     return True
 
 
+def _mean(sources: _Sources, p: Piece, dtype: str, slice_elements: int) -> torch.Tensor:
+    """The piece and its replicas averaged as docs/import.md specifies: each element converted
+    exactly to float64, summed in listing order starting from the piece's (so -0.0 stays -0.0),
+    divided by the number of copies, converted back by torch (to float32 first: round to nearest even)."""
+    tdtype = dtypes.TORCH_DTYPES[dtype]
+    copies = [sources.tensor(p, p.shape, dtype)] + [sources.tensor(r, p.shape, dtype) for r in p.replicas]
+    out = dtypes.uninitialized(p.shape, tdtype)
+    n, step = out.numel(), max(1, slice_elements)
+    flat_out, buf = out.view(-1), dtypes.uninitialized((min(n, step),), tdtype)
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        copy_flat_range(copies[0], lo, hi, buf[: hi - lo])
+        acc = buf[: hi - lo].to(torch.float64, copy=True)  # a float64 buf would otherwise be acc itself
+        for c in copies[1:]:
+            copy_flat_range(c, lo, hi, buf[: hi - lo])
+            acc += buf[: hi - lo].to(torch.float64)
+        flat_out[lo:hi] = (acc / len(copies)).to(tdtype)
+    return out
+
+
 def _load_objects(spec: ImportSpec, sources: _Sources, allow_pickle: bool) -> dict[str, Any]:
     """The spec's pickled objects, fully unpickled: only with ``allow_pickle``."""
     objects: dict[str, Any] = {}
@@ -171,9 +192,13 @@ def execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, *
             for j, r in enumerate(p.replicas):
                 bytes_read += sources.check_length(r, p.shape, t.dtype, f"tensor {t.key!r} piece {i} replica {j}")
     compare_elements = budget // 4
+    averaged = sum(p.numel * dtypes.itemsize(t.dtype) for t in spec.tensors for p in t.pieces if p.combine == "mean")
+    if averaged > budget // 2:  # the means are held until written; the other half is for slices
+        raise MemoryBudgetError(f"{root}: the averaged pieces (combine 'mean') hold {averaged} bytes in memory until "
+                                f"written, more than half of memory_budget={budget}; raise memory_budget")
     for t in spec.tensors:
         for i, p in enumerate(t.pieces):
-            for j, r in enumerate(p.replicas):
+            for j, r in enumerate(p.replicas if p.combine == "equal" else ()):
                 first = sources.tensor(p, p.shape, t.dtype)
                 if not _equal_bits(first, sources.tensor(r, p.shape, t.dtype), compare_elements // first.element_size()):
                     raise CorruptCheckpointError(
@@ -184,7 +209,8 @@ def execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, *
         if math.prod(t.shape) == 0:  # nothing to read: an empty tensor of its shape
             state[t.key] = dtypes.uninitialized(t.shape, dtypes.TORCH_DTYPES[t.dtype])
             continue
-        pieces = tuple(LocalPiece(p.place, sources.tensor(p, p.shape, t.dtype)) for p in t.pieces if p.numel > 0)
+        pieces = tuple(LocalPiece(p.place, _mean(sources, p, t.dtype, SLICE_BYTES // 8) if p.combine == "mean"
+                                  else sources.tensor(p, p.shape, t.dtype)) for p in t.pieces if p.numel > 0)
         state[t.key] = Pieces(tuple(t.shape), pieces, pieces[0].tensor)
     state.update(spec.values)
     state.update(objects)

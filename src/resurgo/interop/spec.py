@@ -4,7 +4,9 @@ A spec is JSON (docs/import.md specifies it). Per target tensor: its key, dtype,
 pieces; a piece names a source file (relative to the source directory), optionally a member of
 a zip archive in it (torch.save files), the byte offset of its first element, its element shape
 and element strides, where its elements go in the global tensor (a box or a flat range) and
-optionally replicas: other copies of the same elements that must be equal bit for bit.
+optionally replicas: other copies of the same elements, combined as the piece's ``combine``
+says: asserted equal bit for bit (``"equal"``, the default) or averaged (``"mean"``, floating
+dtypes only, with the float64 arithmetic of docs/import.md).
 Non-tensor values are plain JSON under ``values``; Python objects that only full unpickling
 can build are named under ``objects`` (file and byte range) and imported only when pickling is
 allowed.
@@ -31,6 +33,9 @@ from resurgo.format.manifest import place_of
 from resurgo.layout.box import ChunkBox, FlatRange, Place, covers_exactly_once
 
 SPEC_FORMAT: Literal["resurgo.import-spec"] = "resurgo.import-spec"
+# The dtypes whose replicas may be averaged (combine "mean"): floating point, converted exactly to float64.
+MEAN_DTYPES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+               "float8_e5m2fnuz")
 SPEC_VERSION = 1
 MAX_NDIM = 64
 MAX_ELEMENTS = 1 << 62
@@ -51,7 +56,9 @@ class Source(_Strict):
 
 class Piece(_Strict):
     """Elements stored at ``source`` with ``shape`` that fill ``box`` or ``flat`` of the tensor,
-    in row-major order of ``shape``; ``replicas`` hold the same elements and must be equal."""
+    in row-major order of ``shape``; ``replicas`` hold copies of the same elements, which
+    ``combine`` says how to use: ``"equal"``, compared bit for bit with the piece (the piece is
+    written), or ``"mean"``, the piece and its replicas averaged (the mean is written)."""
 
     file: str
     member: Optional[str] = None
@@ -61,6 +68,7 @@ class Piece(_Strict):
     box: Optional[Box] = None
     flat: Optional[Flat] = None
     replicas: list[Source] = Field(default_factory=list)
+    combine: Literal["equal", "mean"] = "equal"
 
     @property
     def place(self) -> Place:
@@ -140,6 +148,8 @@ def dumps(spec: ImportSpec) -> str:
         for p in t["pieces"]:
             if not p["replicas"]:
                 del p["replicas"]
+            if p["combine"] == "equal":
+                del p["combine"]
     tensors = ",\n  ".join(json.dumps(t, separators=(",", ":")) for t in doc["tensors"])
     objects = f',\n "objects": {json.dumps(doc["objects"])}' if doc["objects"] else ""
     return (f'{{"format": {json.dumps(doc["format"])}, "version": {doc["version"]},\n "tensors": [\n  {tensors}\n ],\n'
@@ -192,6 +202,9 @@ def validate(spec: ImportSpec, where: str = "spec") -> None:
             _check_source(p, p.shape, pw)
             for j, r in enumerate(p.replicas):
                 _check_source(r, p.shape, f"{pw}: replica {j}")
+            if p.combine == "mean" and t.dtype not in MEAN_DTYPES:
+                raise ImportSpecError(f"{pw}: combine 'mean' averages floating-point elements only "
+                                      f"({', '.join(MEAN_DTYPES)}), not {t.dtype}; use combine 'equal'")
             place = p.place
             if isinstance(place, ChunkBox) and len(place.offsets) != len(place.shape):
                 raise ImportSpecError(f"{pw}: box offsets {list(place.offsets)} and shape {list(place.shape)} differ in length")
