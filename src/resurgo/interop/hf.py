@@ -1,13 +1,16 @@
 """A spec from a Hugging Face model directory: ``model.safetensors``, shards listed by
-``model.safetensors.index.json``, or ``pytorch_model.bin`` (a torch.save file).
+``model.safetensors.index.json``, ``pytorch_model.bin`` (a torch.save file), or its shards listed
+by ``pytorch_model.bin.index.json``.
 
 Only the safetensors headers are read (:func:`resurgo.format.safetensors_file.read_header`): every
-tensor is one piece, at its byte offset in its file, covering the whole tensor.
+tensor is one piece, at its byte offset in its file, covering the whole tensor. ``.bin`` files
+are read as torch.save files (:func:`resurgo.interop.torch_file.spec_from_torch_file`).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from resurgo.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError, UnsupportedValueError
@@ -19,6 +22,7 @@ from resurgo.interop.torch_file import spec_from_torch_file
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 TORCH_BIN = "pytorch_model.bin"
+TORCH_BIN_INDEX = "pytorch_model.bin.index.json"
 _DTYPE_OF_CODE = {code: name for name, code in dtypes.SAFETENSORS_CODES.items()}
 
 
@@ -27,22 +31,40 @@ def spec_from_hf(directory: str | Path) -> ImportSpec:
     if not root.exists():
         raise CheckpointNotFoundError(f"{root}: not found")
     if (root / INDEX).is_file():
-        try:
-            weight_map = json.loads((root / INDEX).read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CorruptCheckpointError(f"{root / INDEX}: not a valid index ({type(e).__name__}: {e})") from None
-        tensors = [t for f in files for t in _safetensors_tensors(root, f)]
-        listed, found = set(weight_map), {t.key for t in tensors}
-        if listed != found:
-            raise CorruptCheckpointError(f"{root / INDEX}: lists tensors its shards do not hold, or the reverse: "
-                                         f"{sorted(listed ^ found)[:10]}")
-        return ImportSpec(tensors=tensors)
+        return _sharded(root, INDEX, lambda f: ImportSpec(tensors=_safetensors_tensors(root, f)))
     if (root / SINGLE).is_file():
         return ImportSpec(tensors=_safetensors_tensors(root, SINGLE))
+    if (root / TORCH_BIN_INDEX).is_file():
+        return _sharded(root, TORCH_BIN_INDEX, lambda f: spec_from_torch_file(_shard_path(root, f), rel=f))
     if (root / TORCH_BIN).is_file():
         return spec_from_torch_file(root / TORCH_BIN)
-    raise NotACheckpointError(f"{root}: not a Hugging Face model directory (expected {SINGLE}, {INDEX} or {TORCH_BIN})")
+    raise NotACheckpointError(f"{root}: not a Hugging Face model directory (expected {SINGLE}, {INDEX}, {TORCH_BIN} "
+                              f"or {TORCH_BIN_INDEX})")
+
+
+def _sharded(root: Path, index: str, spec_of_shard: Callable[[str], ImportSpec]) -> ImportSpec:
+    """One spec of the shards an index names; the index and the shards must list the same tensors."""
+    try:
+        weight_map = json.loads((root / index).read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CorruptCheckpointError(f"{root / index}: not a valid index ({type(e).__name__}: {e})") from None
+    for f in files:
+        if not isinstance(f, str) or Path(f).is_absolute() or ".." in Path(f).parts:
+            raise CorruptCheckpointError(f"{root / index}: names the shard {f!r}, which is not a file name inside {root}")
+    shards = [spec_of_shard(f) for f in files]
+    tensors = [t for s in shards for t in s.tensors]
+    listed, found = set(weight_map), {t.key for t in tensors}
+    if listed != found or len(found) != len(tensors):
+        raise CorruptCheckpointError(f"{root / index}: lists tensors its shards do not hold, or the reverse, or a "
+                                     f"tensor is in two shards: {sorted(listed ^ found)[:10]}")
+    return ImportSpec(tensors=tensors, values={k: v for s in shards for k, v in s.values.items()})
+
+
+def _shard_path(root: Path, rel: str) -> Path:
+    if not (root / rel).is_file():
+        raise NotACheckpointError(f"{root / rel}: shard named by the index not found")
+    return root / rel
 
 
 def _safetensors_tensors(root: Path, rel: str) -> list[TensorSpec]:
