@@ -114,3 +114,33 @@ def test_sharded_bin_index_must_match_its_shards(tmp_path):
     with pytest.raises(CorruptCheckpointError, match=r"names the shard '\.\./elsewhere\.bin', which is not a file name"):
         resurgo.import_checkpoint(tmp_path, tmp_path / "out", source="hf")
     assert not (tmp_path / "out").exists()
+
+
+def test_fine_tuning_start_on_fsdp2_and_tp_reads_only_each_ranks_shard(tmp_path):
+    """An imported model universal-loaded into FSDP2 and TP on 2 ranks equals from_pretrained bit
+    for bit, and each rank reads its own rows' bytes: half of every row-sharded tensor, not the model."""
+    src = tmp_path / "model"
+    model = llama(seed=0, vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2)
+    model.save_pretrained(src, max_shard_size="1MB")
+    resurgo.import_checkpoint(src, tmp_path / "out", source="hf")
+    model_bytes = sum(t.numel() * t.element_size() for k, t in model.state_dict().items() if k != "lm_head.weight")
+    results = run_ranks(2, "hf_import_workers:fsdp2_and_tp", str(src), str(tmp_path / "out"))
+    for layout in ("fsdp2", "tp"):
+        per_rank = [r[layout] for r in results]
+        assert [r["bytes_read"] for r in per_rank] == [r["expected"] for r in per_rank], layout
+    fsdp2 = [r["fsdp2"] for r in results]
+    assert set(fsdp2[0]["placements"].values()) == {"(Shard(dim=0),)"} and len(fsdp2[0]["placements"]) == 11
+    assert sum(r["own"] for r in fsdp2) == model_bytes
+    tp_placements = results[0]["tp"]["placements"]
+    assert tp_placements["model.layers.0.self_attn.k_proj.weight"] == "(Shard(dim=0),)"
+    assert tp_placements["model.layers.0.mlp.down_proj.weight"] == "(Shard(dim=1),)"
+    assert tp_placements["model.embed_tokens.weight"] == "(Shard(dim=0),)" and len(tp_placements) == 8
+    # FSDP2: each rank reads half the model, and a little more: the norms, 1 KiB each, are one checksum block
+    norms = 3 * 256 * 4
+    assert all(r["bytes_read"] == model_bytes // 2 + norms // 2 for r in fsdp2)
+    # TP: the column-split o_proj and down_proj (1.25 MiB) and the replicated norms are read whole
+    tp = [r["tp"] for r in results]
+    split_columns = 256 * 256 * 4 + 256 * 1024 * 4
+    assert all(r["bytes_read"] == (model_bytes - split_columns - norms) // 2 + split_columns + norms for r in tp)
+    assert all(r["bytes_read"] < 0.65 * model_bytes for r in tp)
