@@ -30,6 +30,7 @@ from resurgo.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     ImportSpecError,
+    MemoryBudgetError,
     PickleNotAllowedError,
     UnsupportedValueError,
 )
@@ -332,7 +333,7 @@ def reference_mean(copies: list[torch.Tensor], dtype: torch.dtype) -> torch.Tens
     return torch.from_numpy(mean) if dtype == torch.float64 else torch.from_numpy(mean.astype(np.float32)).to(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.float16], ids=str)
 def test_mean_combines_replicas_with_the_documented_arithmetic(tmp_path, dtype):
     g = torch.Generator().manual_seed(3)
     copies = [torch.randn(5, 7, generator=g).to(dtype) for _ in range(3)]
@@ -380,3 +381,18 @@ def test_mean_is_refused_for_integer_dtypes_and_round_trips_in_json():
     text = spec_lang.dumps(spec)
     assert spec_lang.loads(text) == spec and spec.tensors[0].pieces[0].combine == "mean"
     assert text.count('"combine":"mean"') == 1 and '"equal"' not in text  # the default is left out
+
+
+def test_means_beyond_half_the_memory_budget_are_refused_before_writing(tmp_path):
+    n = (5 << 20) // 4  # 5 MiB of float32 averaged: more than half of an 8 MiB budget
+    write_raw(tmp_path, bytes(8 * n))
+    doc = spec_doc([{"key": "w", "dtype": "float32", "shape": [n], "pieces": [
+        piece(0, [n], box={"offsets": [0], "shape": [n]}, combine="mean", replicas=[{"file": "src.bin", "offset": 4 * n}])]}])
+    with pytest.raises(MemoryBudgetError, match=rf"the averaged pieces \(combine 'mean'\) hold {4 * n} bytes in memory until "
+                                                rf"written, more than half of memory_budget={8 << 20}; raise memory_budget"):
+        resurgo.import_checkpoint(tmp_path, tmp_path / "out", source="spec", spec=spec_lang.loads(json.dumps(doc)),
+                                  memory_budget=8 << 20)
+    assert not (tmp_path / "out").exists()
+    resurgo.import_checkpoint(tmp_path, tmp_path / "out", source="spec", spec=spec_lang.loads(json.dumps(doc)),
+                              memory_budget=16 << 20)
+    assert resurgo.load_dict(tmp_path / "out")["w"].count_nonzero() == 0
