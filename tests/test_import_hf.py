@@ -18,15 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
+from huggingface_hub import split_torch_state_dict_into_shards  # installed with transformers
 from typer.testing import CliRunner
 
 import resurgo
 from dist_harness import run_ranks
 from resurgo.cli import app
 from resurgo.errors import CorruptCheckpointError
-
-transformers = pytest.importorskip("transformers")
-from huggingface_hub import split_torch_state_dict_into_shards  # noqa: E402  (installed with transformers)
 
 runner = CliRunner()
 
