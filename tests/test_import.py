@@ -396,3 +396,10 @@ def test_means_beyond_half_the_memory_budget_are_refused_before_writing(tmp_path
     resurgo.import_checkpoint(tmp_path, tmp_path / "out", source="spec", spec=spec_lang.loads(json.dumps(doc)),
                               memory_budget=16 << 20)
     assert resurgo.load_dict(tmp_path / "out")["w"].count_nonzero() == 0
+
+
+def test_the_example_spec_of_docs_import_md_is_valid():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "import.md").read_text()
+    example = text.split("```json\n", 1)[1].split("```", 1)[0]
+    spec = spec_lang.loads(example, "docs/import.md")
+    assert [p.combine for t in spec.tensors for p in t.pieces] == ["equal", "equal", "equal", "mean", "equal", "equal"]
