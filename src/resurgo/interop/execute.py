@@ -11,6 +11,7 @@ spec's pickled ``objects`` are unpickled, and saved as pickled values, only with
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 import os
@@ -153,6 +154,18 @@ def _load_objects(spec: ImportSpec, sources: _Sources, allow_pickle: bool) -> di
     return objects
 
 
+def _place(state: dict, path: list, leaf: Any, key: str) -> None:
+    """Put ``leaf`` at ``path`` of the nested ``state``, making the dicts on the way."""
+    node = state
+    for name in path[:-1]:
+        node = node.setdefault(name, {})
+        if not isinstance(node, dict):
+            raise ImportSpecError(f"tensor {key!r}: its path {path} passes through value {name!r}, which is not a dict")
+    if path[-1] in node:
+        raise ImportSpecError(f"tensor {key!r}: its path {path} is taken by another tensor or value")
+    node[path[-1]] = leaf
+
+
 def execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, *, source: str = "spec",
             memory_budget: int | None = None, storage_options: dict | None = None,
             metadata: dict | None = None, allow_pickle: bool = False) -> ImportReport:
@@ -179,14 +192,14 @@ def execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, *
                     raise CorruptCheckpointError(
                         f"{sources.region(r.file, r.member).name}: tensor {t.key!r} piece {i} replica {j} differs from "
                         f"the piece at {sources.region(p.file, p.member).name} offset {p.offset}: replicas must be equal")
-    state: dict[str, Any] = {}
+    state: dict[Any, Any] = copy.deepcopy(spec.values)
     for t in spec.tensors:
         if math.prod(t.shape) == 0:  # nothing to read: an empty tensor of its shape
-            state[t.key] = dtypes.uninitialized(t.shape, dtypes.TORCH_DTYPES[t.dtype])
-            continue
-        pieces = tuple(LocalPiece(p.place, sources.tensor(p, p.shape, t.dtype)) for p in t.pieces if p.numel > 0)
-        state[t.key] = Pieces(tuple(t.shape), pieces, pieces[0].tensor)
-    state.update(spec.values)
+            leaf: Any = dtypes.uninitialized(t.shape, dtypes.TORCH_DTYPES[t.dtype])
+        else:
+            pieces = tuple(LocalPiece(p.place, sources.tensor(p, p.shape, t.dtype)) for p in t.pieces if p.numel > 0)
+            leaf = Pieces(tuple(t.shape), pieces, pieces[0].tensor)
+        _place(state, t.path or [t.key], leaf, t.key)
     state.update(objects)
     threads = max(1, min(DEFAULT_IO_THREADS, budget // SLICE_BYTES))
     prep = prepare_save(state, dst, overwrite=False, allow_pickle=allow_pickle, step=None, metadata=metadata,
