@@ -97,7 +97,7 @@ def spec_from_deepspeed(directory: str | Path) -> ImportSpec:
     root = Path(directory)
     folder, tag = find_tag_dir(root)
 
-    def load(name: str, kind: type | tuple[type, ...] = dict) -> _File:
+    def load(name: str, holds: type | tuple[type, ...] = dict) -> _File:
         path = folder / name
         if not path.is_file():
             raise CorruptCheckpointError(f"{path}: missing ({folder} lacks this file; was one rank's file not copied?)")
@@ -105,7 +105,7 @@ def spec_from_deepspeed(directory: str | Path) -> ImportSpec:
             raise CorruptCheckpointError(f"{path}: not a readable torch.save archive (no zip directory at its end); "
                                          "the file is truncated or damaged")
         obj, prefix = read_objects(path, DEEPSPEED, HOLDS)
-        if not isinstance(obj, kind):
+        if not isinstance(obj, holds):
             raise CorruptCheckpointError(f"{path}: holds a {type(obj).__name__}, not what DeepSpeed writes there")
         return _File(f"{tag}/{name}" if tag else name, prefix, obj)
 
@@ -120,7 +120,7 @@ def spec_from_deepspeed(directory: str | Path) -> ImportSpec:
         return _universal(folder, load)
 
     found = [(m.group(1) or "", int(m.group(2))) for p in folder.iterdir() if (m := OPTIM.match(p.name))]
-    kinds = sorted({kind for kind, _ in found})
+    kinds = sorted({k for k, _ in found})  # '' or 'bf16_'
     if len(kinds) > 1:
         raise CorruptCheckpointError(f"{folder}: holds both zero_pp_rank_* and bf16_zero_pp_rank_* optimizer files: "
                                      "files of two different runs are mixed (keep one run's files)")
