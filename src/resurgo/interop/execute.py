@@ -154,16 +154,23 @@ def _load_objects(spec: ImportSpec, sources: _Sources, allow_pickle: bool) -> di
     return objects
 
 
-def _place(state: dict, path: list, leaf: Any, key: str) -> None:
-    """Put ``leaf`` at ``path`` of the nested ``state``, making the dicts on the way."""
-    node = state
-    for name in path[:-1]:
-        node = node.setdefault(name, {})
-        if not isinstance(node, dict):
-            raise ImportSpecError(f"tensor {key!r}: its path {path} passes through value {name!r}, which is not a dict")
-    if path[-1] in node:
-        raise ImportSpecError(f"tensor {key!r}: its path {path} is taken by another tensor or value")
-    node[path[-1]] = leaf
+def _nested(spec: ImportSpec, state: dict[str, Any]) -> dict[Any, Any]:
+    """``state`` with each tensor that has a ``path`` moved there, making the dicts on the way (the
+    spec's values are copied first: they stay as they are)."""
+    out: dict[Any, Any] = {k: copy.deepcopy(v) if k in spec.values else v for k, v in state.items()}
+    for t in spec.tensors:
+        if t.path is None:
+            continue
+        leaf, node = out.pop(t.key), out
+        for name in t.path[:-1]:
+            node = node.setdefault(name, {})
+            if not isinstance(node, dict):
+                raise ImportSpecError(f"tensor {t.key!r}: its path {t.path} passes through value {name!r}, "
+                                      "which is not a dict")
+        if t.path[-1] in node:
+            raise ImportSpecError(f"tensor {t.key!r}: its path {t.path} is taken by another tensor or value")
+        node[t.path[-1]] = leaf
+    return out
 
 
 def execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, *, source: str = "spec",
@@ -192,15 +199,17 @@ def execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, *
                     raise CorruptCheckpointError(
                         f"{sources.region(r.file, r.member).name}: tensor {t.key!r} piece {i} replica {j} differs from "
                         f"the piece at {sources.region(p.file, p.member).name} offset {p.offset}: replicas must be equal")
-    state: dict[Any, Any] = copy.deepcopy(spec.values)
+    state: dict[str, Any] = {}
     for t in spec.tensors:
         if math.prod(t.shape) == 0:  # nothing to read: an empty tensor of its shape
-            leaf: Any = dtypes.uninitialized(t.shape, dtypes.TORCH_DTYPES[t.dtype])
-        else:
-            pieces = tuple(LocalPiece(p.place, sources.tensor(p, p.shape, t.dtype)) for p in t.pieces if p.numel > 0)
-            leaf = Pieces(tuple(t.shape), pieces, pieces[0].tensor)
-        _place(state, t.path or [t.key], leaf, t.key)
+            state[t.key] = dtypes.uninitialized(t.shape, dtypes.TORCH_DTYPES[t.dtype])
+            continue
+        pieces = tuple(LocalPiece(p.place, sources.tensor(p, p.shape, t.dtype)) for p in t.pieces if p.numel > 0)
+        state[t.key] = Pieces(tuple(t.shape), pieces, pieces[0].tensor)
+    state.update(spec.values)
     state.update(objects)
+    if any(t.path is not None for t in spec.tensors):
+        state = _nested(spec, state)
     threads = max(1, min(DEFAULT_IO_THREADS, budget // SLICE_BYTES))
     prep = prepare_save(state, dst, overwrite=False, allow_pickle=allow_pickle, step=None, metadata=metadata,
                         io_threads=threads, block_bytes=None, storage_options=storage_options)
