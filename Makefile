@@ -7,6 +7,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
+# The DeepSpeed import tests train real ZeRO-1/2/3 jobs on CPU (gloo, no compiled ops). deepspeed
+# and its small pure-Python dependencies go into $(DS_SITE), not the environment (deepspeed's setup
+# imports torch while it builds, so it is no ordinary dependency): resurgo never imports deepspeed,
+# only these tests do.
+DS_SITE := .deepspeed-site
+DS_PYTEST := PYTHONPATH=$(DS_SITE) DS_ACCELERATOR=cpu DS_BUILD_OPS=0 $(BIN)/python -m pytest -q -m deepspeed
+
 .PHONY: demo study study-full demo-kill test test-slow test-deepspeed bench bench-async bench-overhead bench-s3 install clean
 
 $(STAMP): pyproject.toml
@@ -31,23 +38,22 @@ study-full: $(STAMP)
 demo-kill: $(STAMP)
 	$(BIN)/python examples/demo_kill_resume.py
 
-test: $(STAMP)
+# The default suite, then the DeepSpeed import tests (deselected by default: they need deepspeed,
+# which lives outside the environment, in $(DS_SITE)).
+test: $(STAMP) $(DS_SITE)/.installed
 	$(BIN)/python -m pytest -q
+	$(DS_PYTEST)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
-# The DeepSpeed import tests train real ZeRO-1/2/3 jobs on CPU (gloo, no compiled ops). deepspeed
-# and its small pure-Python dependencies go into $(DS_SITE), not the environment: resurgo never
-# imports deepspeed, only these tests do.
-DS_SITE := .deepspeed-site
 $(DS_SITE)/.installed: $(STAMP)
 	DS_BUILD_OPS=0 $(BIN)/pip install --quiet --disable-pip-version-check --no-deps --target $(DS_SITE) \
 		deepspeed==0.19.8 hjson==3.1.0 ninja==1.13.2 py-cpuinfo==9.0.0 msgpack==1.2.4 psutil==7.2.2 einops==0.8.2 tqdm==4.70.1
 	touch $@
 
 test-deepspeed: $(DS_SITE)/.installed
-	PYTHONPATH=$(DS_SITE) DS_ACCELERATOR=cpu $(BIN)/python -m pytest -q -m deepspeed
+	$(DS_PYTEST)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_save_load.py

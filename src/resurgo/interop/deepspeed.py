@@ -1,26 +1,31 @@
-"""A spec from a DeepSpeed ZeRO checkpoint directory (stages 1, 2 and 3, fp32 optimizer files),
-without importing deepspeed and without executing any of its pickles.
+"""A spec from a DeepSpeed ZeRO checkpoint directory (stages 1, 2 and 3; fp32 or bf16 optimizer
+files; or ``ds_to_universal``'s output), without importing deepspeed and without executing any of
+its pickles.
 
-The directory holds ``latest`` (the tag) and ``<tag>/``, or is ``<tag>/`` itself. In it:
-``mp_rank_00_model_states.pt`` (ZeRO 1/2) or ``zero_pp_rank_<r>_mp_rank_00_model_states.pt``
-(ZeRO 3, one per rank) with the parameter names and shapes, and one
-``zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per data-parallel rank with that rank's partition
-of the fp32 master weights and the Adam moments. All are torch.save archives read by the
-restricted unpickler with its DeepSpeed allowlist (:data:`.unpickle.DEEPSPEED`).
+The directory holds ``latest`` (or ``latest_universal``) naming the tag and ``<tag>/``, or is
+``<tag>/`` itself. In it: ``mp_rank_00_model_states.pt`` (ZeRO 1/2) or
+``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` (ZeRO 3, one per rank) with the parameter names
+and shapes, and one ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per data-parallel rank
+with that rank's partition of the fp32 master weights and the Adam moments. All are torch.save
+archives read by the restricted unpickler with its DeepSpeed allowlist (:data:`.unpickle.DEEPSPEED`).
 
 The parameters are rebuilt as DeepSpeed's ``zero_to_fp32`` rebuilds them, as pieces that point at
 the partitions' bytes (flat ranges of each parameter):
 
 - ZeRO 1/2: per parameter group, the ranks' fp32 partitions laid end to end (in rank order) are
-  the group's parameters laid end to end, in ``param_shapes`` order; the padding after the last
-  one is never read.
+  the group's parameters laid end to end, in ``param_shapes`` order, each followed by its
+  alignment gap (``param_alignment_paddings``); the gaps and the padding are never read.
 - ZeRO 3: each parameter is split in ``ceil(numel / world)`` elements per rank, and each rank's
   flat groups hold its part of each parameter in ``param_shapes`` order.
+- ``ds_to_universal``: whole tensors, one file per parameter and state.
 
-``exp_avg`` and ``exp_avg_sq`` are laid out as the fp32 partitions. Keys: ``model.<name>`` for
-the fp32 parameters (and frozen parameters and buffers), ``optim.state.<name>.exp_avg``,
-``.exp_avg_sq`` and ``.step`` (each rank's copy of the step must be equal), tied parameters
-(``shared_params``) under their own names with the pieces of the parameter they share.
+``exp_avg`` and ``exp_avg_sq`` are laid out as the fp32 partitions. The state nests as a training
+job's (each tensor's spec ``path``), so that ``resurgo.load`` fills a model, a torch optimizer and
+a scheduler: ``model.<name>`` for the parameters (frozen, tied and buffers too),
+``optimizer.state.<i>.exp_avg``, ``.exp_avg_sq`` and ``.step`` (``i``: the parameter's number in
+the optimizer; each rank's copy of the step must be equal), ``optimizer.param_groups``,
+``scheduler`` (the ``lr_scheduler`` state), and the counters. Tied parameters
+(``shared_params``) come under their own names with the pieces of the parameter they share.
 """
 
 from __future__ import annotations
@@ -30,18 +35,22 @@ import re
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from resurgo.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError, UnsupportedValueError
 from resurgo.format import dtypes
+from resurgo.format.tree import path_key
 from resurgo.interop.spec import Box, Flat, ImportSpec, Piece, Source, TensorSpec, row_major_strides
 from resurgo.interop.torch_file import read_objects
 from resurgo.interop.unpickle import DEEPSPEED, TensorRef
 
 HOLDS = "a DeepSpeed checkpoint file"
-OPTIM = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 ZERO3_MODEL = "zero_pp_rank_{}_mp_rank_00_model_states.pt"
 ZERO12_MODEL = "mp_rank_00_model_states.pt"
+MODEL_PARALLEL = re.compile(r"mp_rank_(\d+)")
+PIPELINE = re.compile(r"^layer_\d+-model_.*states\.pt$")
+UNIVERSAL = "zero/optimizer_state.pt"  # in the output of DeepSpeed's ds_to_universal
 
 
 @dataclass(frozen=True)
@@ -69,18 +78,18 @@ def find_tag_dir(root: Path) -> tuple[Path, str]:
     """(the directory of the checkpoint's files, its path relative to ``root``: '' or the tag)."""
     if not root.exists():
         raise CheckpointNotFoundError(f"{root}: not found")
-    latest = root / "latest"
-    if latest.is_file():
-        tag = latest.read_text().strip()
-        if not tag or "/" in tag or tag in (".", ".."):
-            raise CorruptCheckpointError(f"{latest}: holds {tag!r}, not the name of a checkpoint folder")
-        if not (root / tag).is_dir():
-            raise CorruptCheckpointError(f"{latest}: names {tag!r}, but {root / tag} is missing")
-        return root / tag, tag
-    if root.is_dir() and any(OPTIM.match(p.name) for p in root.iterdir()):
+    for latest in (root / "latest", root / "latest_universal"):  # the latter: ds_to_universal's
+        if latest.is_file():
+            tag = latest.read_text().strip()
+            if not tag or "/" in tag or tag in (".", ".."):
+                raise CorruptCheckpointError(f"{latest}: holds {tag!r}, not the name of a checkpoint folder")
+            if not (root / tag).is_dir():
+                raise CorruptCheckpointError(f"{latest}: names {tag!r}, but {root / tag} is missing")
+            return root / tag, tag
+    if root.is_dir() and (any(OPTIM.match(p.name) for p in root.iterdir()) or (root / UNIVERSAL).is_file()):
         return root, ""
-    raise NotACheckpointError(f"{root}: not a DeepSpeed checkpoint (no 'latest' file and no "
-                              "zero_pp_rank_*_mp_rank_00_optim_states.pt files)")
+    raise NotACheckpointError(f"{root}: not a DeepSpeed checkpoint (no 'latest' or 'latest_universal' file, no "
+                              f"zero_pp_rank_*_mp_rank_00_optim_states.pt files and no {UNIVERSAL})")
 
 
 def spec_from_deepspeed(directory: str | Path) -> ImportSpec:
@@ -88,7 +97,7 @@ def spec_from_deepspeed(directory: str | Path) -> ImportSpec:
     root = Path(directory)
     folder, tag = find_tag_dir(root)
 
-    def load(name: str) -> _File:
+    def load(name: str, holds: type | tuple[type, ...] = dict) -> _File:
         path = folder / name
         if not path.is_file():
             raise CorruptCheckpointError(f"{path}: missing ({folder} lacks this file; was one rank's file not copied?)")
@@ -96,20 +105,36 @@ def spec_from_deepspeed(directory: str | Path) -> ImportSpec:
             raise CorruptCheckpointError(f"{path}: not a readable torch.save archive (no zip directory at its end); "
                                          "the file is truncated or damaged")
         obj, prefix = read_objects(path, DEEPSPEED, HOLDS)
-        if not isinstance(obj, dict):
-            raise CorruptCheckpointError(f"{path}: holds a {type(obj).__name__}, not DeepSpeed's dict")
+        if not isinstance(obj, holds):
+            raise CorruptCheckpointError(f"{path}: holds a {type(obj).__name__}, not what DeepSpeed writes there")
         return _File(f"{tag}/{name}" if tag else name, prefix, obj)
 
-    ranks = sorted(int(m.group(1)) for p in folder.iterdir() if (m := OPTIM.match(p.name)))
-    if not ranks and any(p.name.startswith("bf16_zero_pp_rank_") for p in folder.iterdir()):
-        raise UnsupportedValueError(f"{folder}: holds bf16_zero_pp_rank_* optimizer files (DeepSpeed's bf16 "
-                                    "optimizer), which do not import yet; only fp32 ZeRO optimizer files do")
-    first = load(f"zero_pp_rank_{ranks[0] if ranks else 0}_mp_rank_00_optim_states.pt")
+    for p in sorted(folder.iterdir()):
+        mp = MODEL_PARALLEL.search(p.name)
+        if (mp and int(mp.group(1)) != 0) or PIPELINE.match(p.name):
+            what = f"model-parallel rank {int(mp.group(1))}" if mp else "a pipeline stage's layers"
+            raise UnsupportedValueError(f"{p}: holds {what}: DeepSpeed checkpoints with tensor or pipeline "
+                                        "parallelism (mp_rank_01 and up, layer_* files) do not import; only those of "
+                                        "data parallelism alone (mp_rank_00) do")
+    if (folder / UNIVERSAL).is_file():
+        return _universal(folder, load)
+
+    found = [(m.group(1) or "", int(m.group(2))) for p in folder.iterdir() if (m := OPTIM.match(p.name))]
+    kinds = sorted({k for k, _ in found})  # '' or 'bf16_'
+    if len(kinds) > 1:
+        raise CorruptCheckpointError(f"{folder}: holds both zero_pp_rank_* and bf16_zero_pp_rank_* optimizer files: "
+                                     "files of two different runs are mixed (keep one run's files)")
+    kind = kinds[0] if kinds else ""
+    optim_name = kind + "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
+    ranks = sorted(r for _, r in found)
+    first = load(optim_name.format(ranks[0] if ranks else 0))
     osd = _get(first, "optimizer_state_dict", dict)
     stage = osd.get("zero_stage")
     if stage not in (1, 2, 3):
-        raise UnsupportedValueError(f"{folder}: ZeRO stage {stage!r}; stages 1, 2 and 3 import (a bf16 optimizer's "
-                                    "bf16_zero_pp_rank_* files or stage 0 do not yet)")
+        without = (" (DeepSpeed's bf16 optimizer without ZeRO, which zero_to_fp32 does not read either)"
+                   if kind and stage is None else "")
+        raise UnsupportedValueError(f"{folder / _name(first)}: ZeRO stage {stage!r}{without}; "
+                                    "only ZeRO stages 1, 2 and 3 import")
     world = osd.get("partition_count")
     world = world[0] if isinstance(world, list) and world else world
     if not isinstance(world, int) or world < 1:
@@ -119,8 +144,8 @@ def spec_from_deepspeed(directory: str | Path) -> ImportSpec:
         raise CorruptCheckpointError(
             f"{folder}: a ZeRO-{stage} checkpoint of {world} ranks, but the optimizer files of rank(s) "
             f"{missing or sorted(set(ranks) - set(range(world)))} are {'missing' if missing else 'extra'} "
-            f"(expected zero_pp_rank_0..{world - 1}_mp_rank_00_optim_states.pt)")
-    optims = [first] + [load(f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt") for r in range(1, world)]
+            f"(expected {optim_name.format(f'0..{world - 1}')})")
+    optims = [first] + [load(optim_name.format(r)) for r in range(1, world)]
     models = [load(ZERO3_MODEL.format(r)) for r in range(world)] if stage == 3 else [load(ZERO12_MODEL)]
     for f in optims[1:]:
         o = _get(f, "optimizer_state_dict", dict)
@@ -128,24 +153,79 @@ def spec_from_deepspeed(directory: str | Path) -> ImportSpec:
             raise CorruptCheckpointError(f"{folder / _name(f)}: ZeRO stage {o.get('zero_stage')!r} of "
                                          f"{o.get('partition_count')!r} ranks, but rank 0's file says {stage!r} of "
                                          f"{osd.get('partition_count')!r}: files of two different runs are mixed")
-    shapes = _get(models[0], "param_shapes", list)
-    if not all(isinstance(g, dict) for g in shapes):
-        raise CorruptCheckpointError(f"{folder / _name(models[0])}: param_shapes is not a list of dicts")
-    groups = [[(str(n), tuple(int(d) for d in s)) for n, s in g.items()] for g in shapes]
+    groups, index = _groups(models[0])
     if stage == 3:
-        tensors = _zero3(groups, optims, models, world)
+        tensors = _zero3(groups, optims, models, world, index)
     else:
-        tensors = _zero12(groups, optims, folder)
-    tensors += _module_tensors(models, stage, {n for g in groups for n, _ in g})
+        tensors = _zero12(groups, optims, folder, index)
+    tensors += _module_tensors(models, stage, set(index))
+    inner = osd.get("base_optimizer_state" if stage < 3 else "optimizer_state_dict")
+    param_groups = inner.get("param_groups") if isinstance(inner, dict) else None
+    return ImportSpec(tensors=_with_shared(tensors, models[0]),
+                      values=_values(models[0], first, param_groups, stage, groups, index))
+
+
+def _groups(model: _File) -> tuple[list[list[tuple[str, tuple[int, ...]]]], dict[str, int]]:
+    """(each parameter group's trained parameters (name, shape), each one's number in the optimizer)."""
+    shapes = _get(model, "param_shapes", list)
+    if not all(isinstance(g, dict) for g in shapes):
+        raise CorruptCheckpointError(f"{model.rel}: param_shapes is not a list of dicts")
+    groups = [[(str(n), tuple(int(d) for d in s)) for n, s in g.items()] for g in shapes]
+    # The optimizer's parameter numbers: DeepSpeed's order, the client optimizer's (param_shapes lists
+    # the trained parameters group by group as the optimizer holds them).
+    return groups, {name: i for i, (name, _) in enumerate(p for g in groups for p in g)}
+
+
+def _with_shared(tensors: list[TensorSpec], model: _File) -> list[TensorSpec]:
+    """``tensors`` and each tied parameter (``shared_params``) under its own name, with the pieces
+    of the parameter it shares."""
     by_key = {t.key: t for t in tensors}
-    shared = models[0].obj.get("shared_params") or {}
-    for name, target in shared.items():
-        if f"model.{target}" in by_key and f"model.{name}" not in by_key:
-            tensors.append(by_key[f"model.{target}"].model_copy(update={"key": f"model.{name}"}))
-    values = {k: models[0].obj[k] for k in ("global_steps", "global_samples", "skipped_steps", "ds_version")
-              if isinstance(models[0].obj.get(k), (int, str))}
+    shared = model.obj.get("shared_params") or {}
+    return tensors + [by_key[f"model.{target}"].model_copy(update=_at("model", name)) for name, target in shared.items()
+                      if f"model.{target}" in by_key and f"model.{name}" not in by_key]
+
+
+def _values(model: _File, optim: _File, param_groups: Any, stage: int,
+            groups: list[list[tuple[str, tuple[int, ...]]]], index: dict[str, int]) -> dict[str, Any]:
+    """The counters, the optimizer's param groups (hyperparameters, with ``params`` numbered as
+    ``optimizer.state``) and the learning-rate scheduler's state: plain values only."""
+    values = {k: model.obj[k] for k in ("global_steps", "global_samples", "skipped_steps", "ds_version")
+              if isinstance(model.obj.get(k), (int, str))}
     values["zero_stage"] = stage
-    return ImportSpec(tensors=tensors, values=values)
+    if isinstance(values.get("global_steps"), int):
+        values["step"] = values["global_steps"]
+    if not isinstance(param_groups, list) or len(param_groups) != len(groups):
+        raise CorruptCheckpointError(f"{optim.rel}: the optimizer holds {_count(param_groups)} param groups, the model "
+                                     f"states {len(groups)}: files of two different runs are mixed?")
+    values["optimizer"] = {"param_groups": [
+        {**{str(k): v for k, v in _plain(pg).items() if k != "params"}, "params": [index[n] for n, _ in params]}
+        for pg, params in zip(param_groups, groups)]}
+    scheduler = _plain(model.obj.get("lr_scheduler"))
+    if isinstance(scheduler, dict):
+        values["scheduler"] = scheduler
+    return values
+
+
+def _at(*path: str | int) -> dict[str, Any]:
+    """The key and path of a tensor at ``path`` of the nested state (``model``/``optimizer`` as
+    their ``state_dict()``s nest, so that ``resurgo.load`` fills a model and an optimizer)."""
+    return {"key": path_key(path), "path": list(path)}
+
+
+def _count(value: Any) -> Any:
+    return len(value) if isinstance(value, list) else "no"
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON data (tuples as lists; dict entries that are not plain left out), or None."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        items = [_plain(v) for v in value]
+        return items if all(i is not None or v is None for i, v in zip(items, value)) else None
+    if isinstance(value, dict):
+        return {k: p for k, v in value.items() if isinstance(k, str) and ((p := _plain(v)) is not None or v is None)}
+    return None
 
 
 def _name(f: _File) -> str:
@@ -160,9 +240,10 @@ def _get(f: _File, key: str, kind: type) -> Any:
     return value
 
 
-def _ref(f: _File, value: Any, what: str) -> TensorRef:
-    if not isinstance(value, TensorRef) or len(value.shape) > 1 or value.storage.dtype != "float32":
-        raise UnsupportedValueError(f"{f.rel}: {what} is not a flat float32 tensor (found {value!r:.120})")
+def _ref(f: _File, value: Any, what: str, dtype: str | None = "float32") -> TensorRef:
+    """``value``, a flat tensor of ``dtype`` (None: any dtype, the parameter's own)."""
+    if not isinstance(value, TensorRef) or len(value.shape) > 1 or dtype not in (None, value.storage.dtype):
+        raise UnsupportedValueError(f"{f.rel}: {what} is not a flat {dtype or ''} tensor (found {value!r:.120})")
     return value
 
 
@@ -190,21 +271,21 @@ def _moment_state(f: _File, base: dict, group: int, what: str) -> dict:
     return entry
 
 
-def _optim_tensors(name: str, shape: tuple[int, ...], numel: int, runs_of: dict[str, list], lo: int,
+def _optim_tensors(i: int, shape: tuple[int, ...], numel: int, runs_of: dict[str, list], lo: int,
                    steps: list[Piece]) -> list[TensorSpec]:
     out = []
     for moment, runs in runs_of.items():
-        out.append(TensorSpec(key=f"optim.state.{name}.{moment}", dtype="float32", shape=list(shape),
+        out.append(TensorSpec(**_at("optimizer", "state", i, moment), dtype="float32", shape=list(shape),
                               pieces=_pieces(runs, lo, lo + numel) if numel else []))
-    return out + _step_tensor(name, steps)
+    return out + _step_tensor(i, steps)
 
 
-def _step_tensor(name: str, steps: list[Piece]) -> list[TensorSpec]:
+def _step_tensor(i: int, steps: list[Piece]) -> list[TensorSpec]:
     """The parameter's Adam step: rank 0's scalar, every other rank's as a replica that must equal it."""
     if not steps:
         return []
     replicas = [Source(file=s.file, member=s.member, offset=s.offset) for s in steps[1:]]
-    return [TensorSpec(key=f"optim.state.{name}.step", dtype="float32", shape=[],
+    return [TensorSpec(**_at("optimizer", "state", i, "step"), dtype="float32", shape=[],
                        pieces=[steps[0].model_copy(update={"replicas": replicas})])]
 
 
@@ -221,7 +302,10 @@ def _step_pieces(optims: list[_File], states: list[dict], group: int) -> list[Pi
     return pieces
 
 
-def _zero12(groups: list[list[tuple[str, tuple[int, ...]]]], optims: list[_File], folder: Path) -> list[TensorSpec]:
+def _zero12(groups: list[list[tuple[str, tuple[int, ...]]]], optims: list[_File], folder: Path,
+            index: dict[str, int]) -> list[TensorSpec]:
+    # Optional alignment gaps after each parameter (ZeRO's parameter_alignment), as zero_to_fp32 reads them.
+    gaps = _get(optims[0], "optimizer_state_dict", dict).get("param_alignment_paddings")
     tensors: list[TensorSpec] = []
     for g, params in enumerate(groups):
         runs: dict[str, list[tuple[int, _Run, int]]] = {"fp32": [], "exp_avg": [], "exp_avg_sq": []}
@@ -246,23 +330,29 @@ def _zero12(groups: list[list[tuple[str, tuple[int, ...]]]], optims: list[_File]
                                                  f"fewer than its {n} fp32 weights")
                 runs[moment].append((total, _Run(f, ref), n))  # the moments keep the padding; only n are read
             total += n
-        wanted = sum(math.prod(s) for _, s in params)
+        group_gaps = gaps[g] if isinstance(gaps, list) and g < len(gaps) else None
+        if group_gaps is not None and (not isinstance(group_gaps, list) or len(group_gaps) != len(params)
+                                       or not all(isinstance(c, int) and c >= 0 for c in group_gaps)):
+            raise CorruptCheckpointError(f"{optims[0].rel}: param_alignment_paddings of group {g} is not one count "
+                                         f"per parameter ({len(params)})")
+        wanted = sum(math.prod(s) for _, s in params) + sum(group_gaps or [])
         if wanted > total:
             raise CorruptCheckpointError(f"{folder}: parameter group {g} needs {wanted} elements, the ranks' fp32 "
                                          f"partitions hold {total}: files of two different runs are mixed?")
         steps = _step_pieces(optims, states, g)
         lo = 0
-        for name, shape in params:
+        for j, (name, shape) in enumerate(params):
             numel = math.prod(shape)
-            tensors.append(TensorSpec(key=f"model.{name}", dtype="float32", shape=list(shape),
+            tensors.append(TensorSpec(**_at("model", name), dtype="float32", shape=list(shape),
                                       pieces=_pieces(runs["fp32"], lo, lo + numel)))
-            tensors += _optim_tensors(name, shape, numel, {m: runs[m] for m in ("exp_avg", "exp_avg_sq")}, lo, steps)
-            lo += numel
+            tensors += _optim_tensors(index[name], shape, numel, {m: runs[m] for m in ("exp_avg", "exp_avg_sq")},
+                                      lo, steps)
+            lo += numel + (group_gaps[j] if group_gaps else 0)
     return tensors
 
 
 def _zero3(groups: list[list[tuple[str, tuple[int, ...]]]], optims: list[_File], models: list[_File],
-           world: int) -> list[TensorSpec]:
+           world: int, index: dict[str, int]) -> list[TensorSpec]:
     # Per rank: its flat groups end to end, for the weights and each moment.
     per_rank: list[dict[str, list[tuple[int, _Run, int]]]] = []
     states: list[list[dict]] = []
@@ -303,25 +393,26 @@ def _zero3(groups: list[list[tuple[str, tuple[int, ...]]]], optims: list[_File],
                                                  "part: files of two different runs are mixed?")
                 pieces[kind] += found
         offset += part
-        tensors.append(TensorSpec(key=f"model.{name}", dtype="float32", shape=list(shape), pieces=pieces["fp32"]))
+        tensors.append(TensorSpec(**_at("model", name), dtype="float32", shape=list(shape), pieces=pieces["fp32"]))
         for moment in ("exp_avg", "exp_avg_sq"):
-            tensors.append(TensorSpec(key=f"optim.state.{name}.{moment}", dtype="float32", shape=list(shape),
-                                      pieces=pieces[moment]))
-        tensors += _step_tensor(name, steps)
+            tensors.append(TensorSpec(**_at("optimizer", "state", index[name], moment), dtype="float32",
+                                      shape=list(shape), pieces=pieces[moment]))
+        tensors += _step_tensor(index[name], steps)
     # Frozen parameters: each rank holds ceil(numel / world) elements of each, as zero_to_fp32 reads them.
     for name, shape in (models[0].obj.get("frozen_param_shapes") or {}).items():
-        numel, pieces_f = math.prod(shape), []
+        numel, pieces_f, dtype = math.prod(shape), [], None
         part = -(-numel // world)
         for r, m in enumerate(models):
             frag = (m.obj.get("frozen_param_fragments") or {}).get(name)
             lo, hi = r * part, min((r + 1) * part, numel)
             if lo < hi:
-                ref = _ref(m, frag, f"frozen parameter {name!r}")
+                ref = _ref(m, frag, f"frozen parameter {name!r}", dtype)  # kept in its own dtype (bf16 runs)
+                dtype = ref.storage.dtype
                 if _numel(ref) < hi - lo:
                     raise CorruptCheckpointError(f"{m.rel}: frozen parameter {name!r} holds {_numel(ref)} elements, "
                                                  f"expected {hi - lo}")
                 pieces_f.append(_Run(m, ref).piece(0, hi - lo, lo))
-        tensors.append(TensorSpec(key=f"model.{name}", dtype="float32", shape=[int(d) for d in shape],
+        tensors.append(TensorSpec(**_at("model", name), dtype=dtype or "float32", shape=[int(d) for d in shape],
                                   pieces=pieces_f))
     return tensors
 
@@ -337,13 +428,46 @@ def _module_tensors(models: list[_File], stage: int, trainable: set[str]) -> lis
     for name, ref in module.items():
         if name in trainable or name in shared or (stage == 3 and name not in buffers):
             continue
-        if not isinstance(ref, TensorRef):
-            continue
-        pieces = [] if _numel(ref) == 0 else [Piece(
-            file=models[0].rel, member=f"{models[0].prefix}/data/{ref.storage.key}",
-            offset=ref.offset * dtypes.itemsize(ref.storage.dtype), shape=list(ref.shape),
-            strides=None if ref.strides == row_major_strides(ref.shape) else list(ref.strides),
-            box=Box(offsets=[0] * len(ref.shape), shape=list(ref.shape)))]
-        out.append(TensorSpec(key=f"model.{name}", dtype=ref.storage.dtype, shape=list(ref.shape), pieces=pieces))
+        if isinstance(ref, TensorRef):
+            out.append(_whole(models[0], ref, ("model", name)))
     return out
+
+
+def _whole(f: _File, ref: TensorRef, path: tuple[str | int, ...]) -> TensorSpec:
+    """The tensor at ``path``: all of ``ref`` (of ``f``), in its own dtype and shape."""
+    pieces = [] if _numel(ref) == 0 else [Piece(
+        file=f.rel, member=f"{f.prefix}/data/{ref.storage.key}", offset=ref.offset * dtypes.itemsize(ref.storage.dtype),
+        shape=list(ref.shape), strides=None if ref.strides == row_major_strides(ref.shape) else list(ref.strides),
+        box=Box(offsets=[0] * len(ref.shape), shape=list(ref.shape)))]
+    return TensorSpec(**_at(*path), dtype=ref.storage.dtype, shape=list(ref.shape), pieces=pieces)
+
+
+def _universal(folder: Path, load: Callable[..., _File]) -> ImportSpec:
+    """The output of DeepSpeed's ``ds_to_universal`` (of a ZeRO 1/2 checkpoint): per trained
+    parameter, ``zero/<name>/fp32.pt``, ``exp_avg.pt`` and ``exp_avg_sq.pt`` (whole tensors, under
+    ``param`` of a dict) and ``step.pt``; the optimizer's param groups in ``zero/optimizer_state.pt``;
+    the model states (frozen parameters, buffers, counters, scheduler) as in the original."""
+    common = load(UNIVERSAL)
+    stage = common.obj.get("zero_stage")
+    if stage not in (1, 2):
+        raise UnsupportedValueError(f"{folder / UNIVERSAL}: ds_to_universal output of ZeRO stage {stage!r}; only that "
+                                    "of ZeRO stages 1 and 2 imports (import the ZeRO-3 checkpoint itself)")
+    model = load(ZERO12_MODEL)
+    groups, index = _groups(model)
+    tensors = []
+    for name, shape in (p for g in groups for p in g):
+        i = index[name]
+        for what, path in (("fp32", ("model", name)), ("exp_avg", ("optimizer", "state", i, "exp_avg")),
+                           ("exp_avg_sq", ("optimizer", "state", i, "exp_avg_sq")), ("step", ("optimizer", "state", i, "step"))):
+            rel = f"zero/{name}/{what}.pt"
+            f = load(rel, (dict, TensorRef))
+            ref = f.obj.get("param") if isinstance(f.obj, dict) else f.obj
+            want = shape if what != "step" else ()
+            if not isinstance(ref, TensorRef) or ref.shape != want or ref.storage.dtype != "float32":
+                raise CorruptCheckpointError(f"{folder / rel}: expected a float32 tensor of shape {list(want)} for "
+                                             f"parameter {name!r}, found {ref!r:.120}")
+            tensors.append(_whole(f, ref, path))
+    tensors += _module_tensors([model], stage, set(index))
+    return ImportSpec(tensors=_with_shared(tensors, model),
+                      values=_values(model, common, common.obj.get("param_groups"), stage, groups, index))
 

@@ -12,6 +12,7 @@ spec's pickled ``objects`` are unpickled, and saved as pickled values, only with
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 import os
@@ -174,6 +175,25 @@ def _load_objects(spec: ImportSpec, sources: _Sources, allow_pickle: bool) -> di
     return objects
 
 
+def _nested(spec: ImportSpec, state: dict[str, Any]) -> dict[Any, Any]:
+    """``state`` with each tensor that has a ``path`` moved there, making the dicts on the way (the
+    spec's values are copied first: they stay as they are)."""
+    out: dict[Any, Any] = {k: copy.deepcopy(v) if k in spec.values else v for k, v in state.items()}
+    for t in spec.tensors:
+        if t.path is None:
+            continue
+        leaf, node = out.pop(t.key), out
+        for name in t.path[:-1]:
+            node = node.setdefault(name, {})
+            if not isinstance(node, dict):
+                raise ImportSpecError(f"tensor {t.key!r}: its path {t.path} passes through value {name!r}, "
+                                      "which is not a dict")
+        if t.path[-1] in node:
+            raise ImportSpecError(f"tensor {t.key!r}: its path {t.path} is taken by another tensor or value")
+        node[t.path[-1]] = leaf
+    return out
+
+
 def execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, *, source: str = "spec",
             memory_budget: int | None = None, storage_options: dict | None = None,
             metadata: dict | None = None, allow_pickle: bool = False) -> ImportReport:
@@ -214,6 +234,8 @@ def execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, *
         state[t.key] = Pieces(tuple(t.shape), pieces, pieces[0].tensor)
     state.update(spec.values)
     state.update(objects)
+    if any(t.path is not None for t in spec.tensors):
+        state = _nested(spec, state)
     threads = max(1, min(DEFAULT_IO_THREADS, budget // SLICE_BYTES))
     prep = prepare_save(state, dst, overwrite=False, allow_pickle=allow_pickle, step=None, metadata=metadata,
                         io_threads=threads, block_bytes=None, storage_options=storage_options)

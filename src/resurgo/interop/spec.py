@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import PurePosixPath
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -30,6 +30,7 @@ from resurgo.format import dtypes
 from resurgo.format.manifest import BoxPlace as Box
 from resurgo.format.manifest import FlatPlace as Flat
 from resurgo.format.manifest import place_of
+from resurgo.format.tree import path_key
 from resurgo.layout.box import ChunkBox, FlatRange, Place, covers_exactly_once
 
 SPEC_FORMAT: Literal["resurgo.import-spec"] = "resurgo.import-spec"
@@ -84,6 +85,9 @@ class TensorSpec(_Strict):
     dtype: str
     shape: list[int]
     pieces: list[Piece]
+    # Where it goes in the nested state (dict keys, ints for int keys such as an optimizer's
+    # parameter numbers); joined with '.' it is ``key``. None: the top-level entry ``key``.
+    path: Optional[list[Union[str, int]]] = None
 
 
 class PickledObject(_Strict):
@@ -189,6 +193,8 @@ def validate(spec: ImportSpec, where: str = "spec") -> None:
         if t.key in seen or t.key in spec.values:
             raise ImportSpecError(f"{what}: the key appears twice (tensors and values share one namespace)")
         seen.add(t.key)
+        if t.path is not None and (not t.path or path_key(tuple(t.path)) != t.key or "" in t.path):
+            raise ImportSpecError(f"{what}: path {t.path} must be non-empty names that joined with '.' give the key")
         if not dtypes.is_known(t.dtype) or t.dtype not in dtypes.TORCH_DTYPES:
             raise ImportSpecError(f"{what}: unknown dtype {t.dtype!r} (use a torch dtype name: float32, bfloat16, ...)")
         if len(t.shape) > MAX_NDIM or any(d < 0 for d in t.shape) or math.prod(max(d, 1) for d in t.shape) > MAX_ELEMENTS:
