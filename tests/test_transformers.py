@@ -18,6 +18,7 @@ import torch
 pytest.importorskip("transformers")
 
 import resurgo  # noqa: E402
+import resurgo.integrations._retention as retention  # noqa: E402
 import resurgo.integrations.transformers as hf_integration  # noqa: E402
 from hf_trainer_run import STEPS, make_trainer  # noqa: E402
 from resurgo.errors import PickleNotAllowedError  # noqa: E402
@@ -71,14 +72,14 @@ def test_resume_from_true_is_bit_identical_and_every_checkpoint_verifies(tmp_pat
 
 def test_save_total_limit_deletes_only_committed_predecessors_and_the_model_exports(tmp_path, whole, monkeypatch):
     seen = []
-    real_remove = hf_integration.remove
+    real_remove = retention.remove
 
     def observed_remove(root, name):  # the folder as it is when a deletion starts
         committed = sorted(p.name for p in tmp_path.iterdir() if (p / "manifest.json").is_file())
         seen.append((name, committed))
         return real_remove(root, name)
 
-    monkeypatch.setattr(hf_integration, "remove", observed_remove)
+    monkeypatch.setattr(retention, "remove", observed_remove)
     trainer = make_trainer(tmp_path, save_steps=4, save_total_limit=2)
     trainer.train()
     # Saves at 4, 8, 12: checkpoint-4 goes only once checkpoint-12 is committed.

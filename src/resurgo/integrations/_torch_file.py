@@ -29,6 +29,25 @@ def load_torch_file(path: str | os.PathLike, *, allow_pickle: bool, what: str, f
         # torch's message is long and advises torch's own flags: keep only what it refused.
         refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
         detail = f"it holds {refused.group(1)}" if refused else "weights_only loading refuses it"
-        raise PickleNotAllowedError(
-            f"{path}: {what} that needs unpickling to load ({detail}). If you trust the file, {fix}; "
-            "the next save is a resurgo checkpoint") from err
+        raise _refused(path, what, detail, fix) from err
+
+
+# The globals of a NumPy array in a torch.save pickle (the RNG states frameworks save).
+_NUMPY_GLOBALS = {"numpy.ndarray", "numpy.dtype", "numpy.dtypes.UInt32DType", "numpy._core.multiarray._reconstruct",
+                  "numpy.core.multiarray._reconstruct"}
+
+
+def check_torch_file(path: str | os.PathLike, *, what: str, fix: str) -> None:
+    """Raise PickleNotAllowedError (naming ``path``, what it holds and ``fix``) if ``path``, a
+    torch.save file, names any global beyond tensors, plain containers and NumPy arrays; its
+    pickle is read, never run."""
+    import torch
+
+    unsafe = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(path)) - _NUMPY_GLOBALS)
+    if unsafe:
+        raise _refused(path, what, f"it holds {', '.join(unsafe)}", fix)
+
+
+def _refused(path: str | os.PathLike, what: str, detail: str, fix: str) -> PickleNotAllowedError:
+    return PickleNotAllowedError(f"{path}: {what} that needs unpickling to load ({detail}). If you trust the file, "
+                                 f"{fix}; the next save is a resurgo checkpoint")

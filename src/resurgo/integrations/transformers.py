@@ -23,7 +23,6 @@ import json
 import os
 import random
 import re
-import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,12 +36,10 @@ from transformers.training_args import ParallelMode
 
 from resurgo.api import load, read_manifest, save
 from resurgo.errors import KeyMismatchError, NotACheckpointError, UnsupportedValueError
-from resurgo.format.manifest import MANIFEST_NAME
+from resurgo.integrations._retention import is_resurgo_checkpoint, prune
 from resurgo.integrations._torch_file import load_torch_file
-from resurgo.manager.catalog import remove
-from resurgo.state.per_rank import PerRank
-from resurgo.state.rng import RNGState, restore_rng_state
-from resurgo.storage.open import open_root
+from resurgo.integrations._rng import ReplayableRng
+from resurgo.state.rng import RNGState
 
 __all__ = ["ResurgoTrainerMixin", "ResurgoTrainer"]
 
@@ -52,20 +49,6 @@ PARTS_KEY = "transformers_trainer_parts"
 # The files of a checkpoint folder the plain Trainer writes that a resume reads besides the model.
 _OPTIMIZER, _SCHEDULER, _SCALER = "optimizer.pt", "scheduler.pt", "scaler.pt"
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
-
-
-class _DeferredRng:
-    """The RNG part of a checkpoint, loaded with the rest but set only when the Trainer restores
-    RNG states (at the start of the resumed epoch, or after its first batch mid-epoch)."""
-
-    def __init__(self) -> None:
-        self.saved: dict[str, Any] | None = None
-
-    def state_dict(self) -> PerRank:
-        return RNGState().state_dict()  # the shape of what is read back
-
-    def load_state_dict(self, state_dict: Any) -> None:
-        self.saved = state_dict.value if isinstance(state_dict, PerRank) else state_dict
 
 
 class _Resume:
@@ -83,7 +66,7 @@ class _Resume:
         holder = {"trainer_state": ""}
         load(holder, path, strict=False)
         self.trainer_state_json: str = holder["trainer_state"]
-        self.rng = _DeferredRng()
+        self.rng = ReplayableRng()
 
     def load_into(self, trainer: Trainer) -> None:
         objects = {"trainer_state": "", "model": trainer.model, "optimizer": trainer.optimizer,
@@ -94,6 +77,7 @@ class _Resume:
             raise KeyMismatchError(f"{self.path}: holds {', '.join(missing)} state that this Trainer has no object "
                                    "for (a grad scaler: the same fp16 settings as the run that saved it)", missing, [])
         load({p: objects[p] for p in self.parts}, self.path, allow_pickle=self.allow_pickle)
+        self.rng.arm()  # the Trainer sets the RNG states again where it resumes the data (_load_rng_state)
 
 
 # The mixin is used with a Trainer after it in the bases; type checkers see it as one.
@@ -122,7 +106,7 @@ class ResurgoTrainerMixin(_TrainerBase):
         self._resurgo_check_supported()
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True  # True: the Trainer's error
-        if not isinstance(resume_from_checkpoint, (str, os.PathLike)) or not _is_resurgo(resume_from_checkpoint):
+        if not isinstance(resume_from_checkpoint, (str, os.PathLike)) or not is_resurgo_checkpoint(resume_from_checkpoint):
             return super().train(resume_from_checkpoint, *args, **kwargs)
         self._resurgo_resume = _Resume(os.fspath(resume_from_checkpoint), self.resurgo_allow_pickle)
         try:
@@ -160,8 +144,7 @@ class ResurgoTrainerMixin(_TrainerBase):
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         if self._resurgo_resume is not None:
-            if self._resurgo_resume.rng.saved is not None:
-                restore_rng_state(self._resurgo_resume.rng.saved)
+            self._resurgo_resume.rng.replay()
             return
         if checkpoint is None:
             return
@@ -181,7 +164,7 @@ class ResurgoTrainerMixin(_TrainerBase):
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
-        if best is None or not _is_resurgo(best):
+        if best is None or not is_resurgo_checkpoint(best):
             return super()._load_best_model()
         report = load({"model": self.model}, best, strict=False, allow_pickle=self.resurgo_allow_pickle)
         if report.missing_keys:
@@ -206,7 +189,7 @@ class ResurgoTrainerMixin(_TrainerBase):
             parts.update(optimizer=self.optimizer, scheduler=self.lr_scheduler)
             if getattr(self.accelerator, "scaler", None) is not None:
                 parts["scaler"] = self.accelerator.scaler
-            parts["rng"] = RNGState()
+            parts["rng"] = RNGState()  # what ReplayableRng loads
         parts["trainer_state"] = json.dumps(dataclasses.asdict(self.state), sort_keys=True)
         # Every rank calls (a collective save); a step saved again replaces its checkpoint atomically
         # and refuses (ForeignFilesError) a folder resurgo did not write.
@@ -246,13 +229,7 @@ class ResurgoTrainerMixin(_TrainerBase):
         protected = {Path(newest)}
         if self.state.best_model_checkpoint is not None:
             protected.add(Path(self.state.best_model_checkpoint))
-        remaining, keep = len(checkpoints), max(limit, len(protected))
-        for checkpoint in checkpoints:
-            if remaining <= keep:
-                break
-            if checkpoint not in protected:
-                _remove_checkpoint(checkpoint)
-                remaining -= 1
+        prune(checkpoints, max(limit, len(protected)), protected, framework_marker=TRAINER_STATE_NAME)
 
     def _resurgo_check_supported(self) -> None:
         unsupported = [name for name, on in (("DeepSpeed", self.is_deepspeed_enabled), ("FSDP", self.is_fsdp_enabled),
@@ -265,17 +242,3 @@ class ResurgoTrainerMixin(_TrainerBase):
 
 class ResurgoTrainer(ResurgoTrainerMixin, Trainer):
     """``transformers.Trainer`` whose checkpoints are resurgo checkpoints; see the module docstring."""
-
-
-def _is_resurgo(path: str | os.PathLike) -> bool:
-    return Path(path, MANIFEST_NAME).is_file()
-
-
-def _remove_checkpoint(path: Path) -> None:
-    if Path(path, TRAINER_STATE_NAME).is_file() and not _is_resurgo(path):
-        # A folder the Trainer wrote before resurgo was added: deleted as the Trainer's own retention does.
-        shutil.rmtree(path)
-        return
-    # Crash-safely, and only if resurgo wrote every file in it (else ForeignFilesError, nothing deleted).
-    remove(open_root(path.parent), path.name)
-
