@@ -36,9 +36,10 @@ class Recording:
     """Keeps every training loss (the Trainer's logs round them)."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        self.losses.append(loss.detach().clone())
-        return loss
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if model.training:  # not the evaluation's (which asks for the outputs too)
+            self.losses.append(result.detach().clone())
+        return result
 
 
 class PlainTrainer(Recording, Trainer):
@@ -65,7 +66,7 @@ class Steps(TrainerCallback):
 
 
 def make_trainer(output_dir, *, resurgo: bool = True, save_steps: int = 3, stop: int | None = None,
-                 callbacks: tuple = (), **kwargs) -> Trainer:
+                 callbacks: tuple = (), eval_dataset=None, **kwargs) -> Trainer:
     """Seeded as a fresh job is: the model is rebuilt from the config (no downloads); dropout and
     the shuffled sampler draw from the RNG every step."""
     set_seed(0)
@@ -74,7 +75,8 @@ def make_trainer(output_dir, *, resurgo: bool = True, save_steps: int = 3, stop:
                              save_steps=save_steps, learning_rate=1e-2, use_cpu=True, report_to="none", seed=0,
                              disable_tqdm=True, logging_strategy="no", **kwargs)
     cls = ResurgoRecording if resurgo else PlainTrainer
-    trainer = cls(model=model, args=args, train_dataset=Tokens(), callbacks=[Steps(stop), *callbacks])
+    trainer = cls(model=model, args=args, train_dataset=Tokens(), eval_dataset=eval_dataset,
+                  callbacks=[Steps(stop), *callbacks])
     trainer.losses = []
     return trainer
 

@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 import resurgo  # noqa: E402
 import resurgo.integrations._retention as retention  # noqa: E402
 import resurgo.integrations.transformers as hf_integration  # noqa: E402
-from hf_trainer_run import STEPS, make_trainer  # noqa: E402
+from hf_trainer_run import STEPS, Tokens, make_trainer  # noqa: E402
 from resurgo.errors import PickleNotAllowedError  # noqa: E402
 from resurgo.pipeline.verify import verify_checkpoint  # noqa: E402
 
@@ -93,6 +93,20 @@ def test_save_total_limit_deletes_only_committed_predecessors_and_the_model_expo
     exported = GPT2LMHeadModel.from_pretrained(tmp_path / "export")
     for name, tensor in trainer.model.state_dict().items():
         assert bitwise_equal(tensor, exported.state_dict()[name]), name
+
+
+def test_load_best_model_at_end_loads_the_best_resurgo_checkpoint_which_retention_keeps(tmp_path):
+    # The "best" is the highest eval loss, so that it is an early checkpoint, not the last one.
+    trainer = make_trainer(tmp_path, save_steps=3, save_total_limit=2, eval_dataset=Tokens(), eval_strategy="steps",
+                           eval_steps=3, load_best_model_at_end=True, metric_for_best_model="loss",
+                           greater_is_better=True)
+    trainer.train()
+    best = Path(trainer.state.best_model_checkpoint)
+    assert best.name != f"checkpoint-{STEPS}"
+    assert sorted(os.listdir(tmp_path)) == sorted({best.name, f"checkpoint-{STEPS}"})
+    saved = resurgo.load_dict(best)["model"]
+    for name, tensor in trainer.model.state_dict().items():
+        assert bitwise_equal(tensor, saved[name]), name
 
 
 def test_a_folder_of_the_plain_trainer_resumes_exactly_and_the_next_saves_are_resurgo(tmp_path, whole):
