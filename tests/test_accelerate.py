@@ -108,3 +108,17 @@ def test_two_processes_resume_exactly_and_resume_on_one(tmp_path):
     one = train(tmp_path / "ckpt", resume=True)
     assert one["losses"] == []  # step 12 of 12 was loaded
     assert same_params(ranks[0]["resumed"][1], one["params"])
+
+
+def test_loading_what_is_not_there_is_a_not_found_error_naming_it(tmp_path):
+    from accelerate.utils import ProjectConfiguration
+
+    from resurgo.errors import CheckpointNotFoundError
+    from resurgo.integrations.accelerate import ResurgoAccelerator
+
+    accelerator = ResurgoAccelerator(cpu=True, project_config=ProjectConfiguration(
+        project_dir=str(tmp_path), automatic_checkpoint_naming=True))
+    with pytest.raises(CheckpointNotFoundError, match=r"checkpoint_7: no such checkpoint folder"):
+        accelerator.load_state(str(tmp_path / "checkpoint_7"))
+    with pytest.raises(CheckpointNotFoundError, match=r"checkpoints: no checkpoint_<n> to load"):
+        accelerator.load_state()

@@ -161,3 +161,10 @@ def test_sigkill_mid_training_then_resume_is_bit_identical(tmp_path, whole):
     assert_same_run(whole, whole.losses[:6] + resumed.losses, resumed)
     trainer_state = json.loads(resurgo.load_dict(tmp_path / "checkpoint-12")["trainer_state"])
     assert trainer_state["global_step"] == STEPS
+
+
+def test_resuming_from_a_folder_that_does_not_exist_is_a_not_found_error_naming_it(tmp_path):
+    from resurgo.errors import CheckpointNotFoundError
+
+    with pytest.raises(CheckpointNotFoundError, match=r"checkpoint-7: no such checkpoint folder"):
+        make_trainer(tmp_path).train(resume_from_checkpoint=str(tmp_path / "checkpoint-7"))

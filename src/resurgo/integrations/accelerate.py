@@ -82,6 +82,8 @@ class ResurgoAccelerator(Accelerator):
             if not found:
                 raise CheckpointNotFoundError(f"{Path(self.project_dir, 'checkpoints')}: no checkpoint_<n> to load")
             input_dir = str(found[-1])
+        if input_dir is not None and not os.path.isdir(input_dir):
+            raise CheckpointNotFoundError(f"{input_dir}: no such checkpoint folder")
         if input_dir is None or not is_resurgo_checkpoint(input_dir):
             return self._resurgo_load_foreign(input_dir, load_kwargs, **kwargs)
         state = self._resurgo_state()

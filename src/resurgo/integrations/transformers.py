@@ -35,7 +35,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from transformers.training_args import ParallelMode
 
 from resurgo.api import load, read_manifest, save
-from resurgo.errors import KeyMismatchError, NotACheckpointError, UnsupportedValueError
+from resurgo.errors import CheckpointNotFoundError, KeyMismatchError, NotACheckpointError, UnsupportedValueError
 from resurgo.integrations._retention import is_resurgo_checkpoint, prune
 from resurgo.integrations._torch_file import load_torch_file
 from resurgo.integrations._rng import ReplayableRng
@@ -106,6 +106,8 @@ class ResurgoTrainerMixin(_TrainerBase):
         self._resurgo_check_supported()
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True  # True: the Trainer's error
+        if isinstance(resume_from_checkpoint, (str, os.PathLike)) and not os.path.isdir(resume_from_checkpoint):
+            raise CheckpointNotFoundError(f"{resume_from_checkpoint}: no such checkpoint folder to resume from")
         if not isinstance(resume_from_checkpoint, (str, os.PathLike)) or not is_resurgo_checkpoint(resume_from_checkpoint):
             return super().train(resume_from_checkpoint, *args, **kwargs)
         self._resurgo_resume = _Resume(os.fspath(resume_from_checkpoint), self.resurgo_allow_pickle)
