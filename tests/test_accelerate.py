@@ -122,3 +122,7 @@ def test_loading_what_is_not_there_is_a_not_found_error_naming_it(tmp_path):
         accelerator.load_state(str(tmp_path / "checkpoint_7"))
     with pytest.raises(CheckpointNotFoundError, match=r"checkpoints: no checkpoint_<n> to load"):
         accelerator.load_state()
+    from resurgo.errors import UnsupportedValueError
+
+    with pytest.raises(UnsupportedValueError, match=r"no input_dir, and automatic_checkpoint_naming is off"):
+        ResurgoAccelerator(cpu=True).load_state()

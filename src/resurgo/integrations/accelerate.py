@@ -82,9 +82,11 @@ class ResurgoAccelerator(Accelerator):
             if not found:
                 raise CheckpointNotFoundError(f"{Path(self.project_dir, 'checkpoints')}: no checkpoint_<n> to load")
             input_dir = str(found[-1])
-        if input_dir is not None and not os.path.isdir(input_dir):
+        if input_dir is None:
+            raise UnsupportedValueError("load_state(): no input_dir, and automatic_checkpoint_naming is off")
+        if not os.path.isdir(input_dir):
             raise CheckpointNotFoundError(f"{input_dir}: no such checkpoint folder")
-        if input_dir is None or not is_resurgo_checkpoint(input_dir):
+        if not is_resurgo_checkpoint(input_dir):
             return self._resurgo_load_foreign(input_dir, load_kwargs, **kwargs)
         state = self._resurgo_state()
         state.update(iteration=0, mid_epoch=False)
@@ -123,16 +125,16 @@ class ResurgoAccelerator(Accelerator):
         checkpoints = _numbered(newest.parent)
         prune(checkpoints, max(self.project_configuration.total_limit, 1), {newest}, framework_marker=_ACCELERATE_MARKER)
 
-    def _resurgo_load_foreign(self, input_dir: str | None, load_kwargs: dict | None, **kwargs: Any) -> None:
+    def _resurgo_load_foreign(self, input_dir: str, load_kwargs: dict | None, **kwargs: Any) -> None:
         """A folder Accelerate wrote before resurgo: every pickle in it is checked first (read, not
         run), then Accelerate loads it; the next ``save_state`` writes a resurgo checkpoint."""
-        if input_dir is not None and os.path.isdir(input_dir) and not self.resurgo_allow_pickle:
+        if not self.resurgo_allow_pickle:
             for name in sorted(os.listdir(input_dir)):
                 if name.endswith(_PICKLE_SUFFIXES):
                     check_torch_file(os.path.join(input_dir, name), what="a file Accelerate wrote",
                                      fix="pass ResurgoAccelerator(..., allow_pickle=True)")
         super().load_state(input_dir, load_kwargs, **kwargs)
-        if input_dir is not None and self.project_configuration.automatic_checkpoint_naming:
+        if self.project_configuration.automatic_checkpoint_naming:
             match = _CHECKPOINT.match(Path(input_dir).name)
             if match:
                 self.project_configuration.iteration = int(match.group(1)) + 1
