@@ -89,3 +89,21 @@ if __name__ == "__main__":
     trainer = make_trainer(opts.output_dir, save_steps=2, callbacks=(Steps(hang_at=opts.hang_at, echo=True),))
     trainer.train()
     sys.exit(0)
+
+
+def two_processes(rank: int, world: int, root: str) -> dict:
+    """On each of 2 ranks (DDP over gloo): the uninterrupted run, and the same run stopped at step
+    6 and resumed from its latest checkpoint."""
+    import os
+    from pathlib import Path
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    whole = make_trainer(Path(root, "whole"), save_steps=STEPS + 1)
+    whole.train()
+    first = make_trainer(Path(root, "ckpt"), save_steps=3, stop=6)
+    first.train()
+    resumed = make_trainer(Path(root, "ckpt"), save_steps=3)
+    resumed.train(resume_from_checkpoint=True)
+    params = lambda t: {k: v.detach().clone() for k, v in t.model.state_dict().items()}  # noqa: E731
+    return {"whole": (whole.losses, params(whole)), "resumed": (first.losses + resumed.losses, params(resumed)),
+            "checkpoints": sorted(os.listdir(Path(root, "ckpt")))}

@@ -168,3 +168,19 @@ def test_resuming_from_a_folder_that_does_not_exist_is_a_not_found_error_naming_
 
     with pytest.raises(CheckpointNotFoundError, match=r"checkpoint-7: no such checkpoint folder"):
         make_trainer(tmp_path).train(resume_from_checkpoint=str(tmp_path / "checkpoint-7"))
+
+
+@pytest.mark.slow  # two processes importing transformers: kept out of the default suite's time budget
+def test_two_processes_resume_exactly(tmp_path):
+    from dist_harness import run_ranks
+
+    ranks = run_ranks(2, "hf_trainer_run:two_processes", str(tmp_path))
+    for rank, result in enumerate(ranks):
+        (whole_losses, whole_params), (resumed_losses, resumed_params) = result["whole"], result["resumed"]
+        assert len(whole_losses) == len(resumed_losses) == STEPS, rank
+        assert all(bitwise_equal(a, b) for a, b in zip(whole_losses, resumed_losses)), rank
+        assert all(bitwise_equal(whole_params[k], resumed_params[k]) for k in whole_params), rank
+    assert not all(bitwise_equal(a, b) for a, b in zip(ranks[0]["whole"][0], ranks[1]["whole"][0]))  # own shards
+    assert ranks[0]["checkpoints"] == ["checkpoint-12", "checkpoint-3", "checkpoint-6", "checkpoint-9"]
+    manifest = resurgo.read_manifest(tmp_path / "ckpt" / "checkpoint-12")
+    assert manifest.world == {"size": 2} and verify_checkpoint(tmp_path / "ckpt" / "checkpoint-12").ok
