@@ -18,6 +18,12 @@ context it runs in (tests/test_docs.py fails on a block without one):
 - ``lightning``: ``import lightning as L``, ``model`` (a tiny LightningModule with dropout and a
   shuffled loader of 4 batches an epoch) and ``ModelCheckpoint`` are defined by
   :data:`LIGHTNING_PRELUDE`; skipped where the ``lightning`` package is not installed.
+- ``transformers``: ``model`` (a tiny GPT-2 built from its config, no download), ``dataset`` (16
+  token sequences) and ``TrainingArguments`` are defined by :data:`TRANSFORMERS_PRELUDE`; skipped
+  where the ``transformers`` package is not installed.
+- ``accelerate``: ``model`` (with dropout), ``optimizer``, ``scheduler``, ``loader`` (shuffled,
+  8 batches an epoch), ``Counter`` (a custom object) and ``os`` are defined by
+  :data:`ACCELERATE_PRELUDE`; skipped where ``accelerate`` or ``torchdata`` is not installed.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-CONTEXTS = ("standalone", "training", "kill-resume", "distributed", "s3", "lightning")
+CONTEXTS = ("standalone", "training", "kill-resume", "distributed", "s3", "lightning", "transformers", "accelerate")
 MARKER = re.compile(r"^<!-- doc-test: ([a-z0-9-]+) -->$")
 
 
@@ -171,4 +177,40 @@ class Tiny(L.LightningModule):
 
 
 model = Tiny()
+'''
+
+
+TRANSFORMERS_PRELUDE = '''
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=8))
+tokens = torch.randint(0, 32, (16, 8))
+dataset = [{"input_ids": t, "labels": t} for t in tokens]
+'''
+
+
+ACCELERATE_PRELUDE = '''
+import os
+
+import torch
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 1))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
+
+
+class Counter:
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, state):
+        self.step = state["step"]
 '''

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from doc_snippets import (CONTEXTS, DISTRIBUTED_EPILOGUE, DISTRIBUTED_PRELUDE, KILL_RESUME_EPILOGUE,
-                          LIGHTNING_PRELUDE, S3_SUBSTITUTIONS, TRAINING_PRELUDE, Snippet, snippets)
+from doc_snippets import (ACCELERATE_PRELUDE, CONTEXTS, DISTRIBUTED_EPILOGUE, DISTRIBUTED_PRELUDE,
+                          KILL_RESUME_EPILOGUE, LIGHTNING_PRELUDE, S3_SUBSTITUTIONS, TRAINING_PRELUDE,
+                          TRANSFORMERS_PRELUDE, Snippet, snippets)
 
 ALL = snippets()
 KILL_AT = 250  # train_step calls: after the checkpoints of steps 100 and 200 were started
@@ -69,6 +70,19 @@ def test_training_snippet_runs(snippet: Snippet, tmp_path, monkeypatch):
 def test_lightning_snippet_runs(snippet: Snippet, tmp_path, monkeypatch):
     pytest.importorskip("lightning")
     _exec_here(LIGHTNING_PRELUDE + snippet.code, snippet.name, tmp_path, monkeypatch)
+
+
+@pytest.mark.parametrize("snippet", by_context("transformers"))
+def test_transformers_snippet_runs(snippet: Snippet, tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    _exec_here(TRANSFORMERS_PRELUDE + snippet.code, snippet.name, tmp_path, monkeypatch)
+
+
+@pytest.mark.parametrize("snippet", by_context("accelerate"))
+def test_accelerate_snippet_runs(snippet: Snippet, tmp_path, monkeypatch):
+    pytest.importorskip("accelerate")
+    pytest.importorskip("torchdata")
+    _exec_here(ACCELERATE_PRELUDE + snippet.code, snippet.name, tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("snippet", by_context("s3"))

@@ -13,7 +13,6 @@ Needs the ``lightning`` package (``pip install 'resurgo[lightning]'``).
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,8 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import Callback
 
 from resurgo.api import load_dict, save
-from resurgo.errors import NotACheckpointError, PickleNotAllowedError
+from resurgo.errors import NotACheckpointError
+from resurgo.integrations._torch_file import load_torch_file
 from resurgo.manager.catalog import remove
 from resurgo.state.rng import capture_rng_state, restore_rng_state
 from resurgo.storage.open import open_root
@@ -72,19 +72,8 @@ class ResurgoCheckpointIO(CheckpointIO):
         return load_dict(path, verify=self.verify, allow_pickle=self.allow_pickle)
 
     def _load_foreign(self, path: Path, map_location: Any) -> dict[str, Any]:
-        import pickle
-
-        import torch
-
-        try:
-            return torch.load(path, map_location=map_location or "cpu", weights_only=not self.allow_pickle)
-        except pickle.UnpicklingError as err:
-            # torch's message is long and advises torch's own flags: keep only what it refused.
-            refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
-            what = f"it holds {refused.group(1)}" if refused else "weights_only loading refuses it"
-            raise PickleNotAllowedError(
-                f"{path}: a Lightning checkpoint that needs unpickling to load ({what}). If you trust "
-                "the file, pass ResurgoCheckpointIO(allow_pickle=True); the next save is a resurgo checkpoint") from err
+        return load_torch_file(path, allow_pickle=self.allow_pickle, map_location=map_location or "cpu",
+                               what="a Lightning checkpoint", fix="pass ResurgoCheckpointIO(allow_pickle=True)")
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
         target = Path(path)

@@ -1,0 +1,109 @@
+"""A tiny Hugging Face Trainer run for the transformers integration tests (imported by
+tests/test_transformers.py, and run as a script by its SIGKILL test).
+
+    python tests/hf_trainer_run.py OUTPUT_DIR [--hang-at STEP]
+
+trains with ResurgoTrainer (resuming from OUTPUT_DIR's latest checkpoint if there is one),
+printing ``STEP n`` after each step; with ``--hang-at``, it stops there and waits to be killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, set_seed
+
+from resurgo.integrations.transformers import ResurgoTrainerMixin
+
+STEPS = 12  # 16 samples / batch 4: 4 steps per epoch, 3 epochs
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        self.x = torch.randint(0, 32, (16, 8), generator=torch.Generator().manual_seed(1))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+class Recording:
+    """Keeps every training loss (the Trainer's logs round them)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if model.training:  # not the evaluation's (which asks for the outputs too)
+            self.losses.append(result.detach().clone())
+        return result
+
+
+class PlainTrainer(Recording, Trainer):
+    pass
+
+
+class ResurgoRecording(Recording, ResurgoTrainerMixin, Trainer):
+    pass
+
+
+class Steps(TrainerCallback):
+    """Stops training after step ``stop`` (a preempted job's end), or prints each step."""
+
+    def __init__(self, stop: int | None = None, hang_at: int | None = None, echo: bool = False) -> None:
+        self.stop, self.hang_at, self.echo = stop, hang_at, echo
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.echo:
+            print(f"STEP {state.global_step}", flush=True)
+        if state.global_step == self.hang_at:
+            time.sleep(600)
+        if state.global_step == self.stop:
+            control.should_training_stop = True
+
+
+def make_trainer(output_dir, *, resurgo: bool = True, save_steps: int = 3, stop: int | None = None,
+                 callbacks: tuple = (), eval_dataset=None, **kwargs) -> Trainer:
+    """Seeded as a fresh job is: the model is rebuilt from the config (no downloads); dropout and
+    the shuffled sampler draw from the RNG every step."""
+    set_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=8))
+    args = TrainingArguments(output_dir, max_steps=STEPS, per_device_train_batch_size=4, save_strategy="steps",
+                             save_steps=save_steps, learning_rate=1e-2, use_cpu=True, report_to="none", seed=0,
+                             disable_tqdm=True, logging_strategy="no", **kwargs)
+    cls = ResurgoRecording if resurgo else PlainTrainer
+    trainer = cls(model=model, args=args, train_dataset=Tokens(), eval_dataset=eval_dataset,
+                  callbacks=[Steps(stop), *callbacks])
+    trainer.losses = []
+    return trainer
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("output_dir")
+    parser.add_argument("--hang-at", type=int)
+    opts = parser.parse_args()
+    trainer = make_trainer(opts.output_dir, save_steps=2, callbacks=(Steps(hang_at=opts.hang_at, echo=True),))
+    trainer.train()
+    sys.exit(0)
+
+
+def two_processes(rank: int, world: int, root: str) -> dict:
+    """On each of 2 ranks (DDP over gloo): the uninterrupted run, and the same run stopped at step
+    6 and resumed from its latest checkpoint."""
+    import os
+    from pathlib import Path
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    whole = make_trainer(Path(root, "whole"), save_steps=STEPS + 1)
+    whole.train()
+    first = make_trainer(Path(root, "ckpt"), save_steps=3, stop=6)
+    first.train()
+    resumed = make_trainer(Path(root, "ckpt"), save_steps=3)
+    resumed.train(resume_from_checkpoint=True)
+    params = lambda t: {k: v.detach().clone() for k, v in t.model.state_dict().items()}  # noqa: E731
+    return {"whole": (whole.losses, params(whole)), "resumed": (first.losses + resumed.losses, params(resumed)),
+            "checkpoints": sorted(os.listdir(Path(root, "ckpt")))}
