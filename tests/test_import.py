@@ -29,6 +29,7 @@ from resurgo.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     ImportSpecError,
+    KeyMismatchError,
     PickleNotAllowedError,
     UnsupportedValueError,
 )
@@ -319,3 +320,40 @@ def test_cli_import_emit_spec_and_exit_codes(tmp_path):
     (tmp_path / "m" / "model.safetensors").write_bytes(data[:-4])
     assert cli(tmp_path / "m", tmp_path / "c", "--from", "hf").exit_code == 3
     assert not (tmp_path / "c").exists()
+
+
+def test_only_imports_the_matching_keys_and_reads_nothing_else(tmp_path):
+    base = torch.arange(40, dtype=torch.float32).reshape(5, 8)
+    state = {"model": {"w": base.t(), "fc": {"bias": torch.ones(3)}, "modelx": torch.zeros(2)},
+             "optimizer": {"state": {0: {"exp_avg": torch.full((4,), 0.5, dtype=torch.float64)}}}, "step": 12}
+    torch.save(state, tmp_path / "ckpt.pt")
+    report = resurgo.import_checkpoint(tmp_path / "ckpt.pt", tmp_path / "glob", source="torch", only="model.*")
+    got = resurgo.load_dict(tmp_path / "glob")
+    assert sorted(got) == ["model.fc.bias", "model.modelx", "model.w"]  # '*' crosses dots
+    assert same(got["model.w"], base.t()) and report.num_tensors == 3 and report.num_values == 0
+    assert report.bytes_read == report.tensor_bytes == (40 + 3 + 2) * 4
+    resurgo.import_checkpoint(tmp_path / "ckpt.pt", tmp_path / "prefix", source="torch", only=["model.fc", "step"])
+    assert sorted(resurgo.load_dict(tmp_path / "prefix")) == ["model.fc.bias", "step"]  # a prefix ends at a dot
+
+
+def test_only_skips_the_other_pieces_unread_and_a_pattern_matching_nothing_is_named(tmp_path):
+    write_raw(tmp_path, torch.arange(6, dtype=torch.float32).numpy().tobytes())
+    doc = spec_doc([{"key": "model.w", "dtype": "float32", "shape": [6], "pieces": [piece(0, [6], flat={"start": 0, "stop": 6})]},
+                    {"key": "optim.m", "dtype": "float32", "shape": [6], "pieces": [piece(1 << 20, [6], flat={"start": 0, "stop": 6})]}])
+    (tmp_path / "s.json").write_text(json.dumps(doc))
+    with pytest.raises(CorruptCheckpointError, match="truncated"):  # optim.m lies beyond the end of src.bin
+        resurgo.import_checkpoint(tmp_path, tmp_path / "all", source="spec", spec=tmp_path / "s.json")
+    resurgo.import_checkpoint(tmp_path, tmp_path / "out", source="spec", spec=tmp_path / "s.json", only="model.*")
+    assert list(resurgo.load_dict(tmp_path / "out")) == ["model.w"]
+    with pytest.raises(KeyMismatchError, match=r"pattern\(s\) 'opt\.\*', 'x' match no key of the source \(it has 2 keys: model\.w, optim\.m\)"):
+        resurgo.import_checkpoint(tmp_path, tmp_path / "none", source="spec", spec=tmp_path / "s.json", only=["opt.*", "model", "x"])
+    assert not (tmp_path / "none").exists()
+    cli = lambda *args: runner.invoke(app, ["import", str(tmp_path), *map(str, args), "--from", "spec", "--spec", str(tmp_path / "s.json")])
+    assert cli(tmp_path / "cli", "--only", "optim.m", "--only", "nothing").exit_code == 2
+    assert cli(tmp_path / "cli", "--only", "model").exit_code == 0
+    assert list(resurgo.load_dict(tmp_path / "cli")) == ["model.w"]
+    (tmp_path / "m").mkdir()
+    save_file(model_state(), str(tmp_path / "m" / "model.safetensors"))
+    assert runner.invoke(app, ["import", str(tmp_path / "m"), "--from", "hf", "--emit-spec", str(tmp_path / "e.json"),
+                               "--only", "layers"]).exit_code == 0
+    assert [t.key for t in spec_lang.loads((tmp_path / "e.json").read_text()).tensors] == ["layers.0.weight", "layers.0.bias"]
