@@ -357,3 +357,34 @@ def test_only_skips_the_other_pieces_unread_and_a_pattern_matching_nothing_is_na
     assert runner.invoke(app, ["import", str(tmp_path / "m"), "--from", "hf", "--emit-spec", str(tmp_path / "e.json"),
                                "--only", "layers"]).exit_code == 0
     assert [t.key for t in spec_lang.loads((tmp_path / "e.json").read_text()).tensors] == ["layers.0.weight", "layers.0.bias"]
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+
+def test_memory_budget_bounds_the_peak_resident_memory(tmp_path):
+    """A 96 MiB source imported with a 16 MiB budget: the process's peak resident memory (VmHWM,
+    reset first) grows by less than the budget: the sources are read into the writers' slice
+    buffers, not mapped (a mapping's pages would all be resident by the end)."""
+    size = 96 << 20
+    with open(tmp_path / "src.bin", "wb") as f:
+        for i in range(size >> 20):
+            f.write(torch.full((1 << 18,), float(i)).numpy().tobytes())
+    n = size // 4
+    doc = spec_doc([{"key": "a", "dtype": "float32", "shape": [n // 2], "pieces": [piece(0, [n // 2], flat={"start": 0, "stop": n // 2})]},
+                    {"key": "b", "dtype": "float32", "shape": [n // 2], "pieces": [piece(size // 2, [n // 2], flat={"start": 0, "stop": n // 2})]}])
+    spec = spec_lang.loads(json.dumps(doc))
+    resurgo.import_checkpoint(tmp_path, tmp_path / "warm", source="spec", spec=spec)  # imports, caches: not the import's memory
+    with pytest.raises(resurgo.errors.MemoryBudgetError, match=r"memory_budget=9437184 is below what one writer holds \(10485760 bytes"):
+        resurgo.import_checkpoint(tmp_path, tmp_path / "small", source="spec", spec=spec, memory_budget="9MiB")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident size
+    before = _status_bytes("VmRSS:")
+    report = resurgo.import_checkpoint(tmp_path, tmp_path / "out", source="spec", spec=spec, memory_budget="16MiB")
+    peak_growth = _status_bytes("VmHWM:") - before
+    assert report.bytes_read == size
+    assert peak_growth < 16 << 20, f"peak resident memory grew by {peak_growth} bytes"
+    got = resurgo.load_dict(tmp_path / "out")
+    assert torch.equal(got["b"][-1:], torch.tensor([95.0])) and torch.equal(got["a"][:1], torch.tensor([0.0]))

@@ -94,7 +94,7 @@ def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source:
     model directory), ``"torch"`` (a torch.save file) or ``"spec"`` (``src`` is the directory the
     spec's file names are relative to; ``spec`` is an ImportSpec or a spec JSON file). With an
     importer's source, a ``spec`` replaces the one the importer would emit. ``memory_budget`` (bytes or ``"2GB"``, default 1 GiB) bounds the
-    buffers; source bytes are read from memory maps as they are written. ``dst`` appears only
+    buffers; source bytes are read in large slices as they are written. ``dst`` appears only
     when complete and is never replaced (CheckpointExistsError). Nothing is unpickled beyond
     tensor locations and plain values; the spec's pickled ``objects`` (DCP items that are not
     plain values) raise PickleNotAllowedError unless ``allow_pickle=True``, which unpickles them

@@ -1,10 +1,14 @@
 """The one spec executor: a validated :class:`ImportSpec` becomes an ordinary resurgo checkpoint.
 
 It is not a second pipeline. Each piece is a view of the source file where its bytes lie (a
-copy-on-write memory map, never written: pages are read as the writer asks for them), declared
-to the save machinery as a :class:`~resurgo.layout.shards.Pieces` leaf; ``prepare_save`` plans the
-files and ``write_and_commit`` streams them (a contiguous piece straight from the map, a strided
-one a slice at a time), checksums them and commits atomically. Before anything is written every
+copy-on-write memory map, never written), declared to the save machinery as a
+:class:`~resurgo.layout.shards.Pieces` leaf; ``prepare_save`` plans the files and
+``write_and_commit`` streams them, checksums them and commits atomically. The writers get each
+contiguous piece as a :class:`_FileStream`: read with large ``preadv`` calls into the writer's
+slice buffer (the GIL released), the next slice's read announced to the kernel meanwhile, so reads
+overlap hashing and writing and the memory held is the writers' slice buffers, within
+``memory_budget``, whatever the source's size (pages of a memory map would all stay resident).
+A strided piece is copied a slice at a time from the map. Before anything is written every
 source file is checked to exist and be long enough, and replicas are compared bit for bit. The
 spec's pickled ``objects`` are unpickled, and saved as pickled values, only with ``allow_pickle``.
 """
@@ -16,6 +20,7 @@ import math
 import os
 import time
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,10 +41,14 @@ from resurgo.interop.torch_file import member_start
 from resurgo.layout.shards import LocalPiece, Pieces
 from resurgo.pipeline.buffers import as_copyable, copy_flat_range
 from resurgo.pipeline.save import DEFAULT_IO_THREADS, LazySources, prepare_save, write_and_commit
+from resurgo.pipeline.buffers import TensorStream
 from resurgo.pipeline.writer import SLICE_BYTES
+from resurgo.storage.direct_io import BOUNCE_BYTES
 from resurgo.reports import ImportReport
+from resurgo.state.flatten import TensorLeaf
 
 DEFAULT_MEMORY_BUDGET = 1 << 30
+WRITER_BYTES = SLICE_BYTES + BOUNCE_BYTES  # what one writer thread holds: its slice and its aligned write buffer
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,19 @@ class _Sources:
         self.root = root
         self._regions: dict[tuple[str, str | None], _Region] = {}
         self._maps: dict[Path, np.memmap] = {}
+        self._fds: dict[Path, int] = {}
+        # by id() of the view given to the pipeline; the view is kept alive so that its id stays its own
+        self._streams: dict[int, tuple[torch.Tensor, _FileStream]] = {}
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def stream(self, view: torch.Tensor) -> "_FileStream | None":
+        """The stream of a contiguous piece's view (None for anything else)."""
+        found = self._streams.get(id(view))
+        return found[1] if found is not None and found[0] is view else None
 
     def region(self, file: str, member: str | None) -> _Region:
         key = (file, member)
@@ -97,7 +119,13 @@ class _Sources:
             self._maps[region.path] = np.memmap(region.path, dtype=np.uint8, mode="c")
         flat = torch.from_numpy(self._maps[region.path][start: start + span * size]).view(tdtype)
         strides = tuple(src.strides) if src.strides is not None else row_major_strides(shape)
-        return flat.as_strided(tuple(shape), strides)
+        view = flat.as_strided(tuple(shape), strides)
+        if view.is_contiguous():
+            if region.path not in self._fds:
+                self._fds[region.path] = os.open(region.path, os.O_RDONLY)
+                os.posix_fadvise(self._fds[region.path], 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            self._streams[id(view)] = (view, _FileStream(view, self._fds[region.path], start, region.name))
+        return view
 
     def check_length(self, src: Source | Piece, shape: list[int], dtype: str, what: str) -> int:
         """The bytes the source's elements span; CorruptCheckpointError if the file is too short."""
@@ -111,6 +139,47 @@ class _Sources:
                 f"{region.name}: {what} needs bytes [{src.offset}, {need}) but it holds {region.size} bytes "
                 f"(expected at least {need}); the source file is truncated or the spec is wrong")
         return math.prod(shape) * dtypes.itemsize(dtype)
+
+
+class _FileStream(TensorStream):
+    """A contiguous piece's bytes read from its file with ``preadv`` into the writer's buffer."""
+
+    def __init__(self, view: torch.Tensor, fd: int, start: int, name: str):
+        super().__init__(view)
+        self._fd, self._start, self._name = fd, start, name
+
+    def read_into(self, offset: int, out: np.ndarray) -> memoryview:
+        pos, want = self._start + offset, len(out)
+        done = 0
+        while done < want:  # preadv may return less than asked; 0 is the file's end
+            got = os.preadv(self._fd, [out[done:]], pos + done)
+            if got == 0:
+                raise CorruptCheckpointError(
+                    f"{self._name}: ended at byte {pos + done - self._start} of a piece that needs "
+                    f"{self.nbytes} bytes (from byte {self._start}); the file was truncated during the import")
+            done += got
+        rest = self.nbytes - offset - want
+        if rest > 0:  # the kernel reads the next slice while this one is hashed and written
+            os.posix_fadvise(self._fd, pos + want, min(rest, want), os.POSIX_FADV_WILLNEED)
+        return out.data.cast("B")
+
+
+class _StreamedSources(Mapping):
+    """What the writers read, by chunk name: a contiguous piece as its :class:`_FileStream`, any
+    other leaf as the save pipeline gives it (:class:`LazySources`)."""
+
+    def __init__(self, leaves: dict[str, TensorLeaf], sources: _Sources):
+        self._leaves, self._sources, self._lazy = leaves, sources, LazySources(leaves)
+
+    def __getitem__(self, key: str) -> "np.ndarray | TensorStream":
+        stream = self._sources.stream(self._leaves[key].value)
+        return stream if stream is not None else self._lazy[key]
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self._leaves)
+
+    def __len__(self) -> int:
+        return len(self._leaves)
 
 
 def _equal_bits(a: torch.Tensor, b: torch.Tensor, slice_elements: int) -> bool:
@@ -160,9 +229,20 @@ def execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, *
     The spec's ``objects`` are unpickled only with ``allow_pickle`` (PickleNotAllowedError otherwise)."""
     t_start = time.perf_counter()
     budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
-    if budget < SLICE_BYTES:
-        raise MemoryBudgetError(f"memory_budget={budget} is below one write slice ({SLICE_BYTES} bytes); raise it")
+    if budget < WRITER_BYTES:
+        raise MemoryBudgetError(f"memory_budget={budget} is below what one writer holds ({WRITER_BYTES} bytes: an "
+                                f"{SLICE_BYTES >> 20} MiB slice and a {BOUNCE_BYTES >> 20} MiB aligned write buffer); raise it")
     sources = _Sources(Path(root))
+    try:
+        return _execute(spec, root, dst, sources, source=source, budget=budget, storage_options=storage_options,
+                        metadata=metadata, allow_pickle=allow_pickle, t_start=t_start)
+    finally:
+        sources.close()
+
+
+def _execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, sources: _Sources, *, source: str,
+             budget: int, storage_options: dict | None, metadata: dict | None, allow_pickle: bool,
+             t_start: float) -> ImportReport:
     objects = _load_objects(spec, sources, allow_pickle)
     bytes_read = 0
     for t in spec.tensors:  # every length first: nothing is written from a truncated source
@@ -188,10 +268,10 @@ def execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, *
         state[t.key] = Pieces(tuple(t.shape), pieces, pieces[0].tensor)
     state.update(spec.values)
     state.update(objects)
-    threads = max(1, min(DEFAULT_IO_THREADS, budget // SLICE_BYTES))
+    threads = max(1, min(DEFAULT_IO_THREADS, budget // WRITER_BYTES))
     prep = prepare_save(state, dst, overwrite=False, allow_pickle=allow_pickle, step=None, metadata=metadata,
                         io_threads=threads, block_bytes=None, storage_options=storage_options)
-    saved = write_and_commit(prep, LazySources(prep.leaves))
+    saved = write_and_commit(prep, _StreamedSources(prep.leaves, sources))
     return ImportReport(src=str(root), dst=str(dst), source=source, num_tensors=len(spec.tensors),
                         num_values=len(spec.values) + len(objects), tensor_bytes=prep.tensor_bytes, bytes_read=bytes_read,
                         bytes_written=saved.bytes_written, seconds={"total": time.perf_counter() - t_start})
