@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo study study-full demo-kill test test-slow test-deepspeed bench bench-async bench-overhead bench-s3 install clean
+.PHONY: demo study study-full demo-kill test test-slow test-deepspeed bench bench-async bench-overhead bench-s3 bench-import install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -48,6 +48,10 @@ $(DS_SITE)/.installed: $(STAMP)
 
 test-deepspeed: $(DS_SITE)/.installed
 	PYTHONPATH=$(DS_SITE) DS_ACCELERATOR=cpu $(BIN)/python -m pytest -q -m deepspeed
+
+# Import of a ~1 GiB DeepSpeed ZeRO-2 and DCP checkpoint against zero_to_fp32 and dcp_to_torch_save.
+bench-import: $(DS_SITE)/.installed
+	PYTHONPATH=$(DS_SITE) DS_ACCELERATOR=cpu $(BIN)/python benchmarks/bench_import.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_save_load.py
