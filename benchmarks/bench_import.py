@@ -13,7 +13,8 @@ Sources, written untimed at the start by the real libraries on 2 gloo CPU ranks 
   against ``import_checkpoint(source="dcp")`` (both write every item).
 
 Every tool runs in its own Python process, started fresh for each repetition (imports done before
-the timer), so its peak memory is its own: ``peak_rss`` is the child's ``ru_maxrss`` (it counts
+the timer), so its peak memory is its own: ``peak_rss`` is the child's ``VmHWM`` (its peak resident set; ``ru_maxrss`` would
+not do: Linux carries the forking parent's peak over ``exec``; it counts
 file pages mapped into the process, e.g. resurgo's and DeepSpeed's memory maps of the sources,
 which are page cache), and ``peak_anon`` the most anonymous memory (``RssAnon``, sampled every
 2 ms) above what the process held just before the timer: the buffers the tool allocated.
@@ -34,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import socket
 import subprocess
 import sys
@@ -195,7 +195,7 @@ def run_tool(tool: str, src: str, dst: str, budget: int) -> dict:
     durable = time.perf_counter() - t0
     peak_kib = sampler.stop()
     return {"raw_s": raw, "durable_s": durable, "peak_anon": (peak_kib - base_kib) * 1024,
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_rss": _status_kib("VmHWM:") * 1024,
             "output_bytes": sum(f.stat().st_size for f in Path(dst).rglob("*") if f.is_file())}
 
 
@@ -222,8 +222,10 @@ def check_outputs(kind: str, out: Path) -> list[str]:
         theirs = {f"model.{k}": v for k, v in torch.load(out / "zero_to_fp32" / "pytorch_model.bin",
                                                          weights_only=True).items()}
         ours = resurgo.load_dict(out / "resurgo_weights")
-        full = resurgo.load_dict(out / "resurgo_full")
-        bad = [k for k in theirs if not isinstance(full.get(k), torch.Tensor) or bits(full[k]) != bits(theirs[k])]
+        full = {k: torch.empty_like(v) for k, v in theirs.items()}  # only the weights of the full import
+        resurgo.load(full, out / "resurgo_full", strict=False)
+        bad = [k for k in theirs if bits(full[k]) != bits(theirs[k])]
+        del full
     else:
         theirs = {}
         for k, v in torch.load(out / "dcp_to_torch_save" / "model.pt", weights_only=True).items():
@@ -254,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=REPO / "bench-results" / "import.json")
     p.add_argument("--workdir", type=Path, default=None, help="where sources and outputs go (a real disk)")
     p.add_argument("--keep", action="store_true", help="keep the sources (the workdir)")
+    p.add_argument("--reuse-sources", action="store_true",
+                   help="use the sources an earlier --keep run left in --workdir instead of writing them")
     p.add_argument("--worker", nargs=4, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -262,8 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     work = args.workdir or args.out.parent / "import-work"
-    remove(work)
-    work.mkdir(parents=True)
+    if not args.reuse_sources:
+        remove(work)
+    work.mkdir(parents=True, exist_ok=True)
+    remove(work / "out")
     budget = args.memory_budget_mib * MiB
     sources: dict[str, Path] = {}  # name -> source checkpoint
     kinds: dict[str, str] = {}
@@ -281,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
                 path = work / "src" / name
                 t0 = time.perf_counter()
                 try:
-                    write_sources(kind, path, args.params_m, stage or 0)
+                    if not (args.reuse_sources and path.is_dir()):
+                        remove(path)
+                        write_sources(kind, path, args.params_m, stage or 0)
                 except RuntimeError as e:
                     doc["sources"][name] = {"status": "skipped", "reason": str(e)[-2000:]}
                     print(f"{name}: could not be written, skipped:\n{str(e)[-2000:]}", file=sys.stderr)

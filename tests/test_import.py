@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import pickle
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -388,3 +390,18 @@ def test_memory_budget_bounds_the_peak_resident_memory(tmp_path):
     assert peak_growth < 16 << 20, f"peak resident memory grew by {peak_growth} bytes"
     got = resurgo.load_dict(tmp_path / "out")
     assert torch.equal(got["b"][-1:], torch.tensor([95.0])) and torch.equal(got["a"][:1], torch.tensor([0.0]))
+
+
+def test_a_source_cut_short_while_it_is_read_is_named(tmp_path):
+    from resurgo.interop.execute import _FileStream
+
+    (tmp_path / "src.bin").write_bytes(bytes(range(100)))
+    fd = os.open(tmp_path / "src.bin", os.O_RDONLY)
+    try:
+        stream = _FileStream(torch.empty(50, dtype=torch.int32), fd, 40, "src.bin")  # needs bytes [40, 240)
+        out = np.empty(200, dtype=np.uint8)
+        with pytest.raises(CorruptCheckpointError, match=r"src.bin: ended at byte 60 of a piece that needs 200 bytes \(from byte 40\); the file was truncated"):
+            stream.read_into(0, out)
+        assert bytes(stream.read_into(8, out[:40])) == bytes(range(48, 88))
+    finally:
+        os.close(fd)

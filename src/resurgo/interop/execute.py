@@ -39,13 +39,12 @@ from resurgo.format import dtypes
 from resurgo.interop.spec import ImportSpec, Piece, Source, row_major_strides, span_elements
 from resurgo.interop.torch_file import member_start
 from resurgo.layout.shards import LocalPiece, Pieces
-from resurgo.pipeline.buffers import as_copyable, copy_flat_range
+from resurgo.pipeline.buffers import TensorStream, as_copyable, copy_flat_range
 from resurgo.pipeline.save import DEFAULT_IO_THREADS, LazySources, prepare_save, write_and_commit
-from resurgo.pipeline.buffers import TensorStream
 from resurgo.pipeline.writer import SLICE_BYTES
-from resurgo.storage.direct_io import BOUNCE_BYTES
 from resurgo.reports import ImportReport
 from resurgo.state.flatten import TensorLeaf
+from resurgo.storage.direct_io import BOUNCE_BYTES
 
 DEFAULT_MEMORY_BUDGET = 1 << 30
 WRITER_BYTES = SLICE_BYTES + BOUNCE_BYTES  # what one writer thread holds: its slice and its aligned write buffer
