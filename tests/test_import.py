@@ -387,6 +387,9 @@ def test_memory_budget_bounds_the_peak_resident_memory(tmp_path):
     report = resurgo.import_checkpoint(tmp_path, tmp_path / "out", source="spec", spec=spec, memory_budget="16MiB")
     peak_growth = _status_bytes("VmHWM:") - before
     assert report.bytes_read == size
+    assert list(report.seconds) == ["spec", "check", "prepare", "write_and_commit", "read", "checksum", "write", "fsync",
+                                    "commit", "total"]
+    assert 0 < report.seconds["read"] and report.seconds["write_and_commit"] < report.seconds["total"]
     assert peak_growth < 16 << 20, f"peak resident memory grew by {peak_growth} bytes"
     got = resurgo.load_dict(tmp_path / "out")
     assert torch.equal(got["b"][-1:], torch.tensor([95.0])) and torch.equal(got["a"][:1], torch.tensor([0.0]))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -102,6 +103,7 @@ def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source:
     ``only``: a pattern or list of patterns (:func:`select`); only the tensors and values whose
     keys match are read and written.
     """
+    t0 = time.perf_counter()
     budget = None if memory_budget is None else parse_size(memory_budget, "memory_budget")
     if spec is not None:
         chosen = load_spec(spec)
@@ -112,7 +114,9 @@ def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source:
         chosen, root = spec_of(src, source)
     if only is not None:
         chosen = select(chosen, only)
+    t_spec = time.perf_counter() - t0
     report = execute(chosen, root, dst, source=source, memory_budget=budget, storage_options=storage_options,
                      allow_pickle=allow_pickle)
+    report.seconds = {"spec": t_spec, **report.seconds, "total": time.perf_counter() - t0}
     report.src = str(src)
     return report

@@ -81,6 +81,10 @@ class _Sources:
         found = self._streams.get(id(view))
         return found[1] if found is not None and found[0] is view else None
 
+    def read_seconds(self) -> float:
+        """Seconds the streams spent reading, summed over the writer threads."""
+        return sum(stream.seconds for _, stream in self._streams.values())
+
     def region(self, file: str, member: str | None) -> _Region:
         key = (file, member)
         if key not in self._regions:
@@ -146,8 +150,10 @@ class _FileStream(TensorStream):
     def __init__(self, view: torch.Tensor, fd: int, start: int, name: str):
         super().__init__(view)
         self._fd, self._start, self._name = fd, start, name
+        self.seconds = 0.0  # spent reading (one writer thread reads a stream)
 
     def read_into(self, offset: int, out: np.ndarray) -> memoryview:
+        t0 = time.perf_counter()
         pos, want = self._start + offset, len(out)
         done = 0
         while done < want:  # preadv may return less than asked; 0 is the file's end
@@ -160,6 +166,7 @@ class _FileStream(TensorStream):
         rest = self.nbytes - offset - want
         if rest > 0:  # the kernel reads the next slice while this one is hashed and written
             os.posix_fadvise(self._fd, pos + want, min(rest, want), os.POSIX_FADV_WILLNEED)
+        self.seconds += time.perf_counter() - t0
         return out.data.cast("B")
 
 
@@ -258,6 +265,7 @@ def _execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, 
                     raise CorruptCheckpointError(
                         f"{sources.region(r.file, r.member).name}: tensor {t.key!r} piece {i} replica {j} differs from "
                         f"the piece at {sources.region(p.file, p.member).name} offset {p.offset}: replicas must be equal")
+    t_checked = time.perf_counter()
     state: dict[str, Any] = {}
     for t in spec.tensors:
         if math.prod(t.shape) == 0:  # nothing to read: an empty tensor of its shape
@@ -270,7 +278,12 @@ def _execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, 
     threads = max(1, min(DEFAULT_IO_THREADS, budget // WRITER_BYTES))
     prep = prepare_save(state, dst, overwrite=False, allow_pickle=allow_pickle, step=None, metadata=metadata,
                         io_threads=threads, block_bytes=None, storage_options=storage_options)
+    t_prepared = time.perf_counter()
     saved = write_and_commit(prep, _StreamedSources(prep.leaves, sources))
+    seconds = {"check": t_checked - t_start, "prepare": t_prepared - t_checked,
+               "write_and_commit": saved.seconds["write_and_commit"], "read": sources.read_seconds(),
+               **{k: saved.seconds[k] for k in ("checksum", "write", "fsync", "commit")},
+               "total": time.perf_counter() - t_start}
     return ImportReport(src=str(root), dst=str(dst), source=source, num_tensors=len(spec.tensors),
                         num_values=len(spec.values) + len(objects), tensor_bytes=prep.tensor_bytes, bytes_read=bytes_read,
-                        bytes_written=saved.bytes_written, seconds={"total": time.perf_counter() - t_start})
+                        bytes_written=saved.bytes_written, seconds=seconds)
