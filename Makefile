@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 DS_SITE := .deepspeed-site
 DS_PYTEST := PYTHONPATH=$(DS_SITE) DS_ACCELERATOR=cpu DS_BUILD_OPS=0 $(BIN)/python -m pytest -q -m deepspeed
 
-.PHONY: demo study study-full demo-kill test test-slow test-deepspeed bench bench-async bench-overhead bench-s3 install clean
+.PHONY: demo study study-full demo-kill test test-slow test-deepspeed bench bench-async bench-overhead bench-s3 bench-import install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -54,6 +54,10 @@ $(DS_SITE)/.installed: $(STAMP)
 
 test-deepspeed: $(DS_SITE)/.installed
 	$(DS_PYTEST)
+
+# Import of a ~1 GiB DeepSpeed ZeRO-2 and DCP checkpoint against zero_to_fp32 and dcp_to_torch_save.
+bench-import: $(DS_SITE)/.installed
+	PYTHONPATH=$(DS_SITE) DS_ACCELERATOR=cpu $(BIN)/python benchmarks/bench_import.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_save_load.py

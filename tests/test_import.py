@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import pickle
 import zipfile
 from pathlib import Path
@@ -31,6 +32,7 @@ from resurgo.errors import (
     CorruptCheckpointError,
     ImportSpecError,
     MemoryBudgetError,
+    KeyMismatchError,
     PickleNotAllowedError,
     UnsupportedValueError,
 )
@@ -403,3 +405,89 @@ def test_the_example_spec_of_docs_import_md_is_valid():
     example = text.split("```json\n", 1)[1].split("```", 1)[0]
     spec = spec_lang.loads(example, "docs/import.md")
     assert [p.combine for t in spec.tensors for p in t.pieces] == ["equal", "equal", "equal", "mean", "equal", "equal"]
+
+
+def test_only_imports_the_matching_keys_and_reads_nothing_else(tmp_path):
+    base = torch.arange(40, dtype=torch.float32).reshape(5, 8)
+    state = {"model": {"w": base.t(), "fc": {"bias": torch.ones(3)}, "modelx": torch.zeros(2)},
+             "optimizer": {"state": {0: {"exp_avg": torch.full((4,), 0.5, dtype=torch.float64)}}}, "step": 12}
+    torch.save(state, tmp_path / "ckpt.pt")
+    report = resurgo.import_checkpoint(tmp_path / "ckpt.pt", tmp_path / "glob", source="torch", only="model.*")
+    got = resurgo.load_dict(tmp_path / "glob")
+    assert sorted(got) == ["model.fc.bias", "model.modelx", "model.w"]  # '*' crosses dots
+    assert same(got["model.w"], base.t()) and report.num_tensors == 3 and report.num_values == 0
+    assert report.bytes_read == report.tensor_bytes == (40 + 3 + 2) * 4
+    resurgo.import_checkpoint(tmp_path / "ckpt.pt", tmp_path / "prefix", source="torch", only=["model.fc", "step"])
+    assert sorted(resurgo.load_dict(tmp_path / "prefix")) == ["model.fc.bias", "step"]  # a prefix ends at a dot
+
+
+def test_only_skips_the_other_pieces_unread_and_a_pattern_matching_nothing_is_named(tmp_path):
+    write_raw(tmp_path, torch.arange(6, dtype=torch.float32).numpy().tobytes())
+    doc = spec_doc([{"key": "model.w", "dtype": "float32", "shape": [6], "pieces": [piece(0, [6], flat={"start": 0, "stop": 6})]},
+                    {"key": "optim.m", "dtype": "float32", "shape": [6], "pieces": [piece(1 << 20, [6], flat={"start": 0, "stop": 6})]}])
+    (tmp_path / "s.json").write_text(json.dumps(doc))
+    with pytest.raises(CorruptCheckpointError, match="truncated"):  # optim.m lies beyond the end of src.bin
+        resurgo.import_checkpoint(tmp_path, tmp_path / "all", source="spec", spec=tmp_path / "s.json")
+    resurgo.import_checkpoint(tmp_path, tmp_path / "out", source="spec", spec=tmp_path / "s.json", only="model.*")
+    assert list(resurgo.load_dict(tmp_path / "out")) == ["model.w"]
+    with pytest.raises(KeyMismatchError, match=r"pattern\(s\) 'opt\.\*', 'x' match no key of the source \(it has 2 keys: model\.w, optim\.m\)"):
+        resurgo.import_checkpoint(tmp_path, tmp_path / "none", source="spec", spec=tmp_path / "s.json", only=["opt.*", "model", "x"])
+    assert not (tmp_path / "none").exists()
+    cli = lambda *args: runner.invoke(app, ["import", str(tmp_path), *map(str, args), "--from", "spec", "--spec", str(tmp_path / "s.json")])
+    assert cli(tmp_path / "cli", "--only", "optim.m", "--only", "nothing").exit_code == 2
+    assert cli(tmp_path / "cli", "--only", "model").exit_code == 0
+    assert list(resurgo.load_dict(tmp_path / "cli")) == ["model.w"]
+    (tmp_path / "m").mkdir()
+    save_file(model_state(), str(tmp_path / "m" / "model.safetensors"))
+    assert runner.invoke(app, ["import", str(tmp_path / "m"), "--from", "hf", "--emit-spec", str(tmp_path / "e.json"),
+                               "--only", "layers"]).exit_code == 0
+    assert [t.key for t in spec_lang.loads((tmp_path / "e.json").read_text()).tensors] == ["layers.0.weight", "layers.0.bias"]
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+
+def test_memory_budget_bounds_the_peak_resident_memory(tmp_path):
+    """A 96 MiB source imported with a 16 MiB budget: the process's peak resident memory (VmHWM,
+    reset first) grows by less than the budget: the sources are read into the writers' slice
+    buffers, not mapped (a mapping's pages would all be resident by the end)."""
+    size = 96 << 20
+    with open(tmp_path / "src.bin", "wb") as f:
+        for i in range(size >> 20):
+            f.write(torch.full((1 << 18,), float(i)).numpy().tobytes())
+    n = size // 4
+    doc = spec_doc([{"key": "a", "dtype": "float32", "shape": [n // 2], "pieces": [piece(0, [n // 2], flat={"start": 0, "stop": n // 2})]},
+                    {"key": "b", "dtype": "float32", "shape": [n // 2], "pieces": [piece(size // 2, [n // 2], flat={"start": 0, "stop": n // 2})]}])
+    spec = spec_lang.loads(json.dumps(doc))
+    resurgo.import_checkpoint(tmp_path, tmp_path / "warm", source="spec", spec=spec)  # imports, caches: not the import's memory
+    with pytest.raises(resurgo.errors.MemoryBudgetError, match=r"memory_budget=9437184 is below what one writer holds \(10485760 bytes"):
+        resurgo.import_checkpoint(tmp_path, tmp_path / "small", source="spec", spec=spec, memory_budget="9MiB")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident size
+    before = _status_bytes("VmRSS:")
+    report = resurgo.import_checkpoint(tmp_path, tmp_path / "out", source="spec", spec=spec, memory_budget="16MiB")
+    peak_growth = _status_bytes("VmHWM:") - before
+    assert report.bytes_read == size
+    assert list(report.seconds) == ["spec", "check", "prepare", "write_and_commit", "read", "checksum", "write", "fsync",
+                                    "commit", "total"]
+    assert 0 < report.seconds["read"] and report.seconds["write_and_commit"] < report.seconds["total"]
+    assert peak_growth < 16 << 20, f"peak resident memory grew by {peak_growth} bytes"
+    got = resurgo.load_dict(tmp_path / "out")
+    assert torch.equal(got["b"][-1:], torch.tensor([95.0])) and torch.equal(got["a"][:1], torch.tensor([0.0]))
+
+
+def test_a_source_cut_short_while_it_is_read_is_named(tmp_path):
+    from resurgo.interop.execute import _FileStream
+
+    (tmp_path / "src.bin").write_bytes(bytes(range(100)))
+    fd = os.open(tmp_path / "src.bin", os.O_RDONLY)
+    try:
+        stream = _FileStream(torch.empty(50, dtype=torch.int32), fd, 40, "src.bin")  # needs bytes [40, 240)
+        out = np.empty(200, dtype=np.uint8)
+        with pytest.raises(CorruptCheckpointError, match=r"src.bin: ended at byte 60 of a piece that needs 200 bytes \(from byte 40\); the file was truncated"):
+            stream.read_into(0, out)
+        assert bytes(stream.read_into(8, out[:40])) == bytes(range(48, 88))
+    finally:
+        os.close(fd)

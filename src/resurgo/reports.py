@@ -64,4 +64,6 @@ class ImportReport:
     bytes_read: int  # tensor bytes read from the sources, replicas (compared) included
     bytes_written: int  # every byte of every file, manifest and headers included
     seconds: dict[str, float] = field(default_factory=dict)
-    """Phases: total."""
+    """Phases: spec (reading the source's metadata into a spec), check (file lengths, replicas),
+    prepare (plan, staging), write_and_commit; within it, summed over the writer threads: read,
+    checksum, write, fsync; then commit; and total."""

@@ -30,6 +30,9 @@ def import_(
     allow_pickle: bool = typer.Option(
         False, "--allow-pickle", help="Also import items that only full unpickling builds (runs the source's code: "
                                       "trusted sources only)."),
+    only: Optional[list[str]] = typer.Option(
+        None, "--only", metavar="PATTERN", help="Import only the keys matching PATTERN: a glob ('model.*') or a key "
+                                                "prefix ('model'); repeat for several. A pattern matching nothing is refused."),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable report."),
 ) -> None:
     """Import a foreign checkpoint (DCP, DeepSpeed ZeRO, Hugging Face, torch.save, or any files a spec describes).
@@ -47,11 +50,13 @@ def import_(
         raise typer.Exit(EXIT_USAGE)
     budget = size_option(memory_budget, "--memory-budget")
     from resurgo.interop import spec as spec_lang
-    from resurgo.interop.api import import_checkpoint, spec_of
+    from resurgo.interop.api import import_checkpoint, select, spec_of
 
     with fail_cleanly():
         if emit_spec is not None:
             produced, _ = spec_of(src, source)
+            if only:
+                produced = select(produced, only)
             if emit_spec.exists():
                 from resurgo.errors import CheckpointExistsError
 
@@ -61,7 +66,8 @@ def import_(
                             f"{escape(str(emit_spec))}", soft_wrap=True)
             return
         assert dst is not None
-        report = import_checkpoint(src, dst, source=source, spec=spec, memory_budget=budget, allow_pickle=allow_pickle)
+        report = import_checkpoint(src, dst, source=source, spec=spec, memory_budget=budget, allow_pickle=allow_pickle,
+                                    only=only or None)
     if as_json:
         print_json(asdict(report))
         return

@@ -6,11 +6,14 @@ The importer of ``source`` emits a spec (:mod:`resurgo.interop.spec`), or the ca
 
 from __future__ import annotations
 
+import fnmatch
 import os
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from resurgo.conversion import parse_size
-from resurgo.errors import ImportSpecError, UnsupportedValueError
+from resurgo.errors import ImportSpecError, KeyMismatchError, UnsupportedValueError
 from resurgo.interop import spec as spec_lang
 from resurgo.interop.dcp import spec_from_dcp
 from resurgo.interop.deepspeed import spec_from_deepspeed
@@ -52,9 +55,38 @@ def load_spec(spec: ImportSpec | str | os.PathLike) -> ImportSpec:
     return spec_lang.loads(text, str(path))
 
 
+def _selected(key: str, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(key, pattern) or key.startswith(pattern + ".")
+
+
+def select(spec: ImportSpec, only: str | Sequence[str]) -> ImportSpec:
+    """The part of ``spec`` whose keys match a pattern of ``only``: a glob (``*``, ``?``,
+    ``[...]``, matched against the whole key, ``*`` crossing dots) or a key prefix ending at a dot
+    (``model`` selects ``model.fc.weight``). KeyMismatchError names a pattern that matches nothing."""
+    patterns = [only] if isinstance(only, str) else list(only)
+    if not patterns or not all(isinstance(p, str) and p for p in patterns):
+        raise UnsupportedValueError(f"only must be a non-empty pattern or list of non-empty patterns, not {only!r}")
+    keys = [t.key for t in spec.tensors] + list(spec.values) + list(spec.objects)
+    unmatched = [p for p in patterns if not any(_selected(k, p) for k in keys)]
+    if unmatched:
+        shown = ", ".join(keys[:8]) + (", ..." if len(keys) > 8 else "")
+        raise KeyMismatchError(
+            f"only: pattern(s) {', '.join(map(repr, unmatched))} match no key of the source "
+            f"(it has {len(keys)} keys: {shown}); use a glob such as 'model.*' or a key prefix such as 'model'",
+            missing=unmatched)
+
+    def keep(key: str) -> bool:
+        return any(_selected(key, p) for p in patterns)
+
+    return spec.model_copy(update={"tensors": [t for t in spec.tensors if keep(t.key)],
+                                   "values": {k: v for k, v in spec.values.items() if keep(k)},
+                                   "objects": {k: v for k, v in spec.objects.items() if keep(k)}})
+
+
 def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source: str,
                       spec: ImportSpec | str | os.PathLike | None = None, memory_budget: int | str | None = None,
-                      allow_pickle: bool = False, storage_options: dict | None = None) -> ImportReport:
+                      allow_pickle: bool = False, storage_options: dict | None = None,
+                      only: str | Sequence[str] | None = None) -> ImportReport:
     """Import the foreign checkpoint at ``src`` as a resurgo checkpoint at ``dst``; returns an
     :class:`ImportReport`.
 
@@ -63,12 +95,15 @@ def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source:
     model directory), ``"torch"`` (a torch.save file) or ``"spec"`` (``src`` is the directory the
     spec's file names are relative to; ``spec`` is an ImportSpec or a spec JSON file). With an
     importer's source, a ``spec`` replaces the one the importer would emit. ``memory_budget`` (bytes or ``"2GB"``, default 1 GiB) bounds the
-    buffers; source bytes are read from memory maps as they are written. ``dst`` appears only
+    buffers; source bytes are read in large slices as they are written. ``dst`` appears only
     when complete and is never replaced (CheckpointExistsError). Nothing is unpickled beyond
     tensor locations and plain values; the spec's pickled ``objects`` (DCP items that are not
     plain values) raise PickleNotAllowedError unless ``allow_pickle=True``, which unpickles them
     fully (only for a trusted source). ``storage_options`` go to fsspec for a URL ``dst``.
+    ``only``: a pattern or list of patterns (:func:`select`); only the tensors and values whose
+    keys match are read and written.
     """
+    t0 = time.perf_counter()
     budget = None if memory_budget is None else parse_size(memory_budget, "memory_budget")
     if spec is not None:
         chosen = load_spec(spec)
@@ -77,7 +112,11 @@ def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source:
             spec_of(src, source)  # the same refusal
     else:
         chosen, root = spec_of(src, source)
+    if only is not None:
+        chosen = select(chosen, only)
+    t_spec = time.perf_counter() - t0
     report = execute(chosen, root, dst, source=source, memory_budget=budget, storage_options=storage_options,
                      allow_pickle=allow_pickle)
+    report.seconds = {"spec": t_spec, **report.seconds, "total": time.perf_counter() - t0}
     report.src = str(src)
     return report

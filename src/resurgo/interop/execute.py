@@ -1,10 +1,14 @@
 """The one spec executor: a validated :class:`ImportSpec` becomes an ordinary resurgo checkpoint.
 
 It is not a second pipeline. Each piece is a view of the source file where its bytes lie (a
-copy-on-write memory map, never written: pages are read as the writer asks for them), declared
-to the save machinery as a :class:`~resurgo.layout.shards.Pieces` leaf; ``prepare_save`` plans the
-files and ``write_and_commit`` streams them (a contiguous piece straight from the map, a strided
-one a slice at a time), checksums them and commits atomically. Before anything is written every
+copy-on-write memory map, never written), declared to the save machinery as a
+:class:`~resurgo.layout.shards.Pieces` leaf; ``prepare_save`` plans the files and
+``write_and_commit`` streams them, checksums them and commits atomically. The writers get each
+contiguous piece as a :class:`_FileStream`: read with large ``preadv`` calls into the writer's
+slice buffer (the GIL released), the next slice's read announced to the kernel meanwhile, so reads
+overlap hashing and writing and the memory held is the writers' slice buffers, within
+``memory_budget``, whatever the source's size (pages of a memory map would all stay resident).
+A strided piece is copied a slice at a time from the map. Before anything is written every
 source file is checked to exist and be long enough, and replicas are compared bit for bit, or,
 for a piece whose ``combine`` is ``"mean"``, averaged into memory (within the budget). The
 spec's pickled ``objects`` are unpickled, and saved as pickled values, only with ``allow_pickle``.
@@ -18,6 +22,7 @@ import math
 import os
 import time
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,12 +41,15 @@ from resurgo.format import dtypes
 from resurgo.interop.spec import ImportSpec, Piece, Source, row_major_strides, span_elements
 from resurgo.interop.torch_file import member_start
 from resurgo.layout.shards import LocalPiece, Pieces
-from resurgo.pipeline.buffers import as_copyable, copy_flat_range
+from resurgo.pipeline.buffers import TensorStream, as_copyable, copy_flat_range
 from resurgo.pipeline.save import DEFAULT_IO_THREADS, LazySources, prepare_save, write_and_commit
 from resurgo.pipeline.writer import SLICE_BYTES
 from resurgo.reports import ImportReport
+from resurgo.state.flatten import TensorLeaf
+from resurgo.storage.direct_io import BOUNCE_BYTES
 
 DEFAULT_MEMORY_BUDGET = 1 << 30
+WRITER_BYTES = SLICE_BYTES + BOUNCE_BYTES  # what one writer thread holds: its slice and its aligned write buffer
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,23 @@ class _Sources:
         self.root = root
         self._regions: dict[tuple[str, str | None], _Region] = {}
         self._maps: dict[Path, np.memmap] = {}
+        self._fds: dict[Path, int] = {}
+        # by id() of the view given to the pipeline; the view is kept alive so that its id stays its own
+        self._streams: dict[int, tuple[torch.Tensor, _FileStream]] = {}
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def stream(self, view: torch.Tensor) -> "_FileStream | None":
+        """The stream of a contiguous piece's view (None for anything else)."""
+        found = self._streams.get(id(view))
+        return found[1] if found is not None and found[0] is view else None
+
+    def read_seconds(self) -> float:
+        """Seconds the streams spent reading, summed over the writer threads."""
+        return sum(stream.seconds for _, stream in self._streams.values())
 
     def region(self, file: str, member: str | None) -> _Region:
         key = (file, member)
@@ -99,7 +124,13 @@ class _Sources:
             self._maps[region.path] = np.memmap(region.path, dtype=np.uint8, mode="c")
         flat = torch.from_numpy(self._maps[region.path][start: start + span * size]).view(tdtype)
         strides = tuple(src.strides) if src.strides is not None else row_major_strides(shape)
-        return flat.as_strided(tuple(shape), strides)
+        view = flat.as_strided(tuple(shape), strides)
+        if view.is_contiguous():
+            if region.path not in self._fds:
+                self._fds[region.path] = os.open(region.path, os.O_RDONLY)
+                os.posix_fadvise(self._fds[region.path], 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            self._streams[id(view)] = (view, _FileStream(view, self._fds[region.path], start, region.name))
+        return view
 
     def check_length(self, src: Source | Piece, shape: list[int], dtype: str, what: str) -> int:
         """The bytes the source's elements span; CorruptCheckpointError if the file is too short."""
@@ -113,6 +144,50 @@ class _Sources:
                 f"{region.name}: {what} needs bytes [{src.offset}, {need}) but it holds {region.size} bytes "
                 f"(expected at least {need}); the source file is truncated or the spec is wrong")
         return math.prod(shape) * dtypes.itemsize(dtype)
+
+
+class _FileStream(TensorStream):
+    """A contiguous piece's bytes read from its file with ``preadv`` into the writer's buffer."""
+
+    def __init__(self, view: torch.Tensor, fd: int, start: int, name: str):
+        super().__init__(view)
+        self._fd, self._start, self._name = fd, start, name
+        self.seconds = 0.0  # spent reading (one writer thread reads a stream)
+
+    def read_into(self, offset: int, out: np.ndarray) -> memoryview:
+        t0 = time.perf_counter()
+        pos, want = self._start + offset, len(out)
+        done = 0
+        while done < want:  # preadv may return less than asked; 0 is the file's end
+            got = os.preadv(self._fd, [out[done:]], pos + done)
+            if got == 0:
+                raise CorruptCheckpointError(
+                    f"{self._name}: ended at byte {pos + done - self._start} of a piece that needs "
+                    f"{self.nbytes} bytes (from byte {self._start}); the file was truncated during the import")
+            done += got
+        rest = self.nbytes - offset - want
+        if rest > 0:  # the kernel reads the next slice while this one is hashed and written
+            os.posix_fadvise(self._fd, pos + want, min(rest, want), os.POSIX_FADV_WILLNEED)
+        self.seconds += time.perf_counter() - t0
+        return out.data.cast("B")
+
+
+class _StreamedSources(Mapping):
+    """What the writers read, by chunk name: a contiguous piece as its :class:`_FileStream`, any
+    other leaf as the save pipeline gives it (:class:`LazySources`)."""
+
+    def __init__(self, leaves: dict[str, TensorLeaf], sources: _Sources):
+        self._leaves, self._sources, self._lazy = leaves, sources, LazySources(leaves)
+
+    def __getitem__(self, key: str) -> "np.ndarray | TensorStream":
+        stream = self._sources.stream(self._leaves[key].value)
+        return stream if stream is not None else self._lazy[key]
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self._leaves)
+
+    def __len__(self) -> int:
+        return len(self._leaves)
 
 
 def _equal_bits(a: torch.Tensor, b: torch.Tensor, slice_elements: int) -> bool:
@@ -201,9 +276,20 @@ def execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, *
     The spec's ``objects`` are unpickled only with ``allow_pickle`` (PickleNotAllowedError otherwise)."""
     t_start = time.perf_counter()
     budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
-    if budget < SLICE_BYTES:
-        raise MemoryBudgetError(f"memory_budget={budget} is below one write slice ({SLICE_BYTES} bytes); raise it")
+    if budget < WRITER_BYTES:
+        raise MemoryBudgetError(f"memory_budget={budget} is below what one writer holds ({WRITER_BYTES} bytes: an "
+                                f"{SLICE_BYTES >> 20} MiB slice and a {BOUNCE_BYTES >> 20} MiB aligned write buffer); raise it")
     sources = _Sources(Path(root))
+    try:
+        return _execute(spec, root, dst, sources, source=source, budget=budget, storage_options=storage_options,
+                        metadata=metadata, allow_pickle=allow_pickle, t_start=t_start)
+    finally:
+        sources.close()
+
+
+def _execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, sources: _Sources, *, source: str,
+             budget: int, storage_options: dict | None, metadata: dict | None, allow_pickle: bool,
+             t_start: float) -> ImportReport:
     objects = _load_objects(spec, sources, allow_pickle)
     bytes_read = 0
     for t in spec.tensors:  # every length first: nothing is written from a truncated source
@@ -224,6 +310,7 @@ def execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, *
                     raise CorruptCheckpointError(
                         f"{sources.region(r.file, r.member).name}: tensor {t.key!r} piece {i} replica {j} differs from "
                         f"the piece at {sources.region(p.file, p.member).name} offset {p.offset}: replicas must be equal")
+    t_checked = time.perf_counter()
     state: dict[str, Any] = {}
     for t in spec.tensors:
         if math.prod(t.shape) == 0:  # nothing to read: an empty tensor of its shape
@@ -236,10 +323,16 @@ def execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, *
     state.update(objects)
     if any(t.path is not None for t in spec.tensors):
         state = _nested(spec, state)
-    threads = max(1, min(DEFAULT_IO_THREADS, budget // SLICE_BYTES))
+    # The means are held until written: the writers share what they leave of the budget.
+    threads = max(1, min(DEFAULT_IO_THREADS, (budget - averaged) // WRITER_BYTES))
     prep = prepare_save(state, dst, overwrite=False, allow_pickle=allow_pickle, step=None, metadata=metadata,
                         io_threads=threads, block_bytes=None, storage_options=storage_options)
-    saved = write_and_commit(prep, LazySources(prep.leaves))
+    t_prepared = time.perf_counter()
+    saved = write_and_commit(prep, _StreamedSources(prep.leaves, sources))
+    seconds = {"check": t_checked - t_start, "prepare": t_prepared - t_checked,
+               "write_and_commit": saved.seconds["write_and_commit"], "read": sources.read_seconds(),
+               **{k: saved.seconds[k] for k in ("checksum", "write", "fsync", "commit")},
+               "total": time.perf_counter() - t_start}
     return ImportReport(src=str(root), dst=str(dst), source=source, num_tensors=len(spec.tensors),
                         num_values=len(spec.values) + len(objects), tensor_bytes=prep.tensor_bytes, bytes_read=bytes_read,
-                        bytes_written=saved.bytes_written, seconds={"total": time.perf_counter() - t_start})
+                        bytes_written=saved.bytes_written, seconds=seconds)
