@@ -385,15 +385,16 @@ def test_mean_is_refused_for_integer_dtypes_and_round_trips_in_json():
     assert text.count('"combine":"mean"') == 1 and '"equal"' not in text  # the default is left out
 
 
-def test_means_beyond_half_the_memory_budget_are_refused_before_writing(tmp_path):
-    n = (5 << 20) // 4  # 5 MiB of float32 averaged: more than half of an 8 MiB budget
+def test_means_beyond_the_memory_budget_are_refused_before_writing(tmp_path):
+    n = (5 << 20) // 4  # 5 MiB of float32 averaged: with one writer's 10 MiB, more than a 12 MiB budget
     write_raw(tmp_path, bytes(8 * n))
     doc = spec_doc([{"key": "w", "dtype": "float32", "shape": [n], "pieces": [
         piece(0, [n], box={"offsets": [0], "shape": [n]}, combine="mean", replicas=[{"file": "src.bin", "offset": 4 * n}])]}])
     with pytest.raises(MemoryBudgetError, match=rf"the averaged pieces \(combine 'mean'\) hold {4 * n} bytes in memory until "
-                                                rf"written, more than half of memory_budget={8 << 20}; raise memory_budget"):
+                                                rf"written; with one writer's {10 << 20} bytes that is more than "
+                                                rf"memory_budget={12 << 20}; raise memory_budget"):
         resurgo.import_checkpoint(tmp_path, tmp_path / "out", source="spec", spec=spec_lang.loads(json.dumps(doc)),
-                                  memory_budget=8 << 20)
+                                  memory_budget=12 << 20)
     assert not (tmp_path / "out").exists()
     resurgo.import_checkpoint(tmp_path, tmp_path / "out", source="spec", spec=spec_lang.loads(json.dumps(doc)),
                               memory_budget=16 << 20)

@@ -299,9 +299,10 @@ def _execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, 
                 bytes_read += sources.check_length(r, p.shape, t.dtype, f"tensor {t.key!r} piece {i} replica {j}")
     compare_elements = budget // 4
     averaged = sum(p.numel * dtypes.itemsize(t.dtype) for t in spec.tensors for p in t.pieces if p.combine == "mean")
-    if averaged > budget // 2:  # the means are held until written; the other half is for slices
+    if averaged + WRITER_BYTES > budget:  # the means are held until written, beside at least one writer
         raise MemoryBudgetError(f"{root}: the averaged pieces (combine 'mean') hold {averaged} bytes in memory until "
-                                f"written, more than half of memory_budget={budget}; raise memory_budget")
+                                f"written; with one writer's {WRITER_BYTES} bytes that is more than "
+                                f"memory_budget={budget}; raise memory_budget")
     for t in spec.tensors:
         for i, p in enumerate(t.pieces):
             for j, r in enumerate(p.replicas if p.combine == "equal" else ()):
