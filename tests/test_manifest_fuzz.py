@@ -834,7 +834,7 @@ def test_not_json(bench: Bench):
 
 
 def test_wrong_format_or_version(bench: Bench):
-    expect(bench, edited(bench, lambda d: d.update(version=3)), ManifestError, "version")
+    expect(bench, edited(bench, lambda d: d.update(version=4)), ManifestError, "version")
     expect(bench, edited(bench, lambda d: d.update(version=0)), ManifestError, "version")
     expect(bench, edited(bench, lambda d: d.update(version=True)), ManifestError)
     expect(bench, edited(bench, lambda d: d.update(version=1.0)), ManifestError)
