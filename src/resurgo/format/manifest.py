@@ -368,7 +368,7 @@ def validate_manifest(m: Manifest, source: str = MANIFEST_NAME) -> None:
             spans = c.spans
             for j, (file, start, stop) in enumerate(spans):
                 if file not in m.files and file not in m.references:
-                    fail(f"{where}: file {file[:200]!r} is listed neither in 'files' nor in 'references'")
+                    fail(f"{where}: file {file[:200]!r} is not listed in 'files' (nor in 'references')")
                 f = m.file_entry(file)
                 if not f.header_bytes <= start <= stop <= f.bytes:
                     fail(f"{where}: byte range {_short([start, stop])} is outside the data area {_short([f.header_bytes, f.bytes])} of {file[:200]!r}")
