@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo study study-full demo-kill test test-slow test-deepspeed bench bench-async bench-overhead bench-s3 install clean
+.PHONY: demo study study-full demo-kill test test-slow test-deepspeed bench bench-async bench-overhead bench-s3 bench-incremental install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -54,6 +54,9 @@ bench: $(STAMP)
 
 bench-async: $(STAMP)
 	$(BIN)/python benchmarks/bench_async.py
+
+bench-incremental: $(STAMP)
+	$(BIN)/python benchmarks/bench_incremental.py
 
 bench-overhead: $(STAMP)
 	$(BIN)/python benchmarks/bench_overhead.py
