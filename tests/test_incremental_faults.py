@@ -64,5 +64,6 @@ def test_sigkill_during_incremental_saves_and_gc(tmp_path: Path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_sigkill_during_incremental_saves_and_gc_soak(tmp_path: Path):
-    kill_and_check(tmp_path, kills=40, seed=2)
+    kill_and_check(tmp_path, kills=30, seed=2)

@@ -242,12 +242,18 @@ def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | Ten
     t_start = time.perf_counter()
     comm = prep.comm
 
+    def write_file(f: FilePlan) -> tuple[list[WrittenFile], list[WrittenChunk]]:
+        plan, reused, reuse, known = _reuse_in_file(prep, f, sources, digests)
+        return ([] if plan is None else [write_data_file(prep.staging, plan, sources, known, reuse)]), reused
+
     def write() -> tuple[list[WrittenFile], list[WrittenChunk]]:
-        files, reused, reuse, known = _plan_reuse(prep, sources, digests)
+        files = prep.plan.files
         if len(files) == 1:
-            return [write_data_file(prep.staging, files[0], sources, known, reuse)], reused
-        with ThreadPoolExecutor(max(1, len(files)), thread_name_prefix="resurgo-write") as pool:
-            return list(pool.map(lambda f: write_data_file(prep.staging, f, sources, known, reuse), files)), reused
+            results = [write_file(files[0])]
+        else:
+            with ThreadPoolExecutor(len(files), thread_name_prefix="resurgo-write") as pool:
+                results = list(pool.map(write_file, files))
+        return [w for ws, _ in results for w in ws], [c for _, cs in results for c in cs]
 
     def manifest(everyone: list[tuple[list[WrittenFile], list[WrittenChunk]]]) -> bytes:
         return build_manifest(prep, [w for ws, _ in everyone for w in ws], [c for _, cs in everyone for c in cs]).to_json_bytes()
@@ -268,40 +274,38 @@ def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | Ten
     )
 
 
-def _plan_reuse(prep: PreparedSave, sources: Mapping[str, "np.ndarray | TensorStream"],
-                digests: Mapping[str, list[str]] | None
-                ) -> tuple[tuple[FilePlan, ...], list[WrittenChunk], dict[str, list[Segment]], Mapping[str, list[str]] | None]:
-    """With a base: hash each chunk the base also has (unless staging hashed it already), compare
-    block by block, and keep in the data files only what changed. Returns the files to write, the
-    chunks reused whole, each partial chunk's segments, and the digests known before writing."""
+def _reuse_in_file(prep: PreparedSave, f: FilePlan, sources: Mapping[str, "np.ndarray | TensorStream"],
+                   digests: Mapping[str, list[str]] | None
+                   ) -> tuple[FilePlan | None, list[WrittenChunk], dict[str, list[Segment]], Mapping[str, list[str]] | None]:
+    """With a base: hash each chunk of file ``f`` that the base also has (unless staging hashed it
+    already), compare block by block, and keep in the file only what changed. Returns the file to
+    write (None: nothing left in it), the chunks reused whole, each partial chunk's segments, and
+    the digests known before writing. Runs in the file's writer thread: one file's hashing
+    overlaps the others' writes."""
     if prep.base is None:
-        return prep.plan.files, [], {}, digests
+        return f, [], {}, digests
     known = dict(digests or {})
     reused: list[WrittenChunk] = []
     reuse: dict[str, list[Segment]] = {}
-    files = []
-    for f in prep.plan.files:
-        items = []
-        for item in f.items:
-            match = prep.base.match(item.key, item.place, item.nbytes, item.block_bytes)
-            if match is None:
-                items.append(item)
-                continue
-            if item.name not in known:
-                known[item.name] = digests_of(sources[item.name], item.nbytes, item.block_bytes)
-            segs = segments(item.nbytes, known[item.name], match)
-            owned = owned_bytes(segs)
-            if owned == item.nbytes:
-                items.append(item)
-            elif owned == 0:
-                reused.append(WrittenChunk(item, "", (0, 0), item.block_bytes, known[item.name],
-                                           reused_extents(segs, "", 0)))
-            else:
-                reuse[item.name] = segs
-                items.append(replace(item, nbytes=owned, partial=True))
-        if items:
-            files.append(FilePlan(f.path, tuple(items)))
-    return tuple(files), reused, reuse, known
+    items = []
+    for item in f.items:
+        match = prep.base.match(item.key, item.place, item.nbytes, item.block_bytes)
+        if match is None:
+            items.append(item)
+            continue
+        if item.name not in known:
+            known[item.name] = digests_of(sources[item.name], item.nbytes, item.block_bytes)
+        segs = segments(item.nbytes, known[item.name], match)
+        owned = owned_bytes(segs)
+        if owned == item.nbytes:
+            items.append(item)
+        elif owned == 0:
+            reused.append(WrittenChunk(item, "", (0, 0), item.block_bytes, known[item.name],
+                                       reused_extents(segs, "", 0)))
+        else:
+            reuse[item.name] = segs
+            items.append(replace(item, nbytes=owned, partial=True))
+    return (FilePlan(f.path, tuple(items)) if items else None), reused, reuse, known
 
 
 def _entry(c: WrittenChunk) -> ChunkEntry:
