@@ -183,3 +183,21 @@ def test_random_saves_retention_and_gc(tmp_path_factory, ops, full_every, keep, 
             m._janitor.join()
             kept = check_root(root, saved)
             assert step in kept or not saved  # the newest is never deleted
+
+
+def test_copies_to_a_durable_tier_are_self_contained(tmp_path: Path):
+    state, saved = make_state(), {}
+    tiers = [resurgo.Tier(tmp_path / "fast", keep_last=1), resurgo.Tier(tmp_path / "durable", keep_last=2)]
+    with resurgo.CheckpointManager(tiers=tiers, incremental=True, async_save=False) as m:
+        for step in (1, 2, 3):
+            state["emb"][step * 8] += 1.0
+            m.save(step, state)
+            saved[step] = snapshot(state)
+        m.wait()
+    # The fast tier keeps 3 and what it references (keep_last=1); the copies hold all their bytes.
+    assert [sorted(e.referenced) for e in scan(tmp_path / "fast")] == [[], [checkpoint_name(1)],
+                                                                      [checkpoint_name(1), checkpoint_name(2)]]
+    assert check_root(tmp_path / "durable", saved) == [2, 3]
+    for e in scan(tmp_path / "durable"):
+        m3 = resurgo.read_manifest(tmp_path / "durable" / e.name)
+        assert not m3.references and m3.owned_bytes == m3.tensor_bytes
