@@ -127,7 +127,7 @@ def test_flipped_referenced_byte_is_caught(tmp_path: Path):
     file, start, _ = m.tensors["frozen"].chunks[0].spans[0]
     path = tmp_path / file
     raw = bytearray(path.read_bytes())
-    raw[start + 5000] ^= 1
+    raw[start + 40_000] ^= 1  # in block 1: blocks of 8 rows of 4 KiB
     path.write_bytes(bytes(raw))
     with pytest.raises(CorruptCheckpointError, match="block 1 "):
         resurgo.load_dict(tmp_path / "b")
@@ -213,3 +213,14 @@ def test_resharded_load_from_an_incremental_checkpoint(tmp_path: Path):
         resurgo.load({"emb": resurgo.Shard(part, (ROWS, WIDTH), offsets)}, tmp_path / "b", strict=False)
         (r, c), (h, w) = offsets, shape
         assert torch.equal(part, state["emb"][r: r + h, c: c + w])
+
+
+def test_incremental_blocks_hold_eight_rows():
+    from resurgo.format.checksum import incremental_block_bytes_for as blocks
+
+    assert blocks(200_000 * 128 * 4, 128 * 4) == 4096  # an embedding row of 512 bytes: 8 rows
+    assert blocks(4096 * 4096 * 2, 4096 * 2) == 64 << 10  # a bfloat16 linear layer: 8 rows of 8 KiB
+    assert blocks(10 << 20, 4) == 4096  # 1-D: at least 4 KiB
+    assert blocks(1 << 30, 512) == 16 << 10  # at most 65536 blocks
+    assert blocks(1 << 19, 4) == 64 << 10  # under 1 MiB: one block for most
+    assert blocks(64 << 20, 4 << 20) == 1 << 20  # at most 1 MiB

@@ -50,7 +50,7 @@ def save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_
     An asynchronous save still in flight is waited for first (its error, if any, is raised here).
     ``base``: an earlier checkpoint in the same directory (or under the same URL prefix); bytes
     whose checksums equal the base's are not written again, the new checkpoint references them
-    (docs/format.md, "References"). ``incremental=True`` (implied by ``base``) picks checksum blocks
+    (docs/format.md, section 3.5). ``incremental=True`` (implied by ``base``) picks checksum blocks
     small enough to be the unit of reuse: pass it to the first save of a series that later saves
     take as their base.
     """

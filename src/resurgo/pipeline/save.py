@@ -185,7 +185,7 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
     gathered = comm.gather((decl, pickled))
     block_rule: Any = block_bytes
     if block_bytes is not None:
-        block_fn: Callable[[int], int] = lambda n: block_bytes
+        block_fn: Callable[[int, int], int] = lambda n, row_bytes: block_bytes
     elif incremental or base is not None:
         block_fn, block_rule = checksum.incremental_block_bytes_for, "incremental"
     else:
