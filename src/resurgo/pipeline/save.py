@@ -41,11 +41,11 @@ from resurgo.format.manifest import (
     TensorEntry,
     declared_files,
     json_depth_exceeds,
+    parse_manifest,
 )
 from resurgo.layout.box import ChunkBox, FlatRange, place_order
 from resurgo.pipeline.buffers import TensorStream, source_for_write
 from resurgo.pipeline.collective import write_then_commit
-from resurgo.pipeline.manifest_read import read_manifest_of
 from resurgo.pipeline.writer import WrittenChunk, WrittenFile, digests_of, reused_extents, write_data_file
 from resurgo.plan.global_plan import GlobalPlan, PlanCache, RankDecl, RankWrite, TensorDecl, TensorMeta
 from resurgo.plan.reuse_plan import BaseIndex, Segment, owned_bytes, segments
@@ -74,6 +74,7 @@ class PreparedSave:
     comm: Comm = field(default_factory=lambda: Comm(0, 1))
     seconds: dict[str, float] = field(default_factory=dict)
     base: BaseIndex | None = None  # the checkpoint whose unchanged bytes this save references
+    incremental: bool = False  # a later save may take this one as its base
 
     @property
     def tensor_bytes(self) -> int:
@@ -146,7 +147,16 @@ def open_base(path: str | os.PathLike, base: str | os.PathLike, storage_options:
     if REFERENCE_RE.fullmatch(f"{there[1]}/data/x.safetensors") is None or TMP_MARKER in there[1]:
         raise UnsupportedValueError(f"{base}: a base's name must match [A-Za-z0-9_.-]{{1,200}} and not be a temporary "
                                     f"directory, to be referenced")
-    return BaseIndex.of(there[1], read_manifest_of(open_checkpoint(base, storage_options)))
+    ckpt = open_checkpoint(base, storage_options)
+    raw = ckpt.read_manifest_bytes()
+    last = _last_incremental
+    manifest = last[1] if last is not None and last[0] == raw else parse_manifest(raw, ckpt.describe(MANIFEST_NAME))
+    return BaseIndex.of(there[1], manifest)
+
+
+# The manifest of this process's last incremental save, built here: the next save's base, most
+# often, which is then not parsed again (the bytes read back must be the very bytes written).
+_last_incremental: tuple[bytes, Manifest] | None = None
 
 
 def _reuse_blocks(w: RankWrite, base: BaseIndex) -> RankWrite:
@@ -213,7 +223,7 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
     return PreparedSave(str(path), plan.tree, plan.tensors, own, pickled, step,
                         dict(metadata) if metadata else None, dict(save_info) if save_info else None,
                         files, staging, comm,
-                        {"flatten": time.perf_counter() - t0}, index)
+                        {"flatten": time.perf_counter() - t0}, index, incremental or base is not None)
 
 
 class LazySources(Mapping):
@@ -256,7 +266,12 @@ def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | Ten
         return [w for ws, _ in results for w in ws], [c for _, cs in results for c in cs]
 
     def manifest(everyone: list[tuple[list[WrittenFile], list[WrittenChunk]]]) -> bytes:
-        return build_manifest(prep, [w for ws, _ in everyone for w in ws], [c for _, cs in everyone for c in cs]).to_json_bytes()
+        global _last_incremental
+        built = build_manifest(prep, [w for ws, _ in everyone for w in ws], [c for _, cs in everyone for c in cs])
+        raw = built.to_json_bytes()
+        if prep.incremental:
+            _last_incremental = (raw, built)
+        return raw
 
     (written, _), manifest_bytes, t_commit = write_then_commit(comm, prep.staging, write, manifest)
     seconds = dict(prep.seconds)
