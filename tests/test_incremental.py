@@ -224,3 +224,26 @@ def test_incremental_blocks_hold_eight_rows():
     assert blocks(1 << 30, 512) == 16 << 10  # at most 65536 blocks
     assert blocks(1 << 19, 4) == 64 << 10  # under 1 MiB: one block for most
     assert blocks(64 << 20, 4 << 20) == 1 << 20  # at most 1 MiB
+
+
+def test_object_store_references_and_manager_retention(mem_url: str):
+    """URLs: the root is the prefix; references resolve through the sibling prefix."""
+    state = make_state()
+    resurgo.save(state, f"{mem_url}/a", incremental=True)
+    state["emb"][9] += 1
+    resurgo.save(state, f"{mem_url}/b", base=f"{mem_url}/a")
+    m = resurgo.read_manifest(f"{mem_url}/b")
+    assert m.owned_bytes == 4096 and all(r.startswith("a/data/") for r in m.references)
+    assert_same(resurgo.load_dict(f"{mem_url}/b"), state)
+    assert verify_checkpoint(f"{mem_url}/b").ok
+    with pytest.raises(UnsupportedValueError, match="not in the same root"):
+        resurgo.save(state, f"{mem_url}/other/c", base=f"{mem_url}/a")
+    from resurgo.manager.catalog import scan
+
+    with resurgo.CheckpointManager(f"{mem_url}/run", keep_last=1, incremental=True, async_save=False) as mgr:
+        for step in (1, 2, 3):
+            state["emb"][step * 8] += 1
+            mgr.save(step, state)
+        mgr.wait()
+    assert [(e.step, e.status) for e in scan(f"{mem_url}/run")] == [(1, "committed"), (2, "committed"), (3, "committed")]
+    assert_same(resurgo.load_dict(f"{mem_url}/run/step_000000003"), state)
