@@ -156,7 +156,7 @@ op = st.one_of(st.tuples(st.just("save"), st.lists(change, max_size=3)),
                st.tuples(st.just("gc"), st.integers(1, 3)))
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(op, min_size=2, max_size=7), full_every=st.integers(1, 4), keep=st.one_of(st.none(), st.integers(1, 3)),
        seed=st.integers(0, 2**16))
 def test_random_saves_retention_and_gc(tmp_path_factory, ops, full_every, keep, seed):
