@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 DS_SITE := .deepspeed-site
 DS_PYTEST := PYTHONPATH=$(DS_SITE) DS_ACCELERATOR=cpu DS_BUILD_OPS=0 $(BIN)/python -m pytest -q -m deepspeed
 
-.PHONY: demo study study-full demo-kill test test-slow test-deepspeed bench bench-async bench-overhead bench-s3 bench-import install clean
+.PHONY: demo study study-full demo-kill test test-slow test-deepspeed bench bench-async bench-overhead bench-s3 bench-import bench-incremental install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -64,6 +64,9 @@ bench: $(STAMP)
 
 bench-async: $(STAMP)
 	$(BIN)/python benchmarks/bench_async.py
+
+bench-incremental: $(STAMP)
+	$(BIN)/python benchmarks/bench_incremental.py
 
 bench-overhead: $(STAMP)
 	$(BIN)/python benchmarks/bench_overhead.py

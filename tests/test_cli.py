@@ -73,7 +73,9 @@ def test_inspect_json_exact(saved: Path):
     assert doc["totals"] == {
         "tensors": 3, "tensor_bytes": 86, "chunks": 3, "data_files": len(files), "data_bytes": data_bytes,
         "manifest_bytes": manifest_bytes, "bytes_on_disk": data_bytes + manifest_bytes,
+        "owned_tensor_bytes": 86, "referenced_tensor_bytes": 0,
     }
+    assert doc["references"] == {}
     assert doc["step"] == 7
     assert doc["metadata"] == {"run": "r1", "lr": 0.5}
     assert doc["library"]["resurgo"] == resurgo.__version__

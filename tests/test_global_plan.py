@@ -133,7 +133,7 @@ def test_any_change_the_plan_depends_on_replans():
     }
     for what, decls in changes.items():
         rule = 4096 if what == "block rule" else None
-        block_fn = (lambda n: 4096) if rule else checksum.block_bytes_for
+        block_fn = (lambda n, row_bytes: 4096) if rule else checksum.block_bytes_for
         primed = PlanCache()
         primed.plan(base, checksum.block_bytes_for, None)
         got = primed.plan(decls, block_fn, rule)

@@ -834,7 +834,7 @@ def test_not_json(bench: Bench):
 
 
 def test_wrong_format_or_version(bench: Bench):
-    expect(bench, edited(bench, lambda d: d.update(version=3)), ManifestError, "version")
+    expect(bench, edited(bench, lambda d: d.update(version=4)), ManifestError, "version")
     expect(bench, edited(bench, lambda d: d.update(version=0)), ManifestError, "version")
     expect(bench, edited(bench, lambda d: d.update(version=True)), ManifestError)
     expect(bench, edited(bench, lambda d: d.update(version=1.0)), ManifestError)
@@ -1193,7 +1193,7 @@ def test_duplicate_keys_in_the_json(bench: Bench):
     """JSON objects with a repeated name: whatever a parser keeps, the result is checked like any other."""
     bench.attempt(bench.raw.replace(b'{"format"', b'{"version":2,"format"', 1))
     bench.attempt(bench.raw.replace(b'{"format"', b'{"format":"x","format"', 1))
-    expect(bench, bench.raw.replace(b'"version":2', b'"version":2,"version":3', 1), ManifestError)
+    expect(bench, bench.raw.replace(b'"version":2', b'"version":2,"version":4', 1), ManifestError)
 
 
 def test_key_mismatch_is_a_resurgo_error(bench: Bench):

@@ -30,7 +30,8 @@ __all__ = ["save", "async_save", "AsyncSaveHandle", "load", "load_dict", "read_m
 def save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_pickle: bool = False,
          step: int | None = None, metadata: dict | None = None, io_threads: int = DEFAULT_IO_THREADS,
          block_bytes: int | None = None, storage_options: dict | None = None,
-         save_info: dict | None = None) -> SaveReport:
+         save_info: dict | None = None, base: str | os.PathLike | None = None,
+         incremental: bool = False) -> SaveReport:
     """Save ``state`` as a checkpoint directory at ``path``; returns a :class:`SaveReport`.
 
     ``path`` is a local path or an fsspec URL (``s3://bucket/run/step_100``, ``memory://...``);
@@ -47,12 +48,17 @@ def save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_
     ``metadata`` describes the state (it is compared by ``resurgo diff``); ``save_info`` describes
     this save (timings, host, policies: JSON, shown by ``inspect``, left out of ``diff`` by default).
     An asynchronous save still in flight is waited for first (its error, if any, is raised here).
+    ``base``: an earlier checkpoint in the same directory (or under the same URL prefix); bytes
+    whose checksums equal the base's are not written again, the new checkpoint references them
+    (docs/format.md, section 3.5). ``incremental=True`` (implied by ``base``) picks checksum blocks
+    small enough to be the unit of reuse: pass it to the first save of a series that later saves
+    take as their base.
     """
     t_start = time.perf_counter()
     inflight.settle(if_busy="wait")
     prep = prepare_save(state, path, overwrite=overwrite, allow_pickle=allow_pickle, step=step,
                         metadata=metadata, io_threads=io_threads, block_bytes=block_bytes,
-                        storage_options=storage_options, save_info=save_info)
+                        storage_options=storage_options, save_info=save_info, base=base, incremental=incremental)
     report = write_and_commit(prep, LazySources(prep.leaves))
     report.seconds["stage"] = 0.0  # tensors are written from their own memory, copied only when they must be
     report.seconds["total"] = time.perf_counter() - t_start
@@ -64,11 +70,12 @@ def async_save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, 
                block_bytes: int | None = None, storage_options: dict | None = None,
                save_info: dict | None = None, guard: Any = None, if_busy: str = "wait",
                memory_budget: int | None = None, fallback: str = "raise",
-               on_commit: Callable[[SaveReport], None] | None = None) -> AsyncSaveHandle:
+               on_commit: Callable[[SaveReport], None] | None = None,
+               base: str | os.PathLike | None = None, incremental: bool = False) -> AsyncSaveHandle:
     """Snapshot ``state`` and save it in the background; returns an :class:`AsyncSaveHandle`
     once every tensor is copied out (``handle.wait()`` -> SaveReport, or the save's error).
 
-    The arguments of :func:`save`, and: ``guard``, an optimizer whose parameters and state may be
+    The arguments of :func:`save` (``base`` and ``incremental`` included), and: ``guard``, an optimizer whose parameters and state may be
     copied after the call returns (the next ``guard.step()`` waits for the copy); ``if_busy``,
     "wait" (default) for a save still in flight or "raise" SaveInFlightError; ``memory_budget``,
     the most staging bytes allowed (a larger snapshot raises MemoryBudgetError, or with
@@ -81,7 +88,7 @@ def async_save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, 
                             metadata=metadata, io_threads=io_threads, block_bytes=block_bytes,
                             storage_options=storage_options, save_info=save_info, guard=guard,
                             if_busy=if_busy, memory_budget=memory_budget, fallback=fallback,
-                            on_commit=on_commit)
+                            on_commit=on_commit, base=base, incremental=incremental)
 
 
 def read_manifest(path: str | os.PathLike, *, storage_options: dict | None = None) -> Manifest:

@@ -52,6 +52,7 @@ from resurgo.format import dtypes, values
 from resurgo.format.manifest import Manifest
 from resurgo.format.safetensors_file import HeaderEntry, build_header
 from resurgo.format.tree import iter_values
+from resurgo.pipeline import data_files
 from resurgo.pipeline.manifest_read import read_manifest_of
 from resurgo.pipeline.stream_read import TensorByteStream, tensor_nbytes
 from resurgo.plan.convert_plan import HF_INDEX_FILE, is_hf_output_file, plan_shards, shard_file_names
@@ -126,7 +127,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, memory_b
     manifest = read_manifest_of(ckpt)
     if not is_url(src) and os.path.realpath(dst) == os.path.realpath(local_path(src)):
         raise CheckpointExistsError(f"{dst}: is the source checkpoint; convert into another path")
-    ckpt.check_sizes({name: f.bytes for name, f in manifest.files.items()})  # before any output exists
+    data_files.check_sizes(ckpt, manifest)  # before any output exists
     if to == "dcp":
         report = _to_dcp(src, storage_options, ckpt, manifest, Path(dst), only, budget, overwrite, allow_pickle,
                          io_threads, progress)

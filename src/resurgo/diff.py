@@ -34,6 +34,7 @@ from resurgo.format.manifest import Manifest, TensorEntry
 from resurgo.format.tree import iter_values
 from resurgo.layout.box import FlatRange, place_order
 from resurgo.layout.shards import LocalPiece
+from resurgo.pipeline import data_files
 from resurgo.pipeline.buffers import typed_view
 from resurgo.pipeline.manifest_read import read_manifest_of
 from resurgo.pipeline.reader import read_destinations
@@ -103,7 +104,7 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike, *, stats: bool 
     ca, cb = open_checkpoint(a, storage_options), open_checkpoint(b, storage_options)
     ma, mb = read_manifest_of(ca), read_manifest_of(cb)
     for ckpt, m in ((ca, ma), (cb, mb)):  # a missing or cut file costs a stat to catch, not a read
-        ckpt.check_sizes({name: f.bytes for name, f in m.files.items()})
+        data_files.check_sizes(ckpt, m)
     out = CheckpointDiff(str(a), str(b))
     if verify:
         out.bytes_verified = sum(_verify_all(path, storage_options) for path in (a, b))

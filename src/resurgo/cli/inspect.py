@@ -22,6 +22,12 @@ def _place_json(chunk) -> dict:
     return {"flat": {"start": chunk.flat.start, "stop": chunk.flat.stop}}
 
 
+def _where_json(chunk) -> dict:
+    if chunk.extents is None:
+        return {"file": chunk.file, "byte_range": list(chunk.byte_range)}
+    return {"extents": [{"file": f, "byte_range": [a, b]} for f, a, b in chunk.spans]}
+
+
 def inspect_summary(path: str | os.PathLike, with_chunks: bool = False) -> dict:
     """Everything ``inspect --json`` prints: read from the manifest only."""
     from resurgo.manager.catalog import size_problems
@@ -34,7 +40,7 @@ def inspect_summary(path: str | os.PathLike, with_chunks: bool = False) -> dict:
             "bytes": sum(c.nbytes for c in t.chunks), "num_chunks": len(t.chunks),
         }
         if with_chunks:
-            entry["chunks"] = [{**_place_json(c), "file": c.file, "byte_range": list(c.byte_range)} for c in t.chunks]
+            entry["chunks"] = [{**_place_json(c), **_where_json(c)} for c in t.chunks]
         tensors[key] = entry
     data_bytes = sum(f.bytes for f in manifest.files.values())
     return {
@@ -57,7 +63,11 @@ def inspect_summary(path: str | os.PathLike, with_chunks: bool = False) -> dict:
             "data_bytes": data_bytes,
             "manifest_bytes": manifest_bytes,
             "bytes_on_disk": data_bytes + manifest_bytes,
+            "owned_tensor_bytes": manifest.owned_bytes,
+            "referenced_tensor_bytes": sum(manifest.referenced_bytes.values()),
         },
+        "references": {name: {"bytes_used": used, "file_bytes": manifest.references[name].bytes}
+                       for name, used in sorted(manifest.referenced_bytes.items())},
         "warnings": size_problems(path, manifest),
     }
 
@@ -108,8 +118,9 @@ def _print_inspect(s: dict, with_chunks: bool) -> None:
                 place = c.get("box")
                 text = ("[" + ", ".join(f"{o}:{o + n}" for o, n in zip(place["offsets"], place["shape"])) + "]"
                         if place is not None else f"flat[{c['flat']['start']}:{c['flat']['stop']}]")
-                ct.add_row(escape(key), str(i), escape(text), escape(c["file"]),
-                           escape(f"[{c['byte_range'][0]}, {c['byte_range'][1]})"))
+                for j, where in enumerate(c.get("extents") or [c]):
+                    ct.add_row(escape(key) if j == 0 else "", str(i) if j == 0 else "", escape(text) if j == 0 else "",
+                               escape(where["file"]), escape(f"[{where['byte_range'][0]}, {where['byte_range'][1]})"))
         out.print(ct)
         out.print()
 
@@ -131,6 +142,12 @@ def _print_inspect(s: dict, with_chunks: bool) -> None:
     totals.add_row("tensors", str(tot["tensors"]), f"{human_bytes(tot['tensor_bytes'])} in {plural(tot['chunks'], 'chunk')}")
     totals.add_row("data files", str(tot["data_files"]), human_bytes(tot["data_bytes"]))
     totals.add_row("manifest", "1", human_bytes(tot["manifest_bytes"]))
+    if s["references"]:  # bytes this checkpoint reads from earlier checkpoints of its root
+        totals.add_row("owned", "", f"{human_bytes(tot['owned_tensor_bytes'])} of tensor data in its own files")
+        totals.add_row("referenced", str(len(s["references"])),
+                       f"{human_bytes(tot['referenced_tensor_bytes'])} of tensor data in files of earlier checkpoints:")
+        for name, ref in s["references"].items():
+            totals.add_row("", "", escape(f"{name}: {human_bytes(ref['bytes_used'])} used"))
     totals.add_row("on disk", str(tot["data_files"] + 1), f"{human_bytes(tot['bytes_on_disk'])} ({tot['bytes_on_disk']} bytes)")
     out.print(totals)
     for w in s["warnings"]:
@@ -139,7 +156,7 @@ def _print_inspect(s: dict, with_chunks: bool) -> None:
 
 def inspect(
     path: str = typer.Argument(..., metavar="PATH", help="A checkpoint directory or URL (s3://bucket/run/step_100)."),
-    chunks: bool = typer.Option(False, "--chunks", help="List every chunk: its place, file and byte range."),
+    chunks: bool = typer.Option(False, "--chunks", help="List every chunk: its place, file(s) and byte range(s)."),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary."),
 ) -> None:
     """Keys, dtypes, shapes, sizes, metadata and values of a checkpoint (reads only the manifest)."""

@@ -38,7 +38,7 @@ def verify(
             with progress_bar("verifying", manifest.tensor_bytes, progress, quiet=as_json) as advance:
                 report = verify_checkpoint(path, progress=advance)
             seconds = time.perf_counter() - t0
-    n_files = len(manifest.files) if manifest else 0
+    n_files = len(manifest.files) + len(manifest.references) if manifest else 0  # referenced files are read too
     if as_json:
         print_json({"path": str(path), "ok": report.ok, "tensor_bytes": manifest.tensor_bytes if manifest else None,
                      "bytes_checked": report.bytes_checked, "chunks_checked": report.chunks_checked,

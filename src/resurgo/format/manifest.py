@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -28,8 +29,9 @@ from resurgo.gcpause import collector_paused
 from resurgo.layout.box import ChunkBox, FlatRange, Place, covers_exactly_once
 
 FORMAT_NAME = "resurgo.checkpoint"
-FORMAT_VERSION = 2  # what resurgo writes
-READABLE_VERSIONS = (2,)
+FORMAT_VERSION = 2  # what resurgo writes for a self-contained checkpoint
+REFERENCING_VERSION = 3  # what it writes for one that references another checkpoint's data files
+READABLE_VERSIONS = (2, 3)
 UNSEALED_VERSION = 1  # 2 without the manifest's own checksum: refused, nothing proves it unedited
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 30
@@ -38,7 +40,11 @@ MAX_BLOCK_BYTES = 1 << 30
 MAX_METADATA_DEPTH = 64  # nested JSON arrays/objects in 'metadata' (readers' parsers have limits)
 MAX_TENSOR_BYTES = (1 << 62) - 1  # with every dimension counted as at least 1
 DATA_FILE_RE = re.compile(r"^data/[A-Za-z0-9_.-]{1,200}\.safetensors$")
+# A data file of another checkpoint of the same root: "<checkpoint>/data/<name>.safetensors".
+REFERENCE_RE = re.compile(r"^([A-Za-z0-9_.-]{1,200})/(data/[A-Za-z0-9_.-]{1,200}\.safetensors)$")
+TMP_MARKER = ".resurgo-tmp-"  # in a name: a save in progress, never a checkpoint
 _HEX128 = re.compile(r"[0-9a-f]{32}")
+_HEX = re.compile(r"[0-9a-f]*")
 SEAL_FIELD = "manifest_checksum"
 _SEAL_KEY = b'"manifest_checksum":"'
 _SEAL_ZEROS = b"0" * 32
@@ -68,14 +74,28 @@ def place_of(box: Optional[BoxPlace], flat: Optional[FlatPlace]) -> Place:
     return FlatRange(flat.start, flat.stop)
 
 
+class Extent(_Strict):
+    """A run of a chunk's bytes: ``byte_range`` of ``file`` (this checkpoint's, or a reference)."""
+
+    file: str
+    byte_range: Annotated[list[int], Field(min_length=2, max_length=2)]
+
+
+Span = tuple[str, int, int]  # (file, start, stop): absolute byte offsets in the file
+
+
 class ChunkEntry(_Strict):
-    """One stored piece of a tensor: where it sits in the tensor and where its bytes are."""
+    """One stored piece of a tensor: where it sits in the tensor and where its bytes are.
+
+    Its bytes are either one range of one data file (``file``, ``byte_range``) or, in a checkpoint
+    that reuses an earlier one's bytes, the concatenation of ``extents``."""
 
     box: Optional[BoxPlace] = None
     flat: Optional[FlatPlace] = None
-    file: str
+    file: Optional[str] = None
     name: Optional[str] = None  # the chunk's tensor name in the data file; omitted: the tensor's key
-    byte_range: Annotated[list[int], Field(min_length=2, max_length=2)]  # absolute [start, stop) in the file
+    byte_range: Optional[Annotated[list[int], Field(min_length=2, max_length=2)]] = None  # absolute [start, stop)
+    extents: Optional[list[Extent]] = None
     block_bytes: int
     checksums: list[str]
 
@@ -84,8 +104,38 @@ class ChunkEntry(_Strict):
         return place_of(self.box, self.flat)
 
     @property
+    def spans(self) -> list[Span]:
+        """Where the chunk's bytes are, in order: one span, or one per extent."""
+        if self.extents is None:
+            assert self.file is not None and self.byte_range is not None
+            return [(self.file, self.byte_range[0], self.byte_range[1])]
+        return [(e.file, e.byte_range[0], e.byte_range[1]) for e in self.extents]
+
+    @property
     def nbytes(self) -> int:
-        return self.byte_range[1] - self.byte_range[0]
+        return sum(stop - start for _, start, stop in self.spans)
+
+    def locate(self, start: int, stop: int) -> list[tuple[str, int, int, int]]:
+        """Bytes ``[start, stop)`` of the chunk as ``(file, file offset, chunk start, chunk stop)``
+        pieces, one per span they cross."""
+        return locate(self.spans, start, stop)
+
+    def name_in_file(self, key: str) -> str:
+        return key if self.name is None else self.name
+
+
+def locate(spans: Sequence[Span], start: int, stop: int) -> list[tuple[str, int, int, int]]:
+    """Bytes ``[start, stop)`` of the concatenation of ``spans`` as ``(file, file offset, start,
+    stop)`` pieces, one per span they cross."""
+    out, at = [], 0
+    for file, a, b in spans:
+        lo, hi = max(start, at), min(stop, at + b - a)
+        if lo < hi:
+            out.append((file, a + lo - at, lo, hi))
+        at += b - a
+        if at >= stop:
+            break
+    return out
 
     def name_in_file(self, key: str) -> str:
         return key if self.name is None else self.name
@@ -104,6 +154,14 @@ class FileEntry(_Strict):
     header_checksum: str  # xxh3-128 of those header bytes
 
 
+def split_reference(name: str) -> tuple[str, str]:
+    """``(checkpoint, data file)`` of a reference ``"<checkpoint>/data/<name>.safetensors"``."""
+    match = REFERENCE_RE.fullmatch(name)
+    if match is None:
+        raise ValueError(f"not a reference: {name[:200]!r}")
+    return match.group(1), match.group(2)
+
+
 class Manifest(_Strict):
     format: Literal["resurgo.checkpoint"]
     version: int
@@ -116,6 +174,7 @@ class Manifest(_Strict):
     checksum_algorithm: Literal["xxh3-128"]
     pickled: bool
     files: dict[str, FileEntry]
+    references: dict[str, FileEntry] = Field(default_factory=dict)  # other checkpoints' data files (v3)
     tensors: dict[str, TensorEntry]
     tree: dict[str, Any]
     manifest_checksum: Optional[str] = None  # required on read (checked against the bytes); set by seal()
@@ -124,9 +183,35 @@ class Manifest(_Strict):
         """The compact JSON of the manifest, sealed: its checksum is the last member."""
         doc = self.model_dump(exclude_none=True)
         doc.pop(SEAL_FIELD, None)
-        if not doc["save_info"]:  # optional: a manifest without it reads as it always did
-            del doc["save_info"]
+        for optional in ("save_info", "references"):  # absent when empty: a manifest reads as it always did
+            if not doc[optional]:
+                del doc[optional]
         return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())
+
+    def file_entry(self, name: str) -> FileEntry:
+        """The entry of a data file a chunk names: this checkpoint's own, or a reference."""
+        return self.files[name] if name in self.files else self.references[name]
+
+    @property
+    def owned_bytes(self) -> int:
+        """Tensor bytes stored in this checkpoint's own data files."""
+        return sum(b - a for t in self.tensors.values() for c in t.chunks for f, a, b in c.spans if f in self.files)
+
+    @property
+    def referenced_bytes(self) -> dict[str, int]:
+        """Tensor bytes read from each referenced data file."""
+        out = dict.fromkeys(self.references, 0)
+        for t in self.tensors.values():
+            for c in t.chunks:
+                for f, a, b in c.spans:
+                    if f in self.references:
+                        out[f] += b - a
+        return out
+
+    @property
+    def referenced_checkpoints(self) -> frozenset[str]:
+        """The names of the checkpoints (in the same root) whose data files this one reads."""
+        return frozenset(split_reference(name)[0] for name in self.references)
 
     @property
     def tensor_bytes(self) -> int:
@@ -248,13 +333,18 @@ def validate_manifest(m: Manifest, source: str = MANIFEST_NAME) -> None:
     for name in ("metadata", "save_info"):
         if json_depth_exceeds(getattr(m, name), MAX_METADATA_DEPTH):
             fail(f"'{name}' is nested deeper than {MAX_METADATA_DEPTH} levels")
+    if m.version < REFERENCING_VERSION and m.references:
+        fail(f"'references' needs format version {REFERENCING_VERSION}, the manifest says {m.version}")
     for path, entry in m.files.items():
         if not DATA_FILE_RE.fullmatch(path) or ".." in path.split("/"):
             fail(f"data file path {path[:200]!r} is not of the form data/<name>.safetensors")
-        if not 8 <= entry.header_bytes <= entry.bytes:
-            fail(f"data file {path!r}: header of {_short(entry.header_bytes)} bytes does not fit its {_short(entry.bytes)} bytes")
-        if not _HEX128.fullmatch(entry.header_checksum):
-            fail(f"data file {path!r}: header_checksum must be 32 hex characters")
+        _check_file_entry(path, entry, fail)
+    for path, entry in m.references.items():
+        match = REFERENCE_RE.fullmatch(path)
+        if match is None or match.group(1) in (".", "..") or TMP_MARKER in match.group(1) or ".." in path.split("/"):
+            fail(f"reference {path[:200]!r} is not of the form <checkpoint>/data/<name>.safetensors "
+                 f"naming another committed checkpoint of the same root")
+        _check_file_entry(path, entry, fail)
     for key, t in m.tensors.items():
         if not dtypes.is_known(t.dtype) or (t.kind == "numpy" and t.dtype not in dtypes.NUMPY_DTYPES):
             fail(f"tensor {key!r}: unknown {t.kind} dtype {t.dtype[:40]!r}")
@@ -265,15 +355,28 @@ def validate_manifest(m: Manifest, source: str = MANIFEST_NAME) -> None:
             fail(f"tensor {key!r}: shape {_short(t.shape)} is too large (even with a zero dimension, strides overflow)")
         places: list[Place] = []
         for i, c in enumerate(t.chunks):
-            where = f"tensor {key!r} chunk {i} in {c.file[:200]!r}"
+            where = f"tensor {key!r} chunk {i}" + (f" in {c.file[:200]!r}" if c.file is not None else "")
             if (c.box is None) == (c.flat is None):
                 fail(f"{where}: needs exactly one of 'box' or 'flat'")
-            if c.file not in m.files:
-                fail(f"{where}: the file is not listed in 'files'")
-            start, stop = c.byte_range
-            f = m.files[c.file]
-            if not f.header_bytes <= start <= stop <= f.bytes:
-                fail(f"{where}: byte range {_short([start, stop])} is outside the data area {_short([f.header_bytes, f.bytes])} of the file")
+            if c.extents is None and (c.file is None or c.byte_range is None):
+                fail(f"{where}: needs 'file' and 'byte_range', or 'extents'")
+            if c.extents is not None and (c.file is not None or c.byte_range is not None or not c.extents):
+                fail(f"{where}: 'extents' (a non-empty list) replaces 'file' and 'byte_range'")
+            if c.extents is not None and m.version < REFERENCING_VERSION:
+                fail(f"{where}: 'extents' needs format version {REFERENCING_VERSION}, the manifest says {m.version}")
+            if not 1 <= c.block_bytes <= MAX_BLOCK_BYTES:
+                fail(f"{where}: block_bytes {_short(c.block_bytes)} out of range")
+            spans = c.spans
+            for j, (file, start, stop) in enumerate(spans):
+                if file not in m.files and file not in m.references:
+                    fail(f"{where}: file {file[:200]!r} is not listed in 'files' (nor in 'references')")
+                f = m.file_entry(file)
+                if not f.header_bytes <= start <= stop <= f.bytes:
+                    fail(f"{where}: byte range {_short([start, stop])} is outside the data area {_short([f.header_bytes, f.bytes])} of {file[:200]!r}")
+                if c.extents is not None and (stop == start or (j < len(spans) - 1 and (stop - start) % c.block_bytes)):
+                    fail(f"{where}: extent {j} holds {stop - start} bytes: extents are not empty, and all but the last "
+                         f"hold whole checksum blocks of {_short(c.block_bytes)} bytes")
+            start, stop = 0, c.nbytes
             place = c.place
             if isinstance(place, ChunkBox) and not (len(place.offsets) == len(place.shape) == len(t.shape)):
                 fail(f"{where}: box rank differs from the tensor's rank {len(t.shape)}")
@@ -282,11 +385,9 @@ def validate_manifest(m: Manifest, source: str = MANIFEST_NAME) -> None:
             if place.numel * size != stop - start:
                 fail(f"{where}: {place.numel} elements of {t.dtype} need {place.numel * size} bytes, "
                      f"the byte range holds {_short(stop - start)}")
-            if not 1 <= c.block_bytes <= MAX_BLOCK_BYTES:
-                fail(f"{where}: block_bytes {_short(c.block_bytes)} out of range")
             if len(c.checksums) != checksum.block_count(stop - start, c.block_bytes):
                 fail(f"{where}: {len(c.checksums)} checksums for {checksum.block_count(stop - start, c.block_bytes)} blocks")
-            if not all(_HEX128.fullmatch(h) for h in c.checksums):
+            if not _all_hex128(c.checksums):
                 fail(f"{where}: checksums must be 32 hex characters")
             places.append(place)
         if len({type(p) for p in places}) > 1:
@@ -296,3 +397,15 @@ def validate_manifest(m: Manifest, source: str = MANIFEST_NAME) -> None:
         if not places and math.prod(t.shape) != 0:
             fail(f"tensor {key!r}: has no chunks but {math.prod(t.shape)} elements")
     validate_tree(m.tree, {k: t.kind for k, t in m.tensors.items()}, m.pickled, source)
+
+
+def _all_hex128(digests: list[str]) -> bool:
+    """Every digest is 32 lowercase hex digits (one regex over them all: a chunk may have 10^5)."""
+    return set(map(len, digests)) <= {32} and _HEX.fullmatch("".join(digests)) is not None
+
+
+def _check_file_entry(path: str, entry: FileEntry, fail: Callable[[str], None]) -> None:
+    if not 8 <= entry.header_bytes <= entry.bytes:
+        fail(f"data file {path!r}: header of {_short(entry.header_bytes)} bytes does not fit its {_short(entry.bytes)} bytes")
+    if not _HEX128.fullmatch(entry.header_checksum):
+        fail(f"data file {path!r}: header_checksum must be 32 hex characters")

@@ -4,6 +4,7 @@
 """
 
 from resurgo.manager.daly import daly_interval
+from resurgo.manager.full_policy import FullEvery, FullSavePolicy, IncrementalContext
 from resurgo.manager.manager import MTBF_ENV, CheckpointManager
 from resurgo.manager.policies import (
     AllOf,
@@ -22,6 +23,6 @@ from resurgo.manager.tiers import Tier
 __all__ = [
     "CheckpointManager", "Tier", "daly_interval", "MTBF_ENV",
     "SavePolicy", "SaveContext", "EveryNSteps", "EverySeconds", "AtSteps", "OnPreemption", "DalyInterval",
-    "AnyOf", "AllOf",
+    "AnyOf", "AllOf", "FullSavePolicy", "FullEvery", "IncrementalContext",
     "RetentionPolicy", "Kept", "KeepLast", "KeepEvery", "KeepBest", "KeepAny", "steps_to_delete",
 ]

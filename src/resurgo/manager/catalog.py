@@ -25,7 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from resurgo.errors import ResurgoError
-from resurgo.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, declared_files, parse_manifest
+from resurgo.format.manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    declared_files,
+    parse_manifest,
+    split_reference,
+)
 from resurgo.storage.base import Listing, Root
 from resurgo.storage.local import TMP_MARKER, TRASH_TAG
 from resurgo.storage.open import open_root
@@ -70,6 +77,12 @@ class Entry:
     where: Path | str | None = None  # its path or URL (None: ``path``)
     newest: float = 0.0  # the latest modification time of what is stored under it
     nbytes: int = 0  # the bytes stored under it
+    references: dict[str, int] = field(default_factory=dict)  # files of other checkpoints it reads -> their sizes
+
+    @property
+    def referenced(self) -> frozenset[str]:
+        """The names of the checkpoints of its root whose data files it references."""
+        return frozenset(split_reference(r)[0] for r in self.references)
 
     @property
     def name(self) -> str:
@@ -102,6 +115,24 @@ def size_problems(location: str | os.PathLike, manifest: Manifest) -> list[str]:
     root = open_root(location)
     found = root.listing(".")
     return size_problems_in(found.files if found is not None else {}, manifest, root.size_words)
+
+
+def reference_problems(root: Root, name: str, manifest: Manifest) -> list[str]:
+    """The files ``manifest`` (of the entry ``name``) references in other checkpoints of ``root``
+    that are missing or of another size: one listing per referenced checkpoint."""
+    problems = []
+    parent = name.rsplit("/", 1)[0] + "/" if "/" in name else ""
+    listings: dict[str, Listing | None] = {}
+    for ref, entry in sorted(manifest.references.items()):
+        owner, rel = split_reference(ref)
+        if owner not in listings:
+            listings[owner] = root.listing(parent + owner)
+        found = listings[owner]
+        size = found.files.get(rel) if found is not None else None
+        if size != entry.bytes:
+            problems.append(f"{ref} (referenced): " + ("missing" if size is None else
+                            f"{size} bytes {root.size_words}, the manifest says {entry.bytes}"))
+    return problems
 
 
 def _lenient_manifest_fields(raw: bytes | None) -> tuple[int | None, str | None]:
@@ -155,6 +186,7 @@ def classify_listing(root: Root, found: Listing, step: int | None = None) -> Ent
         lenient_step, created = _lenient_manifest_fields(raw)
         return Entry(Path(found.name), CORRUPT, step if step is not None else lenient_step, created, str(e), **here)
     problems = size_problems_in(found.files, manifest, root.size_words)
+    problems += reference_problems(root, found.name, manifest)
     if step is not None and manifest.step != step:
         problems.append(f"its manifest says step {manifest.step}, its name says step {step}")
     if problems:
@@ -162,7 +194,7 @@ def classify_listing(root: Root, found: Listing, step: int | None = None) -> Ent
         return Entry(Path(found.name), CORRUPT, manifest.step if step is None else step, manifest.created_at,
                      problems[0] + more, **here)
     return Entry(Path(found.name), COMMITTED, manifest.step, manifest.created_at, "", dict(manifest.metadata),
-                 dict(manifest.save_info), **here)
+                 dict(manifest.save_info), references={r: e.bytes for r, e in manifest.references.items()}, **here)
 
 
 def _root(root: Root | str | os.PathLike) -> Root:
@@ -202,6 +234,13 @@ def remove(root: Root, name: str, *, dry_run: bool = False) -> bool:
     directory) crash-safely, if resurgo wrote all of it (else ForeignFilesError, nothing
     deleted); False when nothing is there. ``dry_run``: only check."""
     return root.remove(name, declared_files, dry_run=dry_run)
+
+
+def references_by_step(entries: list[Entry]) -> dict[int, set[int]]:
+    """For each checkpoint of a manager root (by step), the steps whose data files it references."""
+    step_of_name = {e.name: e.step for e in entries if e.step is not None}
+    return {e.step: {step_of_name[n] for n in e.referenced if step_of_name.get(n) is not None}
+            for e in entries if e.step is not None and e.references}
 
 
 def list_checkpoints(location: str | os.PathLike, *, verify: bool = False) -> list[Entry]:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from resurgo.errors import ForeignFilesError, UnsupportedValueError
-from resurgo.manager.catalog import COMMITTED, CORRUPT, Entry, remove, scan
+from resurgo.manager.catalog import COMMITTED, CORRUPT, Entry, references_by_step, remove, scan
 from resurgo.storage.open import open_root
 from resurgo.manager.retention import (
     KeepAny,
@@ -31,6 +31,7 @@ from resurgo.manager.retention import (
     describe,
     policy_from_spec,
     policy_parts,
+    referencing,
     steps_to_delete,
 )
 
@@ -43,6 +44,7 @@ class GcItem:
     action: str  # delete | keep
     reason: str
     nbytes: int = 0  # its size as stored (set by run_gc)
+    turn: int = 0  # deletions run by turn: no checkpoint goes before one that references it
 
 
 @dataclass
@@ -121,7 +123,11 @@ def plan_gc(entries: Sequence[Entry], policy: RetentionPolicy | None, *, now: fl
 
     A kept committed checkpoint's reason names every rule that keeps it."""
     committed = [Kept(e.step, e.metrics) for e in entries if e.status == COMMITTED and e.step is not None]
-    doomed = set(steps_to_delete(committed, policy))
+    refs = references_by_step(list(entries))
+    # A corrupt checkpoint is never removed: what it references stays with it.
+    protect = [e.step for e in entries if e.status == CORRUPT and e.step is not None]
+    order = steps_to_delete(committed, policy, protect, refs)
+    doomed = set(order)
     newest = max((k.step for k in committed), default=None)
     keeps = [(describe(p), p.keep(committed)) for p in policy_parts(policy)]
     plan = []
@@ -134,6 +140,9 @@ def plan_gc(entries: Sequence[Entry], policy: RetentionPolicy | None, *, now: fl
                 why = ["the newest committed checkpoint"] if e.step == newest else []
                 if rules:
                     why.append("kept by " + ", ".join(rules))
+                users = sorted(s for s, r in refs.items() if e.step in r and s not in doomed)
+                if users:
+                    why.append("its data files are referenced by step " + ", ".join(map(str, users)))
                 if policy is None:
                     why.append("no retention rule: every checkpoint is kept")
                 plan.append(GcItem(e, KEEP, "; ".join(why)))
@@ -146,6 +155,9 @@ def plan_gc(entries: Sequence[Entry], policy: RetentionPolicy | None, *, now: fl
             else:
                 plan.append(GcItem(e, KEEP, f"{e.status}, changed {age:.0f} s ago (a save may be running; "
                                             f"stale after {stale_after:g} s)"))
+    for item in plan:  # a checkpoint is deleted before the ones it references (crash-safe)
+        if item.action == DELETE and item.entry.status == COMMITTED:
+            item.turn = order.index(item.entry.step or 0)
     return plan
 
 
@@ -163,13 +175,22 @@ def run_gc(root: str | os.PathLike, *, keep_last: int | None = None, keep_every:
     by_path: dict[Path, Entry] = {e.path: e for e in entries}
     plan = plan_gc(entries, policy, now=time.time(), stale_after=stale_after, mtime=lambda path: by_path[path].newest)
     run = GcRun(plan, describe(policy) if policy is not None else "none (every committed checkpoint is kept)", source)
-    for item in plan:
+    refs = references_by_step(entries)
+    kept_steps = {item.entry.step for item in plan if item.action == KEEP and item.entry.step is not None}
+    for item in sorted(plan, key=lambda item: item.turn):
         item.nbytes = item.entry.nbytes
         if item.action == DELETE:
+            users = referencing(item.entry.step, kept_steps, refs)
+            if users and item.entry.status == COMMITTED and item.entry.step is not None:  # a refused one needs it
+                item.action, item.reason = KEEP, f"its data files are referenced by step {users[0]}, which is kept"
+                kept_steps.add(item.entry.step)
+                continue
             try:
                 remove(store, item.entry.name, dry_run=dry_run)
             except ForeignFilesError as e:
                 item.action, item.reason = KEEP, f"refused: {e}"
                 run.refused.append(str(e))
+                if item.entry.step is not None:
+                    kept_steps.add(item.entry.step)
     return run
 

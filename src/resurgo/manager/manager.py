@@ -26,6 +26,7 @@ from typing import Any
 
 from resurgo.api import DEFAULT_IO_THREADS, AsyncSaveHandle, async_save, load, read_manifest, save
 from resurgo.errors import (
+    CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     ForeignFilesError,
@@ -38,8 +39,20 @@ from resurgo.errors import (
 from resurgo.dist import comm as dist_comm
 from resurgo.format.manifest import declared_files
 from resurgo.manager import agreement
-from resurgo.manager.catalog import COMMITTED, CORRUPT, INCOMPLETE, TEMPORARY, Entry, checkpoint_name, classify, remove, scan
+from resurgo.manager.catalog import (
+    COMMITTED,
+    CORRUPT,
+    INCOMPLETE,
+    TEMPORARY,
+    Entry,
+    checkpoint_name,
+    classify,
+    references_by_step,
+    remove,
+    scan,
+)
 from resurgo.manager.daly import daly_interval
+from resurgo.manager.full_policy import FullEvery, FullSavePolicy, IncrementalContext
 from resurgo.manager.policies import (
     AnyOf,
     AtSteps,
@@ -55,6 +68,7 @@ from resurgo.manager.retention import (
     Kept,
     RetentionPolicy,
     policy_spec,
+    referencing,
     shortcut_policy,
     steps_to_delete,
 )
@@ -178,6 +192,12 @@ class CheckpointManager:
     asynchronous save, the caller's thread of a synchronous one. It should return quickly (the
     next save waits for it); an exception it raises is warned (RuntimeWarning), never lost, and
     does not fail the save. :attr:`latest_committed_step` reads the same event without blocking.
+
+    ``incremental=True`` saves each checkpoint with the previous one as its base: bytes that did
+    not change are referenced in the earlier checkpoints' files instead of written again, and a
+    full save comes every 10 saves (:class:`~resurgo.manager.full_policy.FullEvery`; pass a
+    policy object instead of True to choose). Retention and ``resurgo gc`` keep every checkpoint
+    a kept one references. Copies to later tiers are self-contained.
     """
 
     def __init__(self, root: str | os.PathLike | None = None, *, every_steps: int | None = None,
@@ -188,7 +208,8 @@ class CheckpointManager:
                  signals: Iterable[int] = (signal.SIGTERM,), guard: Any = None,
                  io_threads: int = DEFAULT_IO_THREADS, storage_options: dict | None = None,
                  tiers: Iterable[Tier] | None = None,
-                 on_commit: Callable[[int, Path | str], None] | None = None) -> None:
+                 on_commit: Callable[[int, Path | str], None] | None = None,
+                 incremental: bool | FullSavePolicy = False) -> None:
         self.tiers = self._compose_tiers(root, storage_options, tiers)
         self._roots: list[Root] = [open_root(t.root, t.storage_options) for t in self.tiers]
         self._store: Root = self._roots[0]
@@ -200,6 +221,13 @@ class CheckpointManager:
         parts = [p for p in (retention, shortcuts) if p is not None]
         self.retention: RetentionPolicy | None = parts[0] if len(parts) == 1 else KeepAny(*parts) if parts else None
         self._retention_record = self._describe_retention()
+        if not (isinstance(incremental, bool) or isinstance(incremental, FullSavePolicy)):
+            raise TypeError(f"incremental must be True, False or a full-save policy (full(ctx) -> bool), "
+                            f"not {incremental!r}")
+        self.full_policy: FullSavePolicy | None = FullEvery() if incremental is True else incremental or None
+        self._base_step: int | None = None  # the checkpoint the next incremental save references
+        self._since_full = 0  # incremental saves since the base's last full save
+        self._pending_chain = 0  # the next value of _since_full, once the pending save commits
         self.async_save = bool(async_save)
         self._guard = guard
         self._io_threads = io_threads
@@ -397,6 +425,11 @@ class CheckpointManager:
         self._last_save_step = step
         self._last_save_time = time.monotonic()
         manifest = read_manifest(path, storage_options=self._roots[tier].storage_options)
+        if tier == 0:  # the base of the next incremental save
+            chain = manifest.save_info.get("incremental", {})
+            since = chain.get("saves_since_full") if isinstance(chain, dict) else None
+            self._base_step = step
+            self._since_full = since if type(since) is int and since >= 0 else 0
         cost = manifest.save_info.get("save_cost_seconds", manifest.metadata.get("save_cost_seconds"))
         if isinstance(cost, (int, float)) and not isinstance(cost, bool) and math.isfinite(cost) and cost >= 0:
             self._save_cost = float(cost)  # the interval survives restarts without a measuring save
@@ -440,18 +473,24 @@ class CheckpointManager:
         save_info = {"save_cost_seconds": self._save_cost, **self._retention_record}
         self._wait_commit()  # the previous save: its error is raised here, its retention starts
         overwrite = self._make_way(path, step)
-        log.info("saving step %d to %s", step, path)
+        base = self._choose_base(step)
+        if self.full_policy is not None:
+            self._pending_chain = 0 if base is None else self._since_full + 1
+            save_info["incremental"] = {"saves_since_full": self._pending_chain}
+        incremental = self.full_policy is not None
+        log.info("saving step %d to %s%s", step, path, f" (base {base})" if base is not None else "")
         if self.async_save:
             self._pending = async_save(state, path, step=step, metadata=metadata, save_info=save_info, overwrite=overwrite,
                                        guard=self._guard, io_threads=self._io_threads,
                                        storage_options=self._store.storage_options,
-                                       on_commit=lambda _report: self._announce_commit(step, path))
+                                       on_commit=lambda _report: self._announce_commit(step, path),
+                                       base=base, incremental=incremental)
             self._pending_step = step
             log.info("staged step %d; writing in the background", step)
         else:
             save(state, path, step=step, metadata=metadata, save_info=save_info, overwrite=overwrite,
                  io_threads=self._io_threads,
-                 storage_options=self._store.storage_options)
+                 storage_options=self._store.storage_options, base=base, incremental=incremental)
             self._announce_commit(step, path)
             self._committed(step)
         cost = time.monotonic() - t_start  # the stall of an async save, the whole of a sync one
@@ -460,6 +499,21 @@ class CheckpointManager:
         self._last_save_step = step
         self._last_save_time = time.monotonic()
         self._unreadable_steps.discard(step)
+
+    def _choose_base(self, step: int) -> Path | str | None:
+        """The base of an incremental save of ``step``: the checkpoint this manager last committed
+        or restored in its first tier, unless the full-save policy asks for a full save."""
+        base = self._base_step
+        if self.full_policy is None or base is None or base == step or base in self._unreadable_steps:
+            return None
+        path = self.path_for(base)
+        try:
+            manifest = read_manifest(path, storage_options=self._store.storage_options)
+        except ResurgoError as e:  # gone or damaged since: a full save does not need it
+            log.warning("not using step %d as a base (%s): saving step %d in full", base, e, step)
+            return None
+        ctx = IncrementalContext(self._since_full, manifest.tensor_bytes, sum(manifest.referenced_bytes.values()))
+        return None if self.full_policy.full(ctx) else path
 
     def _make_way(self, path: Path | str, step: int) -> bool:
         """Whether the save must replace something already at ``path`` (it warns what). Something
@@ -471,6 +525,12 @@ class CheckpointManager:
         entry = classify(self._store, step)
         if entry is None:
             return False
+        users = [e.location for e in scan(self._store) if e.status == COMMITTED and entry.name in e.referenced]
+        if users:
+            raise CheckpointExistsError(
+                f"{path}: step {step} is already saved, and {users[0]}" + (f" (and {len(users) - 1} more)" if len(users) > 1 else "")
+                + " references its data files: replacing it would break them. Delete the later checkpoints "
+                "(resurgo gc --keep-last, or by hand) or save to another root")
         try:
             remove(self._store, entry.name, dry_run=True)
         except ForeignFilesError:
@@ -512,6 +572,7 @@ class CheckpointManager:
 
     def _committed(self, step: int) -> None:
         log.info("committed step %d", step)
+        self._base_step, self._since_full = step, self._pending_chain
         # Copies first: retention may then delete the source. Every rank queues them, in commit
         # order, since each copies its share (collectives of the "copy" channel, in the janitor).
         for tier in range(1, len(self.tiers)):
@@ -529,18 +590,28 @@ class CheckpointManager:
     def _apply_retention(self, just_committed: int, unreadable: frozenset[int], tier: int = 0,
                          retention: RetentionPolicy | None = None) -> None:
         store = self._roots[tier]
-        committed = [Kept(e.step, e.metrics) for e in scan(store)
+        entries = scan(store)
+        committed = [Kept(e.step, e.metrics) for e in entries
                      if e.status == COMMITTED and e.step is not None and e.step not in unreadable]
         protect: tuple[int, ...] = (just_committed,)
         if tier == 0:
             with self._copies_lock:
                 protect += tuple(self._copies_pending)
+            base = self._base_step  # the base of the save that may be running now
+            # Unreadable and corrupt ones are never deleted here: what they reference stays too.
+            protect += ((base,) if base is not None else ()) + tuple(
+                e.step for e in entries if e.step is not None and (e.step in unreadable or e.status == CORRUPT))
         refused: list[ForeignFilesError] = []
-        for s in steps_to_delete(committed, retention or self.retention, protect=protect):
+        refs = references_by_step(entries)
+        kept = {e.step for e in entries if e.step is not None}
+        for s in steps_to_delete(committed, retention or self.retention, protect=protect, references=refs):
+            if referencing(s, kept, refs):  # one whose deletion was refused still references it
+                continue
             log.info("deleting step %d (%s)", s, self.path_for(s, tier))
             try:
                 if remove(store, checkpoint_name(s)):
                     log.info("deleted step %d", s)
+                kept.discard(s)
             except ForeignFilesError as e:  # left in place; the others still go
                 refused.append(e)
         if refused:

@@ -14,7 +14,7 @@ cannot apply.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -192,13 +192,40 @@ def policy_parts(policy: RetentionPolicy | None) -> list[RetentionPolicy]:
 
 
 def steps_to_delete(checkpoints: Sequence[Kept], policy: RetentionPolicy | None,
-                    protect: Iterable[int] = ()) -> list[int]:
-    """Steps to delete, oldest first: those ``policy`` does not keep, never the newest
-    checkpoint nor a step in ``protect``. ``policy=None`` keeps everything."""
+                    protect: Iterable[int] = (), references: Mapping[int, Collection[int]] | None = None) -> list[int]:
+    """Steps to delete, in the order to delete them: those ``policy`` does not keep, never the
+    newest checkpoint nor a step in ``protect``, nor one that a step kept references.
+    ``policy=None`` keeps everything.
+
+    ``references``: the steps whose data files each checkpoint references (every committed one,
+    those left out of ``checkpoints`` too). A kept checkpoint keeps what it references, and so on
+    (it stays readable). A step is deleted only once no step still there references it, so a
+    deletion cut short never leaves a checkpoint with missing bytes; otherwise oldest first.
+    """
     if policy is None or not checkpoints:
         return []
+    refs = references or {}
     kept = policy.keep(checkpoints) | {max(c.step for c in checkpoints)} | set(protect)
-    return sorted(c.step for c in checkpoints if c.step not in kept)
+    pending = list(kept)
+    while pending:  # what kept checkpoints reference is kept too, transitively
+        for s in refs.get(pending.pop(), ()):
+            if s not in kept:
+                kept.add(s)
+                pending.append(s)
+    doomed = sorted(c.step for c in checkpoints if c.step not in kept)
+    order: list[int] = []
+    while doomed:
+        free = [s for s in doomed if not any(s in refs.get(o, ()) for o in doomed if o != s)]
+        if not free:  # a cycle (not written by resurgo: references point at earlier saves) is kept
+            break
+        order.extend(free)
+        doomed = [s for s in doomed if s not in free]
+    return order
+
+
+def referencing(step: int | None, steps: Collection[int], refs: Mapping[int, Collection[int]]) -> list[int]:
+    """Those of ``steps`` whose checkpoints reference the data files of ``step``'s."""
+    return sorted(s for s in steps if s != step and step in refs.get(s, ()))
 
 
 def shortcut_policy(keep_last: int | None = None, keep_every: int | None = None,

@@ -3,7 +3,9 @@
 The source's manifest is read and checked first (:mod:`resurgo.pipeline.manifest_read`). The
 data files are streamed in pieces from the source's read handles into a save at the destination,
 several files at once, and committed there with the source's manifest bytes, unchanged, by the
-same collective sequence as a save (:mod:`resurgo.pipeline.collective`): the destination's commit
+same collective sequence as a save (:mod:`resurgo.pipeline.collective`). A checkpoint that
+references another's data files is copied self-contained: the referenced files become its own
+(:func:`self_contained`), and the manifest is rewritten to say so: the destination's commit
 protocol applies (temporary directory and rename on a filesystem; data objects, then the manifest,
 on an object store), so a copy cut short is never a checkpoint.
 
@@ -21,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from resurgo.dist.comm import Comm
 from resurgo.format.manifest import Manifest
 from resurgo.pipeline.collective import open_staging, write_then_commit
+from resurgo.pipeline.data_files import open_data_file
 from resurgo.pipeline.manifest_read import read_manifest_and_bytes
 from resurgo.plan.copy_plan import assign_files
 from resurgo.storage.base import check_size
@@ -28,6 +31,31 @@ from resurgo.storage.open import open_checkpoint
 from resurgo.storage.ownership import DeclaredFiles
 
 PIECE_BYTES = 16 << 20
+
+
+def self_contained(manifest: Manifest) -> tuple[Manifest, dict[str, str]]:
+    """``manifest`` with every referenced data file taken in as one of its own, and the source of
+    each of its data files (own name -> name in ``manifest``). A copy holds all its bytes: it may
+    live where the checkpoints it references do not."""
+    sources = {name: name for name in manifest.files}
+    if not manifest.references:
+        return manifest, sources
+    renamed: dict[str, str] = {}
+    n = 0
+    for ref in sorted(manifest.references):
+        # A name of the form resurgo writes (rank<R>-<I>): a copy cut short is then recognized as
+        # resurgo's and cleaned up; no rank of a real job is that high.
+        while (name := f"data/rank{100000 + n}-000.safetensors") in manifest.files:
+            n += 1
+        renamed[ref], sources[name] = name, ref
+        n += 1
+    doc = manifest.model_dump(exclude_none=True)
+    doc["files"] |= {renamed[r]: e for r, e in doc.pop("references").items()}
+    for t in doc["tensors"].values():
+        for c in t["chunks"]:
+            for e in c.get("extents", ()):
+                e["file"] = renamed.get(e["file"], e["file"])
+    return Manifest.model_validate(doc), sources
 
 
 def data_files(manifest: Manifest) -> list[tuple[str, int]]:
@@ -52,7 +80,10 @@ def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, src_optio
     lists (:mod:`resurgo.storage.ownership`)."""
     group = comm or Comm(0, 1)  # alone, agree() and broadcast() are local
     source = open_checkpoint(src, src_options)
-    manifest, raw = read_manifest_and_bytes(source)
+    original, raw = read_manifest_and_bytes(source)
+    manifest, sources = self_contained(original)
+    if manifest is not original:
+        raw = manifest.to_json_bytes()
     files = data_files(manifest)
     sizes = dict(files)
     mine = share_of(files, group)
@@ -61,9 +92,9 @@ def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, src_optio
     def copy_file(name: str) -> None:
         total = sizes[name]
         buf = bytearray(min(PIECE_BYTES, total))
-        reader = source.open_read(name)
+        reader = open_data_file(source, original, sources[name])
         try:
-            check_size(source.path, name, reader.size, total)
+            check_size(source.path, sources[name], reader.size, total)
             writer = staging.create(name)
             try:
                 for off in range(0, total, PIECE_BYTES):

@@ -16,7 +16,7 @@ from resurgo.dist import comm as dist_comm
 from resurgo.errors import CheckpointReplacedError, KeyMismatchError, PickleNotAllowedError, ResurgoError
 from resurgo.format import checksum
 from resurgo.format.manifest import Manifest
-from resurgo.pipeline import consistent, inflight
+from resurgo.pipeline import consistent, data_files, inflight
 from resurgo.pipeline.manifest_read import read_manifest_and_bytes
 from resurgo.pipeline.reader import ReadResult, read_destinations
 from resurgo.reports import LoadReport
@@ -47,7 +47,7 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
                     f"{ckpt.path}: holds pickled values; loading them could run code from the file. "
                     "Pass allow_pickle=True only if you trust this checkpoint."
                 )
-            ckpt.check_sizes({name: f.bytes for name, f in manifest.files.items()})  # before any allocation
+            data_files.check_sizes(ckpt, manifest)  # before any allocation
             restorer = Restorer(manifest, allow_pickle=allow_pickle, strict=strict, rank=comm.rank, world=comm.size,
                                 source=str(ckpt.path), ignore_mismatched=ignore_mismatched)
             result = restorer.restore(target)

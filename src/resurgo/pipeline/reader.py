@@ -20,6 +20,7 @@ from resurgo.errors import CorruptCheckpointError
 from resurgo.format import checksum, dtypes
 from resurgo.format.manifest import Manifest
 from resurgo.pipeline.buffers import as_copyable, typed_view, writable_bytes
+from resurgo.pipeline.data_files import open_data_file
 from resurgo.plan.load_plan import BoxCopy, ReadOp, Scatter, Target, plan_reads
 from resurgo.state.flatten import Array
 from resurgo.state.unflatten import Destination
@@ -89,7 +90,7 @@ class _PlanReading:
         """Read one task in one request; (seconds reading, hashing, copying)."""
         per_op = [self.views_of(op) for op in task.ops]
         flat: list[memoryview] = []
-        header = np.empty(self.manifest.files[task.file].header_bytes if task.header else 0, dtype=np.uint8)
+        header = np.empty(self.manifest.file_entry(task.file).header_bytes if task.header else 0, dtype=np.uint8)
         start = end = 0 if task.header else task.ops[0].file_offset
         if task.header:
             flat.append(header.data)
@@ -118,11 +119,10 @@ class _PlanReading:
                 chunk = self.by_key[part.key].entry.chunks[part.chunk]
                 bad = checksum.first_bad_block(view, chunk.block_bytes, chunk.checksums, part.first_block)
                 if bad is not None:
-                    start = chunk.byte_range[0] + bad * chunk.block_bytes
+                    _, start, a, b = chunk.locate(bad * chunk.block_bytes, (bad + 1) * chunk.block_bytes)[0]
                     raise CorruptCheckpointError(
                         f"{self.ckpt.path}: tensor {part.key!r} is corrupt in {op.file}: block {bad} "
-                        f"(file bytes {start}..{min(start + chunk.block_bytes, chunk.byte_range[1])}) "
-                        f"does not match its xxh3-128 checksum"
+                        f"(file bytes {start}..{start + b - a}) does not match its xxh3-128 checksum"
                     )
         t2 = time.perf_counter()
         for part, view in zip(op.parts, views):
@@ -143,7 +143,7 @@ def read_destinations(ckpt: Checkpoint, manifest: Manifest, destinations: list[D
     seconds = {"plan": time.perf_counter() - t_start, "read": 0.0, "checksum": 0.0}
     gap, most = ckpt.coalesce_reads
     batches = coalesce(ops, gap, most) if most else [[op] for op in ops]
-    tasks = read_tasks(batches, {name: manifest.files[name].header_bytes for name in handles} if verify else {}, gap)
+    tasks = read_tasks(batches, {name: manifest.file_entry(name).header_bytes for name in handles} if verify else {}, gap)
     reading = _PlanReading(ckpt, manifest, destinations, bufs, handles, verify)
     try:
         # One batch (and its header reads) runs in this thread: run in a pool thread, its buffers
@@ -238,9 +238,9 @@ def _open_files(ckpt: Checkpoint, manifest: Manifest, names: set[str]) -> dict[s
     handles: dict[str, ReadHandle] = {}
     try:
         for name in sorted(names):
-            h = ckpt.open_read(name)
+            h = open_data_file(ckpt, manifest, name)
             handles[name] = h
-            expected = manifest.files[name].bytes
+            expected = manifest.file_entry(name).bytes
             if h.size != expected:
                 raise CorruptCheckpointError(
                     f"{ckpt.path}: data file {name} has {h.size} bytes, the manifest says {expected} (truncated or altered)"
@@ -254,11 +254,11 @@ def _open_files(ckpt: Checkpoint, manifest: Manifest, names: set[str]) -> dict[s
 
 def check_header(ckpt: Checkpoint, manifest: Manifest, name: str, handle: ReadHandle) -> None:
     """The safetensors header is covered by its own checksum, so every byte of a file is verified."""
-    check_header_bytes(ckpt, manifest, name, handle.read_at(0, manifest.files[name].header_bytes))
+    check_header_bytes(ckpt, manifest, name, handle.read_at(0, manifest.file_entry(name).header_bytes))
 
 
 def check_header_bytes(ckpt: Checkpoint, manifest: Manifest, name: str, data: bytes | memoryview) -> None:
-    entry = manifest.files[name]
+    entry = manifest.file_entry(name)
     if checksum.digest(data) != entry.header_checksum:
         raise CorruptCheckpointError(
             f"{ckpt.path}: the safetensors header of {name} (bytes 0..{entry.header_bytes}) does not match its checksum"

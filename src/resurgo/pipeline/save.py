@@ -13,7 +13,7 @@ import platform
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -29,25 +29,31 @@ from resurgo.format.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
     MAX_METADATA_DEPTH,
+    REFERENCE_RE,
+    REFERENCING_VERSION,
+    TMP_MARKER,
     BoxPlace,
     ChunkEntry,
+    Extent,
     FileEntry,
     FlatPlace,
     Manifest,
     TensorEntry,
     declared_files,
     json_depth_exceeds,
+    parse_manifest,
 )
 from resurgo.layout.box import ChunkBox, FlatRange, place_order
 from resurgo.pipeline.buffers import TensorStream, source_for_write
 from resurgo.pipeline.collective import write_then_commit
-from resurgo.pipeline.writer import WrittenChunk, WrittenFile, write_data_file
+from resurgo.pipeline.writer import WrittenChunk, WrittenFile, digests_of, reused_extents, write_data_file
 from resurgo.plan.global_plan import GlobalPlan, PlanCache, RankDecl, RankWrite, TensorDecl, TensorMeta
-from resurgo.plan.save_plan import SavePlan, plan_files
+from resurgo.plan.reuse_plan import BaseIndex, Segment, owned_bytes, segments
+from resurgo.plan.save_plan import FilePlan, SavePlan, plan_files
 from resurgo.reports import SaveReport
 from resurgo.state.flatten import TensorLeaf, flatten_state
 from resurgo.storage.base import Staging
-from resurgo.storage.open import open_checkpoint
+from resurgo.storage.open import is_url, local_path, open_checkpoint
 from resurgo.version import __version__
 
 
@@ -67,6 +73,8 @@ class PreparedSave:
     staging: Staging
     comm: Comm = field(default_factory=lambda: Comm(0, 1))
     seconds: dict[str, float] = field(default_factory=dict)
+    base: BaseIndex | None = None  # the checkpoint whose unchanged bytes this save references
+    incremental: bool = False  # a later save may take this one as its base
 
     @property
     def tensor_bytes(self) -> int:
@@ -122,16 +130,58 @@ def _write_leaf(leaf: TensorLeaf, w: RankWrite) -> TensorLeaf:
     return TensorLeaf(w.item.name, value, leaf.kind, leaf.dtype, tuple(value.shape))
 
 
+def open_base(path: str | os.PathLike, base: str | os.PathLike, storage_options: dict | None) -> BaseIndex:
+    """The index of ``base``, a committed checkpoint in the same root as ``path`` (the same parent
+    directory, or the same URL prefix), not ``path`` itself; else UnsupportedValueError."""
+    here, there = (str(p).rstrip("/").rsplit("/", 1) if is_url(p) else
+                   (os.path.realpath(os.path.dirname(os.path.abspath(local_path(p)))), os.path.basename(os.path.abspath(local_path(p))))
+                   for p in (path, base))
+    if is_url(path) != is_url(base) or here[0] != there[0]:
+        raise UnsupportedValueError(
+            f"{path}: the base {base} is not in the same root (directory or URL prefix) as the checkpoint being "
+            f"saved; a checkpoint references only checkpoints beside it: save a full checkpoint (no base), or one "
+            f"beside {base}")
+    if here[1] == there[1]:
+        raise UnsupportedValueError(f"{path}: a checkpoint cannot be its own base (saving over it would delete "
+                                    f"the bytes it references); give an earlier checkpoint as base")
+    if REFERENCE_RE.fullmatch(f"{there[1]}/data/x.safetensors") is None or TMP_MARKER in there[1]:
+        raise UnsupportedValueError(f"{base}: a base's name must match [A-Za-z0-9_.-]{{1,200}} and not be a temporary "
+                                    f"directory, to be referenced")
+    ckpt = open_checkpoint(base, storage_options)
+    raw = ckpt.read_manifest_bytes()
+    last = _last_incremental
+    manifest = last[1] if last is not None and last[0] == raw else parse_manifest(raw, ckpt.describe(MANIFEST_NAME))
+    return BaseIndex.of(there[1], manifest)
+
+
+# The manifest of this process's last incremental save, built here: the next save's base, most
+# often, which is then not parsed again (the bytes read back must be the very bytes written).
+_last_incremental: tuple[bytes, Manifest] | None = None
+
+
+def _reuse_blocks(w: RankWrite, base: BaseIndex) -> RankWrite:
+    """A chunk the base has at the same place keeps the base's checksum blocks, to compare them."""
+    match = base.chunks.get((w.item.key, w.item.place))
+    if match is None or match.nbytes != w.item.nbytes or match.block_bytes == w.item.block_bytes:
+        return w
+    return replace(w, item=replace(w.item, block_bytes=match.block_bytes))
+
+
 def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_pickle: bool,
                  step: int | None, metadata: dict | None, io_threads: int, block_bytes: int | None,
                  comm: Comm | None = None, storage_options: dict | None = None,
-                 save_info: dict | None = None) -> PreparedSave:
+                 save_info: dict | None = None, base: str | os.PathLike | None = None,
+                 incremental: bool = False) -> PreparedSave:
     """Flatten and check the state (plain values are encoded now: a snapshot), plan the files and
     open the staging directory. Raises before anything is written when the state or path is bad.
 
     In a distributed job this is collective: every rank sends its declarations (metadata only) to
     rank 0, which validates and plans the whole checkpoint (:mod:`resurgo.plan.global_plan`) and
-    opens the staging directory; every rank gets the plan back, or the same error."""
+    opens the staging directory; every rank gets the plan back, or the same error.
+
+    ``base``: an earlier checkpoint of the same root whose unchanged bytes this one references;
+    ``incremental`` (implied by ``base``): checksum blocks small enough to be the unit of reuse
+    (:func:`resurgo.format.checksum.incremental_block_bytes_for`)."""
     t0 = time.perf_counter()
     comm = comm or dist_comm.current()
 
@@ -143,23 +193,29 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
 
     tree, leaves, decl, pickled = comm.agree(local)
     gathered = comm.gather((decl, pickled))
+    block_rule: Any = block_bytes
     if block_bytes is not None:
-        block_fn: Callable[[int], int] = lambda n: block_bytes
+        block_fn: Callable[[int, int], int] = lambda n, row_bytes: block_bytes
+    elif incremental or base is not None:
+        block_fn, block_rule = checksum.incremental_block_bytes_for, "incremental"
     else:
         block_fn = checksum.block_bytes_for
 
-    def coordinate() -> tuple[GlobalPlan, bool, Staging] | None:
+    def coordinate() -> tuple[GlobalPlan, bool, Staging, BaseIndex | None] | None:
         if not comm.is_coordinator:
             return None
         assert gathered is not None
-        plan = _plans.plan([d for d, _ in gathered], block_fn, block_bytes)
+        plan = _plans.plan([d for d, _ in gathered], block_fn, block_rule)
+        index = open_base(path, base, storage_options) if base is not None else None
         staging = open_checkpoint(path, storage_options).stage(overwrite, declared_files)
-        return plan, any(p for _, p in gathered), staging
+        return plan, any(p for _, p in gathered), staging, index
 
     decided = comm.broadcast(comm.agree(coordinate))
     assert decided is not None
-    plan, pickled, staging = decided  # the other ranks get a copy of rank 0's staging (it pickles)
+    plan, pickled, staging, index = decided  # the other ranks get a copy of rank 0's staging (it pickles)
     writes = plan.writes[comm.rank]
+    if index is not None:
+        writes = tuple(_reuse_blocks(w, index) for w in writes)
     own = {w.item.name: _write_leaf(leaves[w.local_key], w) for w in writes}
     files = plan_files([w.item for w in writes], rank=comm.rank, max_files=max(1, io_threads), tag=staging.file_tag)
     if step is None:  # the state's own step counter, when it has one at its top
@@ -167,7 +223,7 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
     return PreparedSave(str(path), plan.tree, plan.tensors, own, pickled, step,
                         dict(metadata) if metadata else None, dict(save_info) if save_info else None,
                         files, staging, comm,
-                        {"flatten": time.perf_counter() - t0})
+                        {"flatten": time.perf_counter() - t0}, index, incremental or base is not None)
 
 
 class LazySources(Mapping):
@@ -196,17 +252,28 @@ def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | Ten
     t_start = time.perf_counter()
     comm = prep.comm
 
-    def write() -> list[WrittenFile]:
+    def write_file(f: FilePlan) -> tuple[list[WrittenFile], list[WrittenChunk]]:
+        plan, reused, reuse, known = _reuse_in_file(prep, f, sources, digests)
+        return ([] if plan is None else [write_data_file(prep.staging, plan, sources, known, reuse)]), reused
+
+    def write() -> tuple[list[WrittenFile], list[WrittenChunk]]:
         files = prep.plan.files
         if len(files) == 1:
-            return [write_data_file(prep.staging, files[0], sources, digests)]
-        with ThreadPoolExecutor(len(files), thread_name_prefix="resurgo-write") as pool:
-            return list(pool.map(lambda f: write_data_file(prep.staging, f, sources, digests), files))
+            results = [write_file(files[0])]
+        else:
+            with ThreadPoolExecutor(len(files), thread_name_prefix="resurgo-write") as pool:
+                results = list(pool.map(write_file, files))
+        return [w for ws, _ in results for w in ws], [c for _, cs in results for c in cs]
 
-    def manifest(everyone: list[list[WrittenFile]]) -> bytes:
-        return build_manifest(prep, [w for ws in everyone for w in ws]).to_json_bytes()
+    def manifest(everyone: list[tuple[list[WrittenFile], list[WrittenChunk]]]) -> bytes:
+        global _last_incremental
+        built = build_manifest(prep, [w for ws, _ in everyone for w in ws], [c for _, cs in everyone for c in cs])
+        raw = built.to_json_bytes()
+        if prep.incremental:
+            _last_incremental = (raw, built)
+        return raw
 
-    written, manifest_bytes, t_commit = write_then_commit(comm, prep.staging, write, manifest)
+    (written, _), manifest_bytes, t_commit = write_then_commit(comm, prep.staging, write, manifest)
     seconds = dict(prep.seconds)
     seconds["commit"] = t_commit
     for phase in ("write", "checksum", "fsync"):
@@ -222,29 +289,68 @@ def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | Ten
     )
 
 
+def _reuse_in_file(prep: PreparedSave, f: FilePlan, sources: Mapping[str, "np.ndarray | TensorStream"],
+                   digests: Mapping[str, list[str]] | None
+                   ) -> tuple[FilePlan | None, list[WrittenChunk], dict[str, list[Segment]], Mapping[str, list[str]] | None]:
+    """With a base: hash each chunk of file ``f`` that the base also has (unless staging hashed it
+    already), compare block by block, and keep in the file only what changed. Returns the file to
+    write (None: nothing left in it), the chunks reused whole, each partial chunk's segments, and
+    the digests known before writing. Runs in the file's writer thread: one file's hashing
+    overlaps the others' writes."""
+    if prep.base is None:
+        return f, [], {}, digests
+    known = dict(digests or {})
+    reused: list[WrittenChunk] = []
+    reuse: dict[str, list[Segment]] = {}
+    items = []
+    for item in f.items:
+        match = prep.base.match(item.key, item.place, item.nbytes, item.block_bytes)
+        if match is None:
+            items.append(item)
+            continue
+        if item.name not in known:
+            known[item.name] = digests_of(sources[item.name], item.nbytes, item.block_bytes)
+        segs = segments(item.nbytes, known[item.name], match)
+        owned = owned_bytes(segs)
+        if owned == item.nbytes:
+            items.append(item)
+        elif owned == 0:
+            reused.append(WrittenChunk(item, "", (0, 0), item.block_bytes, known[item.name],
+                                       reused_extents(segs, "", 0)))
+        else:
+            reuse[item.name] = segs
+            items.append(replace(item, nbytes=owned, partial=True))
+    return (FilePlan(f.path, tuple(items)) if items else None), reused, reuse, known
+
+
 def _entry(c: WrittenChunk) -> ChunkEntry:
     place = c.item.place
     box = BoxPlace(offsets=list(place.offsets), shape=list(place.shape)) if isinstance(place, ChunkBox) else None
     flat = FlatPlace(start=place.start, stop=place.stop) if isinstance(place, FlatRange) else None
-    return ChunkEntry(box=box, flat=flat, file=c.file, name=None if c.item.name == c.item.key else c.item.name,
+    name = None if c.item.name == c.item.key else c.item.name
+    if c.extents is not None:
+        return ChunkEntry(box=box, flat=flat, name=name, block_bytes=c.block_bytes, checksums=c.checksums,
+                          extents=[Extent(file=f, byte_range=[a, b]) for f, a, b in c.extents])
+    return ChunkEntry(box=box, flat=flat, file=c.file, name=name,
                       byte_range=list(c.byte_range), block_bytes=c.block_bytes, checksums=c.checksums)
 
 
-def build_manifest(prep: PreparedSave, written: list[WrittenFile]) -> Manifest:
+def build_manifest(prep: PreparedSave, written: list[WrittenFile], reused: list[WrittenChunk] = ()) -> Manifest:  # type: ignore[assignment]
     chunks: dict[str, list[WrittenChunk]] = {key: [] for key in prep.tensors}
-    for w in written:
-        for c in w.chunks:
-            chunks[c.item.key].append(c)
+    for c in [c for w in written for c in w.chunks] + list(reused):
+        chunks[c.item.key].append(c)
+    used = {f for cs in chunks.values() for c in cs for f, _, _ in (c.extents or ())}
+    references = {name: entry for name, entry in (prep.base.files.items() if prep.base else ()) if name in used}
     tensors = {key: TensorEntry(kind=meta.kind, dtype=meta.dtype, shape=list(meta.shape),
                                 chunks=[_entry(c) for c in sorted(chunks[key], key=lambda c: place_order(c.item.place))])
                for key, meta in prep.tensors.items()}
     return Manifest(
-        format="resurgo.checkpoint", version=FORMAT_VERSION,
+        format="resurgo.checkpoint", version=REFERENCING_VERSION if references else FORMAT_VERSION,
         created_at=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
         step=prep.step, metadata=dict(prep.metadata or {}),
         save_info=dict(prep.save_info or {}), library=library_versions(),
         world={"size": prep.comm.size}, checksum_algorithm="xxh3-128", pickled=prep.pickled,
         files={w.path: FileEntry(bytes=w.nbytes, header_bytes=w.header_bytes, header_checksum=w.header_checksum)
                for w in sorted(written, key=lambda w: w.path)},
-        tensors=tensors, tree=prep.tree,
+        references=dict(sorted(references.items())), tensors=tensors, tree=prep.tree,
     )

@@ -15,6 +15,7 @@ from resurgo.format import checksum
 from resurgo.format.manifest import Manifest
 from resurgo.format.safetensors_file import read_header
 from resurgo.pipeline import consistent
+from resurgo.pipeline.data_files import open_data_file
 from resurgo.pipeline.manifest_read import read_manifest_and_bytes
 from resurgo.pipeline.reader import check_header
 from resurgo.storage.base import Checkpoint
@@ -67,30 +68,33 @@ def _verify_once(ckpt: Checkpoint, path: str, progress: Callable[[int], None] | 
     manifest, raw = read_manifest_and_bytes(ckpt)
     seen.append(raw)
     report = VerifyReport(path)
-    by_file: dict[str, list[tuple[str, int]]] = {}
+    by_file: dict[str, list[tuple[str, int, int, int, int]]] = {}  # file -> (key, chunk, chunk offset, start, stop)
     for key, t in manifest.tensors.items():
         for ci, c in enumerate(t.chunks):
-            by_file.setdefault(c.file, []).append((key, ci))
+            for file, start, lo, hi in c.locate(0, c.nbytes):
+                by_file.setdefault(file, []).append((key, ci, lo, start, start + hi - lo))
     buf = np.empty(PIECE_BYTES, dtype=np.uint8)
-    for name in sorted(manifest.files if files is None else set(files) & manifest.files.keys()):
+    every = {**manifest.files, **manifest.references}
+    for name in sorted(every if files is None else set(files) & every.keys()):
         try:
-            handle = ckpt.open_read(name)
+            handle = open_data_file(ckpt, manifest, name)
         except CheckpointReplacedError:
             raise
         except ResurgoError as e:
             report.problems.append(str(e))
             continue
         try:
-            if handle.size != manifest.files[name].bytes:
-                report.problems.append(f"{name}: {handle.size} bytes, the manifest says {manifest.files[name].bytes}")
+            if handle.size != every[name].bytes:
+                report.problems.append(f"{name}: {handle.size} bytes, the manifest says {every[name].bytes}")
                 continue
             try:
                 check_header(ckpt, manifest, name, handle)
             except CorruptCheckpointError as e:
                 report.problems.append(str(e))
-            report.problems.extend(_check_header(handle, name, manifest, by_file.get(name, [])))
-            for key, ci in by_file.get(name, []):
-                problem = _check_chunk(handle, manifest, key, ci, buf, report, progress)
+            if name in manifest.files:  # a referenced file names its chunks as its own checkpoint does
+                report.problems.extend(_check_header(handle, name, manifest, by_file.get(name, [])))
+            for key, ci, offset, start, stop in by_file.get(name, []):
+                problem = _check_span(handle, manifest, key, ci, offset, start, stop, buf, report, progress)
                 if problem:
                     report.problems.append(problem)
         finally:
@@ -98,14 +102,15 @@ def _verify_once(ckpt: Checkpoint, path: str, progress: Callable[[int], None] | 
     return report
 
 
-def _check_chunk(handle, manifest: Manifest, key: str, ci: int, buf: np.ndarray, report: VerifyReport,
-                 progress: Callable[[int], None] | None) -> str | None:
+def _check_span(handle, manifest: Manifest, key: str, ci: int, offset: int, start: int, stop: int,
+                buf: np.ndarray, report: VerifyReport, progress: Callable[[int], None] | None) -> str | None:
+    """Check file bytes ``[start, stop)``, bytes from ``offset`` on of chunk ``ci`` of ``key``."""
     c = manifest.tensors[key].chunks[ci]
     piece = max(c.block_bytes, PIECE_BYTES // c.block_bytes * c.block_bytes)
     if piece > len(buf):
         buf = np.empty(piece, dtype=np.uint8)
-    start, stop = c.byte_range
-    report.chunks_checked += 1
+    if offset == 0:
+        report.chunks_checked += 1
     for off in range(0, stop - start, piece):
         n = min(piece, stop - start - off)
         view = buf.data[:n]
@@ -113,26 +118,29 @@ def _check_chunk(handle, manifest: Manifest, key: str, ci: int, buf: np.ndarray,
             handle.read_into(start + off, view)
         except CorruptCheckpointError as e:
             return f"tensor {key!r}: {e}"
-        bad = checksum.first_bad_block(view, c.block_bytes, c.checksums, off // c.block_bytes)
+        bad = checksum.first_bad_block(view, c.block_bytes, c.checksums, (offset + off) // c.block_bytes)
         report.bytes_checked += n
         if progress:
             progress(n)
         if bad is not None:
-            return f"tensor {key!r} chunk {ci} in {c.file}: block {bad} does not match its checksum"
+            return f"tensor {key!r} chunk {ci} in {handle.rel}: block {bad} does not match its checksum"
     return None
 
 
-def _check_header(handle, name: str, manifest: Manifest, chunks: list[tuple[str, int]]) -> list[str]:
+def _check_header(handle, name: str, manifest: Manifest, chunks: list[tuple[str, int, int, int, int]]) -> list[str]:
     try:
         header = read_header(handle.read_at(0, 8), lambda n: handle.read_at(8, n))
     except ValueError as e:
         return [f"{name}: not a valid safetensors file: {e}"]
     problems = []
-    for key, ci in chunks:
+    spans: dict[tuple[str, int], list[int]] = {}  # a chunk's own bytes: one tensor of the file, in its extents
+    for key, ci, _, start, stop in chunks:
+        spans.setdefault((key, ci), []).extend((start, stop))
+    for (key, ci), offsets in spans.items():
         c = manifest.tensors[key].chunks[ci]
         entry = header.entries.get(c.name_in_file(key))
         if entry is None:
             problems.append(f"{name}: safetensors header lacks tensor {c.name_in_file(key)!r} (key {key!r})")
-        elif (header.data_start + entry[0], header.data_start + entry[1]) != tuple(c.byte_range):
+        elif (header.data_start + entry[0], header.data_start + entry[1]) != (offsets[0], offsets[-1]):
             problems.append(f"{name}: safetensors header places {c.name_in_file(key)!r} at other bytes than the manifest")
     return problems

@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from resurgo.format import checksum
+from resurgo.format.manifest import Span
 from resurgo.format.safetensors_file import build_header
 from resurgo.pipeline.buffers import TensorStream
+from resurgo.plan.reuse_plan import Segment
 from resurgo.plan.save_plan import FilePlan, SavePlan, WriteItem
 from resurgo.storage.base import Staging
 
@@ -30,6 +32,39 @@ class WrittenChunk:
     byte_range: tuple[int, int]
     block_bytes: int
     checksums: list[str]
+    extents: list[Span] | None = None  # a chunk partly or wholly reused: where all its bytes are
+
+
+def reused_extents(segments: list[Segment], file: str, start: int) -> list[Span]:
+    """The extents of a chunk whose written segments lie back to back from ``start`` of ``file``;
+    neighbours in one file that continue each other merge."""
+    out: list[Span] = []
+    for seg in segments:
+        n = seg.stop - seg.start
+        if seg.reference is None:
+            span = (file, start, start + n)
+            start += n
+        else:
+            span = (seg.reference, seg.offset, seg.offset + n)
+        if out and out[-1][0] == span[0] and out[-1][2] == span[1]:
+            out[-1] = (span[0], out[-1][1], span[2])
+        else:
+            out.append(span)
+    return out
+
+
+def digests_of(source: "np.ndarray | TensorStream", nbytes: int, block_bytes: int) -> list[str]:
+    """The block digests of a source's bytes, slice by slice (compared with a base's before the
+    save decides what to write)."""
+    if not isinstance(source, TensorStream):
+        return checksum.block_digests(source.data.cast("B"), block_bytes)
+    unit = math.lcm(block_bytes, source.tensor.element_size())
+    step = max(unit, SLICE_BYTES // unit * unit)
+    buf = np.empty(min(step, nbytes), dtype=np.uint8)
+    out: list[str] = []
+    for off in range(0, nbytes, step):
+        out.extend(checksum.block_digests(source.read_into(off, buf[:min(step, nbytes - off)]), block_bytes))
+    return out
 
 
 @dataclass
@@ -51,9 +86,11 @@ def chunk_file_offsets(plan: SavePlan) -> dict[str, tuple[int, int]]:
 
 def write_data_file(staging: Staging, plan: FilePlan,
                     sources: Mapping[str, "np.ndarray | TensorStream"],
-                    digests: Mapping[str, list[str]] | None = None) -> WrittenFile:
+                    digests: Mapping[str, list[str]] | None = None,
+                    reuse: Mapping[str, list[Segment]] | None = None) -> WrittenFile:
     """Write one data file and fsync it. ``digests``: block digests already computed for some
-    chunks (hashed as they were staged); the others are hashed here."""
+    chunks (hashed as they were staged); the others are hashed here. ``reuse``: of a partial
+    chunk, its segments: only those the base lacks are written."""
     t_write = t_hash = 0.0
     slice_buffer: np.ndarray | None = None  # reused by every streamed tensor of this file
     header, ranges = build_header(plan.header_entries)
@@ -73,21 +110,26 @@ def write_data_file(staging: Staging, plan: FilePlan,
                 slice_buffer = np.empty(step, dtype=np.uint8)
             known = digests.get(item.name) if digests else None
             chunk_digests: list[str] = list(known) if known is not None else []
-            for off in range(0, item.nbytes, step):
-                n = min(step, item.nbytes - off)
-                if isinstance(source, TensorStream):
-                    assert slice_buffer is not None
-                    piece = source.read_into(off, slice_buffer[:n])
-                else:
-                    piece = source.data.cast("B")[off : off + n]
-                t0 = time.perf_counter()
-                if known is None:
-                    chunk_digests.extend(checksum.block_digests(piece, block_bytes))
-                t1 = time.perf_counter()
-                handle.write(piece)
-                t_write += time.perf_counter() - t1
-                t_hash += t1 - t0
-            chunks.append(WrittenChunk(item, plan.path, byte_range, block_bytes, chunk_digests))
+            segments = reuse.get(item.name) if reuse and item.partial else None
+            assert segments is None or known is not None, "a partial chunk was hashed to compare it"
+            parts = [(0, item.nbytes)] if segments is None else [(g.start, g.stop) for g in segments if g.reference is None]
+            for begin, end in parts:
+                for off in range(begin, end, step):
+                    n = min(step, end - off)
+                    if isinstance(source, TensorStream):
+                        assert slice_buffer is not None
+                        piece = source.read_into(off, slice_buffer[:n])
+                    else:
+                        piece = source.data.cast("B")[off : off + n]
+                    t0 = time.perf_counter()
+                    if known is None:
+                        chunk_digests.extend(checksum.block_digests(piece, block_bytes))
+                    t1 = time.perf_counter()
+                    handle.write(piece)
+                    t_write += time.perf_counter() - t1
+                    t_hash += t1 - t0
+            extents = None if segments is None else reused_extents(segments, plan.path, byte_range[0])
+            chunks.append(WrittenChunk(item, plan.path, byte_range, block_bytes, chunk_digests, extents))
         t0 = time.perf_counter()
         handle.fsync()
         t_fsync = time.perf_counter() - t0

@@ -199,10 +199,11 @@ def _find_overlap(places: list[Place]) -> tuple[Place, Place] | None:
     return None
 
 
-def plan_global(decls: list[RankDecl], block_bytes_for: Callable[[int], int]) -> GlobalPlan:
+def plan_global(decls: list[RankDecl], block_bytes_for: Callable[[int, int], int]) -> GlobalPlan:
     """Validate every rank's declarations and decide who writes what (see the module docstring).
 
-    ``block_bytes_for(global_nbytes)`` gives the checksum block size of a tensor's chunks.
+    ``block_bytes_for(global_nbytes, row_bytes)`` gives the checksum block size of a tensor's chunks
+    (``row_bytes``: the bytes of one index of its first dimension).
     Raises ShardingError naming the tensor and the ranks when the shards do not fit together.
     """
     with collector_paused():  # an object per chunk, all kept: see resurgo.gcpause
@@ -225,7 +226,7 @@ class PlanCache:
         self._plan: GlobalPlan | None = None
         self.hits = 0
 
-    def plan(self, decls: list[RankDecl], block_bytes_for: Callable[[int], int], block_rule: Hashable) -> GlobalPlan:
+    def plan(self, decls: list[RankDecl], block_bytes_for: Callable[[int, int], int], block_rule: Hashable) -> GlobalPlan:
         """:func:`plan_global`, or its reuse. ``block_rule`` identifies ``block_bytes_for`` (e.g. the
         fixed block size asked for, or None for the default rule)."""
         with collector_paused():
@@ -240,12 +241,12 @@ class PlanCache:
             return plan
 
 
-def _plan_global(decls: list[RankDecl], block_bytes_for: Callable[[int], int]) -> GlobalPlan:
+def _plan_global(decls: list[RankDecl], block_bytes_for: Callable[[int, int], int]) -> GlobalPlan:
     tree, per_rank = merge_trees([d.tree for d in decls], _differing_replicas(decls))
     return _plan_tensors(decls, block_bytes_for, tree, per_rank)
 
 
-def _plan_tensors(decls: list[RankDecl], block_bytes_for: Callable[[int], int], tree: dict,
+def _plan_tensors(decls: list[RankDecl], block_bytes_for: Callable[[int, int], int], tree: dict,
                   per_rank: set[str]) -> GlobalPlan:
     by_key: dict[str, list[tuple[int, TensorDecl]]] = {}
     for r, d in enumerate(decls):
@@ -259,7 +260,8 @@ def _plan_tensors(decls: list[RankDecl], block_bytes_for: Callable[[int], int], 
     for key, holders in by_key.items():
         meta = _check_consistent(key, holders)
         itemsize = dtypes.itemsize(meta.dtype)
-        block = block_bytes_for(math.prod(meta.shape) * itemsize)
+        row_bytes = math.prod(meta.shape[1:]) * itemsize  # one index of the first dimension
+        block = block_bytes_for(math.prod(meta.shape) * itemsize, row_bytes)
         if key in per_rank:
             for r, t in holders:
                 if t.sharded:
@@ -268,7 +270,7 @@ def _plan_tensors(decls: list[RankDecl], block_bytes_for: Callable[[int], int], 
                 k = per_rank_key(key, r)
                 tensors[k] = meta
                 whole = ChunkBox.whole(meta.shape)
-                item = WriteItem(k, k, meta.dtype, whole, whole.numel * itemsize, block_bytes_for(whole.numel * itemsize))
+                item = WriteItem(k, k, meta.dtype, whole, whole.numel * itemsize, block)
                 writes[r].append(RankWrite(item, key, whole))
                 load[r] += item.nbytes
             continue

@@ -163,8 +163,17 @@ def plan_reads(targets: list[Target], entries: dict[str, TensorEntry], max_piece
         shape = tuple(entry.shape)
         itemsize = dtypes.itemsize(entry.dtype)
         for ci, chunk in enumerate(entry.chunks):
-            block, base = chunk.block_bytes, chunk.byte_range[0]
+            block = chunk.block_bytes
             src, dst = chunk.place, t.place
+
+            def add(a: int, b: int, part_for) -> None:  # type: ignore[no-untyped-def]
+                # A chunk stored in several extents (reused bytes) is read extent by extent.
+                for file, offset, lo, hi in chunk.locate(a, b):
+                    pieces.append((file, offset, part_for(lo, hi)))
+
+            def direct(dst_offset: int):  # type: ignore[no-untyped-def]
+                return lambda lo, hi: ReadPart(t.key, ci, hi - lo, lo // block, ti, dst_offset + lo)
+
             if isinstance(src, ChunkBox) and isinstance(dst, ChunkBox):
                 # Boxes: decided from the intersection, without listing every run.
                 common = src.intersect(dst)
@@ -173,25 +182,25 @@ def plan_reads(targets: list[Target], entries: dict[str, TensorEntry], max_piece
                 if common == src and _lands_contiguously(src, dst):
                     dst_offset = sum((a - b) * st for a, b, st in zip(src.offsets, dst.offsets, _strides(dst.shape, itemsize)))
                     for a, b in _pieces(0, chunk.nbytes, block, max_piece_bytes):
-                        pieces.append((chunk.file, base + a, ReadPart(t.key, ci, b - a, a // block, ti, dst_offset + a)))
+                        add(a, b, direct(dst_offset))
                     continue
                 slabs = _box_slabs(src, dst, itemsize, block, chunk.nbytes, gap, max_piece_bytes, ti)
-                if slabs is not None:
+                if slabs is not None and chunk.extents is None:  # a slab is one read of one file
                     for start, stop, copy in slabs:
-                        pieces.append((chunk.file, base + start, ReadPart(t.key, ci, stop - start, start // block, None, box=copy)))
+                        pieces.append((chunk.spans[0][0], chunk.spans[0][1] + start,
+                                       ReadPart(t.key, ci, stop - start, start // block, None, box=copy)))
                     continue
             runs = byte_runs(shape, itemsize, src, dst)
             if not runs:
                 continue
             if len(runs) == 1 and runs[0].length == chunk.nbytes:
                 for a, b in _pieces(0, chunk.nbytes, block, max_piece_bytes):
-                    pieces.append((chunk.file, base + a, ReadPart(t.key, ci, b - a, a // block, ti, runs[0].dst_offset + a)))
+                    add(a, b, direct(runs[0].dst_offset))
                 continue
             starts = [r.src_offset for r in runs]
             for read in block_aligned_reads(runs, block, chunk.nbytes, gap):
                 for a, b in _pieces(read.start, read.stop, block, max_piece_bytes):
-                    part = ReadPart(t.key, ci, b - a, a // block, None, 0, _scatters(runs, starts, a, b, ti))
-                    pieces.append((chunk.file, base + a, part))
+                    add(a, b, lambda lo, hi: ReadPart(t.key, ci, hi - lo, lo // block, None, 0, _scatters(runs, starts, lo, hi, ti)))
     pieces.sort(key=lambda p: (p[0], p[1]))
     ops: list[ReadOp] = []
     group: list[tuple[str, int, ReadPart]] = []

@@ -23,13 +23,16 @@ class WriteItem:
     name: str
     dtype: str
     place: Place
-    nbytes: int
+    nbytes: int  # the bytes this data file holds of the chunk: all of them, unless ``partial``
     block_bytes: int  # checksum block size of this chunk
+    partial: bool = False  # only the blocks that changed since the base: stored as raw bytes
 
     @property
     def header_entry(self) -> HeaderEntry:
         """How the data file's header declares this chunk: a box with its shape, a flat range as
-        one dimension."""
+        one dimension, the changed blocks of a partial chunk as bytes."""
+        if self.partial:
+            return HeaderEntry(self.name, "uint8", (self.nbytes,), self.nbytes)
         shape = self.place.shape if isinstance(self.place, ChunkBox) else (self.place.numel,)
         return HeaderEntry(self.name, self.dtype, tuple(shape), self.nbytes)
 

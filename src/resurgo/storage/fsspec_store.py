@@ -435,6 +435,10 @@ class ObjectCheckpoint:
     def open_read(self, rel: str, size: int | None = None) -> ObjectReadHandle:
         return ObjectReadHandle(self.fs, self.full(rel), rel, self.url, size if size is not None else self._sizes.get(rel))
 
+    def sibling(self, name: str) -> "ObjectCheckpoint":
+        """The checkpoint ``name`` under the same prefix as this one."""
+        return ObjectCheckpoint(f"{self.url.rsplit('/', 1)[0]}/{name}", self.storage_options)
+
     def check_sizes(self, sizes: dict[str, int]) -> None:
         """Every data object exists with the size the manifest says (one listing, no reads)."""
         found = self.listing().files

@@ -405,6 +405,10 @@ class CheckpointDir:
     def open_read(self, rel: str) -> ReadHandle:
         return ReadHandle(self.resolve(rel), rel)
 
+    def sibling(self, name: str) -> "CheckpointDir":
+        """The checkpoint ``name`` in the same directory as this one (unpinned)."""
+        return CheckpointDir(self.path.parent / name)
+
     def check_sizes(self, sizes: dict[str, int]) -> None:
         """Every file is a regular file inside the checkpoint, of the size given; else CorruptCheckpointError.
 

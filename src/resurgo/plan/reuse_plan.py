@@ -1,0 +1,86 @@
+"""Reuse plan: which bytes of each chunk an incremental save takes from its base instead of writing.
+
+Pure data. The base checkpoint is indexed by (tensor key, place): a chunk of the new checkpoint
+with the same key, place, size and checksum block size as a base chunk is compared with it block
+by block, from the digests the save computes anyway. Runs of equal blocks become references to
+the file bytes that hold them: the base's own data files, or the files the base itself references,
+so a reference always names the file holding the bytes, never another reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from resurgo.format.manifest import FileEntry, Manifest, Span, locate, split_reference
+from resurgo.layout.box import Place
+
+
+@dataclass(frozen=True)
+class BaseChunk:
+    """A chunk of the base: its block size and digests, and its bytes as referenced files' spans."""
+
+    nbytes: int
+    block_bytes: int
+    checksums: tuple[str, ...]
+    spans: tuple[Span, ...]  # (reference "<checkpoint>/data/<name>.safetensors", start, stop)
+
+
+@dataclass(frozen=True)
+class BaseIndex:
+    """The chunks of a base checkpoint, by (key, place), and the data files they are in."""
+
+    name: str  # the base's name in the root
+    files: dict[str, FileEntry]  # reference -> its entry, for every file a base chunk uses
+    chunks: dict[tuple[str, Place], BaseChunk]
+
+    @classmethod
+    def of(cls, name: str, manifest: Manifest) -> "BaseIndex":
+        def ref(file: str) -> str:  # the base's own files are named from the root; references stay
+            return file if file in manifest.references else f"{name}/{file}"
+
+        files = {ref(f): e for f, e in manifest.files.items()} | dict(manifest.references)
+        chunks = {(key, c.place): BaseChunk(c.nbytes, c.block_bytes, tuple(c.checksums),
+                                            tuple((ref(f), a, b) for f, a, b in c.spans))
+                  for key, t in manifest.tensors.items() for c in t.chunks}
+        for r in files:
+            split_reference(r)  # every name is a well-formed reference (the manifest validated)
+        return cls(name, files, chunks)
+
+    def match(self, key: str, place: Place, nbytes: int, block_bytes: int) -> BaseChunk | None:
+        """The base chunk whose bytes can stand in for blocks of this one, if any."""
+        c = self.chunks.get((key, place))
+        return c if c is not None and c.nbytes == nbytes and c.block_bytes == block_bytes else None
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Bytes ``[start, stop)`` of a chunk: written by this save (``reference`` None), or found at
+    file offset ``offset`` of ``reference``."""
+
+    start: int
+    stop: int
+    reference: str | None = None
+    offset: int = 0
+
+
+def segments(nbytes: int, digests: list[str], base: BaseChunk) -> list[Segment]:
+    """The chunk in runs of blocks equal to the base's (referenced) and runs that differ (written)."""
+    block = base.block_bytes
+    out: list[Segment] = []
+    i, n = 0, len(digests)
+    while i < n:
+        same = digests[i] == base.checksums[i]
+        j = i + 1
+        while j < n and (digests[j] == base.checksums[j]) == same:
+            j += 1
+        start, stop = i * block, min(j * block, nbytes)
+        if same:
+            out.extend(Segment(lo, hi, file, offset) for file, offset, lo, hi in locate(base.spans, start, stop))
+        else:
+            out.append(Segment(start, stop))
+        i = j
+    return out
+
+
+def owned_bytes(segs: list[Segment]) -> int:
+    return sum(s.stop - s.start for s in segs if s.reference is None)
