@@ -20,13 +20,22 @@ from resurgo.integrations.lightning import ResurgoCallback, ResurgoCheckpointIO 
 BATCHES_PER_EPOCH = 4
 
 
-class Tiny(L.LightningModule):
-    """Dropout and a shuffled loader: both draw from the global RNG every step."""
+class TinyBody:
+    """Dropout and a shuffled loader: both draw from the global RNG every step. ``loader``:
+    "plain" (torch's DataLoader, restarts its epoch on resume) or "stateful" (torchdata's
+    StatefulDataLoader, whose position Lightning saves and restores). ``rank_seed``: each DDP
+    process reseeds with its own seed, so that the processes draw different dropout masks."""
 
-    def __init__(self) -> None:
+    def __init__(self, loader: str = "plain", rank_seed: bool = False) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
         self.losses: list[torch.Tensor] = []
+        self.loader = loader
+        self.rank_seed = rank_seed
+
+    def setup(self, stage):
+        if self.rank_seed:  # before Lightning restores a checkpoint, which then sets the RNG back
+            torch.manual_seed(1000 + self.global_rank)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -41,7 +50,15 @@ class Tiny(L.LightningModule):
     def train_dataloader(self):
         g = torch.Generator().manual_seed(123)
         data = torch.utils.data.TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g))
+        if self.loader == "stateful":
+            from torchdata.stateful_dataloader import StatefulDataLoader
+
+            return StatefulDataLoader(data, batch_size=4, shuffle=True)
         return torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
+
+
+class Tiny(TinyBody, L.LightningModule):
+    pass
 
 
 def trainer(root: Path, max_steps: int, callbacks: list, **kw) -> L.Trainer:
@@ -50,15 +67,16 @@ def trainer(root: Path, max_steps: int, callbacks: list, **kw) -> L.Trainer:
                      plugins=[ResurgoCheckpointIO()], callbacks=callbacks, **kw)
 
 
-def fit(root: Path, max_steps: int, *, callback: bool, ckpt_path=None, save_every=None) -> Tiny:
+def fit(root: Path, max_steps: int, *, callback: bool, ckpt_path=None, save_every=None, loader="plain",
+        **kw) -> Tiny:
     """A fresh seeded run; with ``save_every``, ModelCheckpoint saves every that many steps, in
     the middle of training as a preempted job's last checkpoint was."""
     L.seed_everything(0)
-    model = Tiny()
+    model = Tiny(loader)
     callbacks = [ResurgoCallback()] if callback else []
     if save_every is not None:
         callbacks.append(L.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=save_every, save_top_k=-1))
-    t = trainer(root, max_steps, callbacks, enable_checkpointing=save_every is not None)
+    t = trainer(root, max_steps, callbacks, enable_checkpointing=save_every is not None, **kw)
     t.fit(model, ckpt_path=ckpt_path)
     return model
 
@@ -67,14 +85,18 @@ def bitwise_equal(a, b) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
-@pytest.mark.parametrize("stop", [2 * BATCHES_PER_EPOCH])  # an epoch boundary: the loader is rebuilt
-def test_resumed_fit_is_bit_identical_and_not_without_the_callback(tmp_path, stop):
+@pytest.mark.parametrize("stop, loader", [
+    (2 * BATCHES_PER_EPOCH, "plain"),  # an epoch boundary: the loader is rebuilt
+    (BATCHES_PER_EPOCH + 2, "stateful"),  # mid-epoch: the loader resumes its position
+])
+def test_resumed_fit_is_bit_identical_and_not_without_the_callback(tmp_path, stop, loader):
     total = 3 * BATCHES_PER_EPOCH
-    whole = fit(tmp_path / "whole", total, callback=True)
-    first = fit(tmp_path / "first", stop, callback=True, save_every=stop)
-    ckpt = tmp_path / "first" / f"epoch={stop // BATCHES_PER_EPOCH - 1}-step={stop}.ckpt"
+    whole = fit(tmp_path / "whole", total, callback=True, loader=loader)
+    first = fit(tmp_path / "first", stop, callback=True, save_every=stop, loader=loader)
+    epoch = stop // BATCHES_PER_EPOCH - (stop % BATCHES_PER_EPOCH == 0)
+    ckpt = tmp_path / "first" / f"epoch={epoch}-step={stop}.ckpt"
     assert (ckpt / "manifest.json").is_file()
-    resumed = fit(tmp_path / "resumed", total, callback=True, ckpt_path=ckpt)
+    resumed = fit(tmp_path / "resumed", total, callback=True, ckpt_path=ckpt, loader=loader)
 
     assert len(first.losses) == stop and len(resumed.losses) == total - stop
     assert all(bitwise_equal(a, b) for a, b in zip(whole.losses, first.losses + resumed.losses))
@@ -88,7 +110,7 @@ def test_resumed_fit_is_bit_identical_and_not_without_the_callback(tmp_path, sto
             assert bitwise_equal(opt_whole[k][field], opt_resumed[k][field]), (k, field)
 
     # Control: the same checkpoint without the callback's RNG states resumes onto other draws.
-    blind = fit(tmp_path / "blind", total, callback=False, ckpt_path=ckpt)
+    blind = fit(tmp_path / "blind", total, callback=False, ckpt_path=ckpt, loader=loader)
     assert len(blind.losses) == total - stop
     assert not all(bitwise_equal(a, b) for a, b in zip(whole.losses[stop:], blind.losses))
 
@@ -188,3 +210,120 @@ def test_a_value_that_is_not_plain_is_refused_naming_its_key_unless_pickle_is_al
     io = ResurgoCheckpointIO(allow_pickle=True)
     io.save_checkpoint(checkpoint, tmp_path / "a.ckpt")
     assert isinstance(io.load_checkpoint(tmp_path / "a.ckpt")["hyper_parameters"]["encoder"], Opaque)
+
+
+def tensors_of(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Lightning checkpoint, by its flat key."""
+    out: dict[str, torch.Tensor] = {}
+
+    def walk(node, key):
+        if isinstance(node, torch.Tensor):
+            out[key] = node
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{key}.{k}")
+        elif isinstance(node, (list, tuple)):
+            for i, v in enumerate(node):
+                walk(v, f"{key}.{i}")
+
+    walk(resurgo.load_dict(path), "")
+    return out
+
+
+def test_asynchronous_saves_hold_the_step_they_were_asked_for(tmp_path):
+    """Saved in the background while training goes on, each checkpoint holds exactly the
+    weights and optimizer state of its step: the same bytes as a synchronous save's."""
+    def run(root: Path, io: ResurgoCheckpointIO) -> list[Path]:
+        L.seed_everything(0)
+        mc = L.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=1, save_top_k=-1)
+        t = L.Trainer(max_steps=2 * BATCHES_PER_EPOCH, deterministic=True, accelerator="cpu", devices=1,
+                      logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      plugins=[io], callbacks=[mc, ResurgoCallback()])
+        t.fit(Tiny())
+        return sorted(root.iterdir())
+
+    background = ResurgoCheckpointIO(asynchronous=True)
+    saved_async = run(tmp_path / "async", background)
+    saved_sync = run(tmp_path / "sync", ResurgoCheckpointIO())
+    assert [p.name for p in saved_async] == [p.name for p in saved_sync] and len(saved_sync) == 2 * BATCHES_PER_EPOCH
+    assert background._in_flight == {}  # teardown waited for every save
+    for a, b in zip(saved_async, saved_sync):
+        ta, tb = tensors_of(a), tensors_of(b)
+        assert ta.keys() == tb.keys() and any("exp_avg" in k for k in ta)
+        assert all(bitwise_equal(ta[k], tb[k]) for k in ta), a.name
+
+
+def test_an_asynchronous_save_error_is_raised_by_the_next_call_that_waits(tmp_path):
+    from resurgo.errors import ForeignFilesError
+
+    io = ResurgoCheckpointIO(asynchronous=True)
+    target = tmp_path / "a.ckpt"
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    with pytest.raises(ForeignFilesError, match="notes.txt"):
+        io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 1}, target)
+        io.teardown()
+    assert (target / "notes.txt").read_text() == "mine"
+    io.teardown()  # raised once, then forgotten
+
+
+def test_pytorch_lightning_package_resumes_bit_identically(tmp_path):
+    pl = pytest.importorskip("pytorch_lightning")
+    from resurgo.integrations.pytorch_lightning import ResurgoCallback as PLCallback
+    from resurgo.integrations.pytorch_lightning import ResurgoCheckpointIO as PLCheckpointIO
+
+    def run(root: Path, steps: int, ckpt_path=None, save_every=None) -> PLTiny:
+        pl.seed_everything(0)
+        model = PLTiny()
+        callbacks = [PLCallback()]
+        if save_every:
+            callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=save_every, save_top_k=-1))
+        pl.Trainer(max_steps=steps, deterministic=True, accelerator="cpu", devices=1, logger=False,
+                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(save_every),
+                   plugins=[PLCheckpointIO()], callbacks=callbacks).fit(model, ckpt_path=ckpt_path)
+        return model
+
+    whole = run(tmp_path / "whole", 2 * BATCHES_PER_EPOCH)
+    run(tmp_path / "first", BATCHES_PER_EPOCH, save_every=BATCHES_PER_EPOCH)
+    ckpt = tmp_path / "first" / f"epoch=0-step={BATCHES_PER_EPOCH}.ckpt"
+    assert (ckpt / "manifest.json").is_file()
+    resumed = run(tmp_path / "resumed", 2 * BATCHES_PER_EPOCH, ckpt_path=ckpt)
+    assert all(bitwise_equal(a, b) for a, b in zip(whole.losses[BATCHES_PER_EPOCH:], resumed.losses))
+    for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
+        assert bitwise_equal(a, b), name
+
+
+try:
+    import pytorch_lightning as _pl
+
+    class PLTiny(TinyBody, _pl.LightningModule):
+        pass
+except ImportError:  # pragma: no cover - the lightning extra brings pytorch_lightning
+    pass
+
+
+def test_ddp_processes_each_get_their_own_rng_states_back(tmp_path):
+    """Two DDP processes (ddp_spawn, gloo) draw different dropout masks: each process's RNG
+    states go into the checkpoint and come back to that process, so the resumed run ends with
+    the uninterrupted run's weights, bit for bit."""
+    def run(root: Path, steps: int, ckpt_path=None, save_every=None) -> Tiny:
+        L.seed_everything(0)
+        model = Tiny(rank_seed=True)
+        callbacks = [ResurgoCallback()]
+        if save_every:
+            callbacks.append(L.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=save_every, save_top_k=-1))
+        L.Trainer(max_steps=steps, deterministic=True, accelerator="cpu", devices=2, strategy="ddp_spawn",
+                  logger=False, enable_progress_bar=False, enable_model_summary=False,
+                  enable_checkpointing=bool(save_every), default_root_dir=root,
+                  plugins=[ResurgoCheckpointIO()], callbacks=callbacks).fit(model, ckpt_path=ckpt_path)
+        return model
+
+    steps = BATCHES_PER_EPOCH // 2  # DistributedSampler: each process gets half an epoch
+    whole = run(tmp_path / "whole", 3 * steps)
+    run(tmp_path / "first", 2 * steps, save_every=2 * steps)
+    ckpt = tmp_path / "first" / f"epoch=1-step={2 * steps}.ckpt"
+    per_rank = resurgo.load_dict(ckpt)["callbacks"]["ResurgoCallback"]["rng_per_rank"]
+    assert len(per_rank) == 2 and not torch.equal(per_rank[0]["torch"], per_rank[1]["torch"])
+    resumed = run(tmp_path / "resumed", 3 * steps, ckpt_path=ckpt)
+    for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
+        assert bitwise_equal(a, b), name

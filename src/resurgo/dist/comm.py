@@ -9,8 +9,9 @@ process group), every call is a local no-op with rank 0 of a world of 1.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -20,6 +21,7 @@ from resurgo.errors import RankFailedError, ResurgoError
 T = TypeVar("T")
 _lock = threading.Lock()
 _groups: dict[tuple[int, str], Any] = {}
+_alone = threading.local()
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,19 @@ def _rebuild(name: str, message: str, rank: int) -> BaseException:
     return RankFailedError(f"{text} ({name})")
 
 
+@contextlib.contextmanager
+def alone() -> Iterator[None]:
+    """Within it, :func:`current` is a world of one in this thread: a save or load made by one
+    process of a job on its own (Lightning saves from global rank 0 only), which would otherwise
+    wait forever for the other ranks to join its collectives."""
+    before = getattr(_alone, "on", False)
+    _alone.on = True
+    try:
+        yield
+    finally:
+        _alone.on = before
+
+
 def current(channel: str = "io") -> Comm:
     """This process's place in the job: the default process group, or a world of one.
 
@@ -111,7 +126,7 @@ def current(channel: str = "io") -> Comm:
         import torch.distributed as dist
     except ImportError:  # pragma: no cover - torch built without distributed
         return Comm(0, 1)
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if getattr(_alone, "on", False) or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return Comm(0, 1)
     default = dist.group.WORLD
     with _lock:

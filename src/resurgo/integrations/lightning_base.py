@@ -1,0 +1,180 @@
+"""What resurgo's Lightning plugin and callback do, free of any Lightning import.
+
+Lightning ships under two package names, ``lightning`` and ``pytorch_lightning``, each with its
+own CheckpointIO and Callback base classes: a plugin must derive from the package the Trainer
+comes from. The behaviour lives here once, as mixins; ``resurgo.integrations.lightning`` and
+``resurgo.integrations.pytorch_lightning`` bind it to each package's base classes.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from resurgo.api import async_save, load_dict, save
+from resurgo.dist.comm import alone
+from resurgo.errors import NotACheckpointError
+from resurgo.integrations._torch_file import load_torch_file
+from resurgo.manager.catalog import remove
+from resurgo.pipeline.async_save import AsyncSaveHandle
+from resurgo.state.rng import capture_rng_state, restore_rng_state
+from resurgo.storage.open import open_root
+
+
+def _plain(value: Any) -> Any:
+    """Lightning's dict subclasses (OrderedDict state dicts, AttributeDict hyper-parameters) as
+    plain dicts, which resurgo stores as JSON; any other value is left for resurgo to judge."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple) and type(value) is tuple:
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+class CheckpointIOMethods:
+    """The CheckpointIO methods: each path Lightning saves to becomes a resurgo checkpoint.
+
+    ``asynchronous=True``: ``save_checkpoint`` returns once every tensor is copied out (a
+    snapshot: training may change the weights at once, and the checkpoint still holds the step it
+    was asked for), and the checkpoint is written and committed in the background. A load, a
+    removal of that path and Lightning's teardown wait for it; a background failure is raised
+    by the next call that waits. Only the Trainer's checkpoints (those with a ``global_step``)
+    go to the background: Lightning reads its other files back at once (the weights
+    ``ddp_spawn`` hands to the main process).
+    """
+
+    def __init__(self, *, allow_pickle: bool = False, verify: bool = True, asynchronous: bool = False) -> None:
+        super().__init__()
+        self.allow_pickle = allow_pickle
+        self.verify = verify
+        self.asynchronous = asynchronous
+        self._in_flight: dict[Path, AsyncSaveHandle] = {}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
+                        storage_options: Any | None = None) -> None:
+        step = checkpoint.get("global_step")
+        kwargs: dict[str, Any] = dict(overwrite=True, allow_pickle=self.allow_pickle,
+                                      step=step if isinstance(step, int) else None)
+        # Lightning saves "last.ckpt" again and again: overwrite replaces a resurgo checkpoint
+        # atomically and refuses (ForeignFilesError) anything resurgo did not write.
+        # Lightning calls this on global rank 0 only, with the whole state: a save of one process.
+        with alone():
+            if not (self.asynchronous and "global_step" in checkpoint):
+                save(_plain(checkpoint), path, **kwargs)
+                return
+            self._collect(done_only=True)
+            self._wait_for(Path(path))  # a second save of one path starts after the first committed
+            self._in_flight[Path(path)] = async_save(_plain(checkpoint), path, **kwargs)
+
+    def load_checkpoint(self, path: str | os.PathLike, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        self._collect()
+        if Path(path).is_file():
+            return self._load_foreign(Path(path), map_location)
+        with alone():  # each process reads the whole checkpoint for itself
+            return load_dict(path, verify=self.verify, allow_pickle=self.allow_pickle)
+
+    def _load_foreign(self, path: Path, map_location: Any) -> dict[str, Any]:
+        return load_torch_file(path, allow_pickle=self.allow_pickle, map_location=map_location or "cpu",
+                               what="a Lightning checkpoint", fix="pass ResurgoCheckpointIO(allow_pickle=True)")
+
+    def remove_checkpoint(self, path: str | os.PathLike) -> None:
+        target = Path(path)
+        self._wait_for(target)
+        if not target.exists():
+            return
+        if not target.is_dir():
+            raise NotACheckpointError(
+                f"{target}: not a resurgo checkpoint (a file), so ResurgoCheckpointIO does not delete it; "
+                "remove it yourself if it is not needed")
+        # Deletes only what resurgo wrote (else ForeignFilesError, nothing deleted), crash-safely.
+        remove(open_root(target.parent), target.name)
+
+    def teardown(self) -> None:
+        """Lightning's end of fit: every background save is committed (or its error raised)."""
+        self._collect()
+
+    def _wait_for(self, path: Path) -> None:
+        handle = self._in_flight.pop(path, None)
+        if handle is not None:
+            handle.wait()
+
+    def _collect(self, done_only: bool = False) -> None:
+        """Wait for the saves in flight (only those already finished with ``done_only``), dropping
+        each handle before its error is raised so that an error is raised once."""
+        for path, handle in list(self._in_flight.items()):
+            if done_only and not handle.done():
+                continue
+            del self._in_flight[path]
+            handle.wait()
+
+
+class RngCallbackMethods:
+    """The Callback methods: RNG states saved in every checkpoint and restored where the resumed
+    run's next draw matches the uninterrupted run's.
+
+    Resumed at an epoch boundary, the uninterrupted run's next draws build the next epoch's data
+    iterator, which Lightning builds right after loading: the states are restored on loading.
+    Resumed mid-epoch, the uninterrupted run kept its iterator, while the resumed run builds a new
+    one (drawing from the RNG): the states are set again right before the first resumed step.
+    Under DDP every process has its own states (its own dropout masks): each process's states
+    are gathered into the checkpoint, and each process gets its own back.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pending: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        world, _ = _world()
+        if world == 1:
+            return {"rng": capture_rng_state()}
+        # Lightning builds the checkpoint on every process and writes rank 0's: gather into it.
+        import torch.distributed as dist
+
+        states: list[Any] = [None] * world
+        dist.all_gather_object(states, capture_rng_state())
+        return {"rng_per_rank": states}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._pending = self._own_states(state_dict)
+        if self._pending is not None:
+            restore_rng_state(self._pending)
+
+    @staticmethod
+    def _own_states(state_dict: dict[str, Any]) -> dict[str, Any] | None:
+        world, rank = _world()
+        per_rank = state_dict.get("rng_per_rank")
+        if per_rank is None:
+            if world > 1:
+                warnings.warn("ResurgoCallback: the checkpoint holds the RNG states of one process; "
+                              f"under {world} processes they are not restored (each process keeps its seed)",
+                              RuntimeWarning, stacklevel=3)
+                return None
+            return state_dict["rng"]
+        if len(per_rank) != world:
+            warnings.warn(f"ResurgoCallback: the checkpoint holds the RNG states of {len(per_rank)} processes, "
+                          f"this run has {world}: they are not restored (each process keeps its seed)",
+                          RuntimeWarning, stacklevel=3)
+            return None
+        return per_rank[rank]
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._pending is None:
+            return
+        if batch_idx > 0:  # resumed mid-epoch: undo the draws of the rebuilt iterator
+            restore_rng_state(self._pending)
+        self._pending = None
+
+
+def _world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
