@@ -17,7 +17,8 @@ Beside each save, DeepSpeed's own views as references: ``zero_to_fp32.pt``
 ``safe_get_full_*``, as ``{"model": {name: w}, "optimizer": {number: {moment: m}}}``, the number
 being the parameter's place in the optimizer). DeepSpeed 0.19.8's ``safe_get_full_optimizer_state``
 fails with two groups ("exp_avg not found in optimizer state fragment"), so those runs have
-``zero_to_fp32.pt`` only. ``zero2-1/universal`` is ``ds_to_universal``'s output for ``zero2-1``.
+``zero_to_fp32.pt`` only. ``<run>/universal`` is ``ds_to_universal``'s output for ``<run>``, of the
+runs in ``UNIVERSAL`` (ZeRO-2; ZeRO-3, with one and with two parameter groups).
 
     python deepspeed_workers.py OUT_ROOT PORT
 """
@@ -36,6 +37,7 @@ from torch import nn
 # name: (ZeRO stage, parameter groups, bf16)
 RUNS = {"zero1-1": (1, 1, False), "zero2-1": (2, 1, False), "zero3-1": (3, 1, False), "zero1-2": (1, 2, False),
         "zero3-2": (3, 2, False), "bf16-zero2": (2, 1, True), "bf16-zero3": (3, 1, True)}
+UNIVERSAL = ("zero2-1", "zero3-1", "zero3-2")
 TAG = "global_step3"
 
 
@@ -115,6 +117,7 @@ if __name__ == "__main__":
     for name in RUNS:
         out = os.path.join(root, name)
         torch.save(get_fp32_state_dict_from_zero_checkpoint(out), os.path.join(out, "zero_to_fp32.pt"))
-    ds_to_universal(Namespace(input_folder=os.path.join(root, "zero2-1", TAG),
-                              output_folder=os.path.join(root, "zero2-1", "universal", TAG), num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True))
+    for name in UNIVERSAL:
+        ds_to_universal(Namespace(input_folder=os.path.join(root, name, TAG),
+                                  output_folder=os.path.join(root, name, "universal", TAG), num_extract_workers=1,
+                                  num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True))

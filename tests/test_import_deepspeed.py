@@ -52,7 +52,8 @@ def zero_runs(tmp_path_factory) -> dict[int | str, Path]:
     """Every real DeepSpeed checkpoint of the tests, written by one run of deepspeed_workers.py:
     {stage: ZeRO-1/2/3 with zero_to_fp32.pt and live.pt beside it; "1g2", "3g2": two parameter
     groups; "bf16-2", "bf16-3": bf16 runs; "continued": the ZeRO-2 run with a scheduler that
-    DeepSpeed continued (continued.json)}. ``zero_runs[2] / "universal"`` is ds_to_universal's output."""
+    DeepSpeed continued (continued.json)}. ``zero_runs[run] / "universal"`` is ds_to_universal's
+    output, for runs 2, 3 and "3g2"."""
     root = tmp_path_factory.mktemp("deepspeed")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0"}
     done = subprocess.run([sys.executable, str(HERE / "deepspeed_workers.py"), str(root), str(free_port())], env=env,
@@ -156,28 +157,44 @@ def test_bf16_optimizer_files_import_bit_for_bit(zero_runs, tmp_path, stage):
 
 @pytest.mark.deepspeed
 @pytest.mark.timeout(1500)
-def test_ds_to_universal_output_imports_bit_for_bit(zero_runs, tmp_path):
-    """DeepSpeed's ds_to_universal output of the ZeRO-2 run: found through latest_universal, or
-    as the tag folder; equal to the original's import and to zero_to_fp32."""
-    universal = zero_runs[2] / "universal"
+@pytest.mark.parametrize("run", [2, 3, "3g2"])
+def test_ds_to_universal_output_imports_bit_for_bit(zero_runs, tmp_path, run):
+    """DeepSpeed's ds_to_universal output of the ZeRO-2 and ZeRO-3 runs: found through
+    latest_universal, or as the tag folder; equal to zero_to_fp32 and to the original's import.
+    ZeRO-3's holds flat tensors, no step.pt (the steps: rank 0's, in zero/optimizer_state.pt) and
+    every rank's model states (the frozen parameters' parts)."""
+    universal = zero_runs[run] / "universal"
     assert (universal / "latest_universal").read_text() == "global_step3"
     assert (universal / "global_step3" / "zero" / "fc1.weight" / "exp_avg_sq.pt").is_file()
+    assert (universal / "global_step3" / "zero" / "fc1.weight" / "step.pt").is_file() == (run == 2)
     resurgo.import_checkpoint(universal, tmp_path / "universal", source="deepspeed")
-    resurgo.import_checkpoint(zero_runs[2], tmp_path / "zero", source="deepspeed")
+    resurgo.import_checkpoint(zero_runs[run], tmp_path / "zero", source="deepspeed")
     got, original = resurgo.load_dict(tmp_path / "universal"), resurgo.load_dict(tmp_path / "zero")
-    reference_matches(got, torch.load(zero_runs[2] / "zero_to_fp32.pt", weights_only=True))
+    reference_matches(got, torch.load(zero_runs[run] / "zero_to_fp32.pt", weights_only=True))
+    assert got["model"].keys() == original["model"].keys()
+    for name, theirs in original["model"].items():  # the frozen layer and the tied head too
+        assert got["model"][name].dtype == theirs.dtype and bits(got["model"][name]) == bits(theirs), name
     for i in range(5):
+        assert got["optimizer"]["state"][i].keys() == {"exp_avg", "exp_avg_sq", "step"}
         for what in ("exp_avg", "exp_avg_sq", "step"):
             mine, theirs = got["optimizer"]["state"][i][what], original["optimizer"]["state"][i][what]
             assert mine.shape == theirs.shape and bits(mine) == bits(theirs), (i, what)
     assert got["optimizer"]["param_groups"] == original["optimizer"]["param_groups"]
-    assert {k: got[k] for k in ("global_steps", "step", "zero_stage")} == {"global_steps": 3, "step": 3, "zero_stage": 2}
+    stage = 2 if run == 2 else 3
+    assert {k: got[k] for k in ("global_steps", "step", "zero_stage")} == {"global_steps": 3, "step": 3, "zero_stage": stage}
     result = runner.invoke(app, ["import", str(universal / "global_step3"), str(tmp_path / "cli"), "--from", "deepspeed"])
     assert result.exit_code == 0, result.output
     shutil.copytree(universal, tmp_path / "copy")
     (tmp_path / "copy" / "global_step3" / "zero" / "fc2.bias" / "exp_avg.pt").unlink()
     with pytest.raises(CorruptCheckpointError, match=r"zero/fc2\.bias/exp_avg\.pt: missing"):
         resurgo.import_checkpoint(tmp_path / "copy", tmp_path / "broken", source="deepspeed")
+    if stage == 3:  # a rank's model states, with its part of the frozen layer
+        shutil.copy(universal / "global_step3" / "zero" / "fc2.bias" / "exp_avg.pt",
+                    tmp_path / "copy" / "global_step3" / "zero" / "fc2.bias" / "exp_avg.pt")
+        (tmp_path / "copy" / "global_step3" / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
+        with pytest.raises(CorruptCheckpointError, match=r"zero_pp_rank_1_mp_rank_00_model_states\.pt: missing"):
+            resurgo.import_checkpoint(tmp_path / "copy", tmp_path / "broken", source="deepspeed")
+    assert not (tmp_path / "broken").exists()
 
 
 @pytest.mark.deepspeed

@@ -17,7 +17,7 @@ the partitions' bytes (flat ranges of each parameter):
   alignment gap (``param_alignment_paddings``); the gaps and the padding are never read.
 - ZeRO 3: each parameter is split in ``ceil(numel / world)`` elements per rank, and each rank's
   flat groups hold its part of each parameter in ``param_shapes`` order.
-- ``ds_to_universal``: whole tensors, one file per parameter and state.
+- ``ds_to_universal`` (of ZeRO 1, 2 or 3): whole tensors, one file per parameter and state.
 
 ``exp_avg`` and ``exp_avg_sq`` are laid out as the fp32 partitions. The state nests as a training
 job's (each tensor's spec ``path``), so that ``resurgo.load`` fills a model, a torch optimizer and
@@ -135,10 +135,7 @@ def spec_from_deepspeed(directory: str | Path) -> ImportSpec:
                    if kind and stage is None else "")
         raise UnsupportedValueError(f"{folder / _name(first)}: ZeRO stage {stage!r}{without}; "
                                     "only ZeRO stages 1, 2 and 3 import")
-    world = osd.get("partition_count")
-    world = world[0] if isinstance(world, list) and world else world
-    if not isinstance(world, int) or world < 1:
-        raise CorruptCheckpointError(f"{folder / _name(first)}: partition_count {world!r} is not a world size")
+    world = _world(osd, folder / _name(first))
     missing = [r for r in range(world) if r not in ranks]
     if missing or len(ranks) != world:
         raise CorruptCheckpointError(
@@ -398,7 +395,13 @@ def _zero3(groups: list[list[tuple[str, tuple[int, ...]]]], optims: list[_File],
             tensors.append(TensorSpec(**_at("optimizer", "state", index[name], moment), dtype="float32",
                                       shape=list(shape), pieces=pieces[moment]))
         tensors += _step_tensor(index[name], steps)
-    # Frozen parameters: each rank holds ceil(numel / world) elements of each, as zero_to_fp32 reads them.
+    return tensors + _zero3_frozen(models, world)
+
+
+def _zero3_frozen(models: list[_File], world: int) -> list[TensorSpec]:
+    """ZeRO-3's frozen parameters: each rank's model states hold ``ceil(numel / world)`` elements
+    of each, as zero_to_fp32 reads them."""
+    tensors: list[TensorSpec] = []
     for name, shape in (models[0].obj.get("frozen_param_shapes") or {}).items():
         numel, pieces_f, dtype = math.prod(shape), [], None
         part = -(-numel // world)
@@ -443,31 +446,61 @@ def _whole(f: _File, ref: TensorRef, path: tuple[str | int, ...]) -> TensorSpec:
 
 
 def _universal(folder: Path, load: Callable[..., _File]) -> ImportSpec:
-    """The output of DeepSpeed's ``ds_to_universal`` (of a ZeRO 1/2 checkpoint): per trained
-    parameter, ``zero/<name>/fp32.pt``, ``exp_avg.pt`` and ``exp_avg_sq.pt`` (whole tensors, under
-    ``param`` of a dict) and ``step.pt``; the optimizer's param groups in ``zero/optimizer_state.pt``;
-    the model states (frozen parameters, buffers, counters, scheduler) as in the original."""
+    """The output of DeepSpeed's ``ds_to_universal``: per trained parameter (``param_shapes`` of the
+    model states), ``zero/<name>/fp32.pt``, ``exp_avg.pt`` and ``exp_avg_sq.pt``, whole tensors (of
+    ZeRO 1/2: in the parameter's shape under ``param`` of a dict; of ZeRO 3: flat and bare); the Adam
+    step in ``zero/<name>/step.pt`` (ZeRO 1/2) or, for ZeRO 3, in ``zero/optimizer_state.pt``, which
+    keeps rank 0's optimizer state (one step per parameter group); the optimizer's param groups in
+    ``zero/optimizer_state.pt``; the model states as in the original (frozen parameters, buffers,
+    counters, scheduler; ZeRO 3: one file per rank, each with its part of the frozen parameters)."""
     common = load(UNIVERSAL)
     stage = common.obj.get("zero_stage")
-    if stage not in (1, 2):
+    if stage not in (1, 2, 3):
         raise UnsupportedValueError(f"{folder / UNIVERSAL}: ds_to_universal output of ZeRO stage {stage!r}; only that "
-                                    "of ZeRO stages 1 and 2 imports (import the ZeRO-3 checkpoint itself)")
-    model = load(ZERO12_MODEL)
-    groups, index = _groups(model)
+                                    "of ZeRO stages 1, 2 and 3 imports")
+    world = _world(common.obj, folder / UNIVERSAL) if stage == 3 else 1
+    models = [load(ZERO3_MODEL.format(r)) for r in range(world)] if stage == 3 else [load(ZERO12_MODEL)]
+    groups, index = _groups(models[0])
+    inner = _get(common, "optimizer_state_dict", dict) if stage == 3 else {}
     tensors = []
-    for name, shape in (p for g in groups for p in g):
-        i = index[name]
-        for what, path in (("fp32", ("model", name)), ("exp_avg", ("optimizer", "state", i, "exp_avg")),
-                           ("exp_avg_sq", ("optimizer", "state", i, "exp_avg_sq")), ("step", ("optimizer", "state", i, "step"))):
-            rel = f"zero/{name}/{what}.pt"
-            f = load(rel, (dict, TensorRef))
-            ref = f.obj.get("param") if isinstance(f.obj, dict) else f.obj
-            want = shape if what != "step" else ()
-            if not isinstance(ref, TensorRef) or ref.shape != want or ref.storage.dtype != "float32":
-                raise CorruptCheckpointError(f"{folder / rel}: expected a float32 tensor of shape {list(want)} for "
-                                             f"parameter {name!r}, found {ref!r:.120}")
-            tensors.append(_whole(f, ref, path))
-    tensors += _module_tensors([model], stage, set(index))
-    return ImportSpec(tensors=_with_shared(tensors, model),
-                      values=_values(model, common, common.obj.get("param_groups"), stage, groups, index))
+    for g, params in enumerate(groups):
+        steps = _step_pieces([common], [_moment_state(common, inner, g, f"group {g}")], g) if stage == 3 else []
+        for name, shape in params:
+            i = index[name]
+            kinds = [("fp32", ("model", name)), ("exp_avg", ("optimizer", "state", i, "exp_avg")),
+                     ("exp_avg_sq", ("optimizer", "state", i, "exp_avg_sq"))]
+            for what, path in kinds + ([("step", ("optimizer", "state", i, "step"))] if stage < 3 else []):
+                rel = f"zero/{name}/{what}.pt"
+                tensors.append(_universal_tensor(load(rel, (dict, TensorRef)), folder / rel, name,
+                                                 shape if what != "step" else (), path))
+            tensors += _step_tensor(i, steps)
+    if stage == 3:
+        tensors += _zero3_frozen(models, world)
+    tensors += _module_tensors(models, stage, set(index))
+    return ImportSpec(tensors=_with_shared(tensors, models[0]),
+                      values=_values(models[0], common, common.obj.get("param_groups"), stage, groups, index))
 
+
+def _universal_tensor(f: _File, where: Path, name: str, shape: tuple[int, ...],
+                      path: tuple[str | int, ...]) -> TensorSpec:
+    """A ``ds_to_universal`` file's float32 tensor at ``path``: in ``shape``, or flat (ZeRO 3's)."""
+    ref = f.obj.get("param") if isinstance(f.obj, dict) else f.obj
+    numel = math.prod(shape)
+    if isinstance(ref, TensorRef) and ref.storage.dtype == "float32":
+        if ref.shape == shape:
+            return _whole(f, ref, path)
+        if shape and ref.shape == (numel,) and ref.strides == (1,):
+            return TensorSpec(**_at(*path), dtype="float32", shape=list(shape),
+                              pieces=[_Run(f, ref).piece(0, numel, 0)] if numel else [])
+    raise CorruptCheckpointError(f"{where}: expected a float32 tensor of shape {list(shape)}"
+                                 f"{f' (or flat, of {numel} elements)' if shape else ''} for parameter {name!r}, "
+                                 f"found {ref!r:.120}")
+
+
+def _world(osd: dict, where: Path) -> int:
+    """The data-parallel world size of ``osd``, an optimizer state dict of ``where``."""
+    world = osd.get("partition_count")
+    world = world[0] if isinstance(world, list) and world else world
+    if not isinstance(world, int) or world < 1:
+        raise CorruptCheckpointError(f"{where}: partition_count {world!r} is not a world size")
+    return world
