@@ -67,6 +67,20 @@ def digests_of(source: "np.ndarray | TensorStream", nbytes: int, block_bytes: in
     return out
 
 
+def sampled_digests(source: "np.ndarray | TensorStream", nbytes: int, block_bytes: int, picks: list[int]) -> list[str]:
+    """The digests of blocks ``picks`` of a source's bytes, reading only those blocks."""
+    out = []
+    for i in picks:
+        start, stop = i * block_bytes, min((i + 1) * block_bytes, nbytes)
+        if not isinstance(source, TensorStream):
+            out.append(checksum.digest(source.data.cast("B")[start:stop]))
+            continue
+        size = source.tensor.element_size()  # a stream reads whole elements
+        lo, hi = start // size * size, -(-stop // size) * size
+        out.append(checksum.digest(source.read_into(lo, np.empty(hi - lo, dtype=np.uint8))[start - lo : stop - lo]))
+    return out
+
+
 @dataclass
 class WrittenFile:
     path: str

@@ -99,3 +99,27 @@ def segments(nbytes: int, digests: list[str], base: BaseChunk) -> list[Segment]:
 
 def owned_bytes(segs: list[Segment]) -> int:
     return sum(s.stop - s.start for s in segs if s.reference is None)
+
+
+SAMPLE_BLOCKS = 16
+
+
+def sample_blocks(n: int, count: int = SAMPLE_BLOCKS) -> list[int]:
+    """The indexes of ``count`` blocks spread evenly over a chunk of ``n`` blocks, first and last
+    included (all of them when ``n <= count``)."""
+    if n <= count:
+        return list(range(n))
+    return [i * (n - 1) // (count - 1) for i in range(count)]
+
+
+def changed_throughout(sampled: list[str], base: BaseChunk, picks: list[int]) -> bool:
+    """Every sampled block (digests ``sampled`` of blocks ``picks``) differs from the base's: the
+    chunk is written whole without hashing the rest first, so that it is hashed as it is written
+    (a chunk that changed everywhere then costs what it costs in a save without a base)."""
+    return all(d != base.checksums[i] for d, i in zip(sampled, picks, strict=True))
+
+
+def mostly_changed(segs: list[Segment], nbytes: int) -> bool:
+    """More than half of the chunk's bytes differ from the base's: it is written whole, referencing
+    nothing (a few saved bytes are not worth the extents and the older file kept alive)."""
+    return 2 * owned_bytes(segs) > nbytes
