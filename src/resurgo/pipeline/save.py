@@ -23,6 +23,7 @@ import torch
 from resurgo.errors import UnsupportedValueError
 from resurgo.format import checksum
 from resurgo.format.tree import top_level_step
+from resurgo.gcpause import collector_paused
 from resurgo.dist import comm as dist_comm
 from resurgo.dist.comm import Comm
 from resurgo.format.manifest import (
@@ -261,7 +262,8 @@ def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | Ten
     def write() -> tuple[list[WrittenFile], list[WrittenChunk]]:
         files = prep.plan.files
         if len(files) == 1:
-            plan, reused, reuse, known = _reuse_in_file(prep, files[0], sources, digests)
+            with collector_paused():
+                plan, reused, reuse, known = _reuse_in_file(prep, files[0], sources, digests)
             return write_file(plan, reuse, known), reused
         # With a base, each file is hashed before it is written. Hashing the files one after
         # another here (hashing holds the GIL) lets each file's write start as soon as it is
@@ -270,15 +272,17 @@ def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | Ten
         reused: list[WrittenChunk] = []
         with ThreadPoolExecutor(len(files), thread_name_prefix="resurgo-write") as pool:  # waits for every write
             for f in files:
-                plan, chunks, reuse, known = _reuse_in_file(prep, f, sources, digests)
+                with collector_paused():  # an object per run of blocks: see resurgo.gcpause
+                    plan, chunks, reuse, known = _reuse_in_file(prep, f, sources, digests)
                 reused += chunks
                 written.append(pool.submit(write_file, plan, reuse, known))
         return [w for fut in written for w in fut.result()], reused
 
     def manifest(everyone: list[tuple[list[WrittenFile], list[WrittenChunk]]]) -> bytes:
         global _last_incremental
-        built = build_manifest(prep, [w for ws, _ in everyone for w in ws], [c for _, cs in everyone for c in cs])
-        raw = built.to_json_bytes()
+        with collector_paused():  # an object per chunk and extent
+            built = build_manifest(prep, [w for ws, _ in everyone for w in ws], [c for _, cs in everyone for c in cs])
+            raw = built.to_json_bytes()
         if prep.incremental:
             _last_incremental = (raw, built)
         return raw
