@@ -70,6 +70,23 @@ def test_unchanged_bytes_are_referenced_not_written(tmp_path: Path):
     assert_same(fresh, state)
 
 
+def test_scattered_changed_blocks_are_written_together(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from resurgo.storage.direct_io import DirectWriteHandle
+
+    state = make_state()
+    resurgo.save(state, tmp_path / "a", incremental=True)
+    state["emb"][torch.arange(0, ROWS, 64)] += 1.0  # 64 blocks of 4 KiB, one in every 8
+    writes: list[tuple[str, int]] = []
+    original = DirectWriteHandle.write
+    monkeypatch.setattr(DirectWriteHandle, "write", lambda self, data: (writes.append((self.path.name, len(data))), original(self, data))[1])
+    resurgo.save(state, tmp_path / "b", base=tmp_path / "a")
+    monkeypatch.undo()
+    assert resurgo.read_manifest(tmp_path / "b").owned_bytes == 64 * 4096
+    data = [n for name, n in writes if name.endswith(".safetensors")]
+    assert data[1:] == [64 * 4096]  # after the header, the 64 changed blocks in one write, not 64
+    assert_same(resurgo.load_dict(tmp_path / "b"), state)
+
+
 def test_a_reference_names_the_file_that_holds_the_bytes(tmp_path: Path):
     state = make_state()
     resurgo.save(state, tmp_path / "a", incremental=True)
