@@ -12,7 +12,7 @@ import os
 import platform
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
@@ -255,28 +255,19 @@ def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | Ten
     t_start = time.perf_counter()
     comm = prep.comm
 
-    def write_file(plan: FilePlan | None, reuse: dict[str, list[Segment]], known: Mapping[str, list[str]] | None
-                   ) -> list[WrittenFile]:
-        return [] if plan is None else [write_data_file(prep.staging, plan, sources, known, reuse)]
+    def write_file(f: FilePlan) -> tuple[list[WrittenFile], list[WrittenChunk]]:
+        with collector_paused():  # an object per run of blocks: see resurgo.gcpause
+            plan, reused, reuse, known = _reuse_in_file(prep, f, sources, digests)
+        return ([] if plan is None else [write_data_file(prep.staging, plan, sources, known, reuse)]), reused
 
     def write() -> tuple[list[WrittenFile], list[WrittenChunk]]:
         files = prep.plan.files
         if len(files) == 1:
-            with collector_paused():
-                plan, reused, reuse, known = _reuse_in_file(prep, files[0], sources, digests)
-            return write_file(plan, reuse, known), reused
-        # With a base, each file is hashed before it is written. Hashing the files one after
-        # another here (hashing holds the GIL) lets each file's write start as soon as it is
-        # decided, while the next is hashed; hashed all at once, no write would start before all were.
-        written: list[Future] = []
-        reused: list[WrittenChunk] = []
-        with ThreadPoolExecutor(len(files), thread_name_prefix="resurgo-write") as pool:  # waits for every write
-            for f in files:
-                with collector_paused():  # an object per run of blocks: see resurgo.gcpause
-                    plan, chunks, reuse, known = _reuse_in_file(prep, f, sources, digests)
-                reused += chunks
-                written.append(pool.submit(write_file, plan, reuse, known))
-        return [w for fut in written for w in fut.result()], reused
+            results = [write_file(files[0])]
+        else:
+            with ThreadPoolExecutor(len(files), thread_name_prefix="resurgo-write") as pool:
+                results = list(pool.map(write_file, files))
+        return [w for ws, _ in results for w in ws], [c for _, cs in results for c in cs]
 
     def manifest(everyone: list[tuple[list[WrittenFile], list[WrittenChunk]]]) -> bytes:
         global _last_incremental
