@@ -70,6 +70,23 @@ def test_unchanged_bytes_are_referenced_not_written(tmp_path: Path):
     assert_same(fresh, state)
 
 
+def test_scattered_changed_blocks_are_written_together(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from resurgo.storage.direct_io import DirectWriteHandle
+
+    state = make_state()
+    resurgo.save(state, tmp_path / "a", incremental=True)
+    state["emb"][torch.arange(0, ROWS, 64)] += 1.0  # 64 blocks of 4 KiB, one in every 8
+    writes: list[tuple[str, int]] = []
+    original = DirectWriteHandle.write
+    monkeypatch.setattr(DirectWriteHandle, "write", lambda self, data: (writes.append((self.path.name, len(data))), original(self, data))[1])
+    resurgo.save(state, tmp_path / "b", base=tmp_path / "a")
+    monkeypatch.undo()
+    assert resurgo.read_manifest(tmp_path / "b").owned_bytes == 64 * 4096
+    data = [n for name, n in writes if name.endswith(".safetensors")]
+    assert data[1:] == [64 * 4096]  # after the header, the 64 changed blocks in one write, not 64
+    assert_same(resurgo.load_dict(tmp_path / "b"), state)
+
+
 def test_a_reference_names_the_file_that_holds_the_bytes(tmp_path: Path):
     state = make_state()
     resurgo.save(state, tmp_path / "a", incremental=True)
@@ -92,6 +109,52 @@ def test_a_full_save_stays_version_2(tmp_path: Path):
     # Everything changed: nothing to reference, a self-contained version 2 checkpoint.
     resurgo.save(make_state(seed=3), tmp_path / "b", base=tmp_path / "a")
     assert resurgo.read_manifest(tmp_path / "b").version == 2
+
+
+FROZEN_BLOCK = 8 * 4096  # "frozen" (512 x 1024 float32) has 64 blocks of 8 rows
+SAMPLED = [0, 4, 8, 12, 16, 21, 25, 29, 33, 37, 42, 46, 50, 54, 58, 63]  # block i * 63 // 15
+
+
+def _save_with_frozen_blocks_changed(tmp_path: Path, blocks: list[int], asynchronous: bool = False):
+    state = make_state()
+    resurgo.save(state, tmp_path / "a", incremental=True)
+    for b in blocks:
+        state["frozen"][b * 8, 0] += 1.0  # one element dirties its block of 8 rows
+    save = resurgo.async_save if asynchronous else resurgo.save
+    result = save(state, tmp_path / "b", base=tmp_path / "a")
+    if asynchronous:
+        result.wait()
+    assert_same(resurgo.load_dict(tmp_path / "b"), state)
+    assert verify_checkpoint(tmp_path / "b").ok
+    m = resurgo.read_manifest(tmp_path / "b")
+    return m, m.tensors["frozen"].chunks[0]
+
+
+@pytest.mark.parametrize("changed, owned, whole", [(32, 32 * FROZEN_BLOCK, False), (33, 64 * FROZEN_BLOCK, True)])
+def test_a_chunk_more_than_half_changed_is_written_whole(tmp_path: Path, changed: int, owned: int, whole: bool):
+    # The first blocks change: half of the sample differs, so every block is compared.
+    m, frozen = _save_with_frozen_blocks_changed(tmp_path, list(range(changed)))
+    assert m.owned_bytes == owned  # "emb" and "bias" are unchanged, reused whole
+    if whole:  # more than half: written whole, referencing nothing
+        assert frozen.extents is None and frozen.file is not None
+        assert frozen.byte_range[1] - frozen.byte_range[0] == 2 << 20
+    else:  # exactly half: the changed half written, the other half referenced
+        assert [e.byte_range[1] - e.byte_range[0] for e in frozen.extents] == [1 << 20, 1 << 20]
+        assert frozen.extents[1].file.startswith("a/data/")
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_chunk_whose_sampled_blocks_all_differ_is_written_whole(tmp_path: Path, asynchronous: bool):
+    # Only 16 of 64 blocks changed, but all 16 sampled ones: written whole without comparing the rest.
+    m, frozen = _save_with_frozen_blocks_changed(tmp_path, SAMPLED, asynchronous)
+    assert m.owned_bytes == 2 << 20 and frozen.extents is None
+    # One sampled block unchanged: compared block by block, only the 15 changed blocks written.
+    m, frozen = _save_with_frozen_blocks_changed(tmp_path / "x", SAMPLED[1:], asynchronous)
+    assert m.owned_bytes == 15 * FROZEN_BLOCK and len(frozen.extents) == 30  # blocks 0-3 reused, then 15 written
+
+    from resurgo.plan.reuse_plan import sample_blocks
+
+    assert sample_blocks(64) == SAMPLED and sample_blocks(5) == [0, 1, 2, 3, 4]
 
 
 def test_async_save_with_base(tmp_path: Path):

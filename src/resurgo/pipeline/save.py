@@ -23,6 +23,7 @@ import torch
 from resurgo.errors import UnsupportedValueError
 from resurgo.format import checksum
 from resurgo.format.tree import top_level_step
+from resurgo.gcpause import collector_paused
 from resurgo.dist import comm as dist_comm
 from resurgo.dist.comm import Comm
 from resurgo.format.manifest import (
@@ -46,9 +47,11 @@ from resurgo.format.manifest import (
 from resurgo.layout.box import ChunkBox, FlatRange, place_order
 from resurgo.pipeline.buffers import TensorStream, source_for_write
 from resurgo.pipeline.collective import write_then_commit
-from resurgo.pipeline.writer import WrittenChunk, WrittenFile, digests_of, reused_extents, write_data_file
+from resurgo.pipeline.writer import (WrittenChunk, WrittenFile, digests_of, reused_extents, sampled_digests,
+                                     write_data_file)
 from resurgo.plan.global_plan import GlobalPlan, PlanCache, RankDecl, RankWrite, TensorDecl, TensorMeta
-from resurgo.plan.reuse_plan import BaseIndex, Segment, owned_bytes, segments
+from resurgo.plan.reuse_plan import (BaseIndex, Segment, changed_throughout, mostly_changed, owned_bytes,
+                                     sample_blocks, segments)
 from resurgo.plan.save_plan import FilePlan, SavePlan, plan_files
 from resurgo.reports import SaveReport
 from resurgo.state.flatten import TensorLeaf, flatten_state
@@ -253,7 +256,8 @@ def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | Ten
     comm = prep.comm
 
     def write_file(f: FilePlan) -> tuple[list[WrittenFile], list[WrittenChunk]]:
-        plan, reused, reuse, known = _reuse_in_file(prep, f, sources, digests)
+        with collector_paused():  # an object per run of blocks: see resurgo.gcpause
+            plan, reused, reuse, known = _reuse_in_file(prep, f, sources, digests)
         return ([] if plan is None else [write_data_file(prep.staging, plan, sources, known, reuse)]), reused
 
     def write() -> tuple[list[WrittenFile], list[WrittenChunk]]:
@@ -267,8 +271,9 @@ def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | Ten
 
     def manifest(everyone: list[tuple[list[WrittenFile], list[WrittenChunk]]]) -> bytes:
         global _last_incremental
-        built = build_manifest(prep, [w for ws, _ in everyone for w in ws], [c for _, cs in everyone for c in cs])
-        raw = built.to_json_bytes()
+        with collector_paused():  # an object per chunk and extent
+            built = build_manifest(prep, [w for ws, _ in everyone for w in ws], [c for _, cs in everyone for c in cs])
+            raw = built.to_json_bytes()
         if prep.incremental:
             _last_incremental = (raw, built)
         return raw
@@ -292,11 +297,12 @@ def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | Ten
 def _reuse_in_file(prep: PreparedSave, f: FilePlan, sources: Mapping[str, "np.ndarray | TensorStream"],
                    digests: Mapping[str, list[str]] | None
                    ) -> tuple[FilePlan | None, list[WrittenChunk], dict[str, list[Segment]], Mapping[str, list[str]] | None]:
-    """With a base: hash each chunk of file ``f`` that the base also has (unless staging hashed it
-    already), compare block by block, and keep in the file only what changed. Returns the file to
-    write (None: nothing left in it), the chunks reused whole, each partial chunk's segments, and
-    the digests known before writing. Runs in the file's writer thread: one file's hashing
-    overlaps the others' writes."""
+    """With a base: decide what of each chunk of file ``f`` that the base also has is written.
+    A chunk whose sampled blocks all differ from the base's is written whole, hashed as it is
+    written; the others are hashed now (unless staging hashed them already) and compared block by
+    block: unchanged, reused whole; mostly changed, written whole; else only what changed is
+    written. Returns the file to write (None: nothing left in it), the chunks reused whole, each
+    partial chunk's segments, and the digests known before writing."""
     if prep.base is None:
         return f, [], {}, digests
     known = dict(digests or {})
@@ -308,11 +314,17 @@ def _reuse_in_file(prep: PreparedSave, f: FilePlan, sources: Mapping[str, "np.nd
         if match is None:
             items.append(item)
             continue
+        picks = sample_blocks(len(match.checksums))
+        sampled = ([known[item.name][i] for i in picks] if item.name in known
+                   else sampled_digests(sources[item.name], item.nbytes, item.block_bytes, picks))
+        if changed_throughout(sampled, match, picks):
+            items.append(item)
+            continue
         if item.name not in known:
             known[item.name] = digests_of(sources[item.name], item.nbytes, item.block_bytes)
         segs = segments(item.nbytes, known[item.name], match)
         owned = owned_bytes(segs)
-        if owned == item.nbytes:
+        if mostly_changed(segs, item.nbytes):
             items.append(item)
         elif owned == 0:
             reused.append(WrittenChunk(item, "", (0, 0), item.block_bytes, known[item.name],

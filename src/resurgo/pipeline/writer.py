@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,6 +67,20 @@ def digests_of(source: "np.ndarray | TensorStream", nbytes: int, block_bytes: in
     return out
 
 
+def sampled_digests(source: "np.ndarray | TensorStream", nbytes: int, block_bytes: int, picks: list[int]) -> list[str]:
+    """The digests of blocks ``picks`` of a source's bytes, reading only those blocks."""
+    out = []
+    for i in picks:
+        start, stop = i * block_bytes, min((i + 1) * block_bytes, nbytes)
+        if not isinstance(source, TensorStream):
+            out.append(checksum.digest(source.data.cast("B")[start:stop]))
+            continue
+        size = source.tensor.element_size()  # a stream reads whole elements
+        lo, hi = start // size * size, -(-stop // size) * size
+        out.append(checksum.digest(source.read_into(lo, np.empty(hi - lo, dtype=np.uint8))[start - lo : stop - lo]))
+    return out
+
+
 @dataclass
 class WrittenFile:
     path: str
@@ -84,6 +98,37 @@ def chunk_file_offsets(plan: SavePlan) -> dict[str, tuple[int, int]]:
             for item, (start, _) in zip(f.items, build_header(f.header_entries)[1])}
 
 
+def _streamed(source: TensorStream, parts: list[tuple[int, int]], step: int, buffer: np.ndarray) -> Iterator[memoryview]:
+    """Bytes ``parts`` of a streamed tensor, slice by slice through ``buffer``."""
+    for begin, end in parts:
+        for off in range(begin, end, step):
+            yield source.read_into(off, buffer[: min(step, end - off)])
+
+
+def _gathered(data: memoryview, parts: list[tuple[int, int]], step: int, buffer: np.ndarray) -> Iterator[memoryview]:
+    """Bytes ``parts`` of ``data``, back to back, in pieces of at most ``step`` bytes. Parts
+    smaller than that are copied together into ``buffer`` (``step`` bytes at least), so that a
+    chunk's scattered changed blocks cost a few writes, not one each (a write has a fixed cost far
+    above a 4 KiB copy)."""
+    array = np.frombuffer(data, dtype=np.uint8)
+    group: list[np.ndarray] = []
+    size = 0
+    for begin, end in parts:
+        for off in range(begin, end, step):
+            n = min(step, end - off)
+            if group and size + n > step:
+                yield _joined(group, size, buffer)
+                group, size = [], 0
+            group.append(array[off : off + n])
+            size += n
+    if group:
+        yield _joined(group, size, buffer)
+
+
+def _joined(group: list[np.ndarray], size: int, buffer: np.ndarray) -> memoryview:
+    return group[0].data if len(group) == 1 else np.concatenate(group, out=buffer[:size]).data
+
+
 def write_data_file(staging: Staging, plan: FilePlan,
                     sources: Mapping[str, "np.ndarray | TensorStream"],
                     digests: Mapping[str, list[str]] | None = None,
@@ -92,7 +137,7 @@ def write_data_file(staging: Staging, plan: FilePlan,
     chunks (hashed as they were staged); the others are hashed here. ``reuse``: of a partial
     chunk, its segments: only those the base lacks are written."""
     t_write = t_hash = 0.0
-    slice_buffer: np.ndarray | None = None  # reused by every streamed tensor of this file
+    slice_buffer: np.ndarray | None = None  # reused by every streamed or partial tensor of this file
     header, ranges = build_header(plan.header_entries)
     handle = staging.create(plan.path)
     try:
@@ -106,28 +151,26 @@ def write_data_file(staging: Staging, plan: FilePlan,
             # Streamed slices must also hold whole elements.
             unit = math.lcm(block_bytes, source.tensor.element_size()) if isinstance(source, TensorStream) else block_bytes
             step = max(unit, SLICE_BYTES // unit * unit)
-            if isinstance(source, TensorStream) and (slice_buffer is None or len(slice_buffer) < step):
+            if (isinstance(source, TensorStream) or item.partial) and (slice_buffer is None or len(slice_buffer) < step):
                 slice_buffer = np.empty(step, dtype=np.uint8)
             known = digests.get(item.name) if digests else None
             chunk_digests: list[str] = list(known) if known is not None else []
             segments = reuse.get(item.name) if reuse and item.partial else None
             assert segments is None or known is not None, "a partial chunk was hashed to compare it"
             parts = [(0, item.nbytes)] if segments is None else [(g.start, g.stop) for g in segments if g.reference is None]
-            for begin, end in parts:
-                for off in range(begin, end, step):
-                    n = min(step, end - off)
-                    if isinstance(source, TensorStream):
-                        assert slice_buffer is not None
-                        piece = source.read_into(off, slice_buffer[:n])
-                    else:
-                        piece = source.data.cast("B")[off : off + n]
-                    t0 = time.perf_counter()
-                    if known is None:
-                        chunk_digests.extend(checksum.block_digests(piece, block_bytes))
-                    t1 = time.perf_counter()
-                    handle.write(piece)
-                    t_write += time.perf_counter() - t1
-                    t_hash += t1 - t0
+            if isinstance(source, TensorStream):
+                assert slice_buffer is not None
+                pieces = _streamed(source, parts, step, slice_buffer)
+            else:
+                pieces = _gathered(source.data.cast("B"), parts, step, slice_buffer)  # type: ignore[arg-type]
+            for piece in pieces:
+                t0 = time.perf_counter()
+                if known is None:  # then the chunk is one part: each piece starts on a block
+                    chunk_digests.extend(checksum.block_digests(piece, block_bytes))
+                t1 = time.perf_counter()
+                handle.write(piece)
+                t_write += time.perf_counter() - t1
+                t_hash += t1 - t0
             extents = None if segments is None else reused_extents(segments, plan.path, byte_range[0])
             chunks.append(WrittenChunk(item, plan.path, byte_range, block_bytes, chunk_digests, extents))
         t0 = time.perf_counter()

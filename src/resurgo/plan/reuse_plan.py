@@ -10,6 +10,9 @@ so a reference always names the file holding the bytes, never another reference.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
 
 from resurgo.format.manifest import FileEntry, Manifest, Span, locate, split_reference
 from resurgo.layout.box import Place
@@ -23,6 +26,11 @@ class BaseChunk:
     block_bytes: int
     checksums: tuple[str, ...]
     spans: tuple[Span, ...]  # (reference "<checkpoint>/data/<name>.safetensors", start, stop)
+
+    @cached_property
+    def packed(self) -> np.ndarray:
+        """The digests as one array of 32-byte strings, compared with a new chunk's in one step."""
+        return pack(self.checksums)
 
 
 @dataclass(frozen=True)
@@ -63,24 +71,55 @@ class Segment:
     offset: int = 0
 
 
+def pack(digests: "list[str] | tuple[str, ...]") -> np.ndarray:
+    """Hex digests (32 characters each, as the manifest holds them) as an array of 32-byte strings."""
+    return np.frombuffer("".join(digests).encode("ascii"), dtype="S32")
+
+
 def segments(nbytes: int, digests: list[str], base: BaseChunk) -> list[Segment]:
-    """The chunk in runs of blocks equal to the base's (referenced) and runs that differ (written)."""
+    """The chunk in runs of blocks equal to the base's (referenced) and runs that differ (written).
+
+    The blocks are compared in one vectorised step; Python only walks the runs, so a chunk that
+    changed everywhere, or nowhere, costs one comparison, not one per block."""
+    if not digests:  # an empty chunk has no blocks
+        return []
     block = base.block_bytes
+    same = pack(digests) == base.packed
+    edges = np.flatnonzero(same[1:] != same[:-1]) + 1  # where a run of equal or differing blocks ends
+    starts, stops = [0, *edges.tolist()], [*edges.tolist(), len(digests)]
     out: list[Segment] = []
-    i, n = 0, len(digests)
-    while i < n:
-        same = digests[i] == base.checksums[i]
-        j = i + 1
-        while j < n and (digests[j] == base.checksums[j]) == same:
-            j += 1
+    for i, j in zip(starts, stops):
         start, stop = i * block, min(j * block, nbytes)
-        if same:
+        if same[i]:
             out.extend(Segment(lo, hi, file, offset) for file, offset, lo, hi in locate(base.spans, start, stop))
         else:
             out.append(Segment(start, stop))
-        i = j
     return out
 
 
 def owned_bytes(segs: list[Segment]) -> int:
     return sum(s.stop - s.start for s in segs if s.reference is None)
+
+
+SAMPLE_BLOCKS = 16
+
+
+def sample_blocks(n: int, count: int = SAMPLE_BLOCKS) -> list[int]:
+    """The indexes of ``count`` blocks spread evenly over a chunk of ``n`` blocks, first and last
+    included (all of them when ``n <= count``)."""
+    if n <= count:
+        return list(range(n))
+    return [i * (n - 1) // (count - 1) for i in range(count)]
+
+
+def changed_throughout(sampled: list[str], base: BaseChunk, picks: list[int]) -> bool:
+    """Every sampled block (digests ``sampled`` of blocks ``picks``) differs from the base's: the
+    chunk is written whole without hashing the rest first, so that it is hashed as it is written
+    (a chunk that changed everywhere then costs what it costs in a save without a base)."""
+    return all(d != base.checksums[i] for d, i in zip(sampled, picks, strict=True))
+
+
+def mostly_changed(segs: list[Segment], nbytes: int) -> bool:
+    """More than half of the chunk's bytes differ from the base's: it is written whole, referencing
+    nothing (a few saved bytes are not worth the extents and the older file kept alive)."""
+    return 2 * owned_bytes(segs) > nbytes
