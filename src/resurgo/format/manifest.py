@@ -137,9 +137,6 @@ def locate(spans: Sequence[Span], start: int, stop: int) -> list[tuple[str, int,
             break
     return out
 
-    def name_in_file(self, key: str) -> str:
-        return key if self.name is None else self.name
-
 
 class TensorEntry(_Strict):
     kind: Literal["torch", "numpy"]
