@@ -7,11 +7,14 @@ from __future__ import annotations
 import json
 import pickle
 import re
+import statistics
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from helpers import bits_equal
@@ -22,6 +25,7 @@ from resurgo.study.experiments import StudyConfig, quick_config
 from resurgo.study.mechanisms import MECHANISMS, make_mechanism, quiet_single_process
 from resurgo.study.models import ResNet50, VGG16
 from resurgo.study.report import render_markdown
+from resurgo.study.stats import coverage, median_interval, paired_overhead
 from resurgo.study.training import JobSpec, build_training, tensor_bytes, train_steps
 
 runner = CliRunner()
@@ -81,12 +85,37 @@ def test_results_json_has_every_mechanism(study_out: Path):
         assert len(results["determinism"][model]["reference"]) == 6
     assert [r["mechanism"] for r in results["scale"]] == names
     for row in results["cost"]:
-        assert row["repeats"] == len(row["runs"]) == len(row["overhead_pct_runs"]) == 2
+        assert row["repeats"] == row["pairs"] == len(row["runs"]) == 2
         assert row["checkpoints"] == 6 and len(row["stall_s"]) == 12  # --steps 6: one every step, twice
-        low, high = sorted(row["overhead_pct_runs"])
-        assert row["overhead_pct"] == (low + high) / 2  # the median of two pairs
     for row in results["scale"]:
-        assert row["checkpoints"] == len(row["stall_s"]) == 3 and row["seconds"] > 0  # 3 steps, one every 1
+        assert row["repeats"] == 2 and row["checkpoints"] == 3 and len(row["stall_s"]) == 6  # 3 steps, one every 1
+        assert all(r["seconds"] > 0 for r in row["runs"])
+
+
+def test_every_overhead_has_an_interval_from_its_pairs(study_out: Path):
+    results = json.loads((study_out / "results.json").read_text())
+    for row in results["cost"] + results["scale"]:
+        diffs = sorted(r["seconds"] - r["baseline_s"] for r in row["runs"])  # the same repetition, paired
+        assert (row["extra_low_s"], row["extra_high_s"]) == (diffs[0], diffs[-1])  # 2 pairs: [min, max]
+        assert row["extra_s"] == (diffs[0] + diffs[1]) / 2
+        base = row["baseline"]["median"]
+        assert row["overhead_pct"] == 100.0 * row["extra_s"] / base  # derivable from the columns shown
+        assert row["overhead_low_pct"] <= row["overhead_pct"] <= row["overhead_high_pct"]
+        assert row["noise"] == (diffs[0] <= 0.0 <= diffs[-1]) and row["coverage"] == 0.5
+        for timing in ("baseline", "with_ckpt", "stall"):
+            assert row[timing]["min"] <= row[timing]["median"] <= row[timing]["max"], timing
+    for row in results["formats"]:
+        assert row["save"]["n"] == row["load"]["n"] == 2
+    # the report shows each overhead with its interval, and the mark where the interval holds 0
+    report = (study_out / "report.md").read_text()
+    tables = _section_tables(report)
+    for heading, rows in ((SECTIONS[0], results["cost"]), (SECTIONS[2], results["scale"])):
+        for line, row in zip(tables[heading], rows, strict=True):
+            cell = line[-1]
+            assert cell.startswith(f"{row['overhead_pct']:+.1f} [{row['overhead_low_pct']:+.1f}, "
+                                   f"{row['overhead_high_pct']:+.1f}]"), cell
+            assert cell.endswith("not distinguishable from noise") == row["noise"], cell
+            assert line[-2] == f"{row['extra_s']:+.3f} [{row['extra_low_s']:+.3f}, {row['extra_high_s']:+.3f}]"
 
 
 def test_report_without_the_scale_experiment(study_out: Path):
@@ -211,6 +240,51 @@ def test_cli_bad_options_exit_2(tmp_path: Path):
     result = runner.invoke(app, ["study", "--quick", "--steps", "3", "--out", str(tmp_path)])
     assert result.exit_code == 2 and "--steps must be at least 4" in result.output
     assert list(tmp_path.iterdir()) == []  # nothing ran
+
+
+def test_median_interval_known_values():
+    assert median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0, 0.75)  # 3 values: [min, max], 75%
+    assert coverage(6, 1) == 1 - 2 / 64 and median_interval(range(6))[:2] == (0, 5)
+    low, high, cover = median_interval(range(20))
+    assert (low, high) == (5, 14) and cover >= 0.95 and coverage(20, 7) < 0.95
+    with pytest.raises(StudyError, match="got 2 and 3"):
+        paired_overhead([1.0, 2.0], [1.0, 2.0, 3.0])
+    with pytest.raises(StudyError, match="at least 2 repeats"):
+        quick_config(cost_repeats=1).check()
+
+
+times = st.floats(min_value=0.01, max_value=100.0, allow_nan=False)
+
+
+@given(st.lists(st.floats(min_value=-1e3, max_value=1e3), min_size=1, max_size=40))
+def test_interval_holds_the_median(values):
+    low, high, cover = median_interval(values)
+    assert low <= statistics.median(values) <= high
+    assert min(values) <= low and high <= max(values)
+    assert cover >= 0.95 or (low, high) == (min(values), max(values))
+
+
+@given(st.lists(times, min_size=1, max_size=12))
+def test_identical_pairs_are_noise(without):
+    row = paired_overhead(without, list(without))
+    assert row["extra_s"] == row["extra_low_s"] == row["extra_high_s"] == 0.0
+    assert row["overhead_pct"] == 0.0 and row["noise"]
+
+
+@given(st.lists(st.tuples(times, times), min_size=1, max_size=12), st.randoms())
+def test_overhead_ignores_the_order_of_the_pairs(pairs, rnd):
+    shuffled = list(pairs)
+    rnd.shuffle(shuffled)
+    a = paired_overhead([p[0] for p in pairs], [p[1] for p in pairs])
+    b = paired_overhead([p[0] for p in shuffled], [p[1] for p in shuffled])
+    assert a == b
+
+
+@given(st.lists(st.tuples(times, times), min_size=1, max_size=12), st.floats(min_value=0.5, max_value=10.0))
+def test_a_cost_above_the_noise_is_distinguishable(pairs, cost):
+    # every run with checkpoints slower than its pair by more than 0: the interval excludes 0
+    row = paired_overhead([b for b, _ in pairs], [b + cost + abs(w - b) for b, w in pairs])
+    assert not row["noise"] and row["extra_low_s"] > 0 and row["overhead_low_pct"] > 0
 
 
 def test_tensor_bytes_counts_nested_state():

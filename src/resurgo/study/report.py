@@ -53,6 +53,33 @@ def _s(x: float) -> str:
     return f"{x:.3f}" if x < 10 else f"{x:.1f}"
 
 
+def _spread(sp: dict) -> str:
+    """A timing as median [min, max]."""
+    return f"{_s(sp['median'])} [{_s(sp['min'])}, {_s(sp['max'])}]"
+
+
+def _overhead(r: dict) -> str:
+    """An overhead in percent with its interval, marked when the interval holds 0."""
+    text = f"{r['overhead_pct']:+.1f} [{r['overhead_low_pct']:+.1f}, {r['overhead_high_pct']:+.1f}]"
+    return text + (" not distinguishable from noise" if r["noise"] else "")
+
+
+def _extra(r: dict) -> str:
+    return f"{r['extra_s']:+.3f} [{r['extra_low_s']:+.3f}, {r['extra_high_s']:+.3f}]"
+
+
+def _blocked(r: dict) -> str:
+    return _spread(r["stall"]) if r["stall"] else "-"
+
+
+def _coverage_note(rows: list[dict]) -> str:
+    covers = sorted({f"{100 * r['coverage']:.0f}%" for r in rows})
+    pairs = sorted({r["pairs"] for r in rows})
+    return (f"Intervals of the overhead: order statistics of the {'/'.join(map(str, pairs))} paired differences, "
+            f"which hold the true median difference with probability {'/'.join(covers)} whatever the noise's "
+            "distribution (95% needs at least 6 pairs; below that the interval is [min, max]).")
+
+
 def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
@@ -147,25 +174,28 @@ def render_markdown(results: dict) -> str:
 
     # Table I
     out.append("## 1. Cost of checkpointing (Table I)\n")
-    out.append(f"Per mechanism, the job trains {cfg['cost_steps']} steps without checkpoints, then "
-               f"{cfg['cost_steps']} steps with a checkpoint every {cfg['checkpoint_every']} steps, back to back "
-               f"(the same machine load for both); {cfg['cost_repeats']} such pair(s) per mechanism in rotated "
-               "order, medians shown. *Blocked* is how long the training loop waited in the save call (mean "
-               "over all checkpoints); an asynchronous save still running at the end of the run is waited for "
-               "inside the timed run. torch.save and safetensors, called as their users call them, return "
-               "before the data are durable (no fsync); DCP and resurgo fsync. On a shared machine, "
-               "differences of a few percent are noise.\n")
-    rows = [[_model(r["model"]), r["label"], _s(r["baseline_s"]), _s(r["seconds"]), str(r["checkpoints"]),
-             _s(r["stall_mean_s"]), f"{r['overhead_pct']:+.1f}"] for r in results["cost"]]
-    out.append(_table(["model", "mechanism", "train, no ckpt (s)", "train with ckpt (s)", "checkpoints",
-                       "blocked per ckpt (s)", "overhead %"], rows) + "\n")
+    out.append(f"Per mechanism and repetition, the job trains {cfg['cost_steps']} steps without checkpoints, "
+               f"then {cfg['cost_steps']} steps with a checkpoint every {cfg['checkpoint_every']} steps, back to "
+               f"back (a pair: the same machine load for both); {cfg['cost_repeats']} pairs per mechanism in "
+               "rotated order. Times are *median [min, max]* over the repetitions. *Extra* is the median of the "
+               "paired differences (with minus without, the same repetition) with its interval; *overhead* is "
+               "extra / the median time without checkpoints, so it follows from the columns shown. An overhead "
+               "whose interval holds 0 is marked *not distinguishable from noise*. *Blocked* is how long the "
+               "training loop waited in the save call, over all checkpoints of all repetitions; an asynchronous "
+               "save still running at the end of the run is waited for inside the timed run. torch.save and "
+               "safetensors, called as their users call them, return before the data are durable (no fsync); "
+               "DCP and resurgo fsync. " + _coverage_note(results["cost"]) + "\n")
+    rows = [[_model(r["model"]), r["label"], _spread(r["baseline"]), _spread(r["with_ckpt"]), str(r["checkpoints"]),
+             _blocked(r), _extra(r), _overhead(r)] for r in results["cost"]]
+    out.append(_table(["model", "mechanism", "train, no ckpt (s)", "train with ckpt (s)", "checkpoints per run",
+                       "blocked per ckpt (s)", "extra (s)", "overhead %"], rows) + "\n")
     out.append(f"![Figure 1: overhead of checkpointing]({COST_PLOT})\n")
 
     # Table II
     out.append("## 2. Formats and sizes (Table II)\n")
-    out.append("One checkpoint of the trained job per mechanism, saved alone (*save s*: until complete) and "
-               "loaded back (*load s*). *Raw* is the bytes of the tensors the mechanism stores (model "
-               "state_dict, plus the optimizer state where it stores it). *fsync*: the mechanism makes the "
+    out.append("One checkpoint of the trained job per mechanism and repetition, saved alone (*save s*: until "
+               "complete) and loaded back (*load s*), median [min, max]. *Raw* is the bytes of the tensors the "
+               "mechanism stores (model state_dict, plus the optimizer state where it stores it). *fsync*: the mechanism makes the "
                "data durable before returning (torch.save and safetensors do not, as users call them).\n")
     rows = []
     for r in results["formats"]:
@@ -173,8 +203,8 @@ def render_markdown(results: dict) -> str:
         rows.append([_model(r["model"]), r["label"], r["format"], str(r["files"]), _human_bytes(r["bytes"]),
                      _human_bytes(r["raw_tensor_bytes"]), f"{r['size_over_raw']:.3f}", _yes(st["weights"]),
                      _yes(st["optimizer"]), _yes(st["rng"]), _yes(st["data_position"]), _yes(r["fsync"]),
-                     r["executes_code"] + ("*" if r["mechanism"] == "torch_save" else ""), _s(r["save_s"]),
-                     _s(r["load_s"])])
+                     r["executes_code"] + ("*" if r["mechanism"] == "torch_save" else ""), _spread(r["save"]),
+                     _spread(r["load"])])
     out.append(_table(["model", "mechanism", "format", "files", "size", "raw", "size / raw", "weights",
                        "optimizer", "RNG", "data position", "fsync", "load can run code", "save s", "load s"],
                       rows) + "\n")
@@ -197,15 +227,16 @@ def render_markdown(results: dict) -> str:
     else:
         out.append(f"Data-parallel training (DistributedDataParallel, gloo, CPU) on {', '.join(map(str, worlds))} "
                    f"real processes, {cfg['batch_size']} images per rank, {cfg['scale_steps']} steps per run, a "
-                   f"checkpoint every {cfg['scale_every']} steps; every rank calls the save (torch.save and "
+                   f"checkpoint every {cfg['scale_every']} steps, {cfg['cost_repeats']} pairs of runs per "
+                   "mechanism as in Table I; every rank calls the save (torch.save and "
                    "safetensors write from rank 0 only, as their users do). Times are the slowest rank's. "
                    f"**The ranks share this machine's {cores} CPU cores** (one thread each): with more ranks "
                    "than cores, ranks wait for CPU, so this measures the mechanisms' coordination and I/O under "
-                   "contention, not the speed-up of a cluster.\n")
-        rows = [[_model(r["model"]), str(r["ranks"]), str(r["global_batch"]), r["label"], _s(r["baseline_s"]),
-                 _s(r["seconds"]), _s(r["stall_mean_s"]), f"{r['overhead_pct']:+.1f}"] for r in results["scale"]]
+                   "contention, not the speed-up of a cluster. " + _coverage_note(results["scale"]) + "\n")
+        rows = [[_model(r["model"]), str(r["ranks"]), str(r["global_batch"]), r["label"], _spread(r["baseline"]),
+                 _spread(r["with_ckpt"]), _blocked(r), _extra(r), _overhead(r)] for r in results["scale"]]
         out.append(_table(["model", "ranks", "global batch", "mechanism", "train, no ckpt (s)",
-                           "train with ckpt (s)", "blocked per ckpt (s)", "overhead %"], rows) + "\n")
+                           "train with ckpt (s)", "blocked per ckpt (s)", "extra (s)", "overhead %"], rows) + "\n")
         out.append(f"![Figure 4: overhead by number of ranks]({SCALE_PLOT})\n")
 
     # Figures 2 and 3
