@@ -24,7 +24,9 @@ from resurgo.study.data import load_cifar10, synthetic_cifar10
 from resurgo.study.experiments import StudyConfig, quick_config
 from resurgo.study.mechanisms import MECHANISMS, make_mechanism, quiet_single_process
 from resurgo.study.models import ResNet50, VGG16
-from resurgo.study.report import render_markdown
+from resurgo.study.report import (
+    cost_figure, curve_groups, determinism_figure, render_markdown, require_matplotlib, scale_figure,
+)
 from resurgo.study.stats import coverage, median_interval, paired_overhead
 from resurgo.study.training import JobSpec, build_training, tensor_bytes, train_steps
 
@@ -240,6 +242,55 @@ def test_cli_bad_options_exit_2(tmp_path: Path):
     result = runner.invoke(app, ["study", "--quick", "--steps", "3", "--out", str(tmp_path)])
     assert result.exit_code == 2 and "--steps must be at least 4" in result.output
     assert list(tmp_path.iterdir()) == []  # nothing ran
+
+
+def test_figure1_has_error_bars_and_marks_noise(study_out: Path):
+    results = json.loads((study_out / "results.json").read_text())
+    results["cost"][0].update(overhead_pct=5.0, overhead_low_pct=-1.0, overhead_high_pct=9.0, noise=True)
+    results["cost"][1].update(overhead_pct=20.0, overhead_low_pct=12.0, overhead_high_pct=30.0, noise=False)
+    plt = require_matplotlib()
+    fig = cost_figure(plt, results)
+    ax = fig.axes[0]
+    bars = ax.patches
+    segments = ax.collections[0].get_segments()  # one error bar per mechanism, low to high
+    assert [tuple(seg[:, 0]) for seg in segments[:2]] == [(-1.0, 9.0), (12.0, 30.0)]
+    assert len(segments) == len(MECHANISMS)
+    assert bars[0].get_hatch() == "//" and bars[1].get_hatch() is None
+    assert "not distinguishable from noise" in [t.get_text() for t in ax.get_legend().get_texts()][-1]
+    plt.close(fig)
+
+
+def test_figure4_blocked_time_against_ranks(study_out: Path):
+    results = json.loads((study_out / "results.json").read_text())
+    plt = require_matplotlib()
+    fig = scale_figure(plt, results)
+    ax = fig.axes[0]
+    assert ax.get_ylabel().startswith("time blocked per checkpoint")
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [MECHANISMS[n].label for n in MECHANISMS]
+    assert len(ax.containers) == len(MECHANISMS)
+    for container, name in zip(ax.containers, MECHANISMS):  # one line per mechanism, a point per rank count
+        rows = sorted((r for r in results["scale"] if r["mechanism"] == name), key=lambda r: r["ranks"])
+        assert list(container.lines[0].get_ydata()) == [r["stall"]["median"] for r in rows]
+        segments = container.lines[2][0].get_segments()  # each error bar spans the blocked time's interval
+        spans = [float(v) for seg in segments for v in seg[:, 1]]
+        assert spans == pytest.approx([v for r in rows for v in r["stall_interval"][:2]])
+    plt.close(fig)
+
+
+def test_determinism_plot_says_which_curves_overlap(study_out: Path):
+    det = json.loads((study_out / "results.json").read_text())["determinism"]["vgg16"]
+    groups = curve_groups(det)
+    resurgo_labels = [MECHANISMS[n].label for n in RESURGO]
+    assert (resurgo_labels, det["reference"][det["restart_step"]:], True) in groups
+    assert sum(len(labels) for labels, _, _ in groups) == len(MECHANISMS)
+    plt = require_matplotlib()
+    fig = determinism_figure(plt, det)
+    top = fig.axes[0]
+    legend = [t.get_text() for t in top.get_legend().get_texts()]
+    assert f"{', '.join(resurgo_labels)}: identical to the uninterrupted run (drawn on it)" in legend
+    assert len(top.lines) == 2 + len(groups)  # the uninterrupted run, the restart line, each curve once
+    assert "3 restarted curves identical to the uninterrupted one" in top.get_title()
+    plt.close(fig)
 
 
 def test_median_interval_known_values():
