@@ -65,8 +65,8 @@ def test_report_has_the_four_tables_and_the_plots(study_out: Path):
     # Table I, II and the determinism table: one row per model and mechanism, in order
     for heading in (SECTIONS[0], SECTIONS[1], SECTIONS[3]):
         assert [(r[0], r[1]) for r in tables[heading]] == [(m, x) for m in models for x in mechs], heading
-    # Table III: ResNet-50 (the quick preset's scale model) on 2 ranks, global batch 2 x 8
-    assert [(r[0], r[1], r[2], r[3]) for r in tables[SECTIONS[2]]] == [("ResNet-50", "2", "16", x) for x in mechs]
+    # Table III: VGG-16 (the quick preset's scale model) on 2 ranks, global batch 2 x 2
+    assert [(r[0], r[1], r[2], r[3]) for r in tables[SECTIONS[2]]] == [("VGG-16", "2", "4", x) for x in mechs]
     assert "share this machine's" in report
     images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report)
     assert images == ["fig1_cost_overhead.png", "fig4_scale_overhead.png", "fig2_determinism_resnet50.png",
@@ -291,6 +291,16 @@ def test_determinism_plot_says_which_curves_overlap(study_out: Path):
     assert len(top.lines) == 2 + len(groups)  # the uninterrupted run, the restart line, each curve once
     assert "3 restarted curves identical to the uninterrupted one" in top.get_title()
     plt.close(fig)
+
+
+def test_quick_checkpoints_the_published_networks():
+    cfg = quick_config()
+    # full width: ResNet-50's weights and momentum are 2 x 23.5 M floats (188 MiB) per checkpoint,
+    # far above a step's noise at batch 2; each run checkpoints twice; 3 pairs per mechanism
+    assert cfg.width == 64 and cfg.batch_size == 2
+    assert sum(p.numel() for p in ResNet50(cfg.width).parameters()) == 23_520_842
+    assert cfg.cost_steps // cfg.checkpoint_every == 2 and cfg.cost_repeats == 3
+    assert cfg.scale_models == ("vgg16",) and cfg.scale_worlds == (1, 2, 4)
 
 
 def test_median_interval_known_values():
