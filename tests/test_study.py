@@ -7,11 +7,14 @@ from __future__ import annotations
 import json
 import pickle
 import re
+import statistics
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from helpers import bits_equal
@@ -21,7 +24,10 @@ from resurgo.study.data import load_cifar10, synthetic_cifar10
 from resurgo.study.experiments import StudyConfig, quick_config
 from resurgo.study.mechanisms import MECHANISMS, make_mechanism, quiet_single_process
 from resurgo.study.models import ResNet50, VGG16
-from resurgo.study.report import render_markdown
+from resurgo.study.report import (
+    cost_figure, curve_groups, determinism_figure, render_markdown, require_matplotlib, scale_figure,
+)
+from resurgo.study.stats import coverage, median_interval, paired_overhead
 from resurgo.study.training import JobSpec, build_training, tensor_bytes, train_steps
 
 runner = CliRunner()
@@ -59,8 +65,8 @@ def test_report_has_the_four_tables_and_the_plots(study_out: Path):
     # Table I, II and the determinism table: one row per model and mechanism, in order
     for heading in (SECTIONS[0], SECTIONS[1], SECTIONS[3]):
         assert [(r[0], r[1]) for r in tables[heading]] == [(m, x) for m in models for x in mechs], heading
-    # Table III: ResNet-50 (the quick preset's scale model) on 2 ranks, global batch 2 x 8
-    assert [(r[0], r[1], r[2], r[3]) for r in tables[SECTIONS[2]]] == [("ResNet-50", "2", "16", x) for x in mechs]
+    # Table III: VGG-16 (the quick preset's scale model) on 2 ranks, global batch 2 x 2
+    assert [(r[0], r[1], r[2], r[3]) for r in tables[SECTIONS[2]]] == [("VGG-16", "2", "4", x) for x in mechs]
     assert "share this machine's" in report
     images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report)
     assert images == ["fig1_cost_overhead.png", "fig4_scale_overhead.png", "fig2_determinism_resnet50.png",
@@ -81,12 +87,37 @@ def test_results_json_has_every_mechanism(study_out: Path):
         assert len(results["determinism"][model]["reference"]) == 6
     assert [r["mechanism"] for r in results["scale"]] == names
     for row in results["cost"]:
-        assert row["repeats"] == len(row["runs"]) == len(row["overhead_pct_runs"]) == 2
+        assert row["repeats"] == row["pairs"] == len(row["runs"]) == 2
         assert row["checkpoints"] == 6 and len(row["stall_s"]) == 12  # --steps 6: one every step, twice
-        low, high = sorted(row["overhead_pct_runs"])
-        assert row["overhead_pct"] == (low + high) / 2  # the median of two pairs
     for row in results["scale"]:
-        assert row["checkpoints"] == len(row["stall_s"]) == 3 and row["seconds"] > 0  # 3 steps, one every 1
+        assert row["repeats"] == 2 and row["checkpoints"] == 3 and len(row["stall_s"]) == 6  # 3 steps, one every 1
+        assert all(r["seconds"] > 0 for r in row["runs"])
+
+
+def test_every_overhead_has_an_interval_from_its_pairs(study_out: Path):
+    results = json.loads((study_out / "results.json").read_text())
+    for row in results["cost"] + results["scale"]:
+        diffs = sorted(r["seconds"] - r["baseline_s"] for r in row["runs"])  # the same repetition, paired
+        assert (row["extra_low_s"], row["extra_high_s"]) == (diffs[0], diffs[-1])  # 2 pairs: [min, max]
+        assert row["extra_s"] == (diffs[0] + diffs[1]) / 2
+        base = row["baseline"]["median"]
+        assert row["overhead_pct"] == 100.0 * row["extra_s"] / base  # derivable from the columns shown
+        assert row["overhead_low_pct"] <= row["overhead_pct"] <= row["overhead_high_pct"]
+        assert row["noise"] == (diffs[0] <= 0.0 <= diffs[-1]) and row["coverage"] == 0.5
+        for timing in ("baseline", "with_ckpt", "stall"):
+            assert row[timing]["min"] <= row[timing]["median"] <= row[timing]["max"], timing
+    for row in results["formats"]:
+        assert row["save"]["n"] == row["load"]["n"] == 2
+    # the report shows each overhead with its interval, and the mark where the interval holds 0
+    report = (study_out / "report.md").read_text()
+    tables = _section_tables(report)
+    for heading, rows in ((SECTIONS[0], results["cost"]), (SECTIONS[2], results["scale"])):
+        for line, row in zip(tables[heading], rows, strict=True):
+            cell = line[-1]
+            assert cell.startswith(f"{row['overhead_pct']:+.1f} [{row['overhead_low_pct']:+.1f}, "
+                                   f"{row['overhead_high_pct']:+.1f}]"), cell
+            assert cell.endswith("not distinguishable from noise") == row["noise"], cell
+            assert line[-2] == f"{row['extra_s']:+.3f} [{row['extra_low_s']:+.3f}, {row['extra_high_s']:+.3f}]"
 
 
 def test_report_without_the_scale_experiment(study_out: Path):
@@ -211,6 +242,110 @@ def test_cli_bad_options_exit_2(tmp_path: Path):
     result = runner.invoke(app, ["study", "--quick", "--steps", "3", "--out", str(tmp_path)])
     assert result.exit_code == 2 and "--steps must be at least 4" in result.output
     assert list(tmp_path.iterdir()) == []  # nothing ran
+
+
+def test_figure1_has_error_bars_and_marks_noise(study_out: Path):
+    results = json.loads((study_out / "results.json").read_text())
+    results["cost"][0].update(overhead_pct=5.0, overhead_low_pct=-1.0, overhead_high_pct=9.0, noise=True)
+    results["cost"][1].update(overhead_pct=20.0, overhead_low_pct=12.0, overhead_high_pct=30.0, noise=False)
+    plt = require_matplotlib()
+    fig = cost_figure(plt, results)
+    ax = fig.axes[0]
+    bars = ax.patches
+    segments = ax.collections[0].get_segments()  # one error bar per mechanism, low to high
+    assert [tuple(seg[:, 0]) for seg in segments[:2]] == [(-1.0, 9.0), (12.0, 30.0)]
+    assert len(segments) == len(MECHANISMS)
+    assert bars[0].get_hatch() == "//" and bars[1].get_hatch() is None
+    assert "not distinguishable from noise" in [t.get_text() for t in ax.get_legend().get_texts()][-1]
+    plt.close(fig)
+
+
+def test_figure4_blocked_time_against_ranks(study_out: Path):
+    results = json.loads((study_out / "results.json").read_text())
+    plt = require_matplotlib()
+    fig = scale_figure(plt, results)
+    ax = fig.axes[0]
+    assert ax.get_ylabel().startswith("time blocked per checkpoint")
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [MECHANISMS[n].label for n in MECHANISMS]
+    assert len(ax.containers) == len(MECHANISMS)
+    for container, name in zip(ax.containers, MECHANISMS):  # one line per mechanism, a point per rank count
+        rows = sorted((r for r in results["scale"] if r["mechanism"] == name), key=lambda r: r["ranks"])
+        assert list(container.lines[0].get_ydata()) == [r["stall"]["median"] for r in rows]
+        segments = container.lines[2][0].get_segments()  # each error bar spans the blocked time's interval
+        spans = [float(v) for seg in segments for v in seg[:, 1]]
+        assert spans == pytest.approx([v for r in rows for v in r["stall_interval"][:2]])
+    plt.close(fig)
+
+
+def test_determinism_plot_says_which_curves_overlap(study_out: Path):
+    det = json.loads((study_out / "results.json").read_text())["determinism"]["vgg16"]
+    groups = curve_groups(det)
+    resurgo_labels = [MECHANISMS[n].label for n in RESURGO]
+    assert (resurgo_labels, det["reference"][det["restart_step"]:], True) in groups
+    assert sum(len(labels) for labels, _, _ in groups) == len(MECHANISMS)
+    plt = require_matplotlib()
+    fig = determinism_figure(plt, det)
+    top = fig.axes[0]
+    legend = [t.get_text() for t in top.get_legend().get_texts()]
+    assert f"{', '.join(resurgo_labels)}: identical to the uninterrupted run (drawn on it)" in legend
+    assert len(top.lines) == 2 + len(groups)  # the uninterrupted run, the restart line, each curve once
+    assert "3 restarted curves identical to the uninterrupted one" in top.get_title()
+    plt.close(fig)
+
+
+def test_quick_checkpoints_the_published_networks():
+    cfg = quick_config()
+    # full width: ResNet-50's weights and momentum are 2 x 23.5 M floats (188 MiB) per checkpoint,
+    # far above a step's noise at batch 2; each run checkpoints twice; 3 pairs per mechanism
+    assert cfg.width == 64 and cfg.batch_size == 2
+    assert sum(p.numel() for p in ResNet50(cfg.width).parameters()) == 23_520_842
+    assert cfg.cost_steps // cfg.checkpoint_every == 2 and cfg.cost_repeats == 3
+    assert cfg.scale_models == ("vgg16",) and cfg.scale_worlds == (1, 2, 4)
+
+
+def test_median_interval_known_values():
+    assert median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0, 0.75)  # 3 values: [min, max], 75%
+    assert coverage(6, 1) == 1 - 2 / 64 and median_interval(range(6))[:2] == (0, 5)
+    low, high, cover = median_interval(range(20))
+    assert (low, high) == (5, 14) and cover >= 0.95 and coverage(20, 7) < 0.95
+    with pytest.raises(StudyError, match="got 2 and 3"):
+        paired_overhead([1.0, 2.0], [1.0, 2.0, 3.0])
+    with pytest.raises(StudyError, match="at least 2 repeats"):
+        quick_config(cost_repeats=1).check()
+
+
+times = st.floats(min_value=0.01, max_value=100.0, allow_nan=False)
+
+
+@given(st.lists(st.floats(min_value=-1e3, max_value=1e3), min_size=1, max_size=40))
+def test_interval_holds_the_median(values):
+    low, high, cover = median_interval(values)
+    assert low <= statistics.median(values) <= high
+    assert min(values) <= low and high <= max(values)
+    assert cover >= 0.95 or (low, high) == (min(values), max(values))
+
+
+@given(st.lists(times, min_size=1, max_size=12))
+def test_identical_pairs_are_noise(without):
+    row = paired_overhead(without, list(without))
+    assert row["extra_s"] == row["extra_low_s"] == row["extra_high_s"] == 0.0
+    assert row["overhead_pct"] == 0.0 and row["noise"]
+
+
+@given(st.lists(st.tuples(times, times), min_size=1, max_size=12), st.randoms())
+def test_overhead_ignores_the_order_of_the_pairs(pairs, rnd):
+    shuffled = list(pairs)
+    rnd.shuffle(shuffled)
+    a = paired_overhead([p[0] for p in pairs], [p[1] for p in pairs])
+    b = paired_overhead([p[0] for p in shuffled], [p[1] for p in shuffled])
+    assert a == b
+
+
+@given(st.lists(st.tuples(times, times), min_size=1, max_size=12), st.floats(min_value=0.5, max_value=10.0))
+def test_a_cost_above_the_noise_is_distinguishable(pairs, cost):
+    # every run with checkpoints slower than its pair by more than 0: the interval excludes 0
+    row = paired_overhead([b for b, _ in pairs], [b + cost + abs(w - b) for b, w in pairs])
+    assert not row["noise"] and row["extra_low_s"] > 0 and row["overhead_low_pct"] > 0
 
 
 def test_tensor_bytes_counts_nested_state():

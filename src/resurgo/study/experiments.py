@@ -5,13 +5,15 @@ This module owns what is measured and how; it returns plain JSON-ready dicts (re
 calling ``on_progress(done, total, label)`` before each unit of work (one training run or one
 group of spawned ranks) so that a caller can show progress.
 
-1. Cost: the same job trains ``cost_steps`` steps without checkpoints (before and after the
-   mechanisms; the mean is the baseline) and with each mechanism checkpointing every
-   ``checkpoint_every`` steps. An asynchronous save still running at the end is waited for
-   inside the timed run: a run is not done before its last checkpoint is.
-2. Formats and sizes: after its cost run, each mechanism saves the job once more, alone (timed
+1. Cost: per repetition and mechanism, the same job trains ``cost_steps`` steps without
+   checkpoints and, right after (a pair: the same machine load), ``cost_steps`` steps with the
+   mechanism checkpointing every ``checkpoint_every`` steps; the mechanisms run in rotated order.
+   The overhead is computed from the pairs (``stats.paired_overhead``), with its interval. An
+   asynchronous save still running at the end is waited for inside the timed run: a run is not
+   done before its last checkpoint is.
+2. Formats and sizes: after each cost run, the mechanism saves the job once more, alone (timed
    until complete), and loads it back (timed); the files are counted and measured.
-3. Scale: the cost experiment on 1, 2, 4 data-parallel ranks (DDP, gloo, CPU), real processes.
+3. Scale: the cost experiment (paired runs) on 1, 2, 4 data-parallel ranks (DDP, gloo, CPU), real processes.
 4. Determinism: an uninterrupted run of ``det_steps`` steps checkpoints with every mechanism at
    step ``det_restart``; then, per mechanism, fresh objects are built as a new training script
    builds them, the global RNGs are moved elsewhere, the checkpoint is loaded the way that
@@ -24,7 +26,6 @@ from __future__ import annotations
 import os
 import platform
 import shutil
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -37,6 +38,7 @@ from resurgo.errors import StudyError
 from resurgo.study.data import make_dataset
 from resurgo.study.mechanisms import MECHANISMS, Mechanism, make_mechanism, quiet_single_process
 from resurgo.study.models import MODELS
+from resurgo.study.stats import median_interval, paired_overhead, spread
 from resurgo.dist.launch import run_ranks
 from resurgo.errors import RankFailedError
 from resurgo.study.training import (
@@ -60,7 +62,7 @@ class StudyConfig:
     samples: int = 4096  # images in the training set (synthetic), or the first N real ones
     warmup_steps: int = 3
     cost_steps: int = 60
-    cost_repeats: int = 1  # pairs (without, with checkpoints) per mechanism; the median is reported
+    cost_repeats: int = 3  # pairs (without, with checkpoints) per mechanism, in cost and scale runs
     checkpoint_every: int = 15
     scale_worlds: tuple[int, ...] = (1, 2, 4)
     scale_models: tuple[str, ...] = tuple(MODELS)
@@ -89,7 +91,9 @@ class StudyConfig:
             raise StudyError(f"the restart step must be inside the run: 0 < {self.det_restart} < {self.det_steps}")
         if self.threads < 1:
             raise StudyError(f"threads must be >= 1, got {self.threads}")
-        if self.width < 1 or self.cost_repeats < 1 or self.batch_size < 1 or self.checkpoint_every < 1 or self.scale_every < 1:
+        if self.cost_repeats < 2:
+            raise StudyError(f"an overhead's interval needs at least 2 repeats (pairs of runs), got {self.cost_repeats}")
+        if self.width < 1 or self.batch_size < 1 or self.checkpoint_every < 1 or self.scale_every < 1:
             raise StudyError("width, repeats, batch size and checkpoint intervals must be >= 1")
         if self.samples < self.batch_size * max(self.scale_worlds + (1,)):
             raise StudyError(f"{self.samples} samples cannot fill one batch of {self.batch_size} per rank "
@@ -102,10 +106,12 @@ def full_config(**overrides: Any) -> StudyConfig:
 
 
 def quick_config(**overrides: Any) -> StudyConfig:
-    """Both networks at 1/8 width (every layer kept), batch 8, a few steps: minutes on 2 cores."""
-    return replace(StudyConfig(width=8, batch_size=8, samples=512, warmup_steps=2, cost_steps=24,
-                               checkpoint_every=8, cost_repeats=3, scale_models=("resnet50",), scale_steps=6,
-                               scale_every=3, det_steps=12, det_restart=6, preset="quick"), **overrides)
+    """The published networks (width 64) at batch 2, a few steps: a checkpoint (188 MiB of weights
+    and momentum for ResNet-50) costs far more than a step's noise, and the PyTorch mechanisms
+    finish in minutes on 2 cores. The scale experiment uses VGG-16, the faster step."""
+    return replace(StudyConfig(width=64, batch_size=2, samples=256, warmup_steps=1, cost_steps=4,
+                               checkpoint_every=2, cost_repeats=3, scale_models=("vgg16",), scale_steps=2,
+                               scale_every=2, det_steps=6, det_restart=3, preset="quick"), **overrides)
 
 
 def with_steps(cfg: StudyConfig, steps: int) -> StudyConfig:
@@ -157,6 +163,23 @@ def _state_bytes(job: Training) -> tuple[int, int]:
 
 
 # -- experiment 1 + 2: cost, formats and sizes --------------------------------------------------
+def _timings(pairs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The spreads and the paired overhead of one mechanism's runs (each with its ``baseline_s``)."""
+    without, with_ckpt = [r["baseline_s"] for r in pairs], [r["seconds"] for r in pairs]
+    stalls = [s for r in pairs for s in r["stall_s"]]
+    return {"repeats": len(pairs), "baseline": spread(without), "with_ckpt": spread(with_ckpt),
+            "stall": spread(stalls) if stalls else None, "stall_s": stalls,
+            "stall_interval": list(median_interval(stalls)) if stalls else None,
+            **paired_overhead(without, with_ckpt), "runs": pairs}
+
+
+def _format_timings(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One formats row from a mechanism's repetitions: the facts of the first (every repetition
+    writes the same files), the spreads of the save and load times."""
+    return {**rows[0], "save": spread([r["save_s"] for r in rows]), "load": spread([r["load_s"] for r in rows]),
+            "save_s": [r["save_s"] for r in rows], "load_s": [r["load_s"] for r in rows]}
+
+
 def _checkpointing_run(job: Training, mech: Mechanism, steps: int, every: int, root: Path,
                        cleanup: bool = True) -> dict[str, Any]:
     """Train ``steps`` steps saving every ``every``; seconds, and the time blocked in each save.
@@ -213,42 +236,32 @@ def cost_and_formats(cfg: StudyConfig, model: str, dataset: Any, work: Path,
     params = sum(p.numel() for p in job.model.parameters())
     train_steps(job, cfg.warmup_steps)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in cfg.mechanisms}
-    formats: dict[str, dict[str, Any]] = {}
+    formats: dict[str, list[dict[str, Any]]] = {name: [] for name in cfg.mechanisms}
     for repeat in range(cfg.cost_repeats):
         # rotate the order between repeats so that no mechanism always runs first or last
         order = list(cfg.mechanisms[repeat % len(cfg.mechanisms):] + cfg.mechanisms[:repeat % len(cfg.mechanisms)])
         for name in order:
             progress.start(f"{model}: cost, {name} ({repeat + 1}/{cfg.cost_repeats})")
-            without = timed_steps(job, cfg.cost_steps)  # its own baseline, just before: same machine load
+            without = timed_steps(job, cfg.cost_steps)  # its pair, just before: the same machine load
             mech = make_mechanism(name)
             try:
                 run = _checkpointing_run(job, mech, cfg.cost_steps, cfg.checkpoint_every, work / name)
-                if name not in formats:
-                    formats[name] = {"model": model, **_format_row(job, mech, work / name / "alone")}
+                formats[name].append(_format_row(job, mech, work / name / "alone"))
             finally:
                 mech.close()
             runs[name].append({**run, "baseline_s": without})
-    cost = []
-    for name in cfg.mechanisms:
-        pairs = runs[name]
-        overheads = [100.0 * (r["seconds"] - r["baseline_s"]) / r["baseline_s"] for r in pairs]
-        stalls = [s for r in pairs for s in r["stall_s"]]
-        cost.append({"model": model, "mechanism": name, "label": MECHANISMS[name].label, "steps": cfg.cost_steps,
-                     "every": cfg.checkpoint_every, "repeats": len(pairs),
-                     "baseline_s": statistics.median(r["baseline_s"] for r in pairs),
-                     "seconds": statistics.median(r["seconds"] for r in pairs),
-                     "checkpoints": pairs[0]["checkpoints"], "stall_s": stalls,
-                     "stall_mean_s": statistics.fmean(stalls) if stalls else 0.0,
-                     "overhead_pct": statistics.median(overheads), "overhead_pct_runs": overheads,
-                     "runs": pairs})
+    cost = [{"model": model, "mechanism": name, "label": MECHANISMS[name].label, "steps": cfg.cost_steps,
+             "every": cfg.checkpoint_every, "checkpoints": runs[name][0]["checkpoints"],
+             **_timings(runs[name])} for name in cfg.mechanisms]
     _, optim_bytes = _state_bytes(job)
     info = {"parameters": params, "model_state_bytes": model_bytes, "optimizer_state_bytes": optim_bytes}
-    return cost, [formats[name] for name in cfg.mechanisms], info
+    return cost, [{"model": model, **_format_timings(formats[name])} for name in cfg.mechanisms], info
 
 
 # -- experiment 3: scale ----------------------------------------------------------------------
 def scale_worker(rank: int, world: int, arg: dict[str, Any]) -> dict[str, Any]:
-    """One rank of the scale experiment: baseline, then each mechanism, all ranks in step."""
+    """One rank of the scale experiment: per repetition and mechanism, a run without checkpoints
+    and its pair with them, back to back, all ranks in step."""
     import torch.distributed as dist
 
     cfg: StudyConfig = arg["config"]
@@ -257,21 +270,23 @@ def scale_worker(rank: int, world: int, arg: dict[str, Any]) -> dict[str, Any]:
     job = build_training(spec, dataset, rank=rank, world=world, ddp=True)
     train_steps(job, cfg.warmup_steps)
     root = Path(arg["work"])
+    out: dict[str, list[dict[str, Any]]] = {name: [] for name in cfg.mechanisms}
+    for repeat in range(cfg.cost_repeats):
+        order = list(cfg.mechanisms[repeat % len(cfg.mechanisms):] + cfg.mechanisms[:repeat % len(cfg.mechanisms)])
+        for name in order:
+            dist.barrier()
+            without = timed_steps(job, cfg.scale_steps)
+            mech = make_mechanism(name)
+            dist.barrier()
+            try:
+                run = _checkpointing_run(job, mech, cfg.scale_steps, cfg.scale_every, root / name, cleanup=False)
+            finally:
+                mech.close()
+            dist.barrier()
+            if rank == 0:
+                _remove(root / name)
+            out[name].append({**run, "baseline_s": without})
     dist.barrier()
-    out: dict[str, Any] = {"baseline_s": [timed_steps(job, cfg.scale_steps)], "mechanisms": {}}
-    for name in cfg.mechanisms:
-        mech = make_mechanism(name)
-        dist.barrier()
-        try:
-            run = _checkpointing_run(job, mech, cfg.scale_steps, cfg.scale_every, root / name, cleanup=False)
-        finally:
-            mech.close()
-        dist.barrier()
-        if rank == 0:
-            _remove(root / name)
-        out["mechanisms"][name] = run
-    dist.barrier()
-    out["baseline_s"].append(timed_steps(job, cfg.scale_steps))
     return out
 
 
@@ -285,18 +300,17 @@ def scale(cfg: StudyConfig, work: Path, progress: _Progress) -> list[dict]:
             except RankFailedError as e:
                 raise StudyError(f"the scale experiment failed on {plural(world, 'rank')}: {e}") from None
             _remove(work / f"{model}-{world}")
-            # a step finishes when its slowest rank does: take the maximum over ranks
-            baseline = statistics.fmean(max(r["baseline_s"][i] for r in ranks) for i in range(2))
             for name in cfg.mechanisms:
-                runs = [r["mechanisms"][name] for r in ranks]
-                seconds = max(r["seconds"] for r in runs)
-                stalls = [max(r["stall_s"][i] for r in runs) for i in range(len(runs[0]["stall_s"]))]
-                rows.append({"model": model, "ranks": world, "mechanism": name,
-                             "label": MECHANISMS[name].label, "steps": cfg.scale_steps, "every": cfg.scale_every,
-                             "global_batch": cfg.batch_size * world, "baseline_s": baseline, "seconds": seconds,
-                             "checkpoints": len(stalls), "stall_s": stalls,
-                             "stall_mean_s": statistics.fmean(stalls) if stalls else 0.0,
-                             "overhead_pct": 100.0 * (seconds - baseline) / baseline})
+                # a step (and a checkpoint) finishes when its slowest rank does: the maximum over ranks
+                pairs = []
+                for i, first in enumerate(ranks[0][name]):
+                    runs = [r[name][i] for r in ranks]
+                    pairs.append({"baseline_s": max(r["baseline_s"] for r in runs),
+                                  "seconds": max(r["seconds"] for r in runs), "checkpoints": first["checkpoints"],
+                                  "stall_s": [max(r["stall_s"][j] for r in runs) for j in range(len(first["stall_s"]))]})
+                rows.append({"model": model, "ranks": world, "mechanism": name, "label": MECHANISMS[name].label,
+                             "steps": cfg.scale_steps, "every": cfg.scale_every, "global_batch": cfg.batch_size * world,
+                             "checkpoints": pairs[0]["checkpoints"], **_timings(pairs)})
     return rows
 
 

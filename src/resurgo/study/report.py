@@ -14,9 +14,10 @@ from typing import Any
 
 from resurgo.errors import StudyError
 from resurgo.study.models import LABELS
+from resurgo.wording import plural
 
 __all__ = ["write_outputs", "render_markdown", "require_matplotlib", "COST_PLOT", "SCALE_PLOT",
-           "determinism_plot_name"]
+           "determinism_plot_name", "cost_figure", "scale_figure", "determinism_figure", "curve_groups"]
 
 COST_PLOT = "fig1_cost_overhead.png"
 SCALE_PLOT = "fig4_scale_overhead.png"
@@ -53,6 +54,33 @@ def _s(x: float) -> str:
     return f"{x:.3f}" if x < 10 else f"{x:.1f}"
 
 
+def _spread(sp: dict) -> str:
+    """A timing as median [min, max]."""
+    return f"{_s(sp['median'])} [{_s(sp['min'])}, {_s(sp['max'])}]"
+
+
+def _overhead(r: dict) -> str:
+    """An overhead in percent with its interval, marked when the interval holds 0."""
+    text = f"{r['overhead_pct']:+.1f} [{r['overhead_low_pct']:+.1f}, {r['overhead_high_pct']:+.1f}]"
+    return text + (" not distinguishable from noise" if r["noise"] else "")
+
+
+def _extra(r: dict) -> str:
+    return f"{r['extra_s']:+.3f} [{r['extra_low_s']:+.3f}, {r['extra_high_s']:+.3f}]"
+
+
+def _blocked(r: dict) -> str:
+    return _spread(r["stall"]) if r["stall"] else "-"
+
+
+def _coverage_note(rows: list[dict]) -> str:
+    covers = sorted({f"{100 * r['coverage']:.0f}%" for r in rows})
+    pairs = sorted({r["pairs"] for r in rows})
+    return (f"Intervals of the overhead: order statistics of the {'/'.join(map(str, pairs))} paired differences, "
+            f"which hold the true median difference with probability {'/'.join(covers)} whatever the noise's "
+            "distribution (95% needs at least 6 pairs; below that the interval is [min, max]).")
+
+
 def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
@@ -68,61 +96,113 @@ def _model(name: str) -> str:
 
 
 # -- plots ------------------------------------------------------------------------------------
-def _plot_cost(plt: Any, results: dict, path: Path) -> None:
+def _save(plt: Any, fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def cost_figure(plt: Any, results: dict) -> Any:
+    """Figure 1: each mechanism's overhead, an error bar for its interval; bars whose interval
+    holds 0 are hatched and named so in the legend."""
+    from matplotlib.patches import Patch
+
     models = list(results["determinism"]) or sorted({r["model"] for r in results["cost"]})
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
         rows = [r for r in results["cost"] if r["model"] == model]
-        ax.barh([r["label"] for r in rows], [r["overhead_pct"] for r in rows], color="tab:blue")
+        pct = [r["overhead_pct"] for r in rows]
+        err = [[p - r["overhead_low_pct"] for p, r in zip(pct, rows)], [r["overhead_high_pct"] - p for p, r in zip(pct, rows)]]
+        bars = ax.barh([r["label"] for r in rows], pct, xerr=err, capsize=4, color="tab:blue",
+                       error_kw={"elinewidth": 1.2})
+        for bar, r in zip(bars, rows):
+            if r["noise"]:
+                bar.set(facecolor="white", edgecolor="tab:blue", hatch="//")
+        handles = [Patch(color="tab:blue", label="overhead: median of the pairs, bar: its interval")]
+        if any(r["noise"] for r in rows):
+            handles.append(Patch(facecolor="white", edgecolor="tab:blue", hatch="//",
+                                 label="interval holds 0: not distinguishable from noise"))
         ax.axvline(0, color="black", linewidth=0.8)
         ax.invert_yaxis()
         ax.set_xlabel(f"overhead of checkpointing every {rows[0]['every']} steps (%)" if rows else "overhead (%)")
         ax.set_title(_model(model))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        ax.legend(handles=handles, fontsize=7)
+    return fig
 
 
-def _plot_scale(plt: Any, results: dict, path: Path) -> None:
+def scale_figure(plt: Any, results: dict) -> Any:
+    """Figure 4: time blocked per checkpoint against ranks, one line per mechanism (median, bars
+    from the interval), the lines nudged apart sideways so that their bars do not hide each other."""
     models = sorted({r["model"] for r in results["scale"]})
-    fig, axes = plt.subplots(1, max(1, len(models)), figsize=(6 * max(1, len(models)), 4), squeeze=False)
+    fig, axes = plt.subplots(1, max(1, len(models)), figsize=(7 * max(1, len(models)), 4.5), squeeze=False)
     for ax, model in zip(axes[0], models):
-        rows = [r for r in results["scale"] if r["model"] == model]
-        for mech in dict.fromkeys(r["mechanism"] for r in rows):
-            pts = sorted((r["ranks"], r["overhead_pct"], r["label"]) for r in rows if r["mechanism"] == mech)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=pts[0][2])
-        ax.set_xticks(sorted({r["ranks"] for r in rows}))
+        rows = [r for r in results["scale"] if r["model"] == model and r["stall"]]
+        mechs = list(dict.fromkeys(r["mechanism"] for r in rows))
+        for i, mech in enumerate(mechs):
+            pts = sorted((r["ranks"], r) for r in rows if r["mechanism"] == mech)
+            nudge = 1.0 + 0.04 * (i - (len(mechs) - 1) / 2)  # x is logarithmic: nudge by a factor
+            xs = [n * nudge for n, _ in pts]
+            med = [r["stall"]["median"] for _, r in pts]
+            err = [[m - r["stall_interval"][0] for m, (_, r) in zip(med, pts)],
+                   [r["stall_interval"][1] - m for m, (_, r) in zip(med, pts)]]
+            ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=pts[0][1]["label"])
+        worlds = sorted({r["ranks"] for r in rows})
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(worlds, [str(w) for w in worlds])
+        ax.minorticks_off()
         ax.set_xlabel("data-parallel ranks (processes sharing this machine)")
-        ax.set_ylabel("overhead (%)")
+        ax.set_ylabel("time blocked per checkpoint (s), median and interval")
         ax.set_title(_model(model))
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
-def _plot_determinism(plt: Any, det: dict, path: Path) -> None:
+def curve_groups(det: dict) -> list[tuple[list[str], list[float], bool]]:
+    """The restarted runs grouped by identical loss curves: (labels, losses, identical to the
+    uninterrupted run), in the order of their first mechanism."""
+    groups: dict[tuple[float, ...], list[str]] = {}
+    for r in det["restarts"].values():
+        groups.setdefault(tuple(r["losses"]), []).append(r["label"])
+    ref = det["reference"][det["restart_step"]:]
+    return [(labels, list(losses), list(losses) == ref) for losses, labels in groups.items()]
+
+
+def _curve_label(labels: list[str], identical: bool) -> str:
+    text = ", ".join(labels)
+    if identical:
+        return f"{text}: identical to the uninterrupted run (drawn on it)"
+    return f"{text}: identical curves (overlap)" if len(labels) > 1 else text
+
+
+def determinism_figure(plt: Any, det: dict) -> Any:
+    """Figures 2-3: the loss after restart per mechanism; curves that are identical are drawn once,
+    and the legend and title say which overlap."""
     ref = det["reference"]
     k = det["restart_step"]
     steps = list(range(1, len(ref) + 1))
     after = steps[k:]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
     top.plot(steps, ref, color="black", linewidth=2.5, label="uninterrupted")
-    for i, (name, r) in enumerate(det["restarts"].items()):
-        style = "-" if r["identical"] else "--"
-        top.plot(after, r["losses"], linestyle=style, linewidth=1.2, label=f"restart: {r['label']}")
-        bottom.plot(after, [abs(a - b) for a, b in zip(r["losses"], ref[k:])], marker=".", linestyle=style,
-                    label=r["label"])
+    groups = curve_groups(det)
+    for labels, losses, identical in groups:
+        style = ":" if identical else "--"
+        label = _curve_label(labels, identical)
+        top.plot(after, losses, linestyle=style, linewidth=1.6 if identical else 1.2, label=label)
+        bottom.plot(after, [abs(a - b) for a, b in zip(losses, ref[k:])], marker=".", linestyle=style, label=label)
     for ax in (top, bottom):
         ax.axvline(k, color="grey", linestyle=":", linewidth=1)
+    same = [lab for labels, _, identical in groups if identical for lab in labels]
+    title = f"{_model(det['model'])}: restart from the checkpoint of step {k}"
+    if same:
+        title += f"\n{plural(len(same), 'restarted curve')} identical to the uninterrupted one, drawn on it"
     top.set_ylabel("training loss")
-    top.set_title(f"{_model(det['model'])}: restart from the checkpoint of step {k}")
+    top.set_title(title, fontsize=10)
     top.legend(fontsize=7)
     bottom.set_ylabel("|loss - uninterrupted loss|")
     bottom.set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    bottom.legend(fontsize=7)
+    return fig
 
 
 # -- the report -------------------------------------------------------------------------------
@@ -147,25 +227,28 @@ def render_markdown(results: dict) -> str:
 
     # Table I
     out.append("## 1. Cost of checkpointing (Table I)\n")
-    out.append(f"Per mechanism, the job trains {cfg['cost_steps']} steps without checkpoints, then "
-               f"{cfg['cost_steps']} steps with a checkpoint every {cfg['checkpoint_every']} steps, back to back "
-               f"(the same machine load for both); {cfg['cost_repeats']} such pair(s) per mechanism in rotated "
-               "order, medians shown. *Blocked* is how long the training loop waited in the save call (mean "
-               "over all checkpoints); an asynchronous save still running at the end of the run is waited for "
-               "inside the timed run. torch.save and safetensors, called as their users call them, return "
-               "before the data are durable (no fsync); DCP and resurgo fsync. On a shared machine, "
-               "differences of a few percent are noise.\n")
-    rows = [[_model(r["model"]), r["label"], _s(r["baseline_s"]), _s(r["seconds"]), str(r["checkpoints"]),
-             _s(r["stall_mean_s"]), f"{r['overhead_pct']:+.1f}"] for r in results["cost"]]
-    out.append(_table(["model", "mechanism", "train, no ckpt (s)", "train with ckpt (s)", "checkpoints",
-                       "blocked per ckpt (s)", "overhead %"], rows) + "\n")
+    out.append(f"Per mechanism and repetition, the job trains {cfg['cost_steps']} steps without checkpoints, "
+               f"then {cfg['cost_steps']} steps with a checkpoint every {cfg['checkpoint_every']} steps, back to "
+               f"back (a pair: the same machine load for both); {cfg['cost_repeats']} pairs per mechanism in "
+               "rotated order. Times are *median [min, max]* over the repetitions. *Extra* is the median of the "
+               "paired differences (with minus without, the same repetition) with its interval; *overhead* is "
+               "extra / the median time without checkpoints, so it follows from the columns shown. An overhead "
+               "whose interval holds 0 is marked *not distinguishable from noise*. *Blocked* is how long the "
+               "training loop waited in the save call, over all checkpoints of all repetitions; an asynchronous "
+               "save still running at the end of the run is waited for inside the timed run. torch.save and "
+               "safetensors, called as their users call them, return before the data are durable (no fsync); "
+               "DCP and resurgo fsync. " + _coverage_note(results["cost"]) + "\n")
+    rows = [[_model(r["model"]), r["label"], _spread(r["baseline"]), _spread(r["with_ckpt"]), str(r["checkpoints"]),
+             _blocked(r), _extra(r), _overhead(r)] for r in results["cost"]]
+    out.append(_table(["model", "mechanism", "train, no ckpt (s)", "train with ckpt (s)", "checkpoints per run",
+                       "blocked per ckpt (s)", "extra (s)", "overhead %"], rows) + "\n")
     out.append(f"![Figure 1: overhead of checkpointing]({COST_PLOT})\n")
 
     # Table II
     out.append("## 2. Formats and sizes (Table II)\n")
-    out.append("One checkpoint of the trained job per mechanism, saved alone (*save s*: until complete) and "
-               "loaded back (*load s*). *Raw* is the bytes of the tensors the mechanism stores (model "
-               "state_dict, plus the optimizer state where it stores it). *fsync*: the mechanism makes the "
+    out.append("One checkpoint of the trained job per mechanism and repetition, saved alone (*save s*: until "
+               "complete) and loaded back (*load s*), median [min, max]. *Raw* is the bytes of the tensors the "
+               "mechanism stores (model state_dict, plus the optimizer state where it stores it). *fsync*: the mechanism makes the "
                "data durable before returning (torch.save and safetensors do not, as users call them).\n")
     rows = []
     for r in results["formats"]:
@@ -173,8 +256,8 @@ def render_markdown(results: dict) -> str:
         rows.append([_model(r["model"]), r["label"], r["format"], str(r["files"]), _human_bytes(r["bytes"]),
                      _human_bytes(r["raw_tensor_bytes"]), f"{r['size_over_raw']:.3f}", _yes(st["weights"]),
                      _yes(st["optimizer"]), _yes(st["rng"]), _yes(st["data_position"]), _yes(r["fsync"]),
-                     r["executes_code"] + ("*" if r["mechanism"] == "torch_save" else ""), _s(r["save_s"]),
-                     _s(r["load_s"])])
+                     r["executes_code"] + ("*" if r["mechanism"] == "torch_save" else ""), _spread(r["save"]),
+                     _spread(r["load"])])
     out.append(_table(["model", "mechanism", "format", "files", "size", "raw", "size / raw", "weights",
                        "optimizer", "RNG", "data position", "fsync", "load can run code", "save s", "load s"],
                       rows) + "\n")
@@ -197,16 +280,17 @@ def render_markdown(results: dict) -> str:
     else:
         out.append(f"Data-parallel training (DistributedDataParallel, gloo, CPU) on {', '.join(map(str, worlds))} "
                    f"real processes, {cfg['batch_size']} images per rank, {cfg['scale_steps']} steps per run, a "
-                   f"checkpoint every {cfg['scale_every']} steps; every rank calls the save (torch.save and "
+                   f"checkpoint every {cfg['scale_every']} steps, {cfg['cost_repeats']} pairs of runs per "
+                   "mechanism as in Table I; every rank calls the save (torch.save and "
                    "safetensors write from rank 0 only, as their users do). Times are the slowest rank's. "
                    f"**The ranks share this machine's {cores} CPU cores** (one thread each): with more ranks "
                    "than cores, ranks wait for CPU, so this measures the mechanisms' coordination and I/O under "
-                   "contention, not the speed-up of a cluster.\n")
-        rows = [[_model(r["model"]), str(r["ranks"]), str(r["global_batch"]), r["label"], _s(r["baseline_s"]),
-                 _s(r["seconds"]), _s(r["stall_mean_s"]), f"{r['overhead_pct']:+.1f}"] for r in results["scale"]]
+                   "contention, not the speed-up of a cluster. " + _coverage_note(results["scale"]) + "\n")
+        rows = [[_model(r["model"]), str(r["ranks"]), str(r["global_batch"]), r["label"], _spread(r["baseline"]),
+                 _spread(r["with_ckpt"]), _blocked(r), _extra(r), _overhead(r)] for r in results["scale"]]
         out.append(_table(["model", "ranks", "global batch", "mechanism", "train, no ckpt (s)",
-                           "train with ckpt (s)", "blocked per ckpt (s)", "overhead %"], rows) + "\n")
-        out.append(f"![Figure 4: overhead by number of ranks]({SCALE_PLOT})\n")
+                           "train with ckpt (s)", "blocked per ckpt (s)", "extra (s)", "overhead %"], rows) + "\n")
+        out.append(f"![Figure 4: time blocked per checkpoint by number of ranks]({SCALE_PLOT})\n")
 
     # Figures 2 and 3
     out.append("## 4. Determinism (Figures 2 and 3)\n")
@@ -215,7 +299,9 @@ def render_markdown(results: dict) -> str:
                "builds them (seeded), the global RNGs are moved elsewhere (as other code in a new process "
                "would), the checkpoint is loaded the way that mechanism's users load it, and training "
                "continues. The loader is iterated again, so it resumes mid-epoch only if its position was "
-               "restored. Training draws random numbers for shuffling, augmentation and dropout (VGG-16).\n")
+               "restored. Training draws random numbers for shuffling, augmentation and dropout (VGG-16). "
+               "In the plots, identical curves are drawn once and named together in the legend; those "
+               "identical to the uninterrupted run are drawn on it (dotted), as the title says.\n")
     rows = []
     for model in models:
         det = results["determinism"][model]
@@ -237,14 +323,14 @@ def write_outputs(results: dict, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = [out / RESULTS]
     (out / RESULTS).write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
-    _plot_cost(plt, results, out / COST_PLOT)
+    _save(plt, cost_figure(plt, results), out / COST_PLOT)
     written.append(out / COST_PLOT)
     if results["scale"]:
-        _plot_scale(plt, results, out / SCALE_PLOT)
+        _save(plt, scale_figure(plt, results), out / SCALE_PLOT)
         written.append(out / SCALE_PLOT)
     for i, (model, det) in enumerate(results["determinism"].items()):
         path = out / determinism_plot_name(i, model)
-        _plot_determinism(plt, det, path)
+        _save(plt, determinism_figure(plt, det), path)
         written.append(path)
     (out / REPORT).write_text(render_markdown(results))
     written.append(out / REPORT)
