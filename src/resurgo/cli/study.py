@@ -30,7 +30,7 @@ def _check_writable(directory: Path) -> None:
 
 
 def study(
-    quick: bool = typer.Option(False, "--quick", help="Networks at 1/8 width, a few steps: minutes on 2 cores."),
+    quick: bool = typer.Option(False, "--quick", help="The published networks at full width, batch 2, a few steps: minutes on 2 cores."),
     out: Path = typer.Option(Path("study-results"), "--out", metavar="DIR", help="Directory for report.md, the plots, results.json."),
     data: Optional[Path] = typer.Option(None, "--data", metavar="DIR", help="A local CIFAR-10 python copy (data_batch_1..5) "
                                         "instead of synthetic data."),
@@ -42,8 +42,8 @@ def study(
                                         "experiment (default 1,2,4; empty to skip it)."),
     width: Optional[int] = typer.Option(None, "--width", metavar="N", help="Channels of the first stage (64 = published)."),
     steps: Optional[int] = typer.Option(None, "--steps", metavar="N", help="Steps per training run (>= 4)."),
-    repeats: Optional[int] = typer.Option(None, "--repeats", metavar="N", help="Cost pairs (without, with checkpoints) per "
-                                          "mechanism; medians reported (quick: 3, full: 1)."),
+    repeats: Optional[int] = typer.Option(None, "--repeats", metavar="N", help="Pairs of runs (without, with checkpoints) per "
+                                          "mechanism in the cost and scale experiments, at least 2 (default 3)."),
     threads: Optional[int] = typer.Option(None, "--threads", metavar="N", help="torch threads of the study process (default 1)."),
 ) -> None:
     """Reproduce the checkpointing study (cost, formats and sizes, scale, determinism) with ResNet-50
