@@ -78,7 +78,7 @@ class _Sources:
             os.close(fd)
         self._fds.clear()
 
-    def stream(self, view: torch.Tensor) -> "_FileStream | None":
+    def stream(self, view: "torch.Tensor | np.ndarray") -> "_FileStream | None":
         """The stream of a contiguous piece's view (None for anything else)."""
         found = self._streams.get(id(view))
         return found[1] if found is not None and found[0] is view else None
@@ -159,7 +159,7 @@ class _FileStream(TensorStream):
         pos, want = self._start + offset, len(out)
         done = 0
         while done < want:  # preadv may return less than asked; 0 is the file's end
-            got = os.preadv(self._fd, [out[done:]], pos + done)
+            got = os.preadv(self._fd, [out[done:].data], pos + done)
             if got == 0:
                 raise CorruptCheckpointError(
                     f"{self._name}: ended at byte {pos + done - self._start} of a piece that needs "
