@@ -218,13 +218,20 @@ def check_outputs(kind: str, out: Path) -> list[str]:
     def bits(t: torch.Tensor) -> bytes:
         return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
+    def flat(node: dict, prefix: str = "") -> dict:
+        """The import nests its keys (model.<name> under "model"): joined back with dots."""
+        out: dict = {}
+        for k, v in node.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
     if kind == "deepspeed":
-        theirs = {f"model.{k}": v for k, v in torch.load(out / "zero_to_fp32" / "pytorch_model.bin",
-                                                         weights_only=True).items()}
-        ours = resurgo.load_dict(out / "resurgo_weights")
-        full = {k: torch.empty_like(v) for k, v in theirs.items()}  # only the weights of the full import
+        weights = torch.load(out / "zero_to_fp32" / "pytorch_model.bin", weights_only=True)
+        theirs = {f"model.{k}": v for k, v in weights.items()}
+        ours = flat(resurgo.load_dict(out / "resurgo_weights"))
+        full = {"model": {k: torch.empty_like(v) for k, v in weights.items()}}  # only the full import's weights
         resurgo.load(full, out / "resurgo_full", strict=False)
-        bad = [k for k in theirs if bits(full[k]) != bits(theirs[k])]
+        bad = [k for k in weights if bits(full["model"][k]) != bits(weights[k])]
         del full
     else:
         theirs = {}
