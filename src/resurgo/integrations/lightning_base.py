@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from resurgo.api import async_save, load_dict, save
+from resurgo.dist import comm as dist_comm
 from resurgo.dist.comm import alone
 from resurgo.errors import NotACheckpointError
 from resurgo.integrations._torch_file import load_torch_file
@@ -131,15 +132,11 @@ class RngCallbackMethods:
         self._pending: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        world, _ = _world()
-        if world == 1:
+        comm = dist_comm.current("control")
+        if comm.size == 1:
             return {"rng": capture_rng_state()}
         # Lightning builds the checkpoint on every process and writes rank 0's: gather into it.
-        import torch.distributed as dist
-
-        states: list[Any] = [None] * world
-        dist.all_gather_object(states, capture_rng_state())
-        return {"rng_per_rank": states}
+        return {"rng_per_rank": comm.all_gather(capture_rng_state())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending = self._own_states(state_dict)
@@ -148,7 +145,8 @@ class RngCallbackMethods:
 
     @staticmethod
     def _own_states(state_dict: dict[str, Any]) -> dict[str, Any] | None:
-        world, rank = _world()
+        comm = dist_comm.current("control")
+        world, rank = comm.size, comm.rank
         per_rank = state_dict.get("rng_per_rank")
         if per_rank is None:
             if world > 1:
@@ -171,10 +169,3 @@ class RngCallbackMethods:
             restore_rng_state(self._pending)
         self._pending = None
 
-
-def _world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return 1, 0
