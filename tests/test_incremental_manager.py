@@ -118,12 +118,18 @@ def test_gc_keeps_what_is_referenced_and_deletes_the_rest(tmp_path: Path):
     assert check_root(tmp_path, saved) == [4, 5]
 
 
-def test_replacing_a_referenced_checkpoint_is_refused(tmp_path: Path):
+def two_incremental_steps(root: Path) -> dict:
+    """Steps 1 and 2 saved by an incremental manager (step 2 references step 1); the state of step 2."""
     state = make_state()
-    with resurgo.CheckpointManager(tmp_path, incremental=True, async_save=False) as m:
+    with resurgo.CheckpointManager(root, incremental=True, async_save=False) as m:
         m.save(1, state)
         state["head"] += 1
         m.save(2, state)
+    return state
+
+
+def test_replacing_a_referenced_checkpoint_is_refused(tmp_path: Path):
+    state = two_incremental_steps(tmp_path)
     with resurgo.CheckpointManager(tmp_path, incremental=True, async_save=False) as m:
         assert m.restore(snapshot(state), step=1) == 1
         with pytest.raises(CheckpointExistsError, match="references its data files"):
@@ -132,11 +138,7 @@ def test_replacing_a_referenced_checkpoint_is_refused(tmp_path: Path):
 
 
 def test_a_missing_referenced_file_makes_the_checkpoint_corrupt_in_the_catalog(tmp_path: Path):
-    state = make_state()
-    with resurgo.CheckpointManager(tmp_path, incremental=True, async_save=False) as m:
-        m.save(1, state)
-        state["head"] += 1
-        m.save(2, state)
+    state = two_incremental_steps(tmp_path)
     shutil.rmtree(tmp_path / checkpoint_name(1))
     (entry,) = scan(tmp_path)
     assert entry.status == CORRUPT and "step_000000001/data/" in entry.detail and "(referenced): missing" in entry.detail
