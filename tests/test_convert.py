@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from s3fs import S3FileSystem
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 import resurgo
@@ -541,11 +541,48 @@ def test_corrupt_source_raises_and_writes_nothing(tmp_path, to):
         resurgo.convert(tmp_path / "ck", tmp_path / "out", to=to, **({"max_shard_bytes": 4000} if to == "hf" else {}))
     assert sorted(os.listdir(tmp_path)) == ["ck"]
     # Replacing an existing output: the old one stays as it was.
-    (tmp_path / "out").write_bytes(b"old") if to != "hf" else None
-    if to != "hf":
-        with pytest.raises(CorruptCheckpointError):
-            resurgo.convert(tmp_path / "ck", tmp_path / "out", to=to, overwrite=True)
-        assert (tmp_path / "out").read_bytes() == b"old" and leftovers(tmp_path) == []
+    resurgo.save({"w": torch.ones(3)}, tmp_path / "good")
+    resurgo.convert(tmp_path / "good", tmp_path / "out", to=to)
+    before = {p.name: p.read_bytes() for p in tree_files(tmp_path / "out")}
+    with pytest.raises(CorruptCheckpointError):
+        resurgo.convert(tmp_path / "ck", tmp_path / "out", to=to, overwrite=True,
+                        **({"max_shard_bytes": 4000} if to == "hf" else {}))
+    assert {p.name: p.read_bytes() for p in tree_files(tmp_path / "out")} == before and leftovers(tmp_path) == []
+
+
+def tree_files(path):
+    return [path] if path.is_file() else sorted(path.iterdir())
+
+
+@pytest.mark.parametrize("to", ["safetensors", "torch"])
+def test_overwrite_replaces_only_a_file_resurgo_converted(tmp_path, to):
+    resurgo.save({"w": torch.arange(4.0)}, tmp_path / "ck")
+    theirs = tmp_path / "theirs"
+    if to == "torch":
+        torch.save({"w": torch.zeros(4)}, theirs)  # a torch.save file of the user's: no resurgo mark
+    else:
+        save_file({"w": torch.zeros(4)}, theirs)  # a safetensors file another program wrote
+    before = theirs.read_bytes()
+    with pytest.raises(resurgo.ForeignFilesError, match=r"theirs: exists and is not a file resurgo wrote .*nothing was "
+                                                        r"changed"):
+        resurgo.convert(tmp_path / "ck", theirs, to=to, overwrite=True)
+    assert theirs.read_bytes() == before and leftovers(tmp_path) == []
+    # Its own output carries the mark (torch.load reads the marked archive as any other) and is replaced.
+    resurgo.convert(tmp_path / "ck", tmp_path / "ours", to=to)
+    resurgo.save({"w": torch.arange(6.0)}, tmp_path / "ck2")
+    resurgo.convert(tmp_path / "ck2", tmp_path / "ours", to=to, overwrite=True)
+    got = (torch.load(tmp_path / "ours", weights_only=True, mmap=True) if to == "torch"
+           else load_file(tmp_path / "ours"))
+    assert bits_equal(got, {"w": torch.arange(6.0)})
+
+
+def test_hf_overwrite_refuses_a_shard_another_program_wrote(tmp_path):
+    resurgo.save({"w": torch.ones(2)}, tmp_path / "ck")
+    (tmp_path / "hf").mkdir()
+    save_file({"w": torch.zeros(2)}, tmp_path / "hf" / "model.safetensors")  # e.g. save_pretrained's
+    with pytest.raises(resurgo.ForeignFilesError, match=r"hf: holds 'model.safetensors', which resurgo did not write"):
+        resurgo.convert(tmp_path / "ck", tmp_path / "hf", to="hf", overwrite=True)
+    assert bits_equal(load_file(tmp_path / "hf" / "model.safetensors"), {"w": torch.zeros(2)})
 
 
 def test_corrupt_window_of_a_large_tensor(tmp_path):

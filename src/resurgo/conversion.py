@@ -37,8 +37,10 @@ import json
 import math
 import os
 import re
+import struct
 import time
 import warnings
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,7 +52,7 @@ from resurgo.api import DEFAULT_IO_THREADS, load_dict
 from resurgo.errors import CheckpointExistsError, KeyMismatchError, MemoryBudgetError, UnsupportedValueError
 from resurgo.format import dtypes, values
 from resurgo.format.manifest import Manifest
-from resurgo.format.safetensors_file import HeaderEntry, build_header
+from resurgo.format.safetensors_file import METADATA as SAFETENSORS_PRODUCER, HeaderEntry, build_header, read_header
 from resurgo.format.tree import iter_values
 from resurgo.pipeline import data_files
 from resurgo.pipeline.manifest_read import read_manifest_of
@@ -162,7 +164,8 @@ def _to_safetensors(ckpt: Checkpoint, manifest: Manifest, dst: Path, to: str, on
         if manifest.metadata:
             extra["resurgo.metadata"] = json.dumps(manifest.metadata)
         files = [(None, list(names), extra)]
-    output = AtomicOutput(dst, directory=(to == "hf"), overwrite=overwrite, owned=_hf_owned)
+    output = AtomicOutput(dst, directory=(to == "hf"), overwrite=overwrite,
+                          owned=_hf_owned, owned_file=_is_resurgo_output)
     stream = TensorByteStream(ckpt, manifest, budget, threads)
     seconds = {"read": 0.0, "write": 0.0}
     written: list[str] = []
@@ -217,6 +220,49 @@ def select_tensors(manifest: Manifest, only: str | None, where: str) -> dict[str
 def _hf_owned(rel: str, kind: str) -> bool:
     """What a conversion to hf writes: the only entries an overwrite of its directory replaces."""
     return kind == FILE and is_hf_output_file(rel)
+
+
+def _is_resurgo_output(path: Path) -> bool:
+    """A safetensors output (file or shard) carries resurgo's producer mark; an hf index has none."""
+    return path.name == HF_INDEX_FILE or is_resurgo_safetensors(path)
+
+
+def is_resurgo_safetensors(path: Path) -> bool:
+    """True when ``path`` is a safetensors file whose header names resurgo as its producer."""
+    try:
+        with open(path, "rb") as f:
+            header = read_header(f.read(8), f.read)
+    except (OSError, ValueError):
+        return False
+    metadata = header.raw.get("__metadata__")
+    return isinstance(metadata, dict) and metadata.get("producer") == SAFETENSORS_PRODUCER["producer"]
+
+
+# The comment of a torch.save archive converted by resurgo: torch.load ignores a zip comment, and an
+# overwrite= of the file checks for it (the proof that resurgo wrote what it replaces).
+TORCH_FILE_MARK = b"written by resurgo convert"
+_EOCD = b"PK\x05\x06"  # the zip end-of-central-directory record: 22 bytes, its comment length last
+
+
+def mark_torch_file(f: io.BufferedRandom) -> None:
+    """Give the just-written torch.save archive in ``f`` resurgo's mark as its zip comment. Only
+    the last record's comment length changes, and the mark follows it; an archive that does not
+    end as torch.save ends its archives (no comment yet) is left unmarked, never rewritten."""
+    f.seek(-22, os.SEEK_END)
+    record = f.read(22)
+    if record[:4] != _EOCD or record[20:] != b"\0\0":
+        return
+    f.seek(-2, os.SEEK_END)
+    f.write(struct.pack("<H", len(TORCH_FILE_MARK)) + TORCH_FILE_MARK)
+
+
+def is_resurgo_torch_file(path: Path) -> bool:
+    """True when ``path`` is a zip archive (torch.save's format) carrying resurgo's mark."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return z.comment == TORCH_FILE_MARK
+    except (OSError, zipfile.BadZipFile):
+        return False
 
 
 def _output_item(name: str, key: str, manifest: Manifest) -> HeaderEntry:
@@ -335,15 +381,16 @@ def _to_torch(src: str | os.PathLike, storage_options: dict | None, ckpt: Checkp
               budget: int | None, overwrite: bool, allow_pickle: bool, threads: int,
               progress: Callable[[int], None] | None) -> ConvertReport:
     total = _check_whole_state(ckpt, manifest, budget, "a torch.save file")
-    output = AtomicOutput(dst, directory=False, overwrite=overwrite)
+    output = AtomicOutput(dst, directory=False, overwrite=overwrite, owned_file=is_resurgo_torch_file)
     seconds: dict[str, float] = {}
     try:
         t0 = time.perf_counter()
         state = weights_only_plain(load_dict(src, verify=True, allow_pickle=allow_pickle, io_threads=threads,
                                              storage_options=storage_options))
         t1 = time.perf_counter()
-        with open(output.path(), "xb") as f:
+        with open(output.path(), "x+b") as f:
             torch.save(state, f)
+            mark_torch_file(f)
             f.flush()
             os.fsync(f.fileno())
             size = f.tell()

@@ -599,14 +599,18 @@ class AtomicOutput:
     an existing output (``overwrite=True``) swaps it atomically like a checkpoint. A crash or an
     error leaves at worst the temporary sibling, never a half-written file under the final name.
     A directory is replaced only when every entry in it is one ``owned`` accepts (what this kind of
-    output writes); else ForeignFilesError, before anything is written.
+    output writes), a file only when ``owned_file`` recognises it as one this kind of output wrote
+    (its producer mark); else ForeignFilesError, before anything is written, and again just before
+    the swap.
     """
 
-    def __init__(self, final: str | os.PathLike, *, directory: bool, overwrite: bool, owned: Owned | None = None):
+    def __init__(self, final: str | os.PathLike, *, directory: bool, overwrite: bool, owned: Owned | None = None,
+                 owned_file: Callable[[Path], bool] | None = None):
         self.final = Path(final)
         self.directory = directory
         self.overwrite = overwrite
         self.owned: Owned = owned or (lambda rel, kind: False)
+        self.owned_file = owned_file
         kind = "directory" if directory else "file"
         if self.final.exists() or self.final.is_symlink():
             if not overwrite:
@@ -616,6 +620,8 @@ class AtomicOutput:
                     f"{self.final}: exists and is not a {kind}; refusing to replace it with a {kind}")
             if directory:
                 self._prove(self.final)
+            else:
+                self._prove_file()
         parent = self.final.parent
         self.tmp = parent / f".{self.final.name}{TMP_MARKER}{uuid.uuid4().hex[:12]}"
         try:
@@ -626,8 +632,21 @@ class AtomicOutput:
             raise StorageError(e.errno, f"{self.final}: cannot create a temporary {kind}: {e.strerror}") from None
 
     def _prove(self, final: Path) -> Owned:
-        ownership.prove_dir(final, self.owned, "replace it")
-        return self.owned
+        """Every entry of the directory ``final`` is this output's (by name, and by content where
+        ``owned_file`` is given), else ForeignFilesError; the entries found, the only ones the
+        replacement deletes."""
+        def owned(rel: str, kind: str) -> bool:
+            return self.owned(rel, kind) and (kind != ownership.FILE or self.owned_file is None
+                                              or self.owned_file(final / rel))
+        accepted = frozenset(ownership.prove_dir(final, owned, "replace it"))
+        return lambda rel, kind: (rel, kind) in accepted
+
+    def _prove_file(self) -> None:
+        if self.owned_file is None or not self.owned_file(self.final):
+            raise ForeignFilesError(
+                f"{self.final}: exists and is not a file resurgo wrote (it lacks the mark resurgo's conversions "
+                f"leave in their output); refusing to replace it, nothing was changed. Remove it yourself, or "
+                f"convert into another path")
 
     def path(self, rel: str | None = None) -> Path:
         """Where to write: the temporary file itself, or ``rel`` inside the temporary directory."""
@@ -645,6 +664,8 @@ class AtomicOutput:
         try:
             if self.directory:
                 _fsync_dir(self.tmp)
+            elif self.final.is_file() and not self.final.is_symlink():
+                self._prove_file()  # it may have been replaced since the start
             _publish(self.tmp, self.final, self.overwrite, "converting", self._prove)
         except OSError as e:
             if isinstance(e, ResurgoError):
