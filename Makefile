@@ -41,7 +41,7 @@ demo-kill: $(STAMP)
 # The default suite, then the DeepSpeed import tests (deselected by default: they need deepspeed,
 # which lives outside the environment, in $(DS_SITE)).
 test: $(STAMP) $(DS_SITE)/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 	$(DS_PYTEST)
 
 test-slow: $(STAMP)
