@@ -76,6 +76,7 @@ from resurgo.manager.tiers import Tier
 from resurgo.pipeline.copy import copy_checkpoint, data_files, share_of
 from resurgo.pipeline.manifest_read import read_manifest_of
 from resurgo.pipeline.verify import verify_checkpoint
+from resurgo.pipeline.save import read_base_manifest
 from resurgo.storage.base import Root
 from resurgo.storage.open import open_checkpoint, open_root
 
@@ -508,7 +509,7 @@ class CheckpointManager:
             return None
         path = self.path_for(base)
         try:
-            manifest = read_manifest(path, storage_options=self._store.storage_options)
+            manifest = read_base_manifest(path, self._store.storage_options)
         except ResurgoError as e:  # gone or damaged since: a full save does not need it
             log.warning("not using step %d as a base (%s): saving step %d in full", base, e, step)
             return None

@@ -150,11 +150,17 @@ def open_base(path: str | os.PathLike, base: str | os.PathLike, storage_options:
     if REFERENCE_RE.fullmatch(f"{there[1]}/data/x.safetensors") is None or TMP_MARKER in there[1]:
         raise UnsupportedValueError(f"{base}: a base's name must match [A-Za-z0-9_.-]{{1,200}} and not be a temporary "
                                     f"directory, to be referenced")
+    return BaseIndex.of(there[1], read_base_manifest(base, storage_options))
+
+
+def read_base_manifest(base: str | os.PathLike, storage_options: dict | None) -> Manifest:
+    """The manifest of the checkpoint ``base``, checked as any manifest read is, and parsed only
+    when it is not the very bytes of this process's last incremental save (most often the next
+    save's base, which a training loop would otherwise parse twice per save)."""
     ckpt = open_checkpoint(base, storage_options)
     raw = ckpt.read_manifest_bytes()
     last = _last_incremental
-    manifest = last[1] if last is not None and last[0] == raw else parse_manifest(raw, ckpt.describe(MANIFEST_NAME))
-    return BaseIndex.of(there[1], manifest)
+    return last[1] if last is not None and last[0] == raw else parse_manifest(raw, ckpt.describe(MANIFEST_NAME))
 
 
 # The manifest of this process's last incremental save, built here: the next save's base, most
