@@ -11,8 +11,9 @@ ones and a per-rank RNG value), per R:
   what the coordinator broadcasts (the merged tree, or the whole plan);
 - the manifest the coordinator would write (one chunk entry per tensor per rank), which is what
   one loading rank reads today, and that rank's load plan (parse the manifest, plan its reads).
-Figures beyond what this machine measures in a few minutes are extrapolated linearly from the
-largest measured size and marked so (``*`` in the table, ``extrapolated`` in the JSON).
+Figures beyond what this machine measures in a few minutes are extrapolated (affine in the
+ranks, through the two largest measured worlds) and marked so (``*`` in the table,
+``extrapolated`` in the JSON).
 
     .venv/bin/python benchmarks/bench_planning.py [--ranks 1 64 512 4096 16384] [--tensors 1000]
         [--max-planned 512] [--max-manifest 64] [--dcp-ranks 2 4 8]
@@ -200,6 +201,17 @@ def real_metadata(worlds: list[int], tensors: int) -> list[dict]:
     return rows
 
 
+def extrapolate(points: list[tuple[int, float]], world: int) -> float:
+    """Affine in the ranks through the two largest measurements (a part that does not grow with
+    the ranks, such as the checksums of the same bytes, plus one per chunk), or proportional to
+    the ranks from a single one."""
+    if len(points) == 1:
+        w, v = points[0]
+        return v * world / w
+    (w0, v0), (w1, v1) = points[-2:]
+    return v1 + (v1 - v0) / (w1 - w0) * (world - w1)
+
+
 def _fmt(value: float, unit: str, extrapolated: bool) -> str:
     text = {"s": f"{value:.3f}", "ms": f"{1000 * value:.2f}", "MB": f"{value / 1e6:.2f}", "B": f"{value:.0f}"}[unit]
     return text + ("*" if extrapolated else "")
@@ -225,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default="bench-results/planning.json")
     args = ap.parse_args(argv)
     rows: list[dict] = []
-    measured: dict[str, tuple[int, float]] = {}  # field -> (world, value) of its largest measurement
+    measured: dict[str, list[tuple[int, float]]] = {}  # field -> its (world, value) measurements
     for world in args.ranks:
         row: dict = {"ranks": world, "tensors": args.tensors, "extrapolated": []}
         row.update(cached_path(world, args.tensors, args.repeats))
@@ -247,10 +259,9 @@ def main(argv: list[str] | None = None) -> dict:
         for field in ("plan_seconds", "broadcast_bytes_uncached", "manifest_bytes", "load_metadata_bytes",
                       "load_parse_seconds", "load_plan_seconds"):
             if field in row:
-                measured[field] = (world, row[field])
-            elif field in measured:  # linear in the ranks (chunks = ranks x tensors)
-                w0, v0 = measured[field]
-                row[field] = v0 * world / w0
+                measured.setdefault(field, []).append((world, row[field]))
+            elif field in measured:
+                row[field] = extrapolate(measured[field], world)
                 row["extrapolated"].append(field)
         rows.append(row)
         print(" ".join(f"{name}={_fmt(row[f], unit, f in row['extrapolated'])}" for name, f, unit in COLUMNS if f in row),
@@ -259,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
     for row in rows:
         print("  ".join(f"{_fmt(row[f], unit, f in row['extrapolated']) if f in row else '-':>{max(len(name), 8)}}"
                         for name, f, unit in COLUMNS))
-    print("* extrapolated linearly from the largest measured world")
+    print("* extrapolated: affine in the ranks through the two largest measured worlds")
     real = real_metadata(args.dcp_ranks, args.tensors) if args.dcp_ranks else []
     for r in real:
         print(f"real gloo, {r['ranks']} ranks x {args.tensors} tensors: DCP .metadata {r['dcp_metadata_bytes'] / 1e6:.2f} MB "

@@ -370,7 +370,10 @@ def per_rank_places(tree: dict) -> tuple[tuple, ...]:
 
 
 def _at(tree: Any, path: tuple) -> Any:
+    """The node at ``path``; KeyError, IndexError or TypeError when the tree has none there."""
     for step in path:
+        if not isinstance(tree, (dict, list)):  # a str or number indexes too, but holds no node
+            raise TypeError(f"no container at {path}")
         tree = tree[step]
     return tree
 
