@@ -276,15 +276,15 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"real gloo, {r['ranks']} ranks x {args.tensors} tensors: DCP .metadata {r['dcp_metadata_bytes'] / 1e6:.2f} MB "
               f"({r['dcp_bytes_per_tensor_per_rank']:.0f} B/tensor/rank), resurgo manifest "
               f"{r['resurgo_manifest_bytes'] / 1e6:.2f} MB ({r['resurgo_bytes_per_tensor_per_rank']:.0f} B/tensor/rank)")
+    beyond = {}  # the real sizes at the simulated worlds, extrapolated
     if real:
-        per = real[-1]["dcp_bytes_per_tensor_per_rank"]
-        for world in args.ranks:
-            if world > real[-1]["ranks"]:
-                print(f"DCP .metadata at {world} ranks, extrapolated at {per:.0f} B/tensor/rank: "
-                      f"{per * args.tensors * world / 1e6:.0f} MB")
-    doc = {"rows": rows, "real_metadata": real,
-           "dcp_metadata_extrapolated": {str(w): real[-1]["dcp_bytes_per_tensor_per_rank"] * args.tensors * w
-                                         for w in args.ranks if real and w > real[-1]["ranks"]}}
+        for what in ("dcp_metadata_bytes", "resurgo_manifest_bytes"):
+            points = [(r["ranks"], float(r[what])) for r in real]
+            beyond[what] = {str(w): extrapolate(points, w) for w in args.ranks if w > real[-1]["ranks"]}
+        for w in beyond["dcp_metadata_bytes"]:
+            print(f"extrapolated to {w} ranks: DCP .metadata {beyond['dcp_metadata_bytes'][w] / 1e6:.0f} MB, "
+                  f"resurgo manifest {beyond['resurgo_manifest_bytes'][w] / 1e6:.0f} MB")
+    doc = {"rows": rows, "real_metadata": real, "real_metadata_extrapolated": beyond}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=2))
     return doc

@@ -9,9 +9,28 @@ from torch.distributed.tensor import Shard, distribute_tensor
 import resurgo
 from resurgo.dist.comm import sent_bytes
 from resurgo.pipeline import save as save_module
-from resurgo.plan.global_plan import PlanCache
+from resurgo.format import checksum
+from resurgo.layout.box import ChunkBox, FlatRange
+from resurgo.plan.global_plan import PlanCache, RankDecl, TensorDecl
 
 TENSORS = 40  # sharded: a rank's declarations weigh several KiB, its summary a few hundred bytes
+
+
+def fixed_digests() -> list:
+    """The layout fingerprints of a fixed job of 3 ranks, and the id and per-rank keys of its plan:
+    equal in every process, whatever its str hashes (each spawned process has its own seed)."""
+    decls = []
+    for r in range(3):
+        tensors = (TensorDecl("w\u00e9", "torch", "bfloat16", (6, 4), (ChunkBox((2 * r, 0), (2, 4)),), True),
+                   TensorDecl("f", "numpy", "int64", (9,), (FlatRange(3 * r, 3 * r + 3),), True),
+                   TensorDecl("s", "torch", "float32", (), (ChunkBox((), ()),), False, str(r % 2) * 32),
+                   TensorDecl("q", "torch", "float32", (), (ChunkBox((), ()),), False, str(r) * 32))
+        decls.append(RankDecl({"type": "dict", "items": [[t.key, {"type": "tensor", "key": t.key}] for t in tensors]},
+                              tensors))
+    cache = PlanCache()
+    cache.plan(decls, checksum.block_bytes_for, None)
+    plan_id, per_rank = cache.ticket()
+    return [[d.layout for d in decls], plan_id, sorted(per_rank)]
 
 
 def state(rank: int, world: int, step: int, *, own: bool = False, bad: bool = False) -> dict:
@@ -39,7 +58,7 @@ def repeated_saves(rank: int, world: int, new: str, old: str) -> dict:
     same layout again."""
     from resurgo import api
 
-    out: dict = {"gather": [], "broadcast": [], "hits": []}
+    out: dict = {"gather": [], "broadcast": [], "hits": [], "fixed": fixed_digests()}
     prepare = api.prepare_save
 
     def measured(*args, **kwargs):  # type: ignore[no-untyped-def]

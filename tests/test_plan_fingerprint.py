@@ -1,5 +1,5 @@
 """Fingerprint-only gathers (pure): the layout fingerprint changes with every field a plan depends
-on and is equal across processes; a save planned from the ranks' summaries is the plan that full
+on (its equality across processes: tests/test_plan_fingerprint_dist.py); a save planned from the ranks' summaries is the plan that full
 declarations give (plan_global), and anything that may change it makes the coordinator ask for
 the declarations."""
 
@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pickle
-import subprocess
-import sys
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -63,36 +60,6 @@ def test_any_field_a_plan_depends_on_changes_the_fingerprint(tensors, data):
 def test_a_compared_value_is_not_layout():
     t = TensorDecl("s", "torch", "float32", (), (ChunkBox((), ()),), False, "a" * 32)
     assert layout_fingerprint((t,)) == layout_fingerprint((dataclasses.replace(t, digest="b" * 32),))
-
-
-FIXED = """
-import json, sys
-from resurgo.format import checksum
-from resurgo.layout.box import ChunkBox, FlatRange
-from resurgo.plan.global_plan import PlanCache, RankDecl, TensorDecl
-def job():
-    out = []
-    for r in range(3):
-        tensors = (TensorDecl("w\u00e9", "torch", "bfloat16", (6, 4), (ChunkBox((2 * r, 0), (2, 4)),), True),
-                   TensorDecl("f", "numpy", "int64", (9,), (FlatRange(3 * r, 3 * r + 3),), True),
-                   TensorDecl("s", "torch", "float32", (), (ChunkBox((), ()),), False, str(r % 2) * 32),
-                   TensorDecl("q", "torch", "float32", (), (ChunkBox((), ()),), False, str(r) * 32))
-        items = [[t.key, {"type": "tensor", "key": t.key}] for t in tensors]
-        out.append(RankDecl({"type": "dict", "items": items}, tensors))
-    return out
-cache = PlanCache()
-cache.plan(job(), checksum.block_bytes_for, None)
-print(json.dumps([[d.layout for d in job()], list(cache.ticket()[0:1]), sorted(cache.ticket()[1])]))
-"""
-
-
-def test_equal_layouts_give_equal_fingerprints_and_plan_ids_across_processes(capsys):
-    env = {**os.environ, "PYTHONHASHSEED": "1" if sys.flags.hash_randomization else "2"}  # other str hashes
-    there = subprocess.run([sys.executable, "-c", FIXED], env=env, capture_output=True, text=True, check=True).stdout
-    exec(FIXED, {})
-    assert capsys.readouterr().out == there
-    layouts, plan_id, per_rank = json.loads(there)
-    assert len(set(layouts)) == 3 and len(plan_id[0]) == 32 and per_rank == ["q", "s"]
 
 
 # -- the protocol, simulated: rank r's PlanCache is caches[r], rank 0 coordinates ----------------

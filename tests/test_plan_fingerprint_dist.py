@@ -1,6 +1,7 @@
 """Fingerprint-only gathers on real processes (2 gloo ranks): a repeated layout gathers a summary
 of bounded size per rank, and the checkpoints are those of full declarations, bit for bit; a
-layout change on one rank alone replans; a bad value on one rank fails every rank."""
+layout change on one rank alone replans; a bad value on one rank fails every rank; fingerprints
+are equal across processes."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from dist_harness import run_ranks
 
 import resurgo
+from plan_fingerprint_workers import fixed_digests
 
 
 def _files(path) -> dict[str, bytes]:  # type: ignore[no-untyped-def]
@@ -26,6 +28,9 @@ def _files(path) -> dict[str, bytes]:  # type: ignore[no-untyped-def]
 
 def test_repeated_saves_gather_summaries_and_write_what_declarations_write(tmp_path):
     results = run_ranks(2, "plan_fingerprint_workers:repeated_saves", str(tmp_path / "new"), str(tmp_path / "old"))
+    layouts, plan_id, per_rank = fixed_digests()
+    assert results[0]["fixed"] == results[1]["fixed"] == [layouts, plan_id, per_rank]  # three processes
+    assert len(set(layouts)) == 3 and len(plan_id) == 32 and per_rank == ["q", "s"]
     for r in results:  # saves 1, 2, 3, 4 (new layout on rank 1), 5, 7
         gathered = r["gather"]
         assert gathered[0] > 4096 and gathered[3] > 4096  # declarations: no plan held, a new layout
