@@ -11,9 +11,9 @@ ones and a per-rank RNG value), per R:
   what the coordinator broadcasts (the merged tree, or the whole plan);
 - the manifest the coordinator would write (one chunk entry per tensor per rank), which is what
   one loading rank reads today, and that rank's load plan (parse the manifest, plan its reads).
-Figures beyond what this machine measures in a few minutes are extrapolated (affine in the
-ranks, through the two largest measured worlds) and marked so (``*`` in the table,
-``extrapolated`` in the JSON).
+Figures beyond what this machine measures in a few minutes are extrapolated (sizes affine in the
+ranks through the two largest measured worlds, times proportional to the ranks from the largest)
+and marked so (``*`` in the table, ``extrapolated`` in the JSON).
 
     .venv/bin/python benchmarks/bench_planning.py [--ranks 1 64 512 4096 16384] [--tensors 1000]
         [--max-planned 512] [--max-manifest 64] [--dcp-ranks 2 4 8]
@@ -201,12 +201,13 @@ def real_metadata(worlds: list[int], tensors: int) -> list[dict]:
     return rows
 
 
-def extrapolate(points: list[tuple[int, float]], world: int) -> float:
-    """Affine in the ranks through the two largest measurements (a part that does not grow with
-    the ranks, such as the checksums of the same bytes, plus one per chunk), or proportional to
-    the ranks from a single one."""
-    if len(points) == 1:
-        w, v = points[0]
+def extrapolate(points: list[tuple[int, float]], world: int, affine: bool = True) -> float:
+    """Sizes: affine in the ranks through the two largest measurements (a part that does not grow
+    with the ranks, such as the checksums of the same bytes, plus one per chunk). Times (noisy on
+    a shared machine, where a slope between two of them can come out negative), or a single
+    measurement: proportional to the ranks from the largest one."""
+    if len(points) == 1 or not affine:
+        w, v = points[-1]
         return v * world / w
     (w0, v0), (w1, v1) = points[-2:]
     return v1 + (v1 - v0) / (w1 - w0) * (world - w1)
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
             if field in row:
                 measured.setdefault(field, []).append((world, row[field]))
             elif field in measured:
-                row[field] = extrapolate(measured[field], world)
+                row[field] = extrapolate(measured[field], world, affine=not field.endswith("seconds"))
                 row["extrapolated"].append(field)
         rows.append(row)
         print(" ".join(f"{name}={_fmt(row[f], unit, f in row['extrapolated'])}" for name, f, unit in COLUMNS if f in row),
@@ -270,7 +271,7 @@ def main(argv: list[str] | None = None) -> dict:
     for row in rows:
         print("  ".join(f"{_fmt(row[f], unit, f in row['extrapolated']) if f in row else '-':>{max(len(name), 8)}}"
                         for name, f, unit in COLUMNS))
-    print("* extrapolated: affine in the ranks through the two largest measured worlds")
+    print("* extrapolated from the measured worlds: sizes affine in the ranks, times proportional to them")
     real = real_metadata(args.dcp_ranks, args.tensors) if args.dcp_ranks else []
     for r in real:
         print(f"real gloo, {r['ranks']} ranks x {args.tensors} tensors: DCP .metadata {r['dcp_metadata_bytes'] / 1e6:.2f} MB "

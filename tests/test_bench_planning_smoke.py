@@ -25,7 +25,8 @@ def test_bench_planning_runs_and_marks_extrapolations(tmp_path, capsys):
     assert one["extrapolated"] == two["extrapolated"] == []
     assert four["extrapolated"] == ["plan_seconds", "broadcast_bytes_uncached", "manifest_bytes",
                                     "load_metadata_bytes", "load_parse_seconds", "load_plan_seconds"]
-    assert four["manifest_bytes"] == 3 * two["manifest_bytes"] - 2 * one["manifest_bytes"]  # affine in the ranks
+    assert four["manifest_bytes"] == 3 * two["manifest_bytes"] - 2 * one["manifest_bytes"]  # sizes: affine
+    assert four["plan_seconds"] == 2 * two["plan_seconds"]  # times: proportional
     for row in doc["rows"]:
         assert 0 < row["gathered_bytes_per_rank_cached"] <= 1024 < row["gathered_bytes_per_rank_uncached"]
         assert row["cached_plan_seconds"] > 0 and row["load_metadata_bytes"] == row["manifest_bytes"]
