@@ -306,7 +306,8 @@ class PlanCache:
         with collector_paused():
             seen: dict[str, str] = {}
             differing = {k for s in summaries for k, d in s.digests if seen.setdefault(k, d) != d}
-            merged, per_rank = merge_trees([_replace_at(tree, held.places, s.values) for s in summaries], differing)
+            rebuild = _replacer(held.places)
+            merged, per_rank = merge_trees([rebuild(tree, s.values) for s in summaries], differing)
         if frozenset(per_rank) != key[1]:
             return None
         self.hits += 1
@@ -381,19 +382,27 @@ def _at(tree: Any, path: tuple) -> Any:
 def _replace_at(tree: Any, paths: tuple[tuple, ...], values: Any) -> Any:
     """``tree`` with the node at each path replaced by the matching value; the nodes on no path are
     shared, not copied (so comparing two such trees costs only their paths)."""
-    if not paths:
-        return tree
-    if paths[0] == ():
-        return values[0]
-    groups: dict[Any, tuple[list, list]] = {}
-    for path, value in zip(paths, values):
-        rest, vals = groups.setdefault(path[0], ([], []))
-        rest.append(path[1:])
-        vals.append(value)
-    out = dict(tree) if isinstance(tree, dict) else list(tree)
-    for step, (rest, vals) in groups.items():
-        out[step] = _replace_at(tree[step], tuple(rest), vals)
-    return out
+    return _replacer(paths)(tree, values)
+
+
+def _replacer(paths: tuple[tuple, ...]) -> Callable[[Any, Any], Any]:
+    """:func:`_replace_at` for these paths, walked once: the coordinator applies it to each rank."""
+    if paths == ((),):
+        return lambda tree, values: values[0]
+    trie: dict = {}
+    for i, path in enumerate(paths):
+        node = trie
+        for step in path[:-1]:
+            node = node.setdefault(step, {})
+        node[path[-1]] = i
+
+    def rebuild(tree: Any, node: dict, values: Any) -> Any:
+        out = dict(tree) if isinstance(tree, dict) else list(tree)
+        for step, sub in node.items():
+            out[step] = values[sub] if isinstance(sub, int) else rebuild(tree[step], sub, values)
+        return out
+
+    return lambda tree, values: rebuild(tree, trie, values) if paths else tree
 
 
 def _plan_global(decls: list[RankDecl], block_bytes_for: Callable[[int, int], int]) -> GlobalPlan:
