@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 DS_SITE := .deepspeed-site
 DS_PYTEST := PYTHONPATH=$(DS_SITE) DS_ACCELERATOR=cpu DS_BUILD_OPS=0 $(BIN)/python -m pytest -q -m deepspeed
 
-.PHONY: demo study study-full demo-kill test test-slow test-deepspeed bench bench-async bench-overhead bench-s3 bench-import bench-incremental install clean
+.PHONY: demo study study-full demo-kill test test-slow test-deepspeed bench bench-async bench-overhead bench-s3 bench-import bench-incremental bench-planning install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -70,6 +70,10 @@ bench-incremental: $(STAMP)
 
 bench-overhead: $(STAMP)
 	$(BIN)/python benchmarks/bench_overhead.py
+
+# Save planning and load metadata from 1 to 16,384 simulated ranks, DCP's .metadata on 2-8 gloo ranks.
+bench-planning: $(STAMP)
+	$(BIN)/python benchmarks/bench_planning.py
 
 bench-s3: $(STAMP)
 	$(BIN)/python benchmarks/bench_s3.py

@@ -49,7 +49,7 @@ from resurgo.pipeline.buffers import TensorStream, source_for_write
 from resurgo.pipeline.collective import write_then_commit
 from resurgo.pipeline.writer import (WrittenChunk, WrittenFile, digests_of, reused_extents, sampled_digests,
                                      write_data_file)
-from resurgo.plan.global_plan import GlobalPlan, PlanCache, RankDecl, RankWrite, TensorDecl, TensorMeta
+from resurgo.plan.global_plan import GlobalPlan, PlanCache, RankDecl, RankSummary, RankWrite, TensorDecl, TensorMeta
 from resurgo.plan.reuse_plan import (BaseIndex, Segment, changed_throughout, mostly_changed, owned_bytes,
                                      sample_blocks, segments)
 from resurgo.plan.save_plan import FilePlan, SavePlan, plan_files
@@ -108,7 +108,20 @@ DEFAULT_IO_THREADS = 4  # writer (and reader) threads per rank: data files writt
 AUTO_PER_RANK_BYTES = 1 << 20  # plain tensors up to this size are compared across ranks
 
 
-_plans = PlanCache()  # the coordinator's last plan: repeated saves of one layout skip planning
+_plans = PlanCache()  # the last plan: repeated saves of one layout skip planning and send summaries
+
+
+@dataclass(frozen=True)
+class _Decided:
+    """Rank 0's answer to every rank: a new plan, or the merged tree of the plan every rank holds."""
+
+    plan: GlobalPlan | None
+    tree: dict | None  # when the held plan is reused
+    plan_id: str
+    per_rank: frozenset[str]
+    pickled: bool
+    staging: Staging
+    index: BaseIndex | None
 
 
 def _declare(leaf: TensorLeaf, compare: bool) -> TensorDecl:
@@ -184,9 +197,12 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
     """Flatten and check the state (plain values are encoded now: a snapshot), plan the files and
     open the staging directory. Raises before anything is written when the state or path is bad.
 
-    In a distributed job this is collective: every rank sends its declarations (metadata only) to
-    rank 0, which validates and plans the whole checkpoint (:mod:`resurgo.plan.global_plan`) and
-    opens the staging directory; every rank gets the plan back, or the same error.
+    In a distributed job this is collective: every rank sends a summary of its declarations
+    (fingerprints and its per-rank values) to rank 0; when they show that the plan every rank
+    holds from the last save still holds, rank 0 merges the trees and every rank reuses its plan;
+    else every rank sends its declarations (metadata only), and rank 0 validates and plans the
+    whole checkpoint (:mod:`resurgo.plan.global_plan`). Rank 0 opens the staging directory; every
+    rank gets the plan, or the same error.
 
     ``base``: an earlier checkpoint of the same root whose unchanged bytes this one references;
     ``incremental`` (implied by ``base``): checksum blocks small enough to be the unit of reuse
@@ -194,14 +210,14 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
     t0 = time.perf_counter()
     comm = comm or dist_comm.current()
 
-    def local() -> tuple[dict, dict[str, TensorLeaf], RankDecl, bool]:
+    def local() -> tuple[dict, dict[str, TensorLeaf], RankDecl, RankSummary | None, bool]:
         check_metadata(metadata, step)
         check_metadata(save_info, step, "save_info")
         tree, leaves, pickled = flatten_state(state, allow_pickle=allow_pickle)
-        return tree, leaves, RankDecl(tree, tuple(_declare(leaf, comm.size > 1) for leaf in leaves.values())), pickled
+        decl = RankDecl(tree, tuple(_declare(leaf, comm.size > 1) for leaf in leaves.values()))
+        return tree, leaves, decl, _plans.summarize(decl) if comm.size > 1 else None, pickled
 
-    tree, leaves, decl, pickled = comm.agree(local)
-    gathered = comm.gather((decl, pickled))
+    tree, leaves, decl, summary, pickled = comm.agree(local)
     block_rule: Any = block_bytes
     if block_bytes is not None:
         block_fn: Callable[[int, int], int] = lambda n, row_bytes: block_bytes
@@ -210,18 +226,39 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
     else:
         block_fn = checksum.block_bytes_for
 
-    def coordinate() -> tuple[GlobalPlan, bool, Staging, BaseIndex | None] | None:
+    def coordinate(gathered: list[tuple[Any, bool]] | None) -> _Decided | None:
+        """Rank 0: the plan (or, from summaries, the merged tree of the plan every rank holds), then
+        the base and the staging; None when the summaries do not suffice."""
         if not comm.is_coordinator:
             return None
         assert gathered is not None
-        plan = _plans.plan([d for d, _ in gathered], block_fn, block_rule)
+        if isinstance(gathered[0][0], RankSummary):
+            merged = _plans.reuse(tree, [s for s, _ in gathered], block_rule)
+            if merged is None:
+                return None
+            plan, plan_id, per_rank = None, "", frozenset[str]()
+        else:
+            plan, merged = _plans.plan([d for d, _ in gathered], block_fn, block_rule), None
+            plan_id, per_rank = _plans.ticket()
         index = open_base(path, base, storage_options) if base is not None else None
         staging = open_checkpoint(path, storage_options).stage(overwrite, declared_files)
-        return plan, any(p for _, p in gathered), staging, index
+        return _Decided(plan, merged, plan_id, per_rank, any(p for _, p in gathered), staging, index)
 
-    decided = comm.broadcast(comm.agree(coordinate))
+    decided = None
+    if summary is not None:  # a summary first: the plan every rank holds may still do
+        summaries = comm.gather((summary, pickled))
+        decided = comm.broadcast(comm.agree(lambda: coordinate(summaries)))
+    if decided is None:  # no plan held, or it changed: every rank sends its declarations
+        full = comm.gather((decl, pickled))
+        decided = comm.broadcast(comm.agree(lambda: coordinate(full)))
     assert decided is not None
-    plan, pickled, staging, index = decided  # the other ranks get a copy of rank 0's staging (it pickles)
+    pickled, staging, index = decided.pickled, decided.staging, decided.index  # staging: a copy of rank 0's (it pickles)
+    if decided.plan is None:
+        assert decided.tree is not None
+        plan = _plans.reused(decided.tree)
+    else:
+        plan = decided.plan
+        _plans.hold(decided.plan_id, plan, decided.per_rank)
     writes = plan.writes[comm.rank]
     if index is not None:
         writes = tuple(_reuse_blocks(w, index) for w in writes)
