@@ -16,7 +16,6 @@ from typing import Any
 
 from resurgo.api import async_save, load_dict, save
 from resurgo.dist import comm as dist_comm
-from resurgo.dist.comm import alone
 from resurgo.errors import NotACheckpointError
 from resurgo.integrations._torch_file import load_torch_file
 from resurgo.manager.catalog import remove
@@ -60,25 +59,24 @@ class CheckpointIOMethods:
                         storage_options: Any | None = None) -> None:
         step = checkpoint.get("global_step")
         kwargs: dict[str, Any] = dict(overwrite=True, allow_pickle=self.allow_pickle,
-                                      step=step if isinstance(step, int) else None)
+                                      step=step if isinstance(step, int) else None, collective=False)
         # Lightning saves "last.ckpt" again and again: overwrite replaces a resurgo checkpoint
         # atomically and refuses (ForeignFilesError) anything resurgo did not write.
         # Lightning calls this on global rank 0 only, with the whole state: a save of one process.
-        with alone():
-            if not (self.asynchronous and "global_step" in checkpoint):
-                save(_plain(checkpoint), path, **kwargs)
-                return
-            self._collect(done_only=True)
-            self._wait_for(Path(path))  # a second save of one path starts after the first committed
-            self._in_flight[Path(path)] = async_save(_plain(checkpoint), path, **kwargs)
+        if not (self.asynchronous and "global_step" in checkpoint):
+            save(_plain(checkpoint), path, **kwargs)
+            return
+        self._collect(done_only=True)
+        self._wait_for(Path(path))  # a second save of one path starts after the first committed
+        self._in_flight[Path(path)] = async_save(_plain(checkpoint), path, **kwargs)
 
     def load_checkpoint(self, path: str | os.PathLike, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
         self._collect()
         if Path(path).is_file():
             return self._load_foreign(Path(path), map_location)
-        with alone():  # each process reads the whole checkpoint for itself
-            return load_dict(path, verify=self.verify, allow_pickle=self.allow_pickle)
+        # Each process reads the whole checkpoint for itself.
+        return load_dict(path, verify=self.verify, allow_pickle=self.allow_pickle, collective=False)
 
     def _load_foreign(self, path: Path, map_location: Any) -> dict[str, Any]:
         return load_torch_file(path, allow_pickle=self.allow_pickle, map_location=map_location or "cpu",
