@@ -1,0 +1,71 @@
+"""Lightning's sharded strategies with resurgo: ResurgoModelParallelStrategy (FSDP2) and
+ResurgoFSDPStrategy (FSDP1) save one resurgo checkpoint from every process, through
+ModelCheckpoint, and a job saved on 2 processes resumes on 1 or 3 from exactly the saved state."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lightning.pytorch")
+
+import resurgo  # noqa: E402
+from dist_harness import run_ranks  # noqa: E402
+from resurgo.pipeline.verify import verify_checkpoint  # noqa: E402
+
+WORKER = "lightning_sharded_workers:fit"
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                     b.reshape(-1).view(torch.uint8))
+
+
+def saved_on_two(root: Path, kind: str) -> dict:
+    """Two processes fit 4 steps; ModelCheckpoint saves at steps 2 and 4 (top 2 and last)."""
+    ranks = run_ranks(2, WORKER, str(root), kind, 4, timeout=300)
+    ckpts = root / "ckpts"
+    assert sorted(os.listdir(ckpts)) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"]
+    assert ranks[0]["best"] == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+    manifest = resurgo.read_manifest(ckpts / "last.ckpt")
+    assert manifest.world == {"size": 2} and manifest.step == 4 and manifest.pickled is False
+    assert verify_checkpoint(ckpts / "last.ckpt").ok
+    # Both processes wrote their own shards of the weights.
+    chunks = manifest.tensors["state_dict.net.0.weight"].chunks
+    assert sorted(c.box.offsets[0] for c in chunks) == [0, 3] and len({c.file for c in chunks}) == 2, chunks
+    return ranks[0]["end"]  # the state at step 4, which last.ckpt holds
+
+
+def resume_on(root: Path, kind: str, world: int, saved: dict) -> None:
+    ranks = run_ranks(world, WORKER, str(root), kind, 6, "last", timeout=300)
+    for rank, result in enumerate(ranks):
+        loaded = result["start"]
+        assert loaded.keys() == saved.keys() and any(".exp_avg_sq" in k for k in saved), rank
+        assert [k for k in saved if not bitwise_equal(saved[k], loaded[k])] == [], rank
+        assert result["global_step"] == 6 and len(result["losses"]) == 2, rank
+        assert all(torch.isfinite(torch.tensor(result["losses"]))), rank
+        assert not bitwise_equal(result["end"]["model.net.0.weight"], saved["model.net.0.weight"]), rank  # trained on
+    assert resurgo.read_manifest(root / "ckpts" / "last.ckpt").step == 6
+    assert resurgo.read_manifest(root / "ckpts" / "last.ckpt").world == {"size": world}
+
+
+def test_model_parallel_fsdp2_saved_on_two_processes_resumes_on_one(tmp_path):
+    saved = saved_on_two(tmp_path, "fsdp2")
+    full = resurgo.load_dict(tmp_path / "ckpts" / "last.ckpt")  # one process reads it whole
+    assert bitwise_equal(full["state_dict"]["net.0.weight"], saved["model.net.0.weight"])
+    assert full["global_step"] == 4 and "rng_per_rank" in full["callbacks"]["ResurgoCallback"]
+    resume_on(tmp_path, "fsdp2", 1, saved)
+
+
+@pytest.mark.slow
+def test_model_parallel_fsdp2_saved_on_two_processes_resumes_on_three(tmp_path):
+    resume_on(tmp_path, "fsdp2", 3, saved_on_two(tmp_path, "fsdp2"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 3])
+def test_fsdp1_saved_on_two_processes_resumes_on_one_and_three(tmp_path, world):
+    resume_on(tmp_path, "fsdp1", world, saved_on_two(tmp_path, "fsdp1"))
