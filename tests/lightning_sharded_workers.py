@@ -33,7 +33,7 @@ class Sharded(L.LightningModule):
         self.losses: list[float] = []
 
     def configure_model(self) -> None:
-        if self.kind == "fsdp2":
+        if self.kind.endswith("fsdp2"):
             from torch.distributed.fsdp import fully_shard
 
             fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
@@ -81,17 +81,23 @@ class AtStart(L.Callback):
 
 
 def fit(rank: int, world: int, root: str, kind: str, steps: int, ckpt_path: str | None = None) -> dict:
+    """``kind``: "fsdp2" (ResurgoModelParallelStrategy), "fsdp1" (ResurgoFSDPStrategy), or
+    "lightning-fsdp2" (Lightning's own ModelParallelStrategy, which writes DCP folders, without
+    ResurgoCallback: a job from before resurgo was added)."""
     os.environ["LOCAL_RANK"] = str(rank)  # the processes exist already: Lightning launches none
     # All processes data parallel (by default ModelParallelStrategy gives them to tensor parallelism).
-    strategy = (ResurgoModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1) if kind == "fsdp2"
-                else ResurgoFSDPStrategy())
+    if kind == "fsdp1":
+        strategy = ResurgoFSDPStrategy()
+    else:
+        cls = L.strategies.ModelParallelStrategy if kind == "lightning-fsdp2" else ResurgoModelParallelStrategy
+        strategy = cls(data_parallel_size=world, tensor_parallel_size=1)
     checkpoint = L.callbacks.ModelCheckpoint(dirpath=Path(root, "ckpts"), every_n_train_steps=2, save_top_k=2,
                                              monitor="train_loss", save_last=True)
     at_start = AtStart()
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=world, strategy=strategy, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, deterministic=True,
-                        callbacks=[checkpoint, ResurgoCallback(), at_start])
-    model = Sharded(kind)
+                        callbacks=[checkpoint, at_start] + ([] if kind == "lightning-fsdp2" else [ResurgoCallback()]))
+    model = Sharded("fsdp2" if kind == "lightning-fsdp2" else kind)
     trainer.fit(model, ckpt_path=ckpt_path)
     return {"start": at_start.state, "end": full_state(trainer), "losses": model.losses,
             "global_step": trainer.global_step, "best": sorted(Path(p).name for p in checkpoint.best_k_models)}

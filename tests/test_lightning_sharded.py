@@ -69,3 +69,15 @@ def test_model_parallel_fsdp2_saved_on_two_processes_resumes_on_three(tmp_path):
 @pytest.mark.parametrize("world", [1, 3])
 def test_fsdp1_saved_on_two_processes_resumes_on_one_and_three(tmp_path, world):
     resume_on(tmp_path, "fsdp1", world, saved_on_two(tmp_path, "fsdp1"))
+
+
+@pytest.mark.slow
+def test_a_dcp_folder_of_lightnings_own_strategy_resumes_and_the_next_saves_are_resurgo(tmp_path):
+    ranks = run_ranks(2, WORKER, str(tmp_path / "before"), "lightning-fsdp2", 4, timeout=300)
+    old = tmp_path / "before" / "ckpts" / "epoch=0-step=4.ckpt"
+    assert (old / "meta.pt").is_file() and not (old / "manifest.json").exists()  # Lightning's DCP folder
+    after = run_ranks(1, WORKER, str(tmp_path / "after"), "fsdp2", 6, str(old), timeout=300)[0]
+    saved = ranks[0]["end"]
+    assert [k for k in saved if not bitwise_equal(saved[k], after["start"][k])] == []
+    assert after["global_step"] == 6
+    assert resurgo.read_manifest(tmp_path / "after" / "ckpts" / "last.ckpt").step == 6

@@ -180,6 +180,15 @@ class ShardedStrategyMethods:
     added) is read by Lightning's own code. ``allow_pickle`` and ``verify`` as in ResurgoCheckpointIO.
     """
 
+    # What the Lightning strategy this is mixed into provides (for the type checker only).
+    model: Any
+    lightning_module: Any
+    optimizers: Any
+    global_rank: Any
+    world_size: Any
+    is_global_zero: Any
+    broadcast: Any
+
     def __init__(self, *args: Any, allow_pickle: bool = False, verify: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.allow_pickle = allow_pickle
