@@ -50,6 +50,10 @@ def resume_on(root: Path, kind: str, world: int, saved: dict) -> None:
         assert not bitwise_equal(result["end"]["model.net.0.weight"], saved["model.net.0.weight"]), rank  # trained on
     assert resurgo.read_manifest(root / "ckpts" / "last.ckpt").step == 6
     assert resurgo.read_manifest(root / "ckpts" / "last.ckpt").world == {"size": world}
+    # The save at step 6 made 3 top-k candidates: save_top_k=2 retired one, through resurgo.
+    names = sorted(os.listdir(root / "ckpts"))
+    assert names == sorted(ranks[0]["best"] + ["last.ckpt"]) and len(names) == 3, names
+    assert all(verify_checkpoint(root / "ckpts" / name).ok for name in names)
 
 
 def test_model_parallel_fsdp2_saved_on_two_processes_resumes_on_one(tmp_path):
