@@ -10,6 +10,7 @@ optimizer and LR scheduler containers; the training tests run real torchtitan jo
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -190,7 +191,7 @@ def test_refused_configurations(tmp_path):
 
 
 def test_async_save_commits_the_snapshot_taken_at_save(tmp_path):
-    manager, model, optimizers, state = _manager(tmp_path, interval=1, async_mode="async")
+    manager, model, optimizers, state = _manager(tmp_path, interval=1, async_mode="async", keep_latest_k=2)
     snapshot = {k: v.clone() for k, v in model.state_dict().items()}
     assert manager.save(1) is True
     assert manager.save_future is not None
@@ -201,7 +202,14 @@ def test_async_save_commits_the_snapshot_taken_at_save(tmp_path):
     assert manager.save_future is None
     saved = resurgo.load_dict(tmp_path / "checkpoint" / "step-1")["model"]
     assert all(torch.equal(saved[k], v) for k, v in snapshot.items())
-    manager.close()
+    # keep_latest_k runs once the save is committed, where the training loop waits for it: its
+    # errors are raised there, not lost in the background.
+    manager.save(2)
+    (tmp_path / "checkpoint" / "step-1" / "notes.txt").write_text("mine")
+    manager.save(3)  # waits for step 2, whose retention finds step-1 within keep_latest_k=2
+    with pytest.raises(ForeignFilesError, match="notes.txt"):
+        manager.close()  # waits for step 3: step-1 is to go, and holds a file resurgo did not write
+    assert _steps(tmp_path) == ["step-1", "step-2", "step-3"]
 
 
 def test_a_folder_of_torchtitan_dcp_checkpoints_resumes_and_is_retired(tmp_path):
@@ -304,3 +312,27 @@ def test_torchtitan_job_killed_and_resumed_equals_the_uninterrupted_one(assets, 
     for step in ("step-4", "step-6"):
         report = resurgo.diff_checkpoints(tmp_path / "a" / "checkpoint" / step, tmp_path / "b" / "checkpoint" / step)
         assert report.identical, report
+
+
+def test_fsdp_job_on_two_ranks_resumes_on_one(assets, tmp_path):
+    """torchtitan's FSDP2 job on 2 gloo ranks; its checkpoint loads on 1 rank through resurgo's
+    universal load (model and optimizer DTensors resharded), bit for bit. The data loader's
+    position cannot be split (each rank reads its own shard): refused, naming the option that
+    resumes everything else."""
+    job = {"assets": str(assets), "steps": 2, "interval": 2}
+    _run(2, {**job, "dump": str(tmp_path / "two")}, tmp_path)
+    saved = resurgo.read_manifest(tmp_path / "two" / "checkpoint" / "step-2")
+    assert saved.world["size"] == 2
+    assert len(saved.tensors["model.tok_embeddings.weight"].chunks) == 2  # FSDP2 shards, one per rank
+
+    final_two = _final(tmp_path / "two")
+    (tmp_path / "two" / "final.pt").unlink()
+    _run(1, {**job, "dump": str(tmp_path / "two"), "load_then_exclude_dataloader": True}, tmp_path)
+    record = json.loads((tmp_path / "two" / "record.json").read_text())
+    assert re.fullmatch(r"\S+step-2: key 'dataloader': the data loader's position was saved by 2 data-parallel "
+                        r"ranks and cannot be split over 1.*exclude_from_loading=\['dataloader'\]", record["refused"])
+    assert record["step"] == 2 and record["losses"] == {}  # resumed at step 2 of 2: nothing left to train
+    final_one = _final(tmp_path / "two")
+    _assert_equal_tensors(final_two["model"], final_one["model"])
+    _assert_equal_tensors({k: v for k, v in final_two["optimizer"].items() if isinstance(v, torch.Tensor)},
+                          {k: v for k, v in final_one["optimizer"].items() if isinstance(v, torch.Tensor)})

@@ -3,16 +3,19 @@ resurgo's ``ResurgoCheckpointManager``; run by tests/test_torchtitan.py as its o
 
 ``python torchtitan_run.py JSON``: JSON holds ``assets`` (made by :func:`make_assets`), ``dump``
 (torchtitan's dump folder), ``steps``, ``interval``, ``keep``, ``async_mode``, ``exclude`` and
-``kill_after`` (SIGKILL this process right after the checkpoint of that step is committed).
-Rank 0 writes ``dump/record.json`` (per-step losses as float hex, the RNG state's hash) and
+``kill_after`` (SIGKILL this process right after the checkpoint of that step is committed) and
+``load_then_exclude_dataloader`` (load once, record the refusal, then load without the data loader).
+Rank 0 writes ``dump/record.json`` (per-step losses as float hex, a hash of the Python, NumPy
+and torch RNG states) and
 ``dump/final.pt`` (full model and optimizer tensors) when training ends.
 
-torchtitan 0.3 has no CPU path; three things are pointed at the CPU before it is imported, and
+torchtitan 0.3 has no CPU path; these things are pointed at the CPU before it is imported, and
 nothing else of it is changed: its device detection falls back to "cuda" when no accelerator is
 present (torchtitan/tools/utils.py: ``_get_available_device_type() or "cuda"``), the language
 models' attention backends (flex, varlen) have no CPU backward, so the layers use torchtitan's
 own ScaledDotProductAttention, and it calls ``torch.distributed.set_timeout``, which torch 2.13
-does not have yet.
+does not have yet. For FSDP on gloo, FSDP's PREMUL_SUM(1) reduction is made a SUM (the same sum;
+gloo has no PREMUL_SUM).
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ import signal
 import sys
 import types
 
+import numpy as np
 import torch
 import torch._utils
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from torch.distributed.fsdp import FSDPModule
 
 
 def _point_torchtitan_at_cpu() -> None:
@@ -43,6 +48,15 @@ def _point_torchtitan_at_cpu() -> None:
     torch._utils._get_device_module = lambda device_type=None: cpu if device_type == "cpu" else module_of(device_type)
     if not hasattr(dist, "set_timeout"):
         dist.set_timeout = lambda timeout, group=None: c10d._set_pg_timeout(timeout, group)
+    # torchtitan sets FSDP's gradient divide factor to 1, which FSDP reduces with PREMUL_SUM(1):
+    # gloo has no PREMUL_SUM; a plain SUM is the same reduction.
+    divide = FSDPModule.set_gradient_divide_factor
+
+    def set_gradient_divide_factor(self, factor):
+        divide(self, factor)
+        self.set_force_sum_reduction_for_comms(factor == 1.0)
+
+    FSDPModule.set_gradient_divide_factor = set_gradient_divide_factor
 
 
 def make_assets(root: str) -> None:
@@ -79,6 +93,8 @@ def job_config(args: dict):
     config.training.seq_len, config.training.local_batch_size, config.training.steps = 32, 2, args["steps"]
     config.training.mixed_precision_param = "float32"
     config.validator.enable = False
+    # FSDP2 over DTensor (torchtitan's default "spmd_types" backend needs a newer torch for FSDP).
+    config.parallelism.spmd_backend = "partial_dtensor"
     config.comm.trace_buf_size = 0
     config.debug.seed, config.debug.deterministic = 0, True
     config.dump_folder = args["dump"]
@@ -92,6 +108,8 @@ def job_config(args: dict):
 def main(args: dict) -> None:
     _point_torchtitan_at_cpu()
     os.environ["HF_DATASETS_OFFLINE"] = "1"
+    random.seed(0)  # torchtitan seeds torch only; the job's Python and NumPy streams are seeded too
+    np.random.seed(0)
     trainer = job_config(args).build()
     losses: dict[int, str] = {}
     log = trainer.metrics_processor.log
@@ -111,6 +129,17 @@ def main(args: dict) -> None:
         return saved
 
     trainer.checkpointer.save = save_then_maybe_die
+    refused = None
+    if args.get("load_then_exclude_dataloader"):
+        # The job restarted on another number of ranks: its first load is refused; then, as the
+        # user would, it leaves the data loader's position out and loads again.
+        from resurgo.errors import WorldSizeMismatchError
+
+        try:
+            trainer.checkpointer.load()
+        except WorldSizeMismatchError as err:
+            refused = str(err)
+        trainer.checkpointer.config.exclude_from_loading.append("dataloader")
     trainer.train()
     trainer.checkpointer.maybe_wait_for_saving()
     model = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
@@ -120,8 +149,9 @@ def main(args: dict) -> None:
     if dist.get_rank() == 0:
         torch.save({"model": model, "optimizer": optim}, os.path.join(args["dump"], "final.pt"))
         with open(os.path.join(args["dump"], "record.json"), "w") as f:
-            json.dump({"losses": losses, "rng": hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest(),
-                       "step": trainer.step}, f)
+            rng = repr((random.getstate(), np.random.get_state(legacy=False), torch.get_rng_state().tolist()))
+            json.dump({"losses": losses, "rng": hashlib.sha256(rng.encode()).hexdigest(), "step": trainer.step,
+                       "refused": refused}, f)
     trainer.close()
     dist.destroy_process_group()
 

@@ -75,10 +75,10 @@ class ResurgoCheckpointManager(BaseCheckpointManager):
             return
         self.config = config
         self.save_future: Future | None = None
+        if "://" in f"{base_folder}/{config.folder}":
+            raise UnsupportedValueError(f"checkpoint folder {base_folder}/{config.folder}: ResurgoCheckpointManager "
+                                        "writes to a local or mounted folder; use torchtitan's CheckpointManager for URLs")
         self.folder = Path(base_folder, config.folder)
-        if "://" in str(config.folder):
-            raise UnsupportedValueError(f"checkpoint.folder={config.folder!r}: ResurgoCheckpointManager writes to a "
-                                        "local or mounted folder; use torchtitan's CheckpointManager for URLs")
         self.states = states
         self.states.update({MODEL: ModelWrapper(model_parts), OPTIMIZER: optimizers,
                             DATALOADER: _LoaderPosition(dataloader) if dataloader is not None else None,
@@ -86,13 +86,12 @@ class ResurgoCheckpointManager(BaseCheckpointManager):
         self.rng = ReplayableRng()
         self.model_parts = model_parts
         self.export_dtype = TORCH_DTYPE_MAP[config.export_dtype]
-        self.sd_adapter = sd_adapter
         for flag in ("initial_load_in_hf", "last_save_in_hf"):
             if getattr(config, flag):
                 raise UnsupportedValueError(f"checkpoint.{flag}=True: Hugging Face safetensors checkpoints are not "
                                             "written or read by ResurgoCheckpointManager; use torchtitan's "
                                             "CheckpointManager for that run, or `resurgo convert --to hf`")
-        self._handle: AsyncSaveHandle | None = None
+        self._pending: tuple[AsyncSaveHandle, Path] | None = None  # an asynchronous save and its path
         logger.info(f"resurgo checkpointing active: checkpoints are loaded from and saved to {self.folder}")
 
     def __del__(self) -> None:
@@ -114,14 +113,16 @@ class ResurgoCheckpointManager(BaseCheckpointManager):
         metadata = {PARTS_KEY: sorted(state)}
         if self.config.async_mode != "disabled" and not last_step:
             # async_save returns once every tensor is copied out: the next optimizer step may
-            # change them. The retention runs once the checkpoint is committed.
-            self._handle = async_save(state, path, overwrite=True, allow_pickle=self.config.allow_pickle,
-                                      step=curr_step, metadata=metadata, on_commit=lambda report: self._prune(path))
+            # change them. The retention runs once the checkpoint is committed, in this thread
+            # (the next save, or close), so that its errors are raised to the training loop.
+            handle = async_save(state, path, overwrite=True, allow_pickle=self.config.allow_pickle,
+                                step=curr_step, metadata=metadata)
+            self._pending = (handle, path)
             self.save_future = Future()  # torchtitan's "a save is in flight"; resolved by _wait_for_saving
         else:
             save(state, path, overwrite=True, allow_pickle=self.config.allow_pickle, step=curr_step, metadata=metadata)
             self._prune(path)
-        logger.info(f"resurgo: {'staged' if self._handle else 'saved'} {path} in {time.monotonic() - begin:.2f} s")
+        logger.info(f"resurgo: {'staged' if self._pending else 'saved'} {path} in {time.monotonic() - begin:.2f} s")
         return True
 
     def _should_save(self, curr_step: int, last_step: bool) -> bool:
@@ -154,19 +155,21 @@ class ResurgoCheckpointManager(BaseCheckpointManager):
         """Nothing to wait for: an asynchronous save has its snapshot when ``save`` returns."""
 
     def _wait_for_saving(self) -> None:
-        handle, self._handle, future, self.save_future = self._handle, None, self.save_future, None
-        if handle is None or future is None:
+        pending, self._pending, future, self.save_future = self._pending, None, self.save_future, None
+        if pending is None or future is None:
             return
+        handle, path = pending
         try:
             report: SaveReport = handle.wait()
         except BaseException as err:
             future.set_exception(err)
             raise
         future.set_result(report)
+        self._prune(path)
 
     def _close(self) -> None:
         # getattr: __del__ can reach here on an object whose __init__ raised half-way.
-        if getattr(self, "_handle", None) is not None:
+        if getattr(self, "_pending", None) is not None:
             self._wait_for_saving()
 
     # -- load ------------------------------------------------------------------------------------
