@@ -10,8 +10,8 @@ optimizer and LR scheduler containers; the training tests run real torchtitan jo
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import resurgo
-from resurgo.errors import (CheckpointNotFoundError, ForeignFilesError, KeyMismatchError, UnsupportedValueError)
+from resurgo.errors import (CheckpointNotFoundError, ForeignFilesError, KeyMismatchError, PickleNotAllowedError,
+                            UnsupportedValueError)
 
 pytestmark = pytest.mark.torchtitan
 
@@ -62,7 +63,7 @@ def _manager(folder: Path, seed: int = 0, **config):
     return manager, model, optimizers, train_state
 
 
-def _train_step(model, optimizers, schedulers=None) -> None:
+def _train_step(model, optimizers) -> None:
     loss = model(torch.randn(4, 8)).square().mean()
     loss.backward()
     optimizers.step()
@@ -227,7 +228,13 @@ def test_a_folder_of_torchtitan_dcp_checkpoints_resumes_and_is_retired(tmp_path)
     dcp_manager.save(2)
     assert (tmp_path / "checkpoint" / "step-2" / ".metadata").is_file()
 
-    manager, model2, optimizers2, state2 = _manager(tmp_path, seed=1, interval=1, keep_latest_k=2)
+    # Its metadata and data loader state are pickles: read only when allowed.
+    refusing, *_ = _manager(tmp_path, seed=1, interval=1)
+    with pytest.raises(PickleNotAllowedError, match=r"step-2: a checkpoint torchtitan's own manager wrote \(DCP\).*"
+                                                    r"allow_pickle=True"):
+        refusing.load()
+
+    manager, model2, optimizers2, state2 = _manager(tmp_path, seed=1, interval=1, keep_latest_k=2, allow_pickle=True)
     assert manager.load() is True
     assert state2.step == 2
     assert all(torch.equal(model2.state_dict()[k], v) for k, v in model.state_dict().items())

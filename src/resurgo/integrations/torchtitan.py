@@ -36,7 +36,8 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 
 from resurgo.api import AsyncSaveHandle, async_save, load, read_manifest, save
-from resurgo.errors import CheckpointNotFoundError, KeyMismatchError, UnsupportedValueError, WorldSizeMismatchError
+from resurgo.errors import (CheckpointNotFoundError, KeyMismatchError, PickleNotAllowedError, UnsupportedValueError,
+                            WorldSizeMismatchError)
 from resurgo.integrations._retention import is_resurgo_checkpoint, prune
 from resurgo.integrations._rng import ReplayableRng
 from resurgo.reports import SaveReport
@@ -56,7 +57,7 @@ class ResurgoCheckpointManager(BaseCheckpointManager):
     @dataclass(kw_only=True, slots=True)
     class Config(BaseCheckpointManager.Config):
         async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
-        """"async" and "async_with_pinned_mem": each save returns once its snapshot is taken and
+        """With "async" or "async_with_pinned_mem", each save returns once its snapshot is taken and
         is written and committed in the background (resurgo.async_save); "disabled": synchronous."""
 
         allow_pickle: bool = False
@@ -229,9 +230,15 @@ class ResurgoCheckpointManager(BaseCheckpointManager):
 
     def _load_dcp(self, path: Path, model_only: bool) -> None:
         """A step folder torchtitan's DCP manager wrote before resurgo was added: read as torchtitan
-        reads it (DCP, flattened model keys); the next save is a resurgo checkpoint."""
+        reads it (DCP, flattened model keys), if pickle is allowed; the next save is a resurgo
+        checkpoint."""
         import torch.distributed.checkpoint as dcp
 
+        if not self.config.allow_pickle:
+            raise PickleNotAllowedError(
+                f"{path}: a checkpoint torchtitan's own manager wrote (DCP), whose {_DCP_MARKER} and data loader "
+                "state are pickles, run when read. If you trust it, set allow_pickle=True in "
+                "ResurgoCheckpointManager.Config for the run that loads it; the next save is a resurgo checkpoint")
         target = self._target(model_only)
         target.pop(RNG, None)  # DCP checkpoints hold no RNG states
         model = target.pop(MODEL)
