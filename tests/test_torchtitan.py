@@ -21,7 +21,7 @@ import torch
 
 import resurgo
 from resurgo.errors import (CheckpointNotFoundError, ForeignFilesError, KeyMismatchError, PickleNotAllowedError,
-                            UnsupportedValueError)
+                            UnsupportedValueError, WorldSizeMismatchError)
 
 pytestmark = pytest.mark.torchtitan
 
@@ -51,14 +51,14 @@ def _parts(seed: int = 0):
     return model, optimizers, schedulers
 
 
-def _manager(folder: Path, seed: int = 0, **config):
+def _manager(folder: Path, seed: int = 0, dataloader=None, **config):
     """The manager as torchtitan's Trainer builds it, on a small model."""
     from resurgo.integrations.torchtitan import ResurgoCheckpointManager
 
     model, optimizers, schedulers = _parts(seed)
     train_state = _TrainState()
     manager = ResurgoCheckpointManager.Config(enable=True, **config).build(
-        dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
+        dataloader=dataloader, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
         states={"train_state": train_state}, sd_adapter=None, base_folder=str(folder))
     return manager, model, optimizers, train_state
 
@@ -132,6 +132,43 @@ def test_resume_restores_model_optimizer_scheduler_train_state_and_rng(tmp_path)
     torch.rand(1)
     model2(torch.zeros(1, 8))
     assert torch.equal(torch.rand(3), after_save)
+
+
+class _Numbers(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return (torch.tensor([i]) for i in range(100))
+
+
+def _loader(dp_world_size: int):
+    """torchtitan's data loader (a StatefulDataLoader that hands its state over pickled)."""
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+
+    return ParallelAwareDataloader(_Numbers(), dp_rank=0, dp_world_size=dp_world_size, batch_size=2)
+
+
+def test_data_loader_position_is_saved_as_plain_values_and_resumed(tmp_path):
+    loader = _loader(1)
+    batches = iter(loader)
+    for _ in range(3):
+        next(batches)
+    manager, *_ = _manager(tmp_path, dataloader=loader, interval=1)
+    manager.save(3)
+    saved = resurgo.load_dict(tmp_path / "checkpoint" / "step-3")["dataloader"]
+    assert saved.value["dp_world_size"] == 1 and isinstance(saved.value["loader"], dict)  # no pickled bytes
+    assert not resurgo.read_manifest(tmp_path / "checkpoint" / "step-3").pickled
+
+    resumed_loader = _loader(1)
+    resumed, *_ = _manager(tmp_path, seed=1, dataloader=resumed_loader, interval=1)
+    resumed.load()
+    assert torch.equal(next(iter(resumed_loader)), next(batches))  # the 4th batch, [6, 7]
+
+    # The same number of ranks split another way (2 data-parallel ranks saved, 1 loads).
+    manager2, *_ = _manager(tmp_path / "dp2", dataloader=_loader(2), interval=1)
+    manager2.save(1)
+    other, *_ = _manager(tmp_path / "dp2", seed=1, dataloader=_loader(1), interval=1)
+    with pytest.raises(WorldSizeMismatchError, match=r"saved by 2 data-parallel ranks and cannot be split over 1.*"
+                                                     r"exclude_from_loading=\['dataloader'\]"):
+        other.load()
 
 
 def test_load_of_a_missing_step_names_the_steps_there(tmp_path):
