@@ -17,8 +17,9 @@ DS_PYTEST := PYTHONPATH=$(DS_SITE) DS_ACCELERATOR=cpu DS_BUILD_OPS=0 $(BIN)/pyth
 # The torchtitan tests run real torchtitan jobs on CPU. torchtitan and the dependencies it imports
 # go into $(TT_SITE), outside the environment (torchtitan pulls in datasets, pyarrow, pandas and
 # tensorboard, about 300 MB): resurgo imports torchtitan only in resurgo.integrations.torchtitan.
+# The path is absolute: the doc tests run in their own directories.
 TT_SITE := .torchtitan-site
-TT_PYTEST := PYTHONPATH=$(TT_SITE) $(BIN)/python -m pytest -q -m torchtitan
+TT_PYTEST := PYTHONPATH=$(CURDIR)/$(TT_SITE) $(BIN)/python -m pytest -q -m torchtitan
 
 .PHONY: demo study study-full demo-kill test test-slow test-deepspeed test-torchtitan bench bench-async bench-overhead bench-s3 bench-import bench-incremental install clean
 
