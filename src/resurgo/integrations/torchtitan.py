@@ -39,7 +39,7 @@ from resurgo.api import AsyncSaveHandle, async_save, load, read_manifest, save
 from resurgo.errors import (CheckpointNotFoundError, KeyMismatchError, PickleNotAllowedError, UnsupportedValueError,
                             WorldSizeMismatchError)
 from resurgo.integrations._retention import is_resurgo_checkpoint, prune
-from resurgo.integrations._rng import ReplayableRng
+from resurgo.integrations._rng import ReplayableRng, replay_before_forward
 from resurgo.reports import SaveReport
 from resurgo.state.per_rank import PerRank
 
@@ -226,7 +226,9 @@ class ResurgoCheckpointManager(BaseCheckpointManager):
             raise KeyMismatchError(f"{path}: the checkpoint lacks {len(report.missing_keys)} key(s) this job loads "
                                    f"({shown})", missing=report.missing_keys)
         if RNG in target:
-            self._replay_rng_before_forward()
+            # torchtitan builds its data iterator after the load, and that draws from the RNG
+            # where the uninterrupted run drew nothing: the states are set again before the first forward.
+            replay_before_forward(self.rng, self.model_parts)
 
     def _load_dcp(self, path: Path, model_only: bool) -> None:
         """A step folder torchtitan's DCP manager wrote before resurgo was added: read as torchtitan
@@ -248,20 +250,6 @@ class ResurgoCheckpointManager(BaseCheckpointManager):
         flat = {**target, **model.state_dict()}
         dcp.load(flat, checkpoint_id=str(path))
         model.load_state_dict(flat)
-
-    def _replay_rng_before_forward(self) -> None:
-        """torchtitan builds its data iterator after the load, and that draws from the RNG where
-        the uninterrupted run drew nothing: the saved states are set again before the first
-        forward."""
-        self.rng.arm()
-        handles: list[Any] = []
-
-        def replay(module: Any, args: Any) -> None:
-            self.rng.replay()
-            for handle in handles:
-                handle.remove()
-
-        handles.extend(part.register_forward_pre_hook(replay) for part in self.model_parts)
 
 
 class _LoaderPosition:
