@@ -46,7 +46,7 @@ from resurgo.format.manifest import (
 )
 from resurgo.layout.box import ChunkBox, FlatRange, place_order
 from resurgo.pipeline.buffers import TensorStream, source_for_write
-from resurgo.pipeline.collective import write_then_commit
+from resurgo.pipeline.collective import NodeLocal, open_node_staging, write_then_commit
 from resurgo.pipeline.writer import (WrittenChunk, WrittenFile, digests_of, reused_extents, sampled_digests,
                                      write_data_file)
 from resurgo.plan.global_plan import GlobalPlan, PlanCache, RankDecl, RankSummary, RankWrite, TensorDecl, TensorMeta
@@ -78,6 +78,7 @@ class PreparedSave:
     seconds: dict[str, float] = field(default_factory=dict)
     base: BaseIndex | None = None  # the checkpoint whose unchanged bytes this save references
     incremental: bool = False  # a later save may take this one as its base
+    node_local: NodeLocal | None = None  # one directory per node (a memory tier), not one shared
 
     @property
     def tensor_bytes(self) -> int:
@@ -120,7 +121,7 @@ class _Decided:
     plan_id: str
     per_rank: frozenset[str]
     pickled: bool
-    staging: Staging
+    staging: Staging | None  # None: node-local, each node's leader opens its own
     index: BaseIndex | None
 
 
@@ -193,7 +194,7 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
                  step: int | None, metadata: dict | None, io_threads: int, block_bytes: int | None,
                  comm: Comm | None = None, storage_options: dict | None = None,
                  save_info: dict | None = None, base: str | os.PathLike | None = None,
-                 incremental: bool = False) -> PreparedSave:
+                 incremental: bool = False, node_local: NodeLocal | None = None) -> PreparedSave:
     """Flatten and check the state (plain values are encoded now: a snapshot), plan the files and
     open the staging directory. Raises before anything is written when the state or path is bad.
 
@@ -206,7 +207,13 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
 
     ``base``: an earlier checkpoint of the same root whose unchanged bytes this one references;
     ``incremental`` (implied by ``base``): checksum blocks small enough to be the unit of reuse
-    (:func:`resurgo.format.checksum.incremental_block_bytes_for`)."""
+    (:func:`resurgo.format.checksum.incremental_block_bytes_for`).
+
+    ``node_local``: ``path`` is this rank's node's directory; each node's leader opens its staging
+    there (:class:`resurgo.pipeline.collective.NodeLocal`), after ``before_stage(plan)``."""
+    if node_local is not None and base is not None:
+        raise UnsupportedValueError(f"{path}: a node-local save (memory tier) cannot reference a base checkpoint; "
+                                    "save it in full")
     t0 = time.perf_counter()
     comm = comm or dist_comm.current()
 
@@ -241,7 +248,7 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
             plan, merged = _plans.plan([d for d, _ in gathered], block_fn, block_rule), None
             plan_id, per_rank = _plans.ticket()
         index = open_base(path, base, storage_options) if base is not None else None
-        staging = open_checkpoint(path, storage_options).stage(overwrite, declared_files)
+        staging = None if node_local else open_checkpoint(path, storage_options).stage(overwrite, declared_files)
         return _Decided(plan, merged, plan_id, per_rank, any(p for _, p in gathered), staging, index)
 
     decided = None
@@ -259,6 +266,13 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
     else:
         plan = decided.plan
         _plans.hold(decided.plan_id, plan, decided.per_rank)
+    if node_local is not None:  # one staging per node, opened by its leader once the plan is known
+        def open_here() -> Staging:
+            node_local.before_stage(plan)
+            return open_checkpoint(path, storage_options).stage(overwrite, declared_files)
+
+        staging = open_node_staging(comm, node_local.leader, open_here)
+    assert staging is not None
     writes = plan.writes[comm.rank]
     if index is not None:
         writes = tuple(_reuse_blocks(w, index) for w in writes)
@@ -269,7 +283,7 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
     return PreparedSave(str(path), plan.tree, plan.tensors, own, pickled, step,
                         dict(metadata) if metadata else None, dict(save_info) if save_info else None,
                         files, staging, comm,
-                        {"flatten": time.perf_counter() - t0}, index, incremental or base is not None)
+                        {"flatten": time.perf_counter() - t0}, index, incremental or base is not None, node_local)
 
 
 class LazySources(Mapping):
@@ -321,7 +335,10 @@ def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | Ten
             _last_incremental = (raw, built)
         return raw
 
-    (written, _), manifest_bytes, t_commit = write_then_commit(comm, prep.staging, write, manifest)
+    node = prep.node_local
+    hook = None if node is None else (
+        node.leader, lambda raw, mine: node.before_commit(prep.staging, raw, [w.path for w in mine[0]]))
+    (written, _), manifest_bytes, t_commit = write_then_commit(comm, prep.staging, write, manifest, hook)
     seconds = dict(prep.seconds)
     seconds["commit"] = t_commit
     for phase in ("write", "checksum", "fsync"):
@@ -331,7 +348,7 @@ def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | Ten
         path=prep.path,
         bytes_written=sum(w.nbytes for w in written) + manifest_bytes,
         tensor_bytes=prep.tensor_bytes,
-        files=[w.path for w in written] + ([MANIFEST_NAME] if comm.is_coordinator else []),
+        files=[w.path for w in written] + ([MANIFEST_NAME] if manifest_bytes else []),
         num_tensors=len(prep.tensors),
         seconds=seconds,
     )
