@@ -131,6 +131,11 @@ def resume_on_two(rank: int, world: int, tmp: str, step: int) -> dict:
     mem = MemoryTier(replicas=0, keep_last=1, root=os.path.join(tmp, "mem", "node{node}"), node=0)
     mgr = CheckpointManager(tiers=[mem, Tier(Path(tmp) / "durable")])
     state = blank(rank, world)
+    # rank r of 2 takes over the value of saved rank 2r
+    state["mine"] = resurgo.PerRank(torch.zeros(5), on_resize=lambda saved, r, w: saved[2 * r])
     restored = mgr.restore(state)
     mgr.close()
-    return {"step": restored, "exact": restored is not None and same(state, restored, rank, world)}
+    mine = torch.as_tensor(state["mine"].value)
+    state["mine"] = rank_state(step, rank, world)["mine"]  # compared apart: it is saved rank 2r's
+    return {"step": restored, "exact": restored == step and same(state, step, rank, world)
+            and torch.equal(mine, rank_state(step, 2 * rank, 4)["mine"])}
