@@ -21,7 +21,7 @@ DS_PYTEST := PYTHONPATH=$(DS_SITE) DS_ACCELERATOR=cpu DS_BUILD_OPS=0 $(BIN)/pyth
 TT_SITE := .torchtitan-site
 TT_PYTEST := PYTHONPATH=$(CURDIR)/$(TT_SITE) $(BIN)/python -m pytest -q -m torchtitan
 
-.PHONY: demo study study-full demo-kill test test-slow test-deepspeed test-torchtitan bench bench-async bench-overhead bench-s3 bench-import bench-incremental bench-planning install clean
+.PHONY: demo study study-full demo-kill test test-slow test-deepspeed test-torchtitan bench bench-async bench-overhead bench-s3 bench-import bench-incremental bench-planning bench-memory install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -95,6 +95,10 @@ bench-planning: $(STAMP)
 
 bench-s3: $(STAMP)
 	$(BIN)/python benchmarks/bench_s3.py
+
+# The memory tier (4 gloo ranks on 2 simulated nodes) against a local-disk save and S3 (SeaweedFS).
+bench-memory: $(STAMP)
+	$(BIN)/python benchmarks/bench_memory_tier.py
 
 clean:
 	rm -rf $(VENV)
