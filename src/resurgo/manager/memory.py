@@ -113,7 +113,7 @@ def write_file(staging: Staging, name: str, data: np.ndarray) -> None:
     """``data`` as the file ``name`` of ``staging``, durable."""
     handle = staging.create(name)
     try:
-        handle.write(memoryview(data))
+        handle.write(data.data)
         handle.fsync()
     finally:
         handle.close()

@@ -64,7 +64,9 @@ def open_node_staging(comm: Comm, leader: int, open_it: Callable[[], Staging]) -
         if opened is not None:
             opened.abort()
         raise
-    return comm.all_gather(opened)[leader]
+    shared = comm.all_gather(opened)[leader]
+    assert shared is not None
+    return shared
 
 
 def write_then_commit(comm: Comm, staging: Staging, write: Callable[[], Written],

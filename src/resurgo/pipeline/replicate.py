@@ -35,7 +35,7 @@ def read_all(handle: ReadHandle) -> np.ndarray:
     """The whole file behind ``handle`` (closed afterwards)."""
     try:
         buf = np.empty(handle.size, dtype=np.uint8)
-        handle.read_into(0, memoryview(buf))
+        handle.read_into(0, buf.data)
         return buf
     finally:
         handle.close()
