@@ -22,7 +22,7 @@ from resurgo.manager.catalog import checkpoint_name
 from resurgo.manager.memory import MemoryNodes
 from resurgo.pipeline.verify import verify_checkpoint, verify_file_bytes
 from resurgo.plan.memory_plan import (Holding, Nodes, Transfer, assign_held, choose_rebuild, node_bytes,
-                                      replica_targets, replication)
+                                      replica_targets, replication, spread)
 
 from dist_harness import run_ranks
 
@@ -224,3 +224,10 @@ def test_a_received_replica_is_verified_before_it_is_written(tmp_path: Path):
     problems = verify_file_bytes(manifest, name, data, "peer")
     assert len(problems) == 1 and "does not match its checksum" in problems[0]
     assert "18 bytes, the manifest says" in verify_file_bytes(manifest, name, data[:18], "peer")[0]
+
+
+def test_a_rebuild_spreads_each_nodes_files_over_its_ranks():
+    nodes = Nodes.of([0, 0, 1, 1, 1])
+    transfers = [Transfer(0, n, 2, 10) for n in ("a", "b", "c", "d")] + [Transfer(2, "e", 0, 10)]
+    assert spread(transfers, nodes) == sorted([Transfer(0, "a", 2, 10), Transfer(1, "b", 3, 10), Transfer(0, "c", 4, 10),
+                                               Transfer(1, "d", 2, 10), Transfer(2, "e", 0, 10)])

@@ -39,7 +39,7 @@ from resurgo.pipeline import replicate
 from resurgo.pipeline.collective import NodeLocal
 from resurgo.plan.global_plan import GlobalPlan
 from resurgo.plan.memory_plan import (Holding, Nodes, Rebuild, assign_held, choose_rebuild, node_bytes,
-                                      replica_targets, replication)
+                                      replica_targets, replication, spread)
 from resurgo.storage.base import Staging
 from resurgo.storage.local import CheckpointDir, LocalRoot
 from resurgo.storage.open import is_url
@@ -231,13 +231,13 @@ class MemoryNodes:
         source_raw = raw[rebuild.source]
         assert source_raw is not None
         manifest = parse_manifest(source_raw, f"rank {rebuild.source}'s manifest of step {rebuild.step}")
-        receiving = self.rank in rebuild.receivers()
-        incoming = {t.name for t in rebuild.transfers if t.dst == self.rank}
+        # Each leader opens its node's staging; every rank of the node writes what it receives there.
+        incoming = {t.name for t in rebuild.transfers if t.dst == self.leader}
         staging: Staging | None = None
 
         def prepare() -> None:
             nonlocal staging
-            if not receiving:
+            if self.rank not in rebuild.receivers():
                 return
             staging = CheckpointDir(path).stage(True, declared_files)
             for name in sorted(set(manifest.files) - incoming):  # what this node holds already
@@ -249,10 +249,11 @@ class MemoryNodes:
 
         try:
             comm.agree(prepare)
+            mine = comm.all_gather(staging)[self.leader]
             comm.agree(lambda: replicate.exchange(
-                comm, rebuild.transfers, manifest, str(path),
+                comm, spread(rebuild.transfers, self.nodes), manifest, str(path),
                 read=lambda name: replicate.read_all(CheckpointDir(path).open_read(name)),
-                write=lambda name, data: write_file(staging, name, data)))  # type: ignore[arg-type]
+                write=lambda name, data: write_file(mine, name, data)))  # type: ignore[arg-type]
             comm.agree(commit)
         except BaseException:
             if staging is not None:

@@ -142,6 +142,21 @@ def choose_rebuild(holdings: Mapping[int, Mapping[int, Holding]], only: int | No
     return None
 
 
+def spread(transfers: Sequence[Transfer], nodes: Nodes) -> list[Transfer]:
+    """``transfers`` between node leaders spread over the ranks of both nodes (any rank of a node
+    reads and writes its node's root): the ``i``-th file between two nodes goes from member
+    ``i mod n`` of the sending node to member ``i mod m`` of the receiving one, so that a whole
+    node's worth of files does not pass through one pair of ranks."""
+    count: dict[tuple[int, int], int] = {}
+    out = []
+    for t in transfers:
+        src, dst = nodes.members[nodes.index[t.src]], nodes.members[nodes.index[t.dst]]
+        i = count.get((t.src, t.dst), 0)
+        count[(t.src, t.dst)] = i + 1
+        out.append(Transfer(src[i % len(src)], t.name, dst[i % len(dst)], t.nbytes))
+    return sorted(out)
+
+
 def assign_held(files: Sequence[tuple[str, int]], held: Sequence[frozenset[str]]) -> list[list[str]]:
     """Each rank's share of ``(name, size)`` files to copy, taken only from files ``held[r]`` (what
     rank r's node holds): each file to the holder with the fewest bytes so far (ties: the lowest
