@@ -3,20 +3,21 @@
 A memory tier keeps each rank's data files in its node's memory and sends a replica of them to
 ranks on other nodes (:mod:`resurgo.plan.memory_plan` decides who sends what to whom); a restore
 sends the files a node lost from a node that holds them. Here is the transfer itself: every rank
-walks the same list of :class:`~resurgo.plan.memory_plan.Transfer` in the same order, sending
-the files it is the source of and receiving those it is the destination of, point to point on the
-``comm``'s gloo group (so no rank waits on a pair that has not started: the earliest unfinished
-transfer always has both ends ready). A received file is checked against the manifest (size,
-header, every block checksum) before it is written.
+takes the same list of :class:`~resurgo.plan.memory_plan.Transfer`, posts a non-blocking send of
+each file it is the source of and a non-blocking receive of each it is the destination of (point
+to point on the ``comm``'s gloo group, each transfer tagged by its place in the list), so all
+transfers run at once, in both directions, and none waits on another. A received file is checked
+against the manifest (size, header, every block checksum) before it is written.
 
 A failure (a file that cannot be read, a replica that does not verify) is remembered and raised
-once the walk is over, so no rank is left waiting on a peer that stopped half-way; the caller
+once every transfer is done, so no rank is left waiting on a peer that stopped half-way; the caller
 agrees on it (:meth:`resurgo.dist.comm.Comm.agree`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -43,43 +44,50 @@ def read_all(handle: ReadHandle) -> np.ndarray:
 
 def exchange(comm: Comm, transfers: Sequence[Transfer], manifest: Manifest, where: str,
              read: Callable[[str], np.ndarray], write: Callable[[str, np.ndarray], None]) -> int:
-    """Walk ``transfers``: as a source, send ``read(name)``; as a destination, receive the bytes,
-    verify them against ``manifest`` and ``write(name, bytes)``. Returns the bytes this rank
-    received. Collective over the ranks named in ``transfers``; ``where`` names the destination
-    in messages."""
+    """As a source, send ``read(name)``; as a destination, receive the bytes, verify them against
+    ``manifest`` and ``write(name, bytes)``. Returns the bytes this rank received. Collective over
+    the ranks named in ``transfers``; ``where`` names the destination in messages. Holds every
+    file this rank sends or receives in memory at once."""
     import torch
     import torch.distributed as dist
 
     errors: list[Exception] = []
     received = 0
-    for t in transfers:
+    sends: list[tuple[Any, Any]] = []  # (the tensor, kept alive until sent; its request)
+    receives: list[tuple[Transfer, Any, Any]] = []
+    for tag, t in enumerate(transfers):
         if comm.rank == t.src:
             try:
                 data = read(t.name)
                 if data.nbytes != t.nbytes:
                     raise CorruptCheckpointError(f"{t.name}: {data.nbytes} bytes to send, the manifest says {t.nbytes}")
-            except Exception as e:  # noqa: BLE001 - raised after the walk: the peer must not wait forever
+            except Exception as e:  # noqa: BLE001 - raised at the end: the peer must not wait forever
                 errors.append(e)
                 data = np.zeros(t.nbytes, dtype=np.uint8)  # the peer still waits for these bytes; it will not verify them
-            dist.send(torch.from_numpy(data), dst=_global(comm, t.dst), group=comm.group)
+            out = torch.from_numpy(data)
+            sends.append((out, dist.isend(out, dst=_global(comm, t.dst), group=comm.group, tag=tag)))
         elif comm.rank == t.dst:
             buf = torch.empty(t.nbytes, dtype=torch.uint8)
-            dist.recv(buf, src=_global(comm, t.src), group=comm.group)
-            data = buf.numpy()
-            problems = verify_file_bytes(manifest, t.name, data, f"{where} (from rank {t.src})")
-            if problems:
-                errors.append(CorruptCheckpointError(
-                    f"{where}: the copy of {t.name} received from rank {t.src} does not verify ({problems[0]}); "
-                    "it was not written"))
-                continue
-            try:
-                write(t.name, data)
-            except Exception as e:  # noqa: BLE001 - raised after the walk
-                errors.append(e)
-                continue
-            received += t.nbytes
-            if after_receive is not None:
-                after_receive(t)
+            receives.append((t, buf, dist.irecv(buf, src=_global(comm, t.src), group=comm.group, tag=tag)))
+    for t, buf, request in receives:
+        request.wait()
+        data = buf.numpy()
+        problems = verify_file_bytes(manifest, t.name, data, f"{where} (from rank {t.src})")
+        if problems:
+            errors.append(CorruptCheckpointError(
+                f"{where}: the copy of {t.name} received from rank {t.src} does not verify ({problems[0]}); "
+                "it was not written"))
+            continue
+        try:
+            write(t.name, data)
+        except Exception as e:  # noqa: BLE001 - raised at the end
+            errors.append(e)
+            continue
+        received += t.nbytes
+        if after_receive is not None:
+            after_receive(t)
+    for _, request in sends:
+        request.wait()
     if errors:
         raise errors[0]
     return received
