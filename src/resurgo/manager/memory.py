@@ -209,6 +209,7 @@ class MemoryNodes:
         manifest = parse_manifest(raw, "the manifest being saved")
         everyone = comm.all_gather([(name, manifest.files[name].bytes) for name in sorted(mine)])
         transfers = replication(everyone, self.targets)
+        # A memory root is a local directory: its staging (LocalStaging) reads back what it wrote.
         replicate.exchange(comm, transfers, manifest, str(self.root),
                            read=lambda name: replicate.read_all(staging.open_read(name)),  # type: ignore[attr-defined]
                            write=lambda name, data: write_file(staging, name, data))
@@ -249,7 +250,7 @@ class MemoryNodes:
 
         try:
             comm.agree(prepare)
-            mine = comm.all_gather(staging)[self.leader]
+            mine = comm.all_gather(staging)[self.leader]  # None on a node that receives nothing: never written to
             comm.agree(lambda: replicate.exchange(
                 comm, spread(rebuild.transfers, self.nodes), manifest, str(path),
                 read=lambda name: replicate.read_all(CheckpointDir(path).open_read(name)),
