@@ -14,7 +14,7 @@ import torch.distributed as dist
 import resurgo
 from resurgo.manager import CheckpointManager, MemoryTier, Tier
 
-ROWS = 8
+ROWS = 24  # rows of w: a block per rank on 2, 3 or 4 ranks
 MTBF = 3600.0
 
 
@@ -139,3 +139,26 @@ def resume_on_two(rank: int, world: int, tmp: str, step: int) -> dict:
     state["mine"] = rank_state(step, rank, world)["mine"]  # compared apart: it is saved rank 2r's
     return {"step": restored, "exact": restored == step and same(state, step, rank, world)
             and torch.equal(mine, rank_state(step, 2 * rank, 4)["mine"])}
+
+
+def three_nodes(rank: int, world: int, tmp: str) -> dict:
+    """Three nodes of one rank each, one replica: every node holds 2 of the 3 data files. Save
+    steps 1 to 3 (keep_last=1), then wipe node 1 and restore."""
+    mem = MemoryTier(replicas=1, keep_last=1, root=os.path.join(tmp, "mem", "node{node}"), node=rank)
+    mgr = CheckpointManager(tiers=[mem], async_save=False)
+    for s in (1, 2, 3):
+        mgr.save(s, rank_state(s, rank, world))
+    mgr.close()
+    mine = Path(tmp) / "mem" / f"node{rank}"
+    out: dict = {"steps": sorted(os.listdir(mine)), "held": sorted(os.listdir(mine / "step_000000003" / "data"))}
+    dist.barrier()
+    if rank == 1:
+        shutil.rmtree(mine)
+    dist.barrier()
+    mgr = CheckpointManager(tiers=[mem])
+    state = blank(rank, world)
+    out["restored"] = mgr.restore(state)
+    out["exact"] = same(state, 3, rank, world)
+    mgr.close()
+    out["after"] = sorted(os.listdir(mine / "step_000000003" / "data"))
+    return out

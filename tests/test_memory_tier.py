@@ -89,6 +89,16 @@ def test_resume_from_memory_on_two_ranks_instead_of_four(tmp_path: Path):
     assert [(r["step"], r["exact"]) for r in out] == [(4, True)] * 2
 
 
+@pytest.mark.slow
+def test_three_nodes_each_holding_two_of_three_files_keep_last_and_restore(tmp_path: Path):
+    out = run_ranks(3, "memory_workers:three_nodes", str(tmp_path))
+    files = [f"rank0000{r}-000.safetensors" for r in range(3)]
+    for rank, r in enumerate(out):
+        assert r["steps"] == [checkpoint_name(3)]  # keep_last=1 although no node holds every file
+        assert r["held"] == sorted([files[rank], files[(rank - 1) % 3]])  # its own and its predecessor's
+        assert (r["restored"], r["exact"], r["after"]) == (3, True, files)
+
+
 # -- pure parts ----------------------------------------------------------------------------------
 def test_nodes_number_in_order_of_their_lowest_rank():
     nodes = Nodes.of(["b", "b", "a", "a", "c"])

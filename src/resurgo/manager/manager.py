@@ -685,8 +685,11 @@ class CheckpointManager:
                          retention: RetentionPolicy | None = None) -> None:
         store = self._roots[tier]
         entries = scan(store)
+        # A memory tier's node directory is committed with only the files its node holds (on more
+        # than two nodes, not all): the listing calls it corrupt (files missing), it is not.
+        held = self._memory.committed_steps() if tier == 0 and self._memory is not None else frozenset()
         committed = [Kept(e.step, e.metrics) for e in entries
-                     if e.status == COMMITTED and e.step is not None and e.step not in unreadable]
+                     if (e.status == COMMITTED or e.step in held) and e.step is not None and e.step not in unreadable]
         protect: tuple[int, ...] = (just_committed,)
         if tier == 0:
             with self._copies_lock:
@@ -694,7 +697,8 @@ class CheckpointManager:
             base = self._base_step  # the base of the save that may be running now
             # Unreadable and corrupt ones are never deleted here: what they reference stays too.
             protect += ((base,) if base is not None else ()) + tuple(
-                e.step for e in entries if e.step is not None and (e.step in unreadable or e.status == CORRUPT))
+                e.step for e in entries if e.step is not None and (e.step in unreadable or (
+                    e.status == CORRUPT and e.step not in held)))
         refused: list[ForeignFilesError] = []
         refs = references_by_step(entries)
         kept = {e.step for e in entries if e.step is not None}

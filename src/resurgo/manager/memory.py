@@ -261,6 +261,10 @@ class MemoryNodes:
                 staging.abort()
             raise
 
+    def committed_steps(self) -> frozenset[int]:
+        """The steps this node's root holds committed (with some or all of their files)."""
+        return frozenset(holdings(self.root))
+
     def held_files(self, step: int) -> frozenset[str]:
         found = holdings(self.root).get(step)
         return found.held if found is not None else frozenset()
