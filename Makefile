@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 DS_SITE := .deepspeed-site
 DS_PYTEST := PYTHONPATH=$(DS_SITE) DS_ACCELERATOR=cpu DS_BUILD_OPS=0 $(BIN)/python -m pytest -q -m deepspeed
 
-.PHONY: demo study study-full demo-kill test test-slow test-deepspeed bench bench-async bench-overhead bench-s3 bench-import bench-incremental install clean
+.PHONY: demo study study-full study-frameworks demo-kill test test-slow test-deepspeed bench bench-async bench-overhead bench-s3 bench-import bench-incremental install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,10 @@ demo: study
 
 study: $(STAMP)
 	$(BIN)/resurgo study --quick --out study-results
+
+# TensorFlow, JAX/Orbax and Chainer beside PyTorch, each in a pinned virtualenv made on first use
+study-frameworks: $(STAMP)
+	$(BIN)/resurgo study --quick --frameworks tensorflow,jax,chainer --out study-results-frameworks
 
 study-full: $(STAMP)
 	$(BIN)/resurgo study --out study-results-full
