@@ -206,6 +206,10 @@ def determinism_figure(plt: Any, det: dict) -> Any:
 
 
 # -- the report -------------------------------------------------------------------------------
+PYTORCH_NETS = {"resnet50": "CIFAR-10 variant (3x3 stem, no max-pool)",
+                "vgg16": "CIFAR-10 variant (batch norm, 512-512-10 classifier, dropout)"}
+
+
 def render_frameworks(results: dict) -> str:
     """The frameworks beside PyTorch: versions, what ran or why not, each network's parameter
     count per framework (the same architecture or not), and why scale ran for PyTorch only."""
@@ -216,14 +220,14 @@ def render_frameworks(results: dict) -> str:
            "determinism table) in its own virtualenv with pinned versions, created on first use and cached "
            "(`--envs`), on synthetic CIFAR-10-shaped data, with the same batch size, steps, checkpoint interval "
            "and SGD with momentum. Its rows are named by framework in the tables below.\n"]
-    rows = [["PyTorch", f"torch {results['environment']['torch']}", "ran", "ran"]]
+    rows = [["PyTorch", f"torch {results['environment']['torch']}", "ran",
+             "ran" if results["scale"] else "not run: no rank counts were given"]]
     for fw in frameworks.values():
         versions = ", ".join(f"{k} {v}" for k, v in fw.get("versions", {}).items())
         status = f"ran ({fw['duration_s']:.0f} s)" if fw["ran"] else f"could not run: {fw['why']}"
         rows.append([fw["label"], versions or "-", status, fw["scale"]])
     out.append(_table(["framework", "versions", "cost, formats, determinism", "scale"], rows) + "\n")
-    rows = [["PyTorch", _model(m), f"{results['models'][m]['parameters']:,}",
-             "resurgo.study.models (CIFAR-10 variant: 3x3 stem" + (", dropout" if m == "vgg16" else "") + ")"]
+    rows = [["PyTorch", _model(m), f"{results['models'][m]['parameters']:,}", f"resurgo.study.models, {PYTORCH_NETS[m]}"]
             for m in models]
     for fw in frameworks.values():
         for m in models:

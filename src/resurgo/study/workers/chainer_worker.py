@@ -24,7 +24,7 @@ from chainer import serializers
 
 MECHANISM = "chainer_save_npz"
 LABEL = "Chainer serializers.save_npz"
-FORMAT = "NumPy .npz (zip of .npy arrays)"
+FORMAT = "NumPy .npz (zip of .npy arrays, compressed: save_npz's default)"
 STORES = {"weights": True, "optimizer": True, "rng": False, "data_position": False}
 EXECUTES_CODE = "yes"
 EXECUTES_CODE_NOTE = ("load_npz opens the file with numpy.load(allow_pickle=True): an object array stored under a "
