@@ -14,7 +14,14 @@ STAMP := $(VENV)/.installed
 DS_SITE := .deepspeed-site
 DS_PYTEST := PYTHONPATH=$(DS_SITE) DS_ACCELERATOR=cpu DS_BUILD_OPS=0 $(BIN)/python -m pytest -q -m deepspeed
 
-.PHONY: demo study study-full study-frameworks demo-kill test test-slow test-deepspeed bench bench-async bench-overhead bench-s3 bench-import bench-incremental install clean
+# The torchtitan tests run real torchtitan jobs on CPU. torchtitan and the dependencies it imports
+# go into $(TT_SITE), outside the environment (torchtitan pulls in datasets, pyarrow, pandas and
+# tensorboard, about 300 MB): resurgo imports torchtitan only in resurgo.integrations.torchtitan.
+# The path is absolute: the doc tests run in their own directories.
+TT_SITE := .torchtitan-site
+TT_PYTEST := PYTHONPATH=$(CURDIR)/$(TT_SITE) $(BIN)/python -m pytest -q -m torchtitan
+
+.PHONY: demo study study-full study-frameworks demo-kill test test-slow test-deepspeed test-torchtitan bench bench-async bench-overhead bench-s3 bench-import bench-incremental bench-planning bench-memory install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -45,7 +52,7 @@ demo-kill: $(STAMP)
 # The default suite, then the DeepSpeed import tests (deselected by default: they need deepspeed,
 # which lives outside the environment, in $(DS_SITE)).
 test: $(STAMP) $(DS_SITE)/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 	$(DS_PYTEST)
 
 test-slow: $(STAMP)
@@ -58,6 +65,17 @@ $(DS_SITE)/.installed: $(STAMP)
 
 test-deepspeed: $(DS_SITE)/.installed
 	$(DS_PYTEST)
+
+$(TT_SITE)/.installed: $(STAMP)
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps --target $(TT_SITE) \
+		torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.1 shtab==1.13.0 \
+		einops==0.8.2 tensorboard==2.21.0 protobuf==7.36.2 absl-py==2.5.1 datasets==4.7.0 pyarrow==26.0.1 \
+		dill==0.4.1 multiprocess==0.70.19 pandas==3.1.1 python-dateutil==4.0.0 pytz==2026.6 tzdata==2026.6 \
+		httpx==0.28.1 httpcore==1.0.9 sniffio==1.3.1
+	touch $@
+
+test-torchtitan: $(TT_SITE)/.installed
+	$(TT_PYTEST)
 
 # Import of a ~1 GiB DeepSpeed ZeRO-2 and DCP checkpoint against zero_to_fp32 and dcp_to_torch_save.
 bench-import: $(DS_SITE)/.installed
@@ -75,8 +93,16 @@ bench-incremental: $(STAMP)
 bench-overhead: $(STAMP)
 	$(BIN)/python benchmarks/bench_overhead.py
 
+# Save planning and load metadata from 1 to 16,384 simulated ranks, DCP's .metadata on 2-8 gloo ranks.
+bench-planning: $(STAMP)
+	$(BIN)/python benchmarks/bench_planning.py
+
 bench-s3: $(STAMP)
 	$(BIN)/python benchmarks/bench_s3.py
+
+# The memory tier (4 gloo ranks on 2 simulated nodes) against a local-disk save and S3 (SeaweedFS).
+bench-memory: $(STAMP)
+	$(BIN)/python benchmarks/bench_memory_tier.py
 
 clean:
 	rm -rf $(VENV)

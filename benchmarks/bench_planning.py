@@ -1,89 +1,294 @@
-"""Coordinator planning cost of a distributed save, simulated in one process.
+"""What a distributed save's planning and a load's metadata cost as the job grows, simulated in one
+process (every rank's declarations built here, the coordinator's work timed), with DCP's
+``.metadata`` and resurgo's manifest measured on real gloo processes beside it.
 
-For R ranks x T tensors (FSDP-style: every tensor Shard(0) over all ranks, plus a few replicated
-ones and per-rank RNG values), build every rank's declarations as ``prepare_save`` would send them
-and time :func:`resurgo.plan.global_plan.plan_global` on them, plus the pickled size of what the
-gather moves. Prints the time per rank (it should stay flat: the coordinator's work grows
-linearly with ranks) and writes bench-results/planning.json.
+For R ranks x T tensors, FSDP-style (every tensor Shard(0) over all ranks, plus a few replicated
+ones and a per-rank RNG value), per R:
+- uncached plan: the coordinator validating and planning every rank's declarations (plan_global);
+- cached plan: a repeated layout, from every rank's summary (PlanCache.reuse, the merged tree),
+  and what building that summary costs each rank;
+- bytes each rank sends to the coordinator per save (its pickled summary, or its declarations) and
+  what the coordinator broadcasts (the merged tree, or the whole plan);
+- the manifest the coordinator would write (one chunk entry per tensor per rank), which is what
+  one loading rank reads today, and that rank's load plan (parse the manifest, plan its reads).
+Figures beyond what this machine measures in a few minutes are extrapolated (sizes affine in the
+ranks through the two largest measured worlds, times proportional to the ranks from the largest)
+and marked so (``*`` in the table, ``extrapolated`` in the JSON).
 
-    .venv/bin/python benchmarks/bench_planning.py [--ranks 1 8 64 512 4096] [--tensors 1000]
+    .venv/bin/python benchmarks/bench_planning.py [--ranks 1 64 512 4096 16384] [--tensors 1000]
+        [--max-planned 512] [--max-manifest 64] [--dcp-ranks 2 4 8]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
+import os
 import pickle
 import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
 
+import xxhash
+
+from resurgo.dist.comm import Comm
 from resurgo.format import checksum
+from resurgo.format.manifest import parse_manifest
 from resurgo.layout.box import ChunkBox
-from resurgo.plan.global_plan import PlanCache, RankDecl, TensorDecl, plan_global
+from resurgo.pipeline.save import PreparedSave, build_manifest
+from resurgo.pipeline.writer import WrittenChunk, WrittenFile
+from resurgo.plan.global_plan import GlobalPlan, PlanCache, RankDecl, TensorDecl, plan_global
+from resurgo.plan.load_plan import Target, plan_reads
+from resurgo.plan.save_plan import plan_files
+
+COLS = 1024
 
 
-def rank_decl(rank: int, world: int, tensors: int) -> RankDecl:
+def _rows(i: int) -> int:
+    return 4096 + i % 7
+
+
+def _bounds(rows: int, world: int, rank: int) -> tuple[int, int]:
+    base, extra = divmod(rows, world)
+    start = rank * base + min(rank, extra)
+    return start, base + (1 if rank < extra else 0)
+
+
+def _tree_items(tensors: int) -> list:
+    """The tree of a training state, without its RNG: a model's tensors, a few replicated ones and a step."""
+    def tensor(key: str) -> dict:
+        return {"type": "tensor", "key": key}
+
+    model = [[f"layers.{i}.weight", tensor(f"model.layers.{i}.weight")] for i in range(tensors)]
+    norm = [[str(i), tensor(f"norm.{i}")] for i in range(4)]
+    return [["model", {"type": "ordered_dict", "items": model}], ["norm", {"type": "dict", "items": norm}],
+            ["step", {"type": "int", "value": 100}]]
+
+
+def _rank_tree(shared: list, rank: int) -> dict:
+    """A rank's tree: the shared items (the same objects on every simulated rank: the simulation's
+    memory, not a rank's) and its RNG value."""
+    return {"type": "dict", "items": shared + [["rng", {"type": "per_rank", "items": [{"type": "int", "value": rank}]}]]}
+
+
+def rank_decl(rank: int, world: int, tensors: int, shared: list | None = None) -> RankDecl:
     decls = []
-    items = []
     for i in range(tensors):
-        rows, cols = 4096 + i % 7, 1024
-        base, extra = divmod(rows, world)
-        start = rank * base + min(rank, extra)
-        n = base + (1 if rank < extra else 0)
-        key = f"model.layers.{i}.weight"
-        decls.append(TensorDecl(key, "torch", "bfloat16", (rows, cols), (ChunkBox((start, 0), (n, cols)),), True))
-        items.append([key, {"type": "tensor", "key": key}])
+        start, n = _bounds(_rows(i), world, rank)
+        decls.append(TensorDecl(f"model.layers.{i}.weight", "torch", "bfloat16", (_rows(i), COLS),
+                                (ChunkBox((start, 0), (n, COLS)),), True))
     for i in range(4):  # replicated: every rank holds them, one writes
-        key = f"norm.{i}"
-        decls.append(TensorDecl(key, "torch", "float32", (1024,), (ChunkBox.whole((1024,)),), False, "0" * 32))
-        items.append([key, {"type": "tensor", "key": key}])
-    items.append(["step", {"type": "int", "value": 100}])
-    items.append(["rng", {"type": "per_rank", "items": [{"type": "int", "value": rank}]}])
-    return RankDecl({"type": "dict", "items": items}, tuple(decls))
+        decls.append(TensorDecl(f"norm.{i}", "torch", "float32", (1024,), (ChunkBox.whole((1024,)),), False, "0" * 32))
+    return RankDecl(_rank_tree(shared if shared is not None else _tree_items(tensors), rank), tuple(decls))
 
 
-def main() -> None:
+def _sent(obj: object) -> int:
+    """The bytes Comm.gather sends for ``obj`` (it pickles what it sends, with the flag beside it)."""
+    return len(pickle.dumps((obj, False), protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _median_time(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def cached_path(world: int, tensors: int, repeats: int) -> dict:
+    """A repeated layout at ``world`` ranks: the coordinator's time from the summaries, and what one
+    rank sends and spends. The coordinator's cache holds a plan with the real layout fingerprints
+    and tree but no tensors: reusing it never reads the plan's tensors, so its size does not matter."""
+    shared = _tree_items(tensors)
+    mine_rank = min(1, world - 1)
+    mine = rank_decl(mine_rank, world, tensors, shared)  # one real rank (rank 1, or 0 alone)
+    layouts = [xxhash.xxh3_128_hexdigest(f"layout of rank {r}".encode()) for r in range(world)]  # distinct, as FSDP's are
+    layouts[mine_rank] = mine.layout
+    stubs = [RankDecl(_rank_tree(shared, r), (), layout=layouts[r]) for r in range(world)]
+    cache = PlanCache()
+    held = cache.plan(stubs, checksum.block_bytes_for, None)
+    plan_id, per_rank = cache.ticket()
+    cache.hold(plan_id, held, per_rank)
+    summary = cache.summarize(mine)  # what each rank does, on its own declarations
+    summary_s = _median_time(lambda: cache.summarize(mine), repeats)
+    first = cache.summarize(stubs[0])
+    summaries = [dataclasses.replace(first, layout=layouts[r], values=(stubs[r].tree["items"][-1][1],))
+                 for r in range(world)]
+    summaries[mine_rank] = dataclasses.replace(summary, shared=first.shared)  # its compared digests aside
+    merged: list = [None]
+
+    def coordinator() -> None:
+        merged[0] = cache.reuse(stubs[0].tree, summaries, None)
+        cache.reused(merged[0])
+
+    seconds = _median_time(coordinator, repeats)
+    assert merged[0] is not None, "the cache did not hold"
+    return {"cached_plan_seconds": seconds, "summary_seconds_per_rank": summary_s,
+            "gathered_bytes_per_rank_cached": _sent(summary), "gathered_bytes_per_rank_uncached": _sent(mine),
+            "broadcast_bytes_cached": len(pickle.dumps(merged[0], protocol=pickle.HIGHEST_PROTOCOL))}
+
+
+def fake_manifest(plan: GlobalPlan, world: int) -> bytes:
+    """The manifest the coordinator would write for ``plan``: every rank's data files as the writer
+    lays them out, one checksum per block."""
+    written = []
+    n = 0
+    for rank, writes in enumerate(plan.writes):
+        files = plan_files([w.item for w in writes], rank=rank, max_files=4, tag="")
+        for f in files.files:
+            offset, chunks = 4096, []
+            for item in f.items:
+                blocks = max(1, math.ceil(item.nbytes / item.block_bytes))
+                sums = [f"{n + b:032x}" for b in range(blocks)]
+                n += blocks
+                chunks.append(WrittenChunk(item, f.path, (offset, offset + item.nbytes), item.block_bytes, sums))
+                offset += item.nbytes
+            written.append(WrittenFile(f.path, offset, 4096, "0" * 32, chunks))
+    prep = PreparedSave("sim", plan.tree, plan.tensors, {}, False, 100, None, None, None, None,  # type: ignore[arg-type]
+                        Comm(0, world))
+    return build_manifest(prep, written).to_json_bytes()
+
+
+def load_plan_of(raw: bytes, rank: int, world: int, tensors: int) -> tuple[float, float]:
+    """(seconds to parse the manifest, seconds to plan one rank's reads of its FSDP shards)."""
+    t0 = time.perf_counter()
+    manifest = parse_manifest(raw)
+    t1 = time.perf_counter()
+    targets = []
+    for i in range(tensors):
+        start, n = _bounds(_rows(i), world, rank)
+        targets.append(Target(f"model.layers.{i}.weight", ChunkBox((start, 0), (n, COLS)), n * COLS * 2))
+    plan_reads(targets, manifest.tensors)
+    return t1 - t0, time.perf_counter() - t1
+
+
+def dcp_worker(rank: int, world: int, root: str, tensors: int) -> dict | None:
+    """One real rank: the same sharded state (small tensors) saved by DCP and by resurgo."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import resurgo
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = {f"model.layers.{i}.weight": distribute_tensor(torch.zeros(64, 16), mesh, [Shard(0)], src_data_rank=None)
+             for i in range(tensors)}
+    dcp.save(state, checkpoint_id=f"{root}/dcp")
+    resurgo.save(state, f"{root}/resurgo")
+    if rank:
+        return None
+    return {"dcp_metadata_bytes": os.path.getsize(f"{root}/dcp/.metadata"),
+            "resurgo_manifest_bytes": os.path.getsize(f"{root}/resurgo/manifest.json")}
+
+
+def real_metadata(worlds: list[int], tensors: int) -> list[dict]:
+    from resurgo.dist.launch import run_ranks
+
+    rows = []
+    for world in worlds:
+        with tempfile.TemporaryDirectory(prefix="bench-planning-") as root:
+            got = run_ranks(world, "bench_planning:dcp_worker", root, tensors, timeout=600,
+                            sys_path=[str(Path(__file__).resolve().parent)])[0]
+        rows.append({"ranks": world, **got,
+                     "dcp_bytes_per_tensor_per_rank": got["dcp_metadata_bytes"] / (tensors * world),
+                     "resurgo_bytes_per_tensor_per_rank": got["resurgo_manifest_bytes"] / (tensors * world)})
+    return rows
+
+
+def extrapolate(points: list[tuple[int, float]], world: int, affine: bool = True) -> float:
+    """Sizes: affine in the ranks through the two largest measurements (a part that does not grow
+    with the ranks, such as the checksums of the same bytes, plus one per chunk). Times (noisy on
+    a shared machine, where a slope between two of them can come out negative), or a single
+    measurement: proportional to the ranks from the largest one."""
+    if len(points) == 1 or not affine:
+        w, v = points[-1]
+        return v * world / w
+    (w0, v0), (w1, v1) = points[-2:]
+    return v1 + (v1 - v0) / (w1 - w0) * (world - w1)
+
+
+def _fmt(value: float, unit: str, extrapolated: bool) -> str:
+    text = {"s": f"{value:.3f}", "ms": f"{1000 * value:.2f}", "MB": f"{value / 1e6:.2f}", "B": f"{value:.0f}"}[unit]
+    return text + ("*" if extrapolated else "")
+
+
+COLUMNS = [("ranks", "ranks", "B"), ("uncached s", "plan_seconds", "s"), ("cached s", "cached_plan_seconds", "s"),
+           ("summary ms/rank", "summary_seconds_per_rank", "ms"),
+           ("sent/rank cached B", "gathered_bytes_per_rank_cached", "B"),
+           ("sent/rank uncached B", "gathered_bytes_per_rank_uncached", "B"),
+           ("bcast cached MB", "broadcast_bytes_cached", "MB"), ("bcast uncached MB", "broadcast_bytes_uncached", "MB"),
+           ("manifest MB", "manifest_bytes", "MB"), ("load reads MB", "load_metadata_bytes", "MB"),
+           ("load parse s", "load_parse_seconds", "s"), ("load plan s", "load_plan_seconds", "s")]
+
+
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 8, 64, 512, 4096])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 64, 512, 4096, 16384])
     ap.add_argument("--tensors", type=int, default=1000)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-planned", type=int, default=512, help="largest world whose uncached plan is measured")
+    ap.add_argument("--max-manifest", type=int, default=64, help="largest world whose manifest is built and loaded")
+    ap.add_argument("--dcp-ranks", type=int, nargs="*", default=[2, 4, 8], help="real gloo worlds (none: skip)")
     ap.add_argument("--out", default="bench-results/planning.json")
-    args = ap.parse_args()
-    rows = []
-    print(f"{'ranks':>6} {'plan s':>9} {'ms/rank':>8} {'reused s':>9} {'reused/plan':>12} {'gathered MB':>12} "
-          f"{'max/mean bytes':>15}")
+    args = ap.parse_args(argv)
+    rows: list[dict] = []
+    measured: dict[str, list[tuple[int, float]]] = {}  # field -> its (world, value) measurements
     for world in args.ranks:
-        decls = [rank_decl(r, world, args.tensors) for r in range(world)]
-        gathered = sum(len(pickle.dumps(d)) for d in decls)
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            plan = plan_global(decls, checksum.block_bytes_for)
-            times.append(time.perf_counter() - t0)
-        # A later save of the same layout: the coordinator's cache merges the trees, reuses the rest.
-        cache = PlanCache()
-        cache.plan(decls, checksum.block_bytes_for, None)
-        reused = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            cache.plan(decls, checksum.block_bytes_for, None)
-            reused.append(time.perf_counter() - t0)
-        assert cache.hits == args.repeats
-        per_rank = plan.bytes_per_rank()
-        balance = max(per_rank) / (sum(per_rank) / len(per_rank))
-        t, tr = statistics.median(times), statistics.median(reused)
-        rows.append({"ranks": world, "tensors": args.tensors, "plan_seconds": t, "ms_per_rank": 1000 * t / world,
-                     "reused_plan_seconds": tr, "gathered_bytes": gathered, "max_over_mean_bytes": balance})
-        print(f"{world:>6} {t:>9.3f} {1000 * t / world:>8.2f} {tr:>9.3f} {tr / t:>11.2f}x {gathered / 1e6:>12.1f} "
-              f"{balance:>15.3f}")
-        del decls, plan
-    first, last = rows[0], rows[-1]
-    growth = (last["plan_seconds"] / first["plan_seconds"]) / (last["ranks"] / first["ranks"])
-    print(f"time grows {growth:.2f}x as fast as the rank count from {first['ranks']} to {last['ranks']} ranks "
-          "(<= 1: at most linear)")
+        row: dict = {"ranks": world, "tensors": args.tensors, "extrapolated": []}
+        row.update(cached_path(world, args.tensors, args.repeats))
+        if world <= args.max_planned:
+            decls = [rank_decl(r, world, args.tensors) for r in range(world)]
+            plan: list = [None]
+            row["plan_seconds"] = _median_time(lambda: plan.__setitem__(0, plan_global(decls, checksum.block_bytes_for)),
+                                               1 if world >= 256 else args.repeats)
+            row["broadcast_bytes_uncached"] = len(pickle.dumps(plan[0], protocol=pickle.HIGHEST_PROTOCOL))
+            per_rank = plan[0].bytes_per_rank()
+            row["max_over_mean_bytes"] = max(per_rank) / (sum(per_rank) / len(per_rank))
+            del decls
+            if world <= args.max_manifest:
+                raw = fake_manifest(plan[0], world)
+                row["manifest_bytes"] = row["load_metadata_bytes"] = len(raw)
+                row["load_parse_seconds"], row["load_plan_seconds"] = load_plan_of(raw, world // 2, world, args.tensors)
+                del raw
+            del plan
+        for field in ("plan_seconds", "broadcast_bytes_uncached", "manifest_bytes", "load_metadata_bytes",
+                      "load_parse_seconds", "load_plan_seconds"):
+            if field in row:
+                measured.setdefault(field, []).append((world, row[field]))
+            elif field in measured:
+                row[field] = extrapolate(measured[field], world, affine=not field.endswith("seconds"))
+                row["extrapolated"].append(field)
+        rows.append(row)
+        print(" ".join(f"{name}={_fmt(row[f], unit, f in row['extrapolated'])}" for name, f, unit in COLUMNS if f in row),
+              file=sys.stderr, flush=True)
+    print("  ".join(f"{name:>{max(len(name), 8)}}" for name, _, _ in COLUMNS))
+    for row in rows:
+        print("  ".join(f"{_fmt(row[f], unit, f in row['extrapolated']) if f in row else '-':>{max(len(name), 8)}}"
+                        for name, f, unit in COLUMNS))
+    print("* extrapolated from the measured worlds: sizes affine in the ranks, times proportional to them")
+    real = real_metadata(args.dcp_ranks, args.tensors) if args.dcp_ranks else []
+    for r in real:
+        print(f"real gloo, {r['ranks']} ranks x {args.tensors} tensors: DCP .metadata {r['dcp_metadata_bytes'] / 1e6:.2f} MB "
+              f"({r['dcp_bytes_per_tensor_per_rank']:.0f} B/tensor/rank), resurgo manifest "
+              f"{r['resurgo_manifest_bytes'] / 1e6:.2f} MB ({r['resurgo_bytes_per_tensor_per_rank']:.0f} B/tensor/rank)")
+    beyond = {}  # the real sizes at the simulated worlds, extrapolated
+    if real:
+        for what in ("dcp_metadata_bytes", "resurgo_manifest_bytes"):
+            points = [(r["ranks"], float(r[what])) for r in real]
+            beyond[what] = {str(w): extrapolate(points, w) for w in args.ranks if w > real[-1]["ranks"]}
+        for w in beyond["dcp_metadata_bytes"]:
+            print(f"extrapolated to {w} ranks: DCP .metadata {beyond['dcp_metadata_bytes'][w] / 1e6:.0f} MB, "
+                  f"resurgo manifest {beyond['resurgo_manifest_bytes'][w] / 1e6:.0f} MB")
+    doc = {"rows": rows, "real_metadata": real, "real_metadata_extrapolated": beyond}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"rows": rows, "growth_vs_linear": growth}, indent=2))
+    Path(args.out).write_text(json.dumps(doc, indent=2))
+    return doc
 
 
 if __name__ == "__main__":

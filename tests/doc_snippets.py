@@ -24,6 +24,9 @@ context it runs in (tests/test_docs.py fails on a block without one):
 - ``accelerate``: ``model`` (with dropout), ``optimizer``, ``scheduler``, ``loader`` (shuffled,
   8 batches an epoch), ``Counter`` (a custom object) and ``os`` are defined by
   :data:`ACCELERATE_PRELUDE`; skipped where ``accelerate`` or ``torchdata`` is not installed.
+- ``torchtitan``: a job config function (a config_registry entry); :data:`TORCHTITAN_EPILOGUE`
+  builds its config and checks that the Trainer would build resurgo's checkpoint manager. Marked
+  ``torchtitan`` (torchtitan lives outside the environment: ``make test-torchtitan``).
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-CONTEXTS = ("standalone", "training", "kill-resume", "distributed", "s3", "lightning", "transformers", "accelerate")
+CONTEXTS = ("standalone", "training", "kill-resume", "distributed", "s3", "lightning", "transformers", "accelerate",
+            "torchtitan")
 MARKER = re.compile(r"^<!-- doc-test: ([a-z0-9-]+) -->$")
 
 
@@ -213,4 +217,14 @@ class Counter:
 
     def load_state_dict(self, state):
         self.step = state["step"]
+'''
+
+
+TORCHTITAN_EPILOGUE = '''
+_configs = [v() for k, v in list(globals().items()) if callable(v) and getattr(v, "__module__", None) == __name__
+            and k.startswith("llama3")]
+assert _configs, "the snippet defines no job config function"
+for _config in _configs:
+    assert _config.checkpoint.enable and type(_config.checkpoint) is ResurgoCheckpointManager.Config
+    assert _config.checkpoint._owner is ResurgoCheckpointManager  # what Trainer's config.checkpoint.build() makes
 '''

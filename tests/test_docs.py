@@ -19,7 +19,7 @@ import torch
 
 from doc_snippets import (ACCELERATE_PRELUDE, CONTEXTS, DISTRIBUTED_EPILOGUE, DISTRIBUTED_PRELUDE,
                           KILL_RESUME_EPILOGUE, LIGHTNING_PRELUDE, S3_SUBSTITUTIONS, TRAINING_PRELUDE,
-                          TRANSFORMERS_PRELUDE, Snippet, snippets)
+                          TORCHTITAN_EPILOGUE, TRANSFORMERS_PRELUDE, Snippet, snippets)
 
 ALL = snippets()
 KILL_AT = 250  # train_step calls: after the checkpoints of steps 100 and 200 were started
@@ -83,6 +83,12 @@ def test_accelerate_snippet_runs(snippet: Snippet, tmp_path, monkeypatch):
     pytest.importorskip("accelerate")
     pytest.importorskip("torchdata")
     _exec_here(ACCELERATE_PRELUDE + snippet.code, snippet.name, tmp_path, monkeypatch)
+
+
+@pytest.mark.torchtitan
+@pytest.mark.parametrize("snippet", by_context("torchtitan"))
+def test_torchtitan_snippet_runs(snippet: Snippet, tmp_path, monkeypatch):
+    _exec_here(snippet.code + TORCHTITAN_EPILOGUE, snippet.name, tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("snippet", by_context("s3"))

@@ -15,50 +15,8 @@ L = pytest.importorskip("lightning.pytorch")
 import resurgo  # noqa: E402
 import resurgo.cli  # noqa: E402
 from resurgo.errors import ForeignFilesError, NotACheckpointError  # noqa: E402
+from lightning_run import BATCHES_PER_EPOCH, Tiny, TinyBody  # noqa: E402
 from resurgo.integrations.lightning import ResurgoCallback, ResurgoCheckpointIO  # noqa: E402
-
-BATCHES_PER_EPOCH = 4
-
-
-class TinyBody:
-    """Dropout and a shuffled loader: both draw from the global RNG every step. ``loader``:
-    "plain" (torch's DataLoader, restarts its epoch on resume) or "stateful" (torchdata's
-    StatefulDataLoader, whose position Lightning saves and restores). ``rank_seed``: each DDP
-    process reseeds with its own seed, so that the processes draw different dropout masks."""
-
-    def __init__(self, loader: str = "plain", rank_seed: bool = False) -> None:
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
-        self.losses: list[torch.Tensor] = []
-        self.loader = loader
-        self.rank_seed = rank_seed
-
-    def setup(self, stage):
-        if self.rank_seed:  # before Lightning restores a checkpoint, which then sets the RNG back
-            torch.manual_seed(1000 + self.global_rank)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(self.net(x), y)
-        self.losses.append(loss.detach().clone())
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=1e-2)
-
-    def train_dataloader(self):
-        g = torch.Generator().manual_seed(123)
-        data = torch.utils.data.TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g))
-        if self.loader == "stateful":
-            from torchdata.stateful_dataloader import StatefulDataLoader
-
-            return StatefulDataLoader(data, batch_size=4, shuffle=True)
-        return torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
-
-
-class Tiny(TinyBody, L.LightningModule):
-    pass
 
 
 def trainer(root: Path, max_steps: int, callbacks: list, **kw) -> L.Trainer:
@@ -327,3 +285,50 @@ def test_ddp_processes_each_get_their_own_rng_states_back(tmp_path):
     resumed = run(tmp_path / "resumed", 3 * steps, ckpt_path=ckpt)
     for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
         assert bitwise_equal(a, b), name
+
+
+@pytest.mark.parametrize("kill", [
+    "in_save",  # while last.ckpt of step 8 is being written over the one of step 6
+    pytest.param("between_saves", marks=pytest.mark.slow),  # after step 7, last.ckpt holding step 6
+])
+def test_sigkill_mid_training_then_resume_from_last_is_bit_identical(tmp_path, kill):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import lightning_run
+
+    total = 3 * BATCHES_PER_EPOCH
+    whole = lightning_run.fit(tmp_path / "whole", total)
+    root = tmp_path / "killed"
+    hang, wait_for = (["--hang-in-save", "8"], "SAVING last.ckpt") if kill == "in_save" else (["--hang-at", "7"], "STEP 7")
+    child = subprocess.Popen([sys.executable, lightning_run.__file__, str(root), str(total), *hang],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines = []
+    try:
+        for line in child.stdout:
+            lines.append(line.strip())
+            if lines[-1] == wait_for:
+                child.send_signal(signal.SIGKILL)
+                break
+    finally:
+        if child.poll() is None and lines[-1:] != [wait_for]:
+            child.kill()
+        _, err = child.communicate(timeout=60)
+    assert child.returncode == -signal.SIGKILL, err
+    names = sorted(os.listdir(root))
+    committed = [f"epoch=1-step={s}.ckpt" for s in (6, 8)] if kill == "in_save" else ["epoch=1-step=6.ckpt"]
+    assert [n for n in names if not n.startswith(".")] == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt",
+                                                           *committed, "last.ckpt"]
+    if kill == "in_save":  # the save that was killed left only its temporary directory
+        assert [n.split(".resurgo-tmp-")[0] for n in names if n.startswith(".")] == [".last.ckpt"]
+    assert resurgo.read_manifest(root / "last.ckpt").step == 6
+
+    resumed = lightning_run.fit(root, total)  # ckpt_path="last": the committed last.ckpt, of step 6
+    assert len(resumed.losses) == total - 6
+    assert all(bitwise_equal(a, b) for a, b in zip(whole.losses[6:], resumed.losses))
+    for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
+        assert bitwise_equal(a, b), name
+    assert resurgo.read_manifest(root / "last.ckpt").step == total

@@ -1292,3 +1292,11 @@ def test_error_messages_name_the_manifest(bench: Bench):
         resurgo.read_manifest(bench.path)
     assert "manifest.json" in str(ei.value)
     assert math.isfinite(len(str(ei.value)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.text(alphabet="0123456789abcdefABCDEFgz_ é\n", min_size=30, max_size=33)
+                | st.text(alphabet="0123456789abcdef", min_size=32, max_size=32), max_size=6))
+def test_checksum_list_check_is_exactly_32_lowercase_hex_digits_each(digests):
+    from resurgo.format.manifest import _all_hex128
+    assert _all_hex128(digests) == all(re.fullmatch(r"[0-9a-f]{32}", d) is not None for d in digests)

@@ -7,12 +7,14 @@ defaults and their documentation live here; the work lives there.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any
 
 from collections.abc import Callable
 
+from resurgo.dist.comm import alone
 from resurgo.format.manifest import Manifest
 from resurgo.pipeline import inflight
 from resurgo.pipeline.async_save import AsyncSaveHandle, start_async_save
@@ -31,7 +33,7 @@ def save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_
          step: int | None = None, metadata: dict | None = None, io_threads: int = DEFAULT_IO_THREADS,
          block_bytes: int | None = None, storage_options: dict | None = None,
          save_info: dict | None = None, base: str | os.PathLike | None = None,
-         incremental: bool = False) -> SaveReport:
+         incremental: bool = False, collective: bool = True) -> SaveReport:
     """Save ``state`` as a checkpoint directory at ``path``; returns a :class:`SaveReport`.
 
     ``path`` is a local path or an fsspec URL (``s3://bucket/run/step_100``, ``memory://...``);
@@ -53,16 +55,28 @@ def save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_
     (docs/format.md, section 3.5). ``incremental=True`` (implied by ``base``) picks checksum blocks
     small enough to be the unit of reuse: pass it to the first save of a series that later saves
     take as their base.
+    ``collective``: in a distributed job (torch.distributed initialized) every rank calls ``save``
+    and each writes its share; ``collective=False`` saves as a job of one process, the others not
+    calling (``if rank == 0: resurgo.save(state, path, collective=False)``, the torch.save habit):
+    the checkpoint holds this process's state, and a sharded value (DTensor, Shard) raises, since
+    this process holds only its own part of it.
     """
     t_start = time.perf_counter()
-    inflight.settle(if_busy="wait")
-    prep = prepare_save(state, path, overwrite=overwrite, allow_pickle=allow_pickle, step=step,
-                        metadata=metadata, io_threads=io_threads, block_bytes=block_bytes,
-                        storage_options=storage_options, save_info=save_info, base=base, incremental=incremental)
-    report = write_and_commit(prep, LazySources(prep.leaves))
+    with _scope(collective):
+        inflight.settle(if_busy="wait")
+        prep = prepare_save(state, path, overwrite=overwrite, allow_pickle=allow_pickle, step=step,
+                            metadata=metadata, io_threads=io_threads, block_bytes=block_bytes,
+                            storage_options=storage_options, save_info=save_info, base=base,
+                            incremental=incremental)
+        report = write_and_commit(prep, LazySources(prep.leaves))
     report.seconds["stage"] = 0.0  # tensors are written from their own memory, copied only when they must be
     report.seconds["total"] = time.perf_counter() - t_start
     return report
+
+
+def _scope(collective: bool) -> contextlib.AbstractContextManager:
+    """Where ``collective=False`` runs: a job of one in this thread (:func:`resurgo.dist.comm.alone`)."""
+    return contextlib.nullcontext() if collective else alone()
 
 
 def async_save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_pickle: bool = False,
@@ -71,11 +85,12 @@ def async_save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, 
                save_info: dict | None = None, guard: Any = None, if_busy: str = "wait",
                memory_budget: int | None = None, fallback: str = "raise",
                on_commit: Callable[[SaveReport], None] | None = None,
-               base: str | os.PathLike | None = None, incremental: bool = False) -> AsyncSaveHandle:
+               base: str | os.PathLike | None = None, incremental: bool = False,
+               collective: bool = True) -> AsyncSaveHandle:
     """Snapshot ``state`` and save it in the background; returns an :class:`AsyncSaveHandle`
     once every tensor is copied out (``handle.wait()`` -> SaveReport, or the save's error).
 
-    The arguments of :func:`save` (``base`` and ``incremental`` included), and: ``guard``, an optimizer whose parameters and state may be
+    The arguments of :func:`save` (``base``, ``incremental`` and ``collective`` included), and: ``guard``, an optimizer whose parameters and state may be
     copied after the call returns (the next ``guard.step()`` waits for the copy); ``if_busy``,
     "wait" (default) for a save still in flight or "raise" SaveInFlightError; ``memory_budget``,
     the most staging bytes allowed (a larger snapshot raises MemoryBudgetError, or with
@@ -84,11 +99,12 @@ def async_save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, 
     writer; the caller's thread for a synchronous fallback), before ``done()`` turns true; an
     exception it raises is warned (RuntimeWarning), never lost, and never fails the save.
     """
-    return start_async_save(state, path, overwrite=overwrite, allow_pickle=allow_pickle, step=step,
-                            metadata=metadata, io_threads=io_threads, block_bytes=block_bytes,
-                            storage_options=storage_options, save_info=save_info, guard=guard,
-                            if_busy=if_busy, memory_budget=memory_budget, fallback=fallback,
-                            on_commit=on_commit, base=base, incremental=incremental)
+    with _scope(collective):  # the background commit keeps the world it was started in
+        return start_async_save(state, path, overwrite=overwrite, allow_pickle=allow_pickle, step=step,
+                                metadata=metadata, io_threads=io_threads, block_bytes=block_bytes,
+                                storage_options=storage_options, save_info=save_info, guard=guard,
+                                if_busy=if_busy, memory_budget=memory_budget, fallback=fallback,
+                                on_commit=on_commit, base=base, incremental=incremental)
 
 
 def read_manifest(path: str | os.PathLike, *, storage_options: dict | None = None) -> Manifest:
@@ -98,7 +114,8 @@ def read_manifest(path: str | os.PathLike, *, storage_options: dict | None = Non
 
 def load(state: Any, path: str | os.PathLike, *, strict: bool = True, verify: bool = True,
          allow_pickle: bool = False, io_threads: int = DEFAULT_IO_THREADS,
-         storage_options: dict | None = None, ignore_mismatched: bool = False) -> LoadReport:
+         storage_options: dict | None = None, ignore_mismatched: bool = False,
+         collective: bool = True) -> LoadReport:
     """Load the checkpoint at ``path`` into ``state`` in place; returns a :class:`LoadReport`.
 
     Tensors are filled in place (dtype and shape must match: resurgo never casts), plain values
@@ -109,16 +126,22 @@ def load(state: Any, path: str | os.PathLike, *, strict: bool = True, verify: bo
     as it is and its key listed in ``LoadReport.mismatched_keys``. Every error names the
     checkpoint and the key. Checksums are verified unless ``verify=False``. A save that replaces
     the checkpoint during the load is not an error: the load reads one complete version, the old
-    or the new (:mod:`resurgo.pipeline.consistent`).
+    or the new (:mod:`resurgo.pipeline.consistent`). In a distributed job every rank calls ``load``;
+    ``collective=False`` loads as a job of one process, the others not calling (plain tensors only).
     """
-    _, report = restore(state, path, strict=strict, verify=verify, allow_pickle=allow_pickle, io_threads=io_threads,
-                         storage_options=storage_options, ignore_mismatched=ignore_mismatched)
+    with _scope(collective):
+        _, report = restore(state, path, strict=strict, verify=verify, allow_pickle=allow_pickle,
+                            io_threads=io_threads, storage_options=storage_options,
+                            ignore_mismatched=ignore_mismatched)
     return report
 
 
 def load_dict(path: str | os.PathLike, *, verify: bool = True, allow_pickle: bool = False,
-              io_threads: int = DEFAULT_IO_THREADS, storage_options: dict | None = None) -> Any:
-    """The whole checkpoint as new values: nested containers of full tensors and plain values."""
-    result, _ = restore(None, path, strict=True, verify=verify, allow_pickle=allow_pickle, io_threads=io_threads,
-                         storage_options=storage_options)
+              io_threads: int = DEFAULT_IO_THREADS, storage_options: dict | None = None,
+              collective: bool = True) -> Any:
+    """The whole checkpoint as new values: nested containers of full tensors and plain values.
+    ``collective=False``: read by this process alone while the other ranks do not call."""
+    with _scope(collective):
+        result, _ = restore(None, path, strict=True, verify=verify, allow_pickle=allow_pickle, io_threads=io_threads,
+                            storage_options=storage_options)
     return result

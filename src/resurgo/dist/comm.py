@@ -4,12 +4,14 @@ This module owns every collective resurgo makes. Only small Python objects (plan
 error descriptions) travel through it, never tensor data. Collectives run on a gloo group of
 resurgo's own, created once, so they work beside NCCL training and from a background thread
 (asynchronous saves) without interleaving with the training's own collectives. Alone (no
-process group), every call is a local no-op with rank 0 of a world of 1.
+process group), every call is a local no-op with rank 0 of a world of 1. :func:`sent_bytes`
+counts what this process put into each kind of collective, to measure the protocols built on it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import pickle
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,6 +24,21 @@ T = TypeVar("T")
 _lock = threading.Lock()
 _groups: dict[tuple[int, str], Any] = {}
 _alone = threading.local()
+_sent = {"gather": 0, "all_gather": 0, "broadcast": 0}  # pickled bytes this process sent, by collective
+
+
+def sent_bytes() -> dict[str, int]:
+    """Pickled bytes this process has sent in each kind of collective (a broadcast counts on the
+    sending rank), since it started; a world of one sends nothing."""
+    with _lock:
+        return dict(_sent)
+
+
+def _pickled(kind: str, obj: object) -> bytes:
+    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    with _lock:
+        _sent[kind] += len(payload)
+    return payload
 
 
 @dataclass(frozen=True)
@@ -41,8 +58,8 @@ class Comm:
         import torch.distributed as dist
 
         out: list[Any] | None = [None] * self.size if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=_global_rank(self.group, 0), group=self.group)
-        return out
+        dist.gather_object(_pickled("gather", obj), out, dst=_global_rank(self.group, 0), group=self.group)
+        return None if out is None else [pickle.loads(b) for b in out]
 
     def all_gather(self, obj: T) -> list[T]:
         if self.size == 1:
@@ -50,8 +67,8 @@ class Comm:
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        dist.all_gather_object(out, _pickled("all_gather", obj), group=self.group)
+        return [pickle.loads(b) for b in out]
 
     def broadcast(self, obj: T) -> T:
         """Rank 0's ``obj`` on every rank."""
@@ -59,9 +76,9 @@ class Comm:
             return obj
         import torch.distributed as dist
 
-        box = [obj]
+        box: list[Any] = [_pickled("broadcast", obj) if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=_global_rank(self.group, 0), group=self.group)
-        return box[0]
+        return obj if self.rank == 0 else pickle.loads(box[0])
 
     def agree(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` here; if it failed on any rank, every rank raises the same error (the first

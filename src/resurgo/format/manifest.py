@@ -44,7 +44,6 @@ DATA_FILE_RE = re.compile(r"^data/[A-Za-z0-9_.-]{1,200}\.safetensors$")
 REFERENCE_RE = re.compile(r"^([A-Za-z0-9_.-]{1,200})/(data/[A-Za-z0-9_.-]{1,200}\.safetensors)$")
 TMP_MARKER = ".resurgo-tmp-"  # in a name: a save in progress, never a checkpoint
 _HEX128 = re.compile(r"[0-9a-f]{32}")
-_HEX = re.compile(r"[0-9a-f]*")
 SEAL_FIELD = "manifest_checksum"
 _SEAL_KEY = b'"manifest_checksum":"'
 _SEAL_ZEROS = b"0" * 32
@@ -397,8 +396,15 @@ def validate_manifest(m: Manifest, source: str = MANIFEST_NAME) -> None:
 
 
 def _all_hex128(digests: list[str]) -> bool:
-    """Every digest is 32 lowercase hex digits (one regex over them all: a chunk may have 10^5)."""
-    return set(map(len, digests)) <= {32} and _HEX.fullmatch("".join(digests)) is not None
+    """Every digest is 32 lowercase hex digits. A chunk may have 10^5 of them: their bytes, joined,
+    lose every hex digit in one C pass (ten times a regex's speed) and must be left empty."""
+    if not set(map(len, digests)) <= {32}:
+        return False
+    try:
+        joined = "".join(digests).encode("ascii")
+    except UnicodeEncodeError:
+        return False
+    return not joined.translate(None, b"0123456789abcdef")
 
 
 def _check_file_entry(path: str, entry: FileEntry, fail: Callable[[str], None]) -> None:

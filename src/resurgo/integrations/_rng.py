@@ -4,6 +4,7 @@ uninterrupted run kept its own, so the states must be set again after that draw.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from resurgo.state.per_rank import PerRank
@@ -33,3 +34,18 @@ class ReplayableRng:
         if self._armed and self._saved is not None:
             restore_rng_state(self._saved)
             self._armed = False
+
+
+def replay_before_forward(rng: ReplayableRng, modules: Iterable[Any]) -> None:
+    """Arm ``rng`` and replay it right before the next forward of any of ``modules`` (a forward
+    pre-hook, removed once it has run): where a resumed run has drawn for a new data iterator
+    that the uninterrupted run did not build."""
+    rng.arm()
+    handles: list[Any] = []
+
+    def replay(module: Any, args: Any) -> None:
+        rng.replay()
+        for handle in handles:
+            handle.remove()
+
+    handles.extend(m.register_forward_pre_hook(replay) for m in modules)

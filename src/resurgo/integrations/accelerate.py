@@ -32,7 +32,7 @@ from accelerate.utils import DistributedType
 from resurgo.api import load, save
 from resurgo.errors import CheckpointNotFoundError, UnsupportedValueError
 from resurgo.integrations._retention import is_resurgo_checkpoint, prune
-from resurgo.integrations._rng import ReplayableRng
+from resurgo.integrations._rng import ReplayableRng, replay_before_forward
 from resurgo.integrations._torch_file import check_torch_file
 
 __all__ = ["ResurgoAccelerator"]
@@ -93,20 +93,9 @@ class ResurgoAccelerator(Accelerator):
         load(state, input_dir, allow_pickle=self.resurgo_allow_pickle)
         self.step = state["step"]
         if state["mid_epoch"]:
-            self._resurgo_rng.arm()
-            self._resurgo_replay_before_forward()
+            replay_before_forward(self._resurgo_rng, self._models)
         if self.project_configuration.automatic_checkpoint_naming:
             self.project_configuration.iteration = state["iteration"] + 1  # the next save's name is free
-
-    def _resurgo_replay_before_forward(self) -> None:
-        handles: list[Any] = []
-
-        def replay(module: Any, args: Any) -> None:
-            self._resurgo_rng.replay()
-            for handle in handles:
-                handle.remove()
-
-        handles.extend(m.register_forward_pre_hook(replay) for m in self._models)
 
     def _resurgo_state(self) -> dict[str, Any]:
         """What Accelerate saves, as one tree: the same on save and as the target of a load."""

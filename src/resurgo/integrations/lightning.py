@@ -7,7 +7,9 @@ committed atomically, tensors never pickled; Lightning's retention removes only 
 resurgo can prove it wrote. ``ResurgoCheckpointIO(asynchronous=True)`` saves in the background
 from a snapshot. ``Trainer(callbacks=[ResurgoCallback()])`` adds what Lightning does not save,
 the RNG states of every process, and sets them back at the moment that makes the resumed
-``fit`` draw the same numbers as an uninterrupted one.
+``fit`` draw the same numbers as an uninterrupted one. The strategies that shard the model
+(``ModelParallelStrategy``, ``FSDPStrategy``) bypass CheckpointIO: ``ResurgoModelParallelStrategy``
+and ``ResurgoFSDPStrategy`` save their checkpoints with resurgo from every process.
 
 Needs the ``lightning`` package (``pip install 'resurgo[lightning]'``); for the
 ``pytorch_lightning`` package use :mod:`resurgo.integrations.pytorch_lightning`.
@@ -17,10 +19,11 @@ from __future__ import annotations
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
-from resurgo.integrations.lightning_base import CheckpointIOMethods, RngCallbackMethods
+from resurgo.integrations.lightning_base import CheckpointIOMethods, RngCallbackMethods, ShardedStrategyMethods
 
-__all__ = ["ResurgoCheckpointIO", "ResurgoCallback"]
+__all__ = ["ResurgoCheckpointIO", "ResurgoCallback", "ResurgoModelParallelStrategy", "ResurgoFSDPStrategy"]
 
 
 class ResurgoCheckpointIO(CheckpointIOMethods, CheckpointIO):
@@ -38,3 +41,15 @@ class ResurgoCheckpointIO(CheckpointIOMethods, CheckpointIO):
 class ResurgoCallback(RngCallbackMethods, Callback):
     """Saves the RNG states (Python, NumPy, torch CPU and CUDA) of every process in each
     checkpoint and restores them where the resumed run's next draw matches the uninterrupted run's."""
+
+
+class ResurgoModelParallelStrategy(ShardedStrategyMethods, ModelParallelStrategy):
+    """``ModelParallelStrategy`` (FSDP2 and tensor parallel, set up in ``configure_model``) whose
+    checkpoints are resurgo checkpoints, saved by every process and loadable on any number of
+    processes. Takes ModelParallelStrategy's arguments, and ``allow_pickle`` and ``verify``."""
+
+
+class ResurgoFSDPStrategy(ShardedStrategyMethods, FSDPStrategy):
+    """``FSDPStrategy`` whose checkpoints are sharded resurgo checkpoints, saved by every process
+    and loadable on any number of processes (whatever its ``state_dict_type``). Takes
+    FSDPStrategy's arguments, and ``allow_pickle`` and ``verify``."""

@@ -14,13 +14,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from resurgo.api import async_save, load_dict, save
+from resurgo.api import async_save, load, load_dict, read_manifest, save
 from resurgo.dist import comm as dist_comm
-from resurgo.dist.comm import alone
-from resurgo.errors import NotACheckpointError
+from resurgo.errors import NotACheckpointError, UnsupportedValueError
+from resurgo.format.manifest import MANIFEST_NAME
+from resurgo.format.values import decode_key
 from resurgo.integrations._torch_file import load_torch_file
+from resurgo.layout.shards import Shard
 from resurgo.manager.catalog import remove
 from resurgo.pipeline.async_save import AsyncSaveHandle
+from resurgo.state.per_rank import PerRank
 from resurgo.state.rng import capture_rng_state, restore_rng_state
 from resurgo.storage.open import open_root
 
@@ -60,41 +63,32 @@ class CheckpointIOMethods:
                         storage_options: Any | None = None) -> None:
         step = checkpoint.get("global_step")
         kwargs: dict[str, Any] = dict(overwrite=True, allow_pickle=self.allow_pickle,
-                                      step=step if isinstance(step, int) else None)
+                                      step=step if isinstance(step, int) else None, collective=False)
         # Lightning saves "last.ckpt" again and again: overwrite replaces a resurgo checkpoint
         # atomically and refuses (ForeignFilesError) anything resurgo did not write.
         # Lightning calls this on global rank 0 only, with the whole state: a save of one process.
-        with alone():
-            if not (self.asynchronous and "global_step" in checkpoint):
-                save(_plain(checkpoint), path, **kwargs)
-                return
-            self._collect(done_only=True)
-            self._wait_for(Path(path))  # a second save of one path starts after the first committed
-            self._in_flight[Path(path)] = async_save(_plain(checkpoint), path, **kwargs)
+        if not (self.asynchronous and "global_step" in checkpoint):
+            save(_plain(checkpoint), path, **kwargs)
+            return
+        self._collect(done_only=True)
+        self._wait_for(Path(path))  # a second save of one path starts after the first committed
+        self._in_flight[Path(path)] = async_save(_plain(checkpoint), path, **kwargs)
 
     def load_checkpoint(self, path: str | os.PathLike, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
         self._collect()
         if Path(path).is_file():
             return self._load_foreign(Path(path), map_location)
-        with alone():  # each process reads the whole checkpoint for itself
-            return load_dict(path, verify=self.verify, allow_pickle=self.allow_pickle)
+        # Each process reads the whole checkpoint for itself.
+        return load_dict(path, verify=self.verify, allow_pickle=self.allow_pickle, collective=False)
 
     def _load_foreign(self, path: Path, map_location: Any) -> dict[str, Any]:
         return load_torch_file(path, allow_pickle=self.allow_pickle, map_location=map_location or "cpu",
                                what="a Lightning checkpoint", fix="pass ResurgoCheckpointIO(allow_pickle=True)")
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
-        target = Path(path)
-        self._wait_for(target)
-        if not target.exists():
-            return
-        if not target.is_dir():
-            raise NotACheckpointError(
-                f"{target}: not a resurgo checkpoint (a file), so ResurgoCheckpointIO does not delete it; "
-                "remove it yourself if it is not needed")
-        # Deletes only what resurgo wrote (else ForeignFilesError, nothing deleted), crash-safely.
-        remove(open_root(target.parent), target.name)
+        self._wait_for(Path(path))
+        remove_checkpoint(Path(path))
 
     def teardown(self) -> None:
         """Lightning's end of fit: every background save is committed (or its error raised)."""
@@ -169,3 +163,142 @@ class RngCallbackMethods:
             restore_rng_state(self._pending)
         self._pending = None
 
+
+
+class ShardedStrategyMethods:
+    """The methods of a strategy whose model and optimizer state are sharded over the processes
+    (``ModelParallelStrategy``: FSDP2 and tensor parallel; ``FSDPStrategy``). Lightning's own
+    write a DCP folder from every process and bypass CheckpointIO; these write one resurgo
+    checkpoint instead, collectively: every process saves its own shards (replicated values once),
+    and a load fills this run's shards whatever number of processes saved it.
+
+    The checkpoint holds what Lightning's CheckpointIO checkpoints hold, under the same keys
+    (``state_dict``, ``optimizer_states``, loops, callbacks, ...), with the model and optimizer
+    state as ``torch.distributed.checkpoint.state_dict`` gives them (keys by parameter name,
+    tensors sharded): ``resurgo.load_dict`` reads it whole in one process. A path that holds no
+    resurgo checkpoint (Lightning's own DCP folder or ``.ckpt`` file, from before resurgo was
+    added) is read by Lightning's own code. ``allow_pickle`` and ``verify`` as in ResurgoCheckpointIO.
+    """
+
+    # What the Lightning strategy this is mixed into provides (for the type checker only).
+    model: Any
+    lightning_module: Any
+    optimizers: Any
+    global_rank: Any
+    world_size: Any
+    is_global_zero: Any
+    broadcast: Any
+
+    def __init__(self, *args: Any, allow_pickle: bool = False, verify: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.allow_pickle = allow_pickle
+        self.verify = verify
+
+    # What Lightning puts in the checkpoint: the sharded state of every process.
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.model)
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer))
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike,
+                        storage_options: Any | None = None) -> None:
+        path = Path(self.broadcast(filepath))  # rank 0's, as Lightning's strategies do
+        step = checkpoint.get("global_step")
+        # Collective: every process writes its shards. Lightning saves "last.ckpt" again and again:
+        # overwrite replaces a resurgo checkpoint atomically, and refuses what resurgo did not write.
+        save(_shards(_plain(checkpoint)), path, overwrite=True, allow_pickle=self.allow_pickle,
+             step=step if isinstance(step, int) else None)
+
+    def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+            set_optimizer_state_dict)
+
+        path = Path(self.broadcast(checkpoint_path))
+        if not (path / MANIFEST_NAME).is_file():  # Lightning's own checkpoint: its own reader
+            return super().load_checkpoint(path, weights_only)  # type: ignore[misc]
+        strict = self.lightning_module.strict_loading
+        # The optimizers are restored while fitting only, as Lightning's own strategies do.
+        optimizers = self.optimizers if self.lightning_module.trainer.state.fn == "fit" else []
+        model_state = get_model_state_dict(self.model)
+        optimizer_states = [get_optimizer_state_dict(self.model, opt) for opt in optimizers]
+        # The target: this run's shards for the model and optimizers (filled in place), and a new
+        # value for every other key the checkpoint has (loops, callbacks, hyper-parameters).
+        target: dict[str, Any] = dict.fromkeys(_top_level_keys(path))
+        target["state_dict"] = _shards(model_state)
+        if optimizers:
+            target["optimizer_states"] = [_shards(state) for state in optimizer_states]
+        load(target, path, strict=strict, verify=self.verify, allow_pickle=self.allow_pickle)
+        set_model_state_dict(self.model, model_state, options=StateDictOptions(strict=strict))
+        for opt, state in zip(optimizers, optimizer_states):
+            set_optimizer_state_dict(self.model, opt, state)
+        rest = {k: v for k, v in target.items() if k not in ("state_dict", "optimizer_states")}
+        return _own_values(rest, self.global_rank, self.world_size)
+
+    def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
+        if self.is_global_zero:
+            remove_checkpoint(Path(filepath))
+
+
+def remove_checkpoint(target: Path) -> None:
+    """Lightning's retention of ``target``: deleted only if resurgo can prove it wrote every file
+    in it (else ForeignFilesError, nothing deleted), crash-safely; a file is not ours to delete."""
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise NotACheckpointError(
+            f"{target}: not a resurgo checkpoint (a file), so resurgo's Lightning integration does not delete it; "
+            "remove it yourself if it is not needed")
+    remove(open_root(target.parent), target.name)
+
+
+def _own_values(value: Any, rank: int, world: int) -> Any:
+    """``value`` with each value saved per rank (a monitored score each process logged on its
+    own, a data loader's position) resolved for this process: its own when the world is the one
+    that saved it, else global rank 0's (what Lightning's own strategies save for every process)."""
+    if isinstance(value, PerRank):
+        saved = value.saved or []
+        return saved[rank] if len(saved) == world else saved[0]
+    if isinstance(value, dict):
+        return {k: _own_values(v, rank, world) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_own_values(v, rank, world) for v in value]
+    return value
+
+
+def _top_level_keys(path: Path) -> list[Any]:
+    tree = read_manifest(path).tree
+    return [decode_key(key, str(path)) for key, _ in tree.get("items", [])]
+
+
+def _shards(value: Any) -> Any:
+    """``value`` with FSDP1's ShardedTensors as resurgo Shards of their local blocks (sharing their
+    memory: a load fills them in place); DTensors and everything else as they are."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if isinstance(value, ShardedTensor):
+        return _block(value)
+    if isinstance(value, dict):
+        return {k: _shards(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_shards(v) for v in value]
+    return value
+
+
+def _block(tensor: Any) -> Shard:
+    """The one block of an FSDP1 ShardedTensor this process holds (an empty one at its end if none)."""
+    import torch
+
+    local = tensor.local_shards()
+    shape = tuple(tensor.size())
+    if not local:
+        return Shard(torch.empty((0,) + shape[1:], dtype=tensor.dtype), shape, (shape[0],) + (0,) * (len(shape) - 1))
+    if len(local) > 1:
+        raise UnsupportedValueError(f"a ShardedTensor with {len(local)} blocks on one process; "
+                                    "resurgo's Lightning strategies save FSDP's, which has one")
+    return Shard(local[0].tensor, shape, tuple(local[0].metadata.shard_offsets))

@@ -201,19 +201,19 @@ def _bytes_item(fqn: str, info: Any, files: _DistcpFiles) -> tuple[Any, bool]:
     except (zipfile.BadZipFile, OSError) as e:
         raise CorruptCheckpointError(f"{path}: {what} at byte {info.offset} is not a readable archive ({e}); "
                                      "the file is damaged or truncated") from None
-    if _plain(value):
+    if _is_json_data(value):
         return value, True
     return None, False
 
 
-def _plain(value: Any) -> bool:
+def _is_json_data(value: Any) -> bool:
     """Whether the value is JSON data (tuples count: they become lists) with str keys."""
     if isinstance(value, TensorRef):
         return False
     if isinstance(value, dict):
-        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+        return all(isinstance(k, str) and _is_json_data(v) for k, v in value.items())
     if isinstance(value, (list, tuple)):
-        return all(_plain(v) for v in value)
+        return all(_is_json_data(v) for v in value)
     try:
         json.dumps(value, allow_nan=False)
     except (TypeError, ValueError):

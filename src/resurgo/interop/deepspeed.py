@@ -195,9 +195,9 @@ def _values(model: _File, optim: _File, param_groups: Any, stage: int,
         raise CorruptCheckpointError(f"{optim.rel}: the optimizer holds {_count(param_groups)} param groups, the model "
                                      f"states {len(groups)}: files of two different runs are mixed?")
     values["optimizer"] = {"param_groups": [
-        {**{str(k): v for k, v in _plain(pg).items() if k != "params"}, "params": [index[n] for n, _ in params]}
+        {**{str(k): v for k, v in _json_part(pg).items() if k != "params"}, "params": [index[n] for n, _ in params]}
         for pg, params in zip(param_groups, groups)]}
-    scheduler = _plain(model.obj.get("lr_scheduler"))
+    scheduler = _json_part(model.obj.get("lr_scheduler"))
     if isinstance(scheduler, dict):
         values["scheduler"] = scheduler
     return values
@@ -213,15 +213,15 @@ def _count(value: Any) -> Any:
     return len(value) if isinstance(value, list) else "no"
 
 
-def _plain(value: Any) -> Any:
+def _json_part(value: Any) -> Any:
     """``value`` as JSON data (tuples as lists; dict entries that are not plain left out), or None."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (list, tuple)):
-        items = [_plain(v) for v in value]
+        items = [_json_part(v) for v in value]
         return items if all(i is not None or v is None for i, v in zip(items, value)) else None
     if isinstance(value, dict):
-        return {k: p for k, v in value.items() if isinstance(k, str) and ((p := _plain(v)) is not None or v is None)}
+        return {k: p for k, v in value.items() if isinstance(k, str) and ((p := _json_part(v)) is not None or v is None)}
     return None
 
 

@@ -1,11 +1,12 @@
 """The checkpoint manager: save policies, retention, restore, preemption (see ``manager.py``).
 
-``CheckpointManager`` and ``daly_interval`` are also exported by the ``resurgo`` package.
+``CheckpointManager``, ``Tier``, ``MemoryTier`` and ``daly_interval`` are also exported by the ``resurgo`` package.
 """
 
 from resurgo.manager.daly import daly_interval
 from resurgo.manager.full_policy import FullEvery, FullSavePolicy, IncrementalContext
 from resurgo.manager.manager import MTBF_ENV, CheckpointManager
+from resurgo.manager.memory import MemoryTier
 from resurgo.manager.policies import (
     AllOf,
     AnyOf,
@@ -21,7 +22,7 @@ from resurgo.manager.retention import KeepAny, KeepBest, KeepEvery, KeepLast, Ke
 from resurgo.manager.tiers import Tier
 
 __all__ = [
-    "CheckpointManager", "Tier", "daly_interval", "MTBF_ENV",
+    "CheckpointManager", "Tier", "MemoryTier", "daly_interval", "MTBF_ENV",
     "SavePolicy", "SaveContext", "EveryNSteps", "EverySeconds", "AtSteps", "OnPreemption", "DalyInterval",
     "AnyOf", "AllOf", "FullSavePolicy", "FullEvery", "IncrementalContext",
     "RetentionPolicy", "Kept", "KeepLast", "KeepEvery", "KeepBest", "KeepAny", "steps_to_delete",

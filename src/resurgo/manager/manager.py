@@ -72,10 +72,16 @@ from resurgo.manager.retention import (
     shortcut_policy,
     steps_to_delete,
 )
+from resurgo.manager.memory import MemoryNodes, MemoryTier
 from resurgo.manager.tiers import Tier
+from resurgo.pipeline import inflight
+from resurgo.pipeline.async_save import start_async_save
+from resurgo.pipeline.collective import NodeLocal
+from resurgo.pipeline.save import LazySources, prepare_save, write_and_commit
 from resurgo.pipeline.copy import copy_checkpoint, data_files, share_of
 from resurgo.pipeline.manifest_read import read_manifest_of
 from resurgo.pipeline.verify import verify_checkpoint
+from resurgo.pipeline.save import read_base_manifest
 from resurgo.storage.base import Root
 from resurgo.storage.open import open_checkpoint, open_root
 
@@ -198,6 +204,11 @@ class CheckpointManager:
     full save comes every 10 saves (:class:`~resurgo.manager.full_policy.FullEvery`; pass a
     policy object instead of True to choose). Retention and ``resurgo gc`` keep every checkpoint
     a kept one references. Copies to later tiers are self-contained.
+
+    A :class:`~resurgo.manager.memory.MemoryTier` as the first tier keeps checkpoints in each
+    node's memory with replicas on other nodes (:mod:`resurgo.manager.memory`); ``restore`` then
+    takes the newest step the nodes' memory can rebuild, else the newest that verifies in a
+    durable tier.
     """
 
     def __init__(self, root: str | os.PathLike | None = None, *, every_steps: int | None = None,
@@ -210,8 +221,12 @@ class CheckpointManager:
                  tiers: Iterable[Tier] | None = None,
                  on_commit: Callable[[int, Path | str], None] | None = None,
                  incremental: bool | FullSavePolicy = False) -> None:
-        self.tiers = self._compose_tiers(root, storage_options, tiers)
-        self._roots: list[Root] = [open_root(t.root, t.storage_options) for t in self.tiers]
+        self.tiers: list[Any] = self._compose_tiers(root, storage_options, tiers)
+        # Made collectively over the control channel, in the same order on every rank.
+        self._memory = MemoryNodes(self.tiers[0], dist_comm.current("control")) if isinstance(
+            self.tiers[0], MemoryTier) else None
+        self._roots: list[Root] = [open_root(self._memory.root) if i == 0 and self._memory is not None
+                                   else open_root(t.root, t.storage_options) for i, t in enumerate(self.tiers)]
         self._store: Root = self._roots[0]
         self.root: Path | str = self._store.path
         if keep_last is None and self.tiers[0].keep_last is not None:
@@ -225,6 +240,9 @@ class CheckpointManager:
             raise TypeError(f"incremental must be True, False or a full-save policy (full(ctx) -> bool), "
                             f"not {incremental!r}")
         self.full_policy: FullSavePolicy | None = FullEvery() if incremental is True else incremental or None
+        if self.full_policy is not None and self._memory is not None:
+            raise UnsupportedValueError("incremental saves do not go to a MemoryTier (each node holds its own "
+                                        "directory, which a later save cannot reference); pass incremental=False")
         self._base_step: int | None = None  # the checkpoint the next incremental save references
         self._since_full = 0  # incremental saves since the base's last full save
         self._pending_chain = 0  # the next value of _since_full, once the pending save commits
@@ -253,17 +271,25 @@ class CheckpointManager:
         self._closed = False
         self._previous_handlers: dict[int, Any] = {}
         self._install_signal_handlers(tuple(signals))
-        if self._rank == 0:
-            for store in self._roots:
-                for entry in scan(store):
-                    # Of a save, copy or deletion that was interrupted (where saves write in place:
-                    # a checkpoint without manifest; one job per root, so none is still running).
-                    if entry.status == TEMPORARY or (entry.status == INCOMPLETE and store.saves_in_place):
-                        self._janitor.submit(functools.partial(self._remove_leftover, store, entry))
+        for tier, store in enumerate(self._roots):
+            if not self._cleans(tier):
+                continue
+            for entry in scan(store):
+                # Of a save, copy or deletion that was interrupted (where saves write in place:
+                # a checkpoint without manifest; one job per root, so none is still running).
+                if entry.status == TEMPORARY or (entry.status == INCOMPLETE and store.saves_in_place):
+                    self._janitor.submit(functools.partial(self._remove_leftover, store, entry))
+
+    def _cleans(self, tier: int) -> bool:
+        """Whether this rank removes leftovers and applies retention in ``tier``: rank 0, or in a
+        memory tier each node's lowest rank (each node has its own root)."""
+        if tier == 0 and self._memory is not None:
+            return self._memory.is_leader
+        return self._rank == 0
 
     @staticmethod
     def _compose_tiers(root: str | os.PathLike | None, storage_options: dict | None,
-                       tiers: Iterable[Tier] | None) -> list[Tier]:
+                       tiers: Iterable[Tier | MemoryTier] | None) -> list[Any]:
         if tiers is None:
             if root is None:
                 raise ValueError("CheckpointManager needs a root (a directory or a URL) or tiers=[...]")
@@ -271,8 +297,10 @@ class CheckpointManager:
         if root is not None or storage_options is not None:
             raise ValueError("pass either root (and storage_options) or tiers=[...], not both")
         found = list(tiers)
-        if not found or not all(isinstance(t, Tier) for t in found):
-            raise ValueError(f"tiers must be a non-empty list of resurgo.manager.Tier, not {found!r}")
+        if not found or not all(isinstance(t, Tier) or (i == 0 and isinstance(t, MemoryTier))
+                                for i, t in enumerate(found)):
+            raise ValueError(f"tiers must be a non-empty list of resurgo.manager.Tier (a MemoryTier first, if "
+                             f"any), not {found!r}")
         if found[0].every_steps is not None:
             raise ValueError("the first tier takes every save: every_steps applies to the later tiers only")
         return found
@@ -356,6 +384,10 @@ class CheckpointManager:
         rank 0 chooses, and a checkpoint that fails on any rank is skipped on all.
         """
         self._check_open()
+        if self._memory is not None:
+            restored = self._restore_from_memory(state, step, strict)
+            if restored is not None:
+                return restored
         candidates = None
         if self._rank == 0:
             candidates = self._explicit_candidates(step) if step is not None else self._restore_candidates()
@@ -384,18 +416,56 @@ class CheckpointManager:
             f"{self.root}: none of the committed checkpoints could be restored (steps {failures}; the warnings say "
             "why). Repair or remove them (`resurgo verify`, `resurgo gc`), or start without restore.")
 
+    def _restore_from_memory(self, state: Any, step: int | None, strict: bool) -> int | None:
+        """Restore the newest step (or ``step``) the nodes' memory can rebuild: each node first
+        receives the files it lacks from a peer, then every rank loads from its own node's root.
+        None when memory holds no such step, or it cannot be loaded (warned): the durable tiers
+        are tried next."""
+        assert self._memory is not None
+        comm = dist_comm.current("control")
+        try:
+            rebuild = self._memory.rebuild(comm, step)
+            if rebuild is None:
+                log.info("no step%s complete in the nodes' memory: trying the durable tiers",
+                         "" if step is None else f" {step}")
+                return None
+            self._memory.fetch(comm, rebuild)
+        except _UNREADABLE as e:
+            warnings.warn(f"resurgo: not restoring from memory ({self._memory.root}): {e}; trying the durable "
+                          "tiers", stacklevel=3)
+            return None
+        s, path = rebuild.step, self.path_for(rebuild.step)
+        outcome, error = self._try_load(state, path, s, strict, None)
+        (outcome,) = agreement.max_over_ranks([outcome])
+        if outcome == _OK:
+            self._restored(path, s, 0)
+            return s
+        if error is None:
+            error = CorruptCheckpointError(f"{path}: could not be restored on another rank (see its error)")
+        if outcome == _FATAL:
+            raise error
+        warnings.warn(f"resurgo: not restoring {path} from memory: {error}; trying the durable tiers", stacklevel=3)
+        self._unreadable_steps.add(s)
+        return None
+
+    def _durable(self, tier: int) -> bool:
+        """Whether restore looks in ``tier`` by listing it (a memory tier is asked collectively)."""
+        return not (tier == 0 and self._memory is not None)
+
     def _explicit_candidates(self, step: int) -> list[tuple[int, int]]:
         """``step`` in each tier that holds it committed, the fast tier first (else the fast tier's
         path, whose load then names what is wrong)."""
         found = [(step, i) for i, store in enumerate(self._roots)
-                 if (e := classify(store, step)) is not None and e.status == COMMITTED]
-        return found or [(step, 0)]
+                 if self._durable(i) and (e := classify(store, step)) is not None and e.status == COMMITTED]
+        return found or [(step, 0 if self._durable(0) else len(self._roots) - 1)]
 
     def _restore_candidates(self) -> list[tuple[int, int]]:
         """Committed (step, tier) pairs, newest step first and, for one step, the fast tier first;
         warns about each incomplete or corrupt checkpoint."""
         candidates = []
         for tier, store in enumerate(self._roots):
+            if not self._durable(tier):
+                continue
             for entry in scan(store):
                 assert entry.step is not None
                 if entry.status == COMMITTED:
@@ -479,7 +549,9 @@ class CheckpointManager:
             save_info["incremental"] = {"saves_since_full": self._pending_chain}
         incremental = self.full_policy is not None
         log.info("saving step %d to %s%s", step, path, f" (base {base})" if base is not None else "")
-        if self.async_save:
+        if self._memory is not None:
+            self._save_to_memory(step, state, path, metadata, save_info, overwrite)
+        elif self.async_save:
             self._pending = async_save(state, path, step=step, metadata=metadata, save_info=save_info, overwrite=overwrite,
                                        guard=self._guard, io_threads=self._io_threads,
                                        storage_options=self._store.storage_options,
@@ -500,6 +572,28 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         self._unreadable_steps.discard(step)
 
+    def _save_to_memory(self, step: int, state: Any, path: Path | str, metadata: dict, save_info: dict,
+                        overwrite: bool) -> None:
+        """Save into this node's memory root; the save replicates to other nodes before each node
+        commits (:mod:`resurgo.manager.memory`)."""
+        assert self._memory is not None
+        node: NodeLocal = self._memory.node_local(step, dist_comm.current)
+        if self.async_save:
+            self._pending = start_async_save(
+                state, path, overwrite=overwrite, allow_pickle=False, step=step, metadata=metadata,
+                io_threads=self._io_threads, block_bytes=None, storage_options=None, save_info=save_info,
+                guard=self._guard, if_busy="wait", memory_budget=None, fallback="raise",
+                on_commit=lambda _report: self._announce_commit(step, path), node_local=node)
+            self._pending_step = step
+            log.info("staged step %d; writing and replicating in the background", step)
+            return
+        inflight.settle(if_busy="wait")
+        prep = prepare_save(state, path, overwrite=overwrite, allow_pickle=False, step=step, metadata=metadata,
+                            io_threads=self._io_threads, block_bytes=None, save_info=save_info, node_local=node)
+        write_and_commit(prep, LazySources(prep.leaves))
+        self._announce_commit(step, path)
+        self._committed(step)
+
     def _choose_base(self, step: int) -> Path | str | None:
         """The base of an incremental save of ``step``: the checkpoint this manager last committed
         or restored in its first tier, unless the full-save policy asks for a full save."""
@@ -508,7 +602,7 @@ class CheckpointManager:
             return None
         path = self.path_for(base)
         try:
-            manifest = read_manifest(path, storage_options=self._store.storage_options)
+            manifest = read_base_manifest(path, self._store.storage_options)
         except ResurgoError as e:  # gone or damaged since: a full save does not need it
             log.warning("not using step %d as a base (%s): saving step %d in full", base, e, step)
             return None
@@ -580,7 +674,7 @@ class CheckpointManager:
                 with self._copies_lock:
                     self._copies_pending[step] = self._copies_pending.get(step, 0) + 1
                 self._janitor.submit(functools.partial(self._copy_to_tier, step, tier))
-        if self._rank != 0:
+        if not self._cleans(0):
             return
         if self.retention is not None:
             unreadable = frozenset(self._unreadable_steps)
@@ -591,8 +685,11 @@ class CheckpointManager:
                          retention: RetentionPolicy | None = None) -> None:
         store = self._roots[tier]
         entries = scan(store)
+        # A memory tier's node directory is committed with only the files its node holds (on more
+        # than two nodes, not all): the listing calls it corrupt (files missing), it is not.
+        held = self._memory.committed_steps() if tier == 0 and self._memory is not None else frozenset()
         committed = [Kept(e.step, e.metrics) for e in entries
-                     if e.status == COMMITTED and e.step is not None and e.step not in unreadable]
+                     if (e.status == COMMITTED or e.step in held) and e.step is not None and e.step not in unreadable]
         protect: tuple[int, ...] = (just_committed,)
         if tier == 0:
             with self._copies_lock:
@@ -600,7 +697,8 @@ class CheckpointManager:
             base = self._base_step  # the base of the save that may be running now
             # Unreadable and corrupt ones are never deleted here: what they reference stays too.
             protect += ((base,) if base is not None else ()) + tuple(
-                e.step for e in entries if e.step is not None and (e.step in unreadable or e.status == CORRUPT))
+                e.step for e in entries if e.step is not None and (e.step in unreadable or (
+                    e.status == CORRUPT and e.step not in held)))
         refused: list[ForeignFilesError] = []
         refs = references_by_step(entries)
         kept = {e.step for e in entries if e.step is not None}
@@ -650,7 +748,8 @@ class CheckpointManager:
             return
         log.info("copying step %d to %s", step, dest)
         copy_checkpoint(source, dest, src_options=self._store.storage_options, dst_options=store.storage_options,
-                        comm=comm, declared_files=declared_files)
+                        comm=comm, declared_files=declared_files,
+                        share=self._memory.copy_share(step) if self._memory is not None else None)
 
         def verify_mine() -> list[str]:
             manifest = read_manifest_of(open_checkpoint(dest, store.storage_options))

@@ -32,6 +32,7 @@ import torch
 from resurgo.errors import MemoryBudgetError
 from resurgo.pipeline import inflight
 from resurgo.pipeline.host_copy import CopyBatch
+from resurgo.pipeline.collective import NodeLocal
 from resurgo.pipeline.save import LazySources, PreparedSave, prepare_save, write_and_commit
 from resurgo.pipeline.staging import DeviceOrder, StagingPool, staging_bytes
 from resurgo.pipeline.writer import chunk_file_offsets
@@ -172,7 +173,8 @@ def start_async_save(state: Any, path: str | os.PathLike, *, overwrite: bool, al
                      storage_options: dict | None, save_info: dict | None, guard: Any, if_busy: str,
                      memory_budget: int | None, fallback: str,
                      on_commit: Callable[[SaveReport], None] | None,
-                     base: str | os.PathLike | None = None, incremental: bool = False) -> AsyncSaveHandle:
+                     base: str | os.PathLike | None = None, incremental: bool = False,
+                     node_local: NodeLocal | None = None) -> AsyncSaveHandle:
     """The work of :func:`resurgo.async_save` (its arguments are documented there): snapshot the
     state into staging buffers (the guard's share beside training), then write and commit in a
     background thread. A snapshot over ``memory_budget`` with ``fallback="sync"`` streams from the
@@ -183,7 +185,8 @@ def start_async_save(state: Any, path: str | os.PathLike, *, overwrite: bool, al
     inflight.settle(if_busy)
     prep = prepare_save(state, path, overwrite=overwrite, allow_pickle=allow_pickle, step=step,
                         metadata=metadata, io_threads=io_threads, block_bytes=block_bytes,
-                        storage_options=storage_options, save_info=save_info, base=base, incremental=incremental)
+                        storage_options=storage_options, save_info=save_info, base=base, incremental=incremental,
+                        node_local=node_local)
     handle = AsyncSaveHandle(str(path))
     needed = sum(staging_bytes(leaf.nbytes) for leaf in prep.leaves.values())
     if memory_budget is not None and needed > memory_budget:

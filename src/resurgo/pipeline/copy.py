@@ -18,6 +18,7 @@ is cleaned up as incomplete (the manager does so before its next copy there).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from resurgo.dist.comm import Comm
@@ -70,14 +71,17 @@ def share_of(files: list[tuple[str, int]], comm: Comm) -> list[str]:
 
 def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, src_options: dict | None = None,
                     dst_options: dict | None = None, overwrite: bool = False, threads: int = 4,
-                    comm: Comm | None = None, declared_files: DeclaredFiles | None = None) -> int:
+                    comm: Comm | None = None, declared_files: DeclaredFiles | None = None,
+                    share: Callable[[list[tuple[str, int]], Comm], list[str]] | None = None) -> int:
     """Copy the checkpoint ``src`` to ``dst``; returns the bytes of the checkpoint (data files and
     manifest). Up to ``threads`` data files are copied at once, each through its own buffer.
 
     ``comm`` (resurgo.dist.comm): with more than one rank, collective; every rank copies its share
     of the files and rank 0 commits. Something already at ``dst`` is replaced (``overwrite``) only
     when resurgo can prove it wrote it, ``declared_files`` reading the data files its manifest
-    lists (:mod:`resurgo.storage.ownership`)."""
+    lists (:mod:`resurgo.storage.ownership`). ``share(files, comm)``: the files this rank copies,
+    when not :func:`share_of` (a memory tier: each rank copies files its own node holds, ``src``
+    being its node's directory)."""
     group = comm or Comm(0, 1)  # alone, agree() and broadcast() are local
     source = open_checkpoint(src, src_options)
     original, raw = read_manifest_and_bytes(source)
@@ -86,7 +90,7 @@ def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, src_optio
         raw = manifest.to_json_bytes()
     files = data_files(manifest)
     sizes = dict(files)
-    mine = share_of(files, group)
+    mine = (share or share_of)(files, group)
     staging = open_staging(group, lambda: open_checkpoint(dst, dst_options).stage(overwrite, declared_files))
 
     def copy_file(name: str) -> None:

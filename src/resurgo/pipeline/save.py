@@ -46,10 +46,10 @@ from resurgo.format.manifest import (
 )
 from resurgo.layout.box import ChunkBox, FlatRange, place_order
 from resurgo.pipeline.buffers import TensorStream, source_for_write
-from resurgo.pipeline.collective import write_then_commit
+from resurgo.pipeline.collective import NodeLocal, open_node_staging, write_then_commit
 from resurgo.pipeline.writer import (WrittenChunk, WrittenFile, digests_of, reused_extents, sampled_digests,
                                      write_data_file)
-from resurgo.plan.global_plan import GlobalPlan, PlanCache, RankDecl, RankWrite, TensorDecl, TensorMeta
+from resurgo.plan.global_plan import GlobalPlan, PlanCache, RankDecl, RankSummary, RankWrite, TensorDecl, TensorMeta
 from resurgo.plan.reuse_plan import (BaseIndex, Segment, changed_throughout, mostly_changed, owned_bytes,
                                      sample_blocks, segments)
 from resurgo.plan.save_plan import FilePlan, SavePlan, plan_files
@@ -78,6 +78,7 @@ class PreparedSave:
     seconds: dict[str, float] = field(default_factory=dict)
     base: BaseIndex | None = None  # the checkpoint whose unchanged bytes this save references
     incremental: bool = False  # a later save may take this one as its base
+    node_local: NodeLocal | None = None  # one directory per node (a memory tier), not one shared
 
     @property
     def tensor_bytes(self) -> int:
@@ -108,7 +109,20 @@ DEFAULT_IO_THREADS = 4  # writer (and reader) threads per rank: data files writt
 AUTO_PER_RANK_BYTES = 1 << 20  # plain tensors up to this size are compared across ranks
 
 
-_plans = PlanCache()  # the coordinator's last plan: repeated saves of one layout skip planning
+_plans = PlanCache()  # the last plan: repeated saves of one layout skip planning and send summaries
+
+
+@dataclass(frozen=True)
+class _Decided:
+    """Rank 0's answer to every rank: a new plan, or the merged tree of the plan every rank holds."""
+
+    plan: GlobalPlan | None
+    tree: dict | None  # when the held plan is reused
+    plan_id: str
+    per_rank: frozenset[str]
+    pickled: bool
+    staging: Staging | None  # None: node-local, each node's leader opens its own
+    index: BaseIndex | None
 
 
 def _declare(leaf: TensorLeaf, compare: bool) -> TensorDecl:
@@ -150,11 +164,17 @@ def open_base(path: str | os.PathLike, base: str | os.PathLike, storage_options:
     if REFERENCE_RE.fullmatch(f"{there[1]}/data/x.safetensors") is None or TMP_MARKER in there[1]:
         raise UnsupportedValueError(f"{base}: a base's name must match [A-Za-z0-9_.-]{{1,200}} and not be a temporary "
                                     f"directory, to be referenced")
+    return BaseIndex.of(there[1], read_base_manifest(base, storage_options))
+
+
+def read_base_manifest(base: str | os.PathLike, storage_options: dict | None) -> Manifest:
+    """The manifest of the checkpoint ``base``, checked as any manifest read is, and parsed only
+    when it is not the very bytes of this process's last incremental save (most often the next
+    save's base, which a training loop would otherwise parse twice per save)."""
     ckpt = open_checkpoint(base, storage_options)
     raw = ckpt.read_manifest_bytes()
     last = _last_incremental
-    manifest = last[1] if last is not None and last[0] == raw else parse_manifest(raw, ckpt.describe(MANIFEST_NAME))
-    return BaseIndex.of(there[1], manifest)
+    return last[1] if last is not None and last[0] == raw else parse_manifest(raw, ckpt.describe(MANIFEST_NAME))
 
 
 # The manifest of this process's last incremental save, built here: the next save's base, most
@@ -174,28 +194,37 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
                  step: int | None, metadata: dict | None, io_threads: int, block_bytes: int | None,
                  comm: Comm | None = None, storage_options: dict | None = None,
                  save_info: dict | None = None, base: str | os.PathLike | None = None,
-                 incremental: bool = False) -> PreparedSave:
+                 incremental: bool = False, node_local: NodeLocal | None = None) -> PreparedSave:
     """Flatten and check the state (plain values are encoded now: a snapshot), plan the files and
     open the staging directory. Raises before anything is written when the state or path is bad.
 
-    In a distributed job this is collective: every rank sends its declarations (metadata only) to
-    rank 0, which validates and plans the whole checkpoint (:mod:`resurgo.plan.global_plan`) and
-    opens the staging directory; every rank gets the plan back, or the same error.
+    In a distributed job this is collective: every rank sends a summary of its declarations
+    (fingerprints and its per-rank values) to rank 0; when they show that the plan every rank
+    holds from the last save still holds, rank 0 merges the trees and every rank reuses its plan;
+    else every rank sends its declarations (metadata only), and rank 0 validates and plans the
+    whole checkpoint (:mod:`resurgo.plan.global_plan`). Rank 0 opens the staging directory; every
+    rank gets the plan, or the same error.
 
     ``base``: an earlier checkpoint of the same root whose unchanged bytes this one references;
     ``incremental`` (implied by ``base``): checksum blocks small enough to be the unit of reuse
-    (:func:`resurgo.format.checksum.incremental_block_bytes_for`)."""
+    (:func:`resurgo.format.checksum.incremental_block_bytes_for`).
+
+    ``node_local``: ``path`` is this rank's node's directory; each node's leader opens its staging
+    there (:class:`resurgo.pipeline.collective.NodeLocal`), after ``before_stage(plan)``."""
+    if node_local is not None and base is not None:
+        raise UnsupportedValueError(f"{path}: a node-local save (memory tier) cannot reference a base checkpoint; "
+                                    "save it in full")
     t0 = time.perf_counter()
     comm = comm or dist_comm.current()
 
-    def local() -> tuple[dict, dict[str, TensorLeaf], RankDecl, bool]:
+    def local() -> tuple[dict, dict[str, TensorLeaf], RankDecl, RankSummary | None, bool]:
         check_metadata(metadata, step)
         check_metadata(save_info, step, "save_info")
         tree, leaves, pickled = flatten_state(state, allow_pickle=allow_pickle)
-        return tree, leaves, RankDecl(tree, tuple(_declare(leaf, comm.size > 1) for leaf in leaves.values())), pickled
+        decl = RankDecl(tree, tuple(_declare(leaf, comm.size > 1) for leaf in leaves.values()))
+        return tree, leaves, decl, _plans.summarize(decl) if comm.size > 1 else None, pickled
 
-    tree, leaves, decl, pickled = comm.agree(local)
-    gathered = comm.gather((decl, pickled))
+    tree, leaves, decl, summary, pickled = comm.agree(local)
     block_rule: Any = block_bytes
     if block_bytes is not None:
         block_fn: Callable[[int, int], int] = lambda n, row_bytes: block_bytes
@@ -204,18 +233,46 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
     else:
         block_fn = checksum.block_bytes_for
 
-    def coordinate() -> tuple[GlobalPlan, bool, Staging, BaseIndex | None] | None:
+    def coordinate(gathered: list[tuple[Any, bool]] | None) -> _Decided | None:
+        """Rank 0: the plan (or, from summaries, the merged tree of the plan every rank holds), then
+        the base and the staging; None when the summaries do not suffice."""
         if not comm.is_coordinator:
             return None
         assert gathered is not None
-        plan = _plans.plan([d for d, _ in gathered], block_fn, block_rule)
+        if isinstance(gathered[0][0], RankSummary):
+            merged = _plans.reuse(tree, [s for s, _ in gathered], block_rule)
+            if merged is None:
+                return None
+            plan, plan_id, per_rank = None, "", frozenset[str]()
+        else:
+            plan, merged = _plans.plan([d for d, _ in gathered], block_fn, block_rule), None
+            plan_id, per_rank = _plans.ticket()
         index = open_base(path, base, storage_options) if base is not None else None
-        staging = open_checkpoint(path, storage_options).stage(overwrite, declared_files)
-        return plan, any(p for _, p in gathered), staging, index
+        staging = None if node_local else open_checkpoint(path, storage_options).stage(overwrite, declared_files)
+        return _Decided(plan, merged, plan_id, per_rank, any(p for _, p in gathered), staging, index)
 
-    decided = comm.broadcast(comm.agree(coordinate))
+    decided = None
+    if summary is not None:  # a summary first: the plan every rank holds may still do
+        summaries = comm.gather((summary, pickled))
+        decided = comm.broadcast(comm.agree(lambda: coordinate(summaries)))
+    if decided is None:  # no plan held, or it changed: every rank sends its declarations
+        full = comm.gather((decl, pickled))
+        decided = comm.broadcast(comm.agree(lambda: coordinate(full)))
     assert decided is not None
-    plan, pickled, staging, index = decided  # the other ranks get a copy of rank 0's staging (it pickles)
+    pickled, staging, index = decided.pickled, decided.staging, decided.index  # staging: a copy of rank 0's (it pickles)
+    if decided.plan is None:
+        assert decided.tree is not None
+        plan = _plans.reused(decided.tree)
+    else:
+        plan = decided.plan
+        _plans.hold(decided.plan_id, plan, decided.per_rank)
+    if node_local is not None:  # one staging per node, opened by its leader once the plan is known
+        def open_here() -> Staging:
+            node_local.before_stage(plan)
+            return open_checkpoint(path, storage_options).stage(overwrite, declared_files)
+
+        staging = open_node_staging(comm, node_local.leader, open_here)
+    assert staging is not None
     writes = plan.writes[comm.rank]
     if index is not None:
         writes = tuple(_reuse_blocks(w, index) for w in writes)
@@ -226,7 +283,7 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
     return PreparedSave(str(path), plan.tree, plan.tensors, own, pickled, step,
                         dict(metadata) if metadata else None, dict(save_info) if save_info else None,
                         files, staging, comm,
-                        {"flatten": time.perf_counter() - t0}, index, incremental or base is not None)
+                        {"flatten": time.perf_counter() - t0}, index, incremental or base is not None, node_local)
 
 
 class LazySources(Mapping):
@@ -278,7 +335,10 @@ def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | Ten
             _last_incremental = (raw, built)
         return raw
 
-    (written, _), manifest_bytes, t_commit = write_then_commit(comm, prep.staging, write, manifest)
+    node = prep.node_local
+    hook = None if node is None else (
+        node.leader, lambda raw, mine: node.before_commit(prep.staging, raw, [w.path for w in mine[0]]))
+    (written, _), manifest_bytes, t_commit = write_then_commit(comm, prep.staging, write, manifest, hook)
     seconds = dict(prep.seconds)
     seconds["commit"] = t_commit
     for phase in ("write", "checksum", "fsync"):
@@ -288,7 +348,7 @@ def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | Ten
         path=prep.path,
         bytes_written=sum(w.nbytes for w in written) + manifest_bytes,
         tensor_bytes=prep.tensor_bytes,
-        files=[w.path for w in written] + ([MANIFEST_NAME] if comm.is_coordinator else []),
+        files=[w.path for w in written] + ([MANIFEST_NAME] if manifest_bytes else []),
         num_tensors=len(prep.tensors),
         seconds=seconds,
     )

@@ -68,11 +68,7 @@ def _verify_once(ckpt: Checkpoint, path: str, progress: Callable[[int], None] | 
     manifest, raw = read_manifest_and_bytes(ckpt)
     seen.append(raw)
     report = VerifyReport(path)
-    by_file: dict[str, list[tuple[str, int, int, int, int]]] = {}  # file -> (key, chunk, chunk offset, start, stop)
-    for key, t in manifest.tensors.items():
-        for ci, c in enumerate(t.chunks):
-            for file, start, lo, hi in c.locate(0, c.nbytes):
-                by_file.setdefault(file, []).append((key, ci, lo, start, start + hi - lo))
+    by_file = _spans_by_file(manifest)
     buf = np.empty(PIECE_BYTES, dtype=np.uint8)
     every = {**manifest.files, **manifest.references}
     for name in sorted(every if files is None else set(files) & every.keys()):
@@ -84,22 +80,77 @@ def _verify_once(ckpt: Checkpoint, path: str, progress: Callable[[int], None] | 
             report.problems.append(str(e))
             continue
         try:
-            if handle.size != every[name].bytes:
-                report.problems.append(f"{name}: {handle.size} bytes, the manifest says {every[name].bytes}")
-                continue
-            try:
-                check_header(ckpt, manifest, name, handle)
-            except CorruptCheckpointError as e:
-                report.problems.append(str(e))
-            if name in manifest.files:  # a referenced file names its chunks as its own checkpoint does
-                report.problems.extend(_check_header(handle, name, manifest, by_file.get(name, [])))
-            for key, ci, offset, start, stop in by_file.get(name, []):
-                problem = _check_span(handle, manifest, key, ci, offset, start, stop, buf, report, progress)
-                if problem:
-                    report.problems.append(problem)
+            _check_file(ckpt, manifest, name, handle, by_file, buf, report, progress)
         finally:
             handle.close()
     return report
+
+
+Spans = dict[str, list[tuple[str, int, int, int, int]]]  # file -> (key, chunk, chunk offset, start, stop)
+
+
+def _spans_by_file(manifest: Manifest) -> Spans:
+    by_file: Spans = {}
+    for key, t in manifest.tensors.items():
+        for ci, c in enumerate(t.chunks):
+            for file, start, lo, hi in c.locate(0, c.nbytes):
+                by_file.setdefault(file, []).append((key, ci, lo, start, start + hi - lo))
+    return by_file
+
+
+def _check_file(ckpt: Checkpoint, manifest: Manifest, name: str, handle, by_file: Spans, buf: np.ndarray,
+                report: VerifyReport, progress: Callable[[int], None] | None) -> None:
+    """Size, safetensors header and every checksum of the data file ``name`` opened as ``handle``."""
+    expected = manifest.file_entry(name).bytes
+    if handle.size != expected:
+        report.problems.append(f"{name}: {handle.size} bytes, the manifest says {expected}")
+        return
+    try:
+        check_header(ckpt, manifest, name, handle)
+    except CorruptCheckpointError as e:
+        report.problems.append(str(e))
+    if name in manifest.files:  # a referenced file names its chunks as its own checkpoint does
+        report.problems.extend(_check_header(handle, name, manifest, by_file.get(name, [])))
+    for key, ci, offset, start, stop in by_file.get(name, []):
+        problem = _check_span(handle, manifest, key, ci, offset, start, stop, buf, report, progress)
+        if problem:
+            report.problems.append(problem)
+
+
+class _BytesHandle:
+    """A data file held in memory, read like an open file (:class:`resurgo.storage.base.ReadHandle`)."""
+
+    def __init__(self, rel: str, data: np.ndarray):
+        self.rel, self._data, self.size = rel, data.reshape(-1).view(np.uint8), data.nbytes
+
+    def read_into(self, offset: int, buf: memoryview) -> None:
+        n = len(memoryview(buf).cast("B"))
+        if offset + n > self.size:
+            raise CorruptCheckpointError(f"data file {self.rel!r}: ends at byte {self.size}, before the data the manifest lists")
+        np.frombuffer(buf, dtype=np.uint8)[:] = self._data[offset:offset + n]
+
+    def read_at(self, offset: int, n: int) -> bytes:
+        return self._data[offset:offset + n].tobytes()
+
+
+class _Named:
+    """Where messages say the bytes came from (``check_header`` names a checkpoint's path)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+
+def verify_file_bytes(manifest: Manifest, name: str, data: np.ndarray, where: str) -> list[str]:
+    """The problems of the data file ``name`` of ``manifest`` received as ``data`` (bytes in
+    memory, e.g. a replica sent by another rank): size, header and every block checksum, before it
+    is written anywhere. ``where`` names its origin in the messages."""
+    if name not in manifest.files:
+        return [f"{where}: {name} is not a data file of the manifest"]
+    report = VerifyReport(where)
+    by_file = {name: _spans_by_file(manifest).get(name, [])}
+    _check_file(_Named(where), manifest, name, _BytesHandle(name, data), by_file,  # type: ignore[arg-type]
+                np.empty(PIECE_BYTES, dtype=np.uint8), report, None)
+    return report.problems
 
 
 def _check_span(handle, manifest: Manifest, key: str, ci: int, offset: int, start: int, stop: int,

@@ -570,6 +570,10 @@ class LocalStaging:
         except OSError as e:
             raise StorageError(e.errno, f"{self.final}: cannot create {rel}: {e.strerror}") from None
 
+    def open_read(self, rel: str) -> ReadHandle:
+        """A file this save wrote, read back before the commit (a memory tier sends it to a peer)."""
+        return CheckpointDir(self.tmp).open_read(rel)
+
     def commit(self, manifest: bytes) -> None:
         """Write the manifest last, make everything durable, and publish atomically."""
         try:

@@ -1,0 +1,203 @@
+"""The memory tier against a local-disk save and an upload to S3 (a local SeaweedFS server): the
+same state, 4 gloo ranks on 2 simulated nodes (node = rank // 2), in one run.
+
+Measured per repetition (each figure is the slowest rank's, every rank starting together):
+- memory: the training stall of an asynchronous save into the memory tier (``save()`` returning)
+  and the time until it is safe against a node loss (committed on both nodes, replicas verified);
+- disk: a synchronous ``resurgo.save`` of every rank's share to a local directory (durable);
+- s3: a synchronous ``resurgo.save`` to ``s3://`` (the same state);
+- restore from local memory, from a peer (node 1's root wiped first, so its ranks' data comes
+  from node 0's replicas), from disk (page cache dropped where possible) and from S3.
+Every restore is compared bit for bit with the state saved (outside the timed part). Reported:
+medians and the ratios the memory tier aims at: time-to-safe <= 0.5x the disk save, restore from
+a peer >= 3x faster than from S3.
+
+    .venv/bin/python benchmarks/bench_memory_tier.py [--mib-per-rank 64] [--repeats 3] [--out bench-results/memory_tier.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+import warnings
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+SCHEMA = "resurgo-bench-memory-tier/1"
+WORLD = 4
+FIGURES = ("stall", "time_to_safe", "sync_safe", "disk_save", "s3_save", "restore_local", "restore_peer", "restore_disk",
+           "restore_s3")
+
+
+def _state(rank: int, world: int, mib: float, seed: int) -> dict:
+    """This rank's shard (``mib`` MiB) of two global tensors sharded by rows over the ranks."""
+    import torch
+
+    import resurgo
+
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    n = int(mib * (1 << 20)) // 8
+    return {"layers": {k: resurgo.Shard(torch.randn(n, generator=g), (world * n,), (rank * n,)) for k in "wv"},
+            "step": 1}
+
+
+def _blank(state: dict) -> dict:
+    import torch
+
+    import resurgo
+
+    return {"layers": {k: resurgo.Shard(torch.zeros_like(v.local), v.global_shape, v.offsets)
+                       for k, v in state["layers"].items()}, "step": -1}
+
+
+def _same(a: dict, b: dict) -> bool:
+    import torch
+
+    return a["step"] == b["step"] and all(torch.equal(a["layers"][k].local, b["layers"][k].local) for k in a["layers"])
+
+
+def worker(rank: int, world: int, work: str, disk_work: str, url: str, options: dict, mib: float,
+           repeats: int) -> dict:
+    """Every repetition, on every rank: the saves and restores above, memory roots under ``work``
+    (/dev/shm), disk saves under ``disk_work``."""
+    import torch.distributed as dist
+
+    import resurgo
+    from resurgo.manager import CheckpointManager, MemoryTier
+
+    import common
+
+    def timed(fn) -> float:  # the slowest rank's seconds
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        seconds = time.perf_counter() - t0
+        out = [0.0] * world
+        dist.all_gather_object(out, seconds)
+        return max(out)
+
+    figures: dict[str, list[float]] = {k: [] for k in FIGURES}
+    exact = True
+    for rep in range(repeats):
+        state = _state(rank, world, mib, rep)
+        mem = Path(work) / f"mem-{rep}"
+        tier = MemoryTier(replicas=1, keep_last=1, root=str(mem / "node{node}"), node=rank // 2)
+
+        mgr = CheckpointManager(tiers=[tier], async_save=False)
+        mgr.save(0, state)  # untimed: the first save of a job also makes its process groups
+        figures["sync_safe"].append(timed(lambda: mgr.save(1, state)))
+        mgr.close()
+        mgr = CheckpointManager(tiers=[tier], async_save=True)
+        mgr.save(2, state)
+        mgr.wait()
+        dist.barrier()
+        t0 = time.perf_counter()
+        mgr.save(3, state)
+        stall = time.perf_counter() - t0
+        mgr.wait()
+        safe = time.perf_counter() - t0
+        mgr.close()
+        for name, value in (("stall", stall), ("time_to_safe", safe)):
+            out = [0.0] * world
+            dist.all_gather_object(out, value)
+            figures[name].append(max(out))
+
+        disk = Path(disk_work) / f"disk-{rep}"  # one checkpoint, every rank writing its share
+        figures["disk_save"].append(timed(lambda: resurgo.save(state, disk)))
+        s3 = f"{url}/rep{rep}"
+        figures["s3_save"].append(timed(lambda: resurgo.save(state, s3, storage_options=options)))
+
+        def restore() -> None:
+            target = _blank(state)
+            m = CheckpointManager(tiers=[tier])
+            restored = m.restore(target)
+            m.close()
+            nonlocal exact
+            exact = exact and restored == 3 and _same(target, state)
+
+        figures["restore_local"].append(timed(restore))
+        dist.barrier()
+        if rank == 2:
+            shutil.rmtree(mem / "node1")
+        figures["restore_peer"].append(timed(restore))
+
+        if rank == 0:
+            common.evict(disk)
+        target = _blank(state)
+        figures["restore_disk"].append(timed(lambda: resurgo.load(target, disk)))
+        exact = exact and _same(target, state)
+        target = _blank(state)
+        figures["restore_s3"].append(timed(lambda: resurgo.load(target, s3, storage_options=options)))
+        exact = exact and _same(target, state)
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(mem, ignore_errors=True)
+            shutil.rmtree(Path(disk_work) / f"disk-{rep}", ignore_errors=True)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, exact)
+    return {"figures": figures, "exact": all(everyone)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mib-per-rank", type=float, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="bench-results/memory_tier.json")
+    args = ap.parse_args()
+
+    import s3fs
+
+    from resurgo.dist import launch
+    from seaweed import SeaweedServer
+
+    work = Path(tempfile.mkdtemp(prefix="resurgo-bench-memory-", dir="/dev/shm"))
+    disk_work = Path(tempfile.mkdtemp(prefix="resurgo-bench-memory-disk-"))
+    server = SeaweedServer(Path(tempfile.mkdtemp(prefix="resurgo-bench-memory-s3-")))
+    server.start()
+    try:
+        bucket = f"bench-{uuid.uuid4().hex[:8]}"
+        s3fs.S3FileSystem(**server.storage_options).mkdir(bucket)
+        results = launch.run_ranks(WORLD, "bench_memory_tier:worker", str(work), str(disk_work),
+                                   f"s3://{bucket}", server.storage_options, args.mib_per_rank, args.repeats,
+                                   sys_path=[str(HERE), str(HERE.parent / "tests")], timeout=3600)
+    finally:
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(disk_work, ignore_errors=True)
+    figures = results[0]["figures"]
+    med = {k: statistics.median(v) for k, v in figures.items()}
+    ratios = {"time_to_safe / disk_save": med["time_to_safe"] / med["disk_save"],
+              "sync_safe / disk_save": med["sync_safe"] / med["disk_save"],
+              "stall / disk_save": med["stall"] / med["disk_save"],
+              "restore_s3 / restore_peer": med["restore_s3"] / med["restore_peer"],
+              "restore_disk / restore_local": med["restore_disk"] / med["restore_local"]}
+    total = WORLD * args.mib_per_rank
+    print(f"memory tier: {WORLD} ranks on 2 nodes, {args.mib_per_rank:g} MiB per rank ({total:g} MiB), "
+          f"{args.repeats} repeats, medians (slowest rank), every restore bit-exact: {results[0]['exact']}")
+    for k in FIGURES:
+        print(f"  {k:14s} {med[k]:8.3f} s")
+    print(f"  time-to-safe / disk save   {ratios['time_to_safe / disk_save']:.2f}x  (target <= 0.5)")
+    print(f"  sync memory save / disk save  {ratios['sync_safe / disk_save']:.2f}x")
+    print(f"  S3 restore / peer restore  {ratios['restore_s3 / restore_peer']:.2f}x  (target >= 3)")
+    print(f"  stall / disk save          {ratios['stall / disk_save']:.2f}x")
+    print(f"  disk restore / local restore {ratios['restore_disk / restore_local']:.2f}x")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"schema": SCHEMA, "mib_per_rank": args.mib_per_rank, "world": WORLD,
+                               "repeats": args.repeats, "figures": figures, "medians": med, "ratios": ratios,
+                               "exact": results[0]["exact"]}, indent=2))
+    return 0 if results[0]["exact"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""Functions the memory-tier tests run on every rank (see dist_harness.run_ranks): 4 ranks on 2
+simulated nodes (node = rank // 2), one memory root per node under the test's directory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import resurgo
+from resurgo.manager import CheckpointManager, MemoryTier, Tier
+
+ROWS = 24  # rows of w: a block per rank on 2, 3 or 4 ranks
+MTBF = 3600.0
+
+
+def full_state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(ROWS, 1000, generator=g), "b": torch.randn(300, generator=g), "step": step}
+
+
+def rank_state(step: int, rank: int, world: int) -> dict:
+    """This rank's part of step ``step``'s state: a row block of w, all of b, a value of its own."""
+    full = full_state(step)
+    per = ROWS // world
+    rows = slice(per * rank, per * rank + per)
+    return {"w": resurgo.Shard(full["w"][rows].clone(), (ROWS, 1000), (per * rank, 0)), "b": full["b"].clone(),
+            "mine": torch.full((5,), float(100 * step + rank)), "step": step}
+
+
+def blank(rank: int, world: int) -> dict:
+    state = rank_state(0, rank, world)
+    state["w"].local.zero_()
+    state["b"].zero_()
+    state["mine"].zero_()
+    state["step"] = -1
+    return state
+
+
+def same(state: dict, step: int, rank: int, world: int) -> bool:
+    want = rank_state(step, rank, world)
+    return (torch.equal(state["w"].local, want["w"].local) and torch.equal(state["b"], want["b"])
+            and torch.equal(state["mine"], want["mine"]) and state["step"] == step)
+
+
+def manager(tmp: str, rank: int, *, every_steps: int = 1, **kw) -> CheckpointManager:
+    mem = MemoryTier(replicas=1, keep_last=1, root=os.path.join(tmp, "mem", "node{node}"), node=rank // 2)
+    return CheckpointManager(tiers=[mem, Tier(Path(tmp) / "durable", every_steps=every_steps)], **kw)
+
+
+def save_steps(rank: int, world: int, tmp: str, steps: list[int], every_steps: int = 1) -> dict:
+    mgr = manager(tmp, rank, every_steps=every_steps, interval="auto", mtbf=MTBF)
+    for s in steps:
+        mgr.save(s, rank_state(s, rank, world))
+    mgr.close()
+    return {"cost": mgr.save_cost_seconds, "interval": mgr.interval_seconds}
+
+
+def save_restore_replace(rank: int, world: int, tmp: str) -> dict:
+    """One job, restarted twice (a new manager each time, in the same processes): save steps 1
+    and 2; hide the durable tier's data files; restore from memory; wipe node 1's root; restore
+    from node 0's replicas."""
+    out = save_steps(rank, world, tmp, [1, 2])
+    dist.barrier()
+    if rank == 0:
+        out["listing"] = {str(p.relative_to(tmp)): p.read_bytes() for p in sorted(Path(tmp).rglob("*")) if p.is_file()}
+        durable = Path(tmp) / "durable"
+        for name in os.listdir(durable):  # no durable byte can be read now: a restore that works read memory
+            (durable / name / "data").rename(durable / name / "moved")
+    dist.barrier()
+    return {**out, **restore_then_replace_node(rank, world, tmp, 2)}
+
+
+def restore_then_replace_node(rank: int, world: int, tmp: str, step: int) -> dict:
+    """Restore from memory as it is; then wipe node 1's root, and restore again (a new manager:
+    the job restarted with node 1 replaced)."""
+    out: dict = {}
+    mgr = manager(tmp, rank)
+    state = blank(rank, world)
+    out["local"] = mgr.restore(state)
+    out["local_exact"] = same(state, step, rank, world)
+    mgr.close()
+    dist.barrier()
+    if rank == 2:
+        shutil.rmtree(Path(tmp) / "mem" / "node1")
+    dist.barrier()
+    mgr = manager(tmp, rank)
+    state = blank(rank, world)
+    out["replaced"] = mgr.restore(state)
+    out["replaced_exact"] = same(state, step, rank, world)
+    mgr.close()
+    return out
+
+
+def restore_only(rank: int, world: int, tmp: str, step: int) -> dict:
+    mgr = manager(tmp, rank)
+    state = blank(rank, world)
+    restored = mgr.restore(state)
+    mgr.close()
+    return {"step": restored, "exact": restored is not None and same(state, restored, rank, world)}
+
+
+def kill_mid_replication(rank: int, world: int, tmp: str) -> None:
+    """Save step 1, then SIGKILL every rank while step 2's replicas are being received."""
+    from resurgo.pipeline import replicate
+
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    mgr = manager(tmp, rank, async_save=False)
+    mgr.save(1, rank_state(1, rank, world))
+    mgr.wait()
+
+    def die(transfer) -> None:  # rank 2 has written rank 0's replica of step 2: everyone dies now
+        if rank == 2:
+            for pid in pids:
+                if pid != os.getpid():
+                    os.kill(pid, signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    replicate.after_receive = die
+    mgr.save(2, rank_state(2, rank, world))
+    raise AssertionError("step 2 committed: the kill did not happen")
+
+
+def resume_on_two(rank: int, world: int, tmp: str, step: int) -> dict:
+    """Two ranks on one node (node 0): restore what four ranks saved, through universal load."""
+    mem = MemoryTier(replicas=0, keep_last=1, root=os.path.join(tmp, "mem", "node{node}"), node=0)
+    mgr = CheckpointManager(tiers=[mem, Tier(Path(tmp) / "durable")])
+    state = blank(rank, world)
+    # rank r of 2 takes over the value of saved rank 2r
+    state["mine"] = resurgo.PerRank(torch.zeros(5), on_resize=lambda saved, r, w: saved[2 * r])
+    restored = mgr.restore(state)
+    mgr.close()
+    mine = torch.as_tensor(state["mine"].value)
+    state["mine"] = rank_state(step, rank, world)["mine"]  # compared apart: it is saved rank 2r's
+    return {"step": restored, "exact": restored == step and same(state, step, rank, world)
+            and torch.equal(mine, rank_state(step, 2 * rank, 4)["mine"])}
+
+
+def three_nodes(rank: int, world: int, tmp: str) -> dict:
+    """Three nodes of one rank each, one replica: every node holds 2 of the 3 data files. Save
+    steps 1 to 3 (keep_last=1), then wipe node 1 and restore."""
+    mem = MemoryTier(replicas=1, keep_last=1, root=os.path.join(tmp, "mem", "node{node}"), node=rank)
+    mgr = CheckpointManager(tiers=[mem], async_save=False)
+    for s in (1, 2, 3):
+        mgr.save(s, rank_state(s, rank, world))
+    mgr.close()
+    mine = Path(tmp) / "mem" / f"node{rank}"
+    out: dict = {"steps": sorted(os.listdir(mine)), "held": sorted(os.listdir(mine / "step_000000003" / "data"))}
+    dist.barrier()
+    if rank == 1:
+        shutil.rmtree(mine)
+    dist.barrier()
+    mgr = CheckpointManager(tiers=[mem])
+    state = blank(rank, world)
+    out["restored"] = mgr.restore(state)
+    out["exact"] = same(state, 3, rank, world)
+    mgr.close()
+    out["after"] = sorted(os.listdir(mine / "step_000000003" / "data"))
+    return out

@@ -1,0 +1,34 @@
+"""Smoke test of benchmarks/bench_planning.py at tiny sizes, in this process (no real ranks): every
+figure of its table is there, the cached path sends a summary smaller than the declarations, and
+what lies beyond the measured worlds is extrapolated and marked so. Checks the plumbing, not the speed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_bench_planning_runs_and_marks_extrapolations(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_planning", REPO / "benchmarks" / "bench_planning.py")
+    bench = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    out = tmp_path / "planning.json"
+    doc = bench.main(["--ranks", "1", "2", "4", "--tensors", "6", "--repeats", "1", "--max-planned", "2",
+                      "--max-manifest", "2", "--dcp-ranks", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
+    one, two, four = doc["rows"]
+    fields = {f for _, f, _ in bench.COLUMNS}
+    assert all(fields <= set(row) for row in doc["rows"])
+    assert one["extrapolated"] == two["extrapolated"] == []
+    assert four["extrapolated"] == ["plan_seconds", "broadcast_bytes_uncached", "manifest_bytes",
+                                    "load_metadata_bytes", "load_parse_seconds", "load_plan_seconds"]
+    assert four["manifest_bytes"] == 3 * two["manifest_bytes"] - 2 * one["manifest_bytes"]  # sizes: affine
+    assert four["plan_seconds"] == 2 * two["plan_seconds"]  # times: proportional
+    for row in doc["rows"]:
+        assert 0 < row["gathered_bytes_per_rank_cached"] <= 1024 < row["gathered_bytes_per_rank_uncached"]
+        assert row["cached_plan_seconds"] > 0 and row["load_metadata_bytes"] == row["manifest_bytes"]
+    table = capsys.readouterr().out
+    assert "extrapolated" in table and f"{four['manifest_bytes'] / 1e6:.2f}*" in table

@@ -1,0 +1,243 @@
+"""The memory tier: checkpoints in each node's memory with replicas on another node's, restored
+locally, from a peer, or from the durable tier (real processes, gloo: 4 ranks on 2 simulated
+nodes, node = rank // 2, one root per node); and its pure parts (placement, the step memory can
+rebuild, shares of a copy, the memory budget)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import resurgo
+from resurgo.dist.comm import Comm
+from resurgo.errors import MemoryBudgetError, RankFailedError, UnsupportedValueError
+from resurgo.manager import CheckpointManager, MemoryTier, Tier, daly_interval
+from resurgo.manager.catalog import checkpoint_name
+from resurgo.manager.memory import MemoryNodes
+from resurgo.pipeline.verify import verify_checkpoint, verify_file_bytes
+from resurgo.plan.memory_plan import (Holding, Nodes, Transfer, assign_held, choose_rebuild, node_bytes,
+                                      replica_targets, replication, spread)
+
+from dist_harness import run_ranks
+
+WORLD = 4
+
+
+def _files(root: Path, step: int) -> dict[str, bytes]:
+    d = root / checkpoint_name(step)
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+# -- real processes ------------------------------------------------------------------------------
+def test_restore_from_local_memory_then_from_a_peer_after_a_node_is_replaced(tmp_path: Path):
+    out = run_ranks(WORLD, "memory_workers:save_restore_replace", str(tmp_path))
+    before = out[0]["listing"]  # every file once steps 1 and 2 were saved (and copied)
+    mem0, mem1 = "mem/node0/" + checkpoint_name(2), "mem/node1/" + checkpoint_name(2)
+    # keep_last=1 per node; each node holds its ranks' files and the other node's replicas
+    node0 = {n[len(mem0) + 1:]: b for n, b in before.items() if n.startswith(mem0)}
+    assert {n[len(mem1) + 1:]: b for n, b in before.items() if n.startswith(mem1)} == node0
+    assert not [n for n in before if n.startswith("mem/") and not n.startswith((mem0, mem1))]
+    assert sorted(n for n in node0 if n.startswith("data/")) == [f"data/rank0000{r}-000.safetensors" for r in range(4)]
+    # the durable tier got its copies, made from memory (each rank from its own node's files)
+    assert {n[len("durable/step_000000002/"):]: b for n, b in before.items()
+            if n.startswith("durable/step_000000002/")} == node0
+    # interval="auto" measured the memory tier's save
+    for r in out:
+        assert r["cost"] > 0 and r["interval"] == pytest.approx(daly_interval(r["cost"], 3600.0))
+    # restored from local memory (the durable data files were hidden), then from node 0's replicas
+    assert [(r["local"], r["local_exact"]) for r in out] == [(2, True)] * WORLD
+    assert [(r["replaced"], r["replaced_exact"]) for r in out] == [(2, True)] * WORLD
+    # node 1 came back empty and holds the step again (its ranks' files and node 0's replicas)
+    assert _files(tmp_path / "mem" / "node1", 2) == node0
+    assert verify_checkpoint(tmp_path / mem1).ok
+
+
+@pytest.mark.slow
+def test_both_copies_lost_falls_back_to_the_newest_durable_step(tmp_path: Path):
+    run_ranks(WORLD, "memory_workers:save_steps", str(tmp_path), [2, 3], 2)  # durable: step 2 only
+    for node in ("node0", "node1"):  # rank 1's data is gone from both nodes' memory
+        (tmp_path / "mem" / node / checkpoint_name(3) / "data" / "rank00001-000.safetensors").unlink()
+    out = run_ranks(WORLD, "memory_workers:restore_only", str(tmp_path), 3)
+    assert [(r["step"], r["exact"]) for r in out] == [(2, True)] * WORLD
+
+
+@pytest.mark.slow
+def test_sigkill_mid_replication_restores_the_previous_complete_step(tmp_path: Path):
+    with pytest.raises(RankFailedError):
+        run_ranks(WORLD, "memory_workers:kill_mid_replication", str(tmp_path), timeout=120)
+    for node in ("node0", "node1"):
+        names = os.listdir(tmp_path / "mem" / node)
+        assert checkpoint_name(1) in names and checkpoint_name(2) not in names
+    # node 1's staging of step 2 holds a verified replica already: it was never committed
+    assert any(".resurgo-tmp-" in n for n in os.listdir(tmp_path / "mem" / "node1"))
+    out = run_ranks(WORLD, "memory_workers:restore_only", str(tmp_path), 1)
+    assert [(r["step"], r["exact"]) for r in out] == [(1, True)] * WORLD
+    for node in ("node0", "node1"):  # the restarted managers removed what the killed save left
+        assert os.listdir(tmp_path / "mem" / node) == [checkpoint_name(1)]
+
+
+@pytest.mark.slow
+def test_resume_from_memory_on_two_ranks_instead_of_four(tmp_path: Path):
+    run_ranks(WORLD, "memory_workers:save_steps", str(tmp_path), [4])
+    out = run_ranks(2, "memory_workers:resume_on_two", str(tmp_path), 4)
+    assert [(r["step"], r["exact"]) for r in out] == [(4, True)] * 2
+
+
+@pytest.mark.slow
+def test_three_nodes_each_holding_two_of_three_files_keep_last_and_restore(tmp_path: Path):
+    out = run_ranks(3, "memory_workers:three_nodes", str(tmp_path))
+    files = [f"rank0000{r}-000.safetensors" for r in range(3)]
+    for rank, r in enumerate(out):
+        assert r["steps"] == [checkpoint_name(3)]  # keep_last=1 although no node holds every file
+        assert r["held"] == sorted([files[rank], files[(rank - 1) % 3]])  # its own and its predecessor's
+        assert (r["restored"], r["exact"], r["after"]) == (3, True, files)
+
+
+# -- pure parts ----------------------------------------------------------------------------------
+def test_nodes_number_in_order_of_their_lowest_rank():
+    nodes = Nodes.of(["b", "b", "a", "a", "c"])
+    assert nodes.index == (0, 0, 1, 1, 2) and nodes.members == ((0, 1), (2, 3), (4,))
+    assert nodes.leaders == (0, 2, 4) and nodes.leader(3) == 2
+
+
+@settings(max_examples=100, deadline=None)
+@given(sizes=st.lists(st.integers(1, 4), min_size=1, max_size=6), replicas=st.integers(0, 5))
+def test_replicas_go_to_distinct_other_nodes(sizes: list[int], replicas: int):
+    ids = [k for k, n in enumerate(sizes) for _ in range(n)]
+    nodes = Nodes.of(ids)
+    if replicas and replicas >= len(sizes):
+        with pytest.raises(UnsupportedValueError, match=rf"{len(sizes)} node\(s\), so at most {len(sizes) - 1}"):
+            replica_targets(nodes, replicas)
+        return
+    targets = replica_targets(nodes, replicas)
+    for rank, ts in enumerate(targets):
+        homes = [ids[t] for t in ts]
+        assert len(ts) == replicas and len(set(homes)) == replicas and ids[rank] not in homes
+    transfers = replication([[(f"data/rank{r:05d}-000.safetensors", 10 + r)] for r in range(len(ids))], targets)
+    assert len(transfers) == replicas * len(ids) and transfers == sorted(transfers)
+    held = node_bytes([10 + r for r in range(len(ids))], nodes, targets)
+    assert sum(held) == (replicas + 1) * sum(10 + r for r in range(len(ids)))
+
+
+def _holding(digest: str, held: set[str], declared=("a", "b", "c")) -> Holding:
+    return Holding(digest, {n: 10 for n in declared}, frozenset(held))
+
+
+def test_rebuild_takes_the_newest_step_the_nodes_hold_between_them():
+    holdings = {
+        0: {5: _holding("x", {"a", "b"}), 4: _holding("y", {"a", "b", "c"})},
+        2: {5: _holding("x", {"b"}), 4: _holding("y", {"a", "b", "c"})},  # nobody holds c of step 5
+        4: {},
+    }
+    r = choose_rebuild(holdings)
+    assert (r.step, r.digest, r.source) == (4, "y", 0)
+    assert r.transfers == tuple(Transfer(0, n, 4, 10) for n in ("a", "b", "c"))  # the empty node gets all
+    holdings[4] = {5: _holding("x", {"c"})}
+    r = choose_rebuild(holdings)
+    assert r.step == 5 and r.transfers == (Transfer(0, "a", 2, 10), Transfer(0, "a", 4, 10), Transfer(0, "b", 4, 10),
+                                           Transfer(4, "c", 0, 10), Transfer(4, "c", 2, 10))
+    assert choose_rebuild(holdings, only=4).step == 4 and choose_rebuild(holdings, only=3) is None
+    assert choose_rebuild({0: {}, 2: {}}) is None
+
+
+def test_rebuild_replaces_a_node_whose_manifest_differs():
+    holdings = {0: {7: _holding("new", {"a", "b", "c"})}, 2: {7: _holding("new", {"a"})},
+                4: {7: _holding("old", {"a", "b", "c"})}}
+    r = choose_rebuild(holdings)
+    assert (r.digest, r.source) == ("new", 0)
+    assert [(t.name, t.dst) for t in r.transfers] == [("a", 4), ("b", 2), ("b", 4), ("c", 2), ("c", 4)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), ranks=st.integers(1, 6))
+def test_copy_shares_take_each_file_once_from_a_rank_that_holds_it(data, ranks: int):
+    files = [(f"f{i}", data.draw(st.integers(0, 1000))) for i in range(data.draw(st.integers(0, 12)))]
+    held = [frozenset(data.draw(st.sets(st.sampled_from([n for n, _ in files]))) if files else set()) for _ in range(ranks)]
+    if not all(any(n in h for h in held) for n, _ in files):
+        with pytest.raises(ValueError, match="no rank holds it"):
+            assign_held(files, held)
+        return
+    shares = assign_held(files, held)
+    assert sorted(n for s in shares for n in s) == sorted(n for n, _ in files)
+    assert all(n in held[r] for r, s in enumerate(shares) for n in s)
+    assert assign_held(list(reversed(files)), held) == shares
+
+
+class _Plan:
+    def __init__(self, per_rank: list[int]):
+        self.per_rank = per_rank
+
+    def bytes_per_rank(self) -> list[int]:
+        return self.per_rank
+
+
+def test_memory_budget_is_checked_before_writing_and_names_root_bytes_and_budget(tmp_path: Path):
+    tier = MemoryTier(replicas=0, root=tmp_path / "n{node}", node="a", memory_budget=1000)
+    nodes = MemoryNodes(tier, Comm(0, 1))
+    assert nodes.root == tmp_path / "na"
+    nodes.check_budget(3, _Plan([1000]))  # exactly the budget: fits
+    with pytest.raises(MemoryBudgetError) as e:
+        nodes.check_budget(3, _Plan([1001]))
+    msg = str(e.value)
+    assert str(tmp_path / "na") in msg and "saving step 3 needs 1001 bytes" in msg and "memory_budget of 1000" in msg
+    assert not (tmp_path / "na").exists()
+    # a manager: the second save needs room for both steps (the first goes once the second is complete)
+    state = {"w": torch.arange(100, dtype=torch.float32)}
+    tier = MemoryTier(replicas=0, root=tmp_path / "m", node=0, memory_budget=1500)
+    with CheckpointManager(tiers=[tier], async_save=False) as mgr:
+        mgr.save(1, state)
+        with pytest.raises(MemoryBudgetError, match=r"saving step 2 needs 400 bytes .* already there take \d+"):
+            mgr.save(2, state)
+        assert mgr.steps() == [1] and os.listdir(tmp_path / "m") == [checkpoint_name(1)]
+
+
+def test_memory_tier_refuses_bad_settings(tmp_path: Path):
+    with pytest.raises(ValueError, match="replicas must be an int >= 0"):
+        MemoryTier(replicas=-1)
+    with pytest.raises(ValueError, match="keep_last must be an int >= 1"):
+        MemoryTier(keep_last=0)
+    with pytest.raises(UnsupportedValueError, match="the memory tier is a local directory"):
+        MemoryTier(root="s3://bucket/x")
+    with pytest.raises(UnsupportedValueError, match=r"1 node\(s\), so at most 0 replica"):
+        CheckpointManager(tiers=[MemoryTier(replicas=1, root=tmp_path / "m", node=0)])
+    with pytest.raises(ValueError, match="a MemoryTier first"):
+        CheckpointManager(tiers=[Tier(tmp_path / "d"), MemoryTier(root=tmp_path / "m")])
+    with pytest.raises(UnsupportedValueError, match="incremental saves do not go to a MemoryTier"):
+        CheckpointManager(tiers=[MemoryTier(replicas=0, root=tmp_path / "m", node=0)], incremental=True)
+
+
+def test_memory_tier_default_node_and_root(monkeypatch):
+    monkeypatch.delenv("GROUP_RANK", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
+    tier = MemoryTier()
+    assert tier.node_id(9) == 2
+    monkeypatch.setenv("GROUP_RANK", "5")
+    assert tier.node_id(9) == 5
+    assert str(tier.root_for(5)).startswith("/dev/shm/resurgo-") and str(tier.root_for(5)).endswith("/job7/node-5")
+    assert MemoryTier(root=lambda n: f"/x/{n}").root_for(3) == Path("/x/3")
+
+
+def test_a_received_replica_is_verified_before_it_is_written(tmp_path: Path):
+    resurgo.save({"w": torch.arange(4096, dtype=torch.float32)}, tmp_path / "c")
+    manifest = resurgo.read_manifest(tmp_path / "c")
+    (name,) = manifest.files
+    data = np.fromfile(tmp_path / "c" / name, dtype=np.uint8)
+    assert verify_file_bytes(manifest, name, data, "peer") == []
+    data[-7] ^= 1
+    problems = verify_file_bytes(manifest, name, data, "peer")
+    assert len(problems) == 1 and "does not match its checksum" in problems[0]
+    assert "18 bytes, the manifest says" in verify_file_bytes(manifest, name, data[:18], "peer")[0]
+
+
+def test_a_rebuild_spreads_each_nodes_files_over_its_ranks():
+    nodes = Nodes.of([0, 0, 1, 1, 1])
+    transfers = [Transfer(0, n, 2, 10) for n in ("a", "b", "c", "d")] + [Transfer(2, "e", 0, 10)]
+    assert spread(transfers, nodes) == sorted([Transfer(0, "a", 2, 10), Transfer(1, "b", 3, 10), Transfer(0, "c", 4, 10),
+                                               Transfer(1, "d", 2, 10), Transfer(2, "e", 0, 10)])
