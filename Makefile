@@ -21,7 +21,7 @@ DS_PYTEST := PYTHONPATH=$(DS_SITE) DS_ACCELERATOR=cpu DS_BUILD_OPS=0 $(BIN)/pyth
 TT_SITE := .torchtitan-site
 TT_PYTEST := PYTHONPATH=$(CURDIR)/$(TT_SITE) $(BIN)/python -m pytest -q -m torchtitan
 
-.PHONY: demo study study-full demo-kill test test-slow test-deepspeed test-torchtitan bench bench-async bench-overhead bench-s3 bench-import bench-incremental bench-planning bench-memory install clean
+.PHONY: demo study study-full study-frameworks demo-kill test test-slow test-deepspeed test-torchtitan bench bench-async bench-overhead bench-s3 bench-import bench-incremental bench-planning bench-memory install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,10 @@ demo: study
 
 study: $(STAMP)
 	$(BIN)/resurgo study --quick --out study-results
+
+# TensorFlow, JAX/Orbax and Chainer beside PyTorch, each in a pinned virtualenv made on first use
+study-frameworks: $(STAMP)
+	$(BIN)/resurgo study --quick --frameworks tensorflow,jax,chainer --out study-results-frameworks
 
 study-full: $(STAMP)
 	$(BIN)/resurgo study --out study-results-full

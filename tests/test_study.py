@@ -18,10 +18,13 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from helpers import bits_equal
+from test_study_frameworks import CONFIG as TOY_CONFIG
+from test_study_frameworks import Toy
 from resurgo.cli import app
 from resurgo.errors import ResurgoError, StudyError
 from resurgo.study.data import load_cifar10, synthetic_cifar10
 from resurgo.study.experiments import StudyConfig, quick_config
+from resurgo.study.frameworks import could_not_run, merge_framework
 from resurgo.study.mechanisms import MECHANISMS, make_mechanism, quiet_single_process
 from resurgo.study.models import ResNet50, VGG16
 from resurgo.study.report import (
@@ -29,6 +32,7 @@ from resurgo.study.report import (
 )
 from resurgo.study.stats import coverage, median_interval, paired_overhead
 from resurgo.study.training import JobSpec, build_training, tensor_bytes, train_steps
+from resurgo.study.workers import driver
 
 runner = CliRunner()
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -241,7 +245,42 @@ def test_cli_bad_options_exit_2(tmp_path: Path):
     assert "unknown model 'alexnet'" in result.output
     result = runner.invoke(app, ["study", "--quick", "--steps", "3", "--out", str(tmp_path)])
     assert result.exit_code == 2 and "--steps must be at least 4" in result.output
+    result = runner.invoke(app, ["study", "--quick", "--frameworks", "pytorch,mxnet", "--out", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "unknown framework 'mxnet'; expected pytorch or one of tensorflow, jax, chainer" in result.output
     assert list(tmp_path.iterdir()) == []  # nothing ran
+
+
+def test_report_puts_other_frameworks_beside_pytorch(study_out: Path, tmp_path: Path):
+    results = json.loads((study_out / "results.json").read_text())
+    worker = driver.run(Toy(keeps_rng=True), {**TOY_CONFIG, "models": ["vgg16"]}, tmp_path, progress=lambda label: None)
+    merge_framework(results, "jax", worker)
+    why = "Chainer environment /envs/chainer-0123456789ab: `pip install chainer==7.8.1` failed: ModuleNotFoundError: x"
+    results["frameworks"]["chainer"] = could_not_run("chainer", why)
+    report = render_markdown(results)
+    tables = _section_tables(report)
+    mechs = [MECHANISMS[n].label for n in MECHANISMS]
+    # the framework's rows follow PyTorch's in Table I, II and the determinism table
+    assert [(r[0], r[1]) for r in tables[SECTIONS[0]]] == [(m, x) for m in ("ResNet-50", "VGG-16") for x in mechs] + [
+        ("VGG-16", "Toy save")]
+    toy = results["cost"][-1]
+    assert toy["framework"] == "jax" and toy["pairs"] == 3 and toy["coverage"] == 0.75
+    assert tables[SECTIONS[0]][-1][-2] == f"{toy['extra_s']:+.3f} [{toy['extra_low_s']:+.3f}, {toy['extra_high_s']:+.3f}]"
+    assert tables[SECTIONS[1]][-1][:4] == ["VGG-16", "Toy save", "JSON", "1"]
+    assert tables[SECTIONS[3]][-1] == ["VGG-16", "Toy save", "yes", "yes", "yes", "0.0", "yes"]
+    # the frameworks table: what ran, with versions, and the exact reason of what could not
+    frameworks = report[report.index("## Frameworks and networks"):report.index(SECTIONS[0])]
+    assert "| JAX/Orbax | toy 1.0 | ran (" in frameworks
+    assert f"| Chainer | - | could not run: {why} | not run: ChainerMN" in frameworks
+    # each network's parameter count per framework
+    assert f"| PyTorch | VGG-16 | {results['models']['vgg16']['parameters']:,} | resurgo.study.models" in frameworks
+    assert "| JAX/Orbax | VGG-16 | 4 | four floats |" in frameworks
+    assert f"| Chainer | ResNet-50 | - | could not run: {why} |" in frameworks
+    # Figure 1 draws the framework's bar and interval beside PyTorch's
+    plt = require_matplotlib()
+    fig = cost_figure(plt, results)
+    assert len(fig.axes[1].collections[0].get_segments()) == len(MECHANISMS) + 1
+    plt.close(fig)
 
 
 def test_figure1_has_error_bars_and_marks_noise(study_out: Path):

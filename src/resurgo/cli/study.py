@@ -45,6 +45,11 @@ def study(
     repeats: Optional[int] = typer.Option(None, "--repeats", metavar="N", help="Pairs of runs (without, with checkpoints) per "
                                           "mechanism in the cost and scale experiments, at least 2 (default 3)."),
     threads: Optional[int] = typer.Option(None, "--threads", metavar="N", help="torch threads of the study process (default 1)."),
+    frameworks: Optional[str] = typer.Option(None, "--frameworks", metavar="NAMES", help="Comma-separated frameworks beside "
+                                             "PyTorch (which always runs): tensorflow,jax,chainer. Each runs in its own "
+                                             "pinned virtualenv, created on first use (needs PyPI) and cached."),
+    envs: Optional[Path] = typer.Option(None, "--envs", metavar="DIR", help="Where the frameworks' virtualenvs are cached "
+                                        "(default $RESURGO_STUDY_ENVS, else ~/.cache/resurgo/study-envs)."),
 ) -> None:
     """Reproduce the checkpointing study (cost, formats and sizes, scale, determinism) with ResNet-50
     and VGG-16 on CIFAR-10-shaped data, for torch.save, DCP, safetensors and resurgo."""
@@ -80,6 +85,8 @@ def study(
             cfg = replace(cfg, data_dir=str(data))
         if steps is not None:
             cfg = with_steps(cfg, steps)
+        if frameworks is not None:
+            cfg = replace(cfg, frameworks=tuple(n for n in _names(frameworks) or () if n != "pytorch"))
         cfg.check()
         if data is not None and not data.is_dir():
             raise CheckpointNotFoundError(f"{data}: no such directory (--data takes a local CIFAR-10 python copy, "
@@ -96,9 +103,12 @@ def study(
             def on_progress(done: int, total: int, label: str) -> None:
                 progress.update(task, completed=done, total=total, description=label)
 
-            results = run_study(cfg, out, on_progress)
+            results = run_study(cfg, out, on_progress, envs)
         write_outputs(results, out)
     console.print(f"study done in {results['duration_s']:.0f} s: {escape(str(out / REPORT))}")
+    for fw in results["frameworks"].values():
+        if not fw["ran"]:
+            console.print(f"  {escape(fw['label'])} could not run: {escape(fw['why'])}")
     for model, det in results["determinism"].items():
         diffs = ", ".join(f"{name} {r['max_abs_diff']:.3g}" for name, r in det["restarts"].items())
         console.print(f"  {model}: largest loss difference after restart: {escape(diffs)}")

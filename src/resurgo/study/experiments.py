@@ -36,9 +36,10 @@ import torch
 
 from resurgo.errors import StudyError
 from resurgo.study.data import make_dataset
+from resurgo.study.frameworks import FRAMEWORKS, could_not_run, merge_framework, run_framework
 from resurgo.study.mechanisms import MECHANISMS, Mechanism, make_mechanism, quiet_single_process
 from resurgo.study.models import MODELS
-from resurgo.study.stats import median_interval, paired_overhead, spread
+from resurgo.study.stats import pair_timings, spread
 from resurgo.dist.launch import run_ranks
 from resurgo.errors import RankFailedError
 from resurgo.study.training import (
@@ -74,6 +75,7 @@ class StudyConfig:
     seed: int = 0
     threads: int = 1  # torch intra-op threads of the study process (each scale rank uses one)
     preset: str = "custom"
+    frameworks: tuple[str, ...] = ()  # others beside PyTorch, each in its own environment (frameworks.py)
 
     def check(self) -> None:
         """Raise StudyError naming the first option that cannot work."""
@@ -83,6 +85,9 @@ class StudyConfig:
         for m in self.mechanisms:
             if m not in MECHANISMS:
                 raise StudyError(f"unknown mechanism {m!r}; expected one of {', '.join(MECHANISMS)}")
+        for f in self.frameworks:
+            if f not in FRAMEWORKS:
+                raise StudyError(f"unknown framework {f!r}; expected pytorch or one of {', '.join(FRAMEWORKS)}")
         if not self.models or not self.mechanisms:
             raise StudyError("the study needs at least one model and one mechanism")
         if any(w < 1 for w in self.scale_worlds):
@@ -126,7 +131,7 @@ def with_steps(cfg: StudyConfig, steps: int) -> StudyConfig:
 def count_units(cfg: StudyConfig) -> int:
     """Units of work reported to ``on_progress``: training runs and spawned rank groups."""
     per_model = cfg.cost_repeats * len(cfg.mechanisms) + (1 + len(cfg.mechanisms))
-    return len(cfg.models) * per_model + len(cfg.scale_models) * len(cfg.scale_worlds)
+    return len(cfg.models) * per_model + len(cfg.scale_models) * len(cfg.scale_worlds) + len(cfg.frameworks)
 
 
 class _Progress:
@@ -163,16 +168,6 @@ def _state_bytes(job: Training) -> tuple[int, int]:
 
 
 # -- experiment 1 + 2: cost, formats and sizes --------------------------------------------------
-def _timings(pairs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The spreads and the paired overhead of one mechanism's runs (each with its ``baseline_s``)."""
-    without, with_ckpt = [r["baseline_s"] for r in pairs], [r["seconds"] for r in pairs]
-    stalls = [s for r in pairs for s in r["stall_s"]]
-    return {"repeats": len(pairs), "baseline": spread(without), "with_ckpt": spread(with_ckpt),
-            "stall": spread(stalls) if stalls else None, "stall_s": stalls,
-            "stall_interval": list(median_interval(stalls)) if stalls else None,
-            **paired_overhead(without, with_ckpt), "runs": pairs}
-
-
 def _format_timings(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """One formats row from a mechanism's repetitions: the facts of the first (every repetition
     writes the same files), the spreads of the save and load times."""
@@ -252,7 +247,7 @@ def cost_and_formats(cfg: StudyConfig, model: str, dataset: Any, work: Path,
             runs[name].append({**run, "baseline_s": without})
     cost = [{"model": model, "mechanism": name, "label": MECHANISMS[name].label, "steps": cfg.cost_steps,
              "every": cfg.checkpoint_every, "checkpoints": runs[name][0]["checkpoints"],
-             **_timings(runs[name])} for name in cfg.mechanisms]
+             **pair_timings(runs[name])} for name in cfg.mechanisms]
     _, optim_bytes = _state_bytes(job)
     info = {"parameters": params, "model_state_bytes": model_bytes, "optimizer_state_bytes": optim_bytes}
     return cost, [{"model": model, **_format_timings(formats[name])} for name in cfg.mechanisms], info
@@ -310,7 +305,7 @@ def scale(cfg: StudyConfig, work: Path, progress: _Progress) -> list[dict]:
                                   "stall_s": [max(r["stall_s"][j] for r in runs) for j in range(len(first["stall_s"]))]})
                 rows.append({"model": model, "ranks": world, "mechanism": name, "label": MECHANISMS[name].label,
                              "steps": cfg.scale_steps, "every": cfg.scale_every, "global_batch": cfg.batch_size * world,
-                             "checkpoints": pairs[0]["checkpoints"], **_timings(pairs)})
+                             "checkpoints": pairs[0]["checkpoints"], **pair_timings(pairs)})
     return rows
 
 
@@ -356,9 +351,11 @@ def environment() -> dict[str, Any]:
             "load_average_1_5_15": list(load) if load else None}
 
 
-def run_study(cfg: StudyConfig, out: Path, on_progress: Optional[ProgressFn] = None) -> dict[str, Any]:
+def run_study(cfg: StudyConfig, out: Path, on_progress: Optional[ProgressFn] = None,
+              envs: Optional[Path] = None) -> dict[str, Any]:
     """Run every experiment; returns the results (what ``results.json`` holds). Checkpoints are
-    written under ``out/checkpoints`` and removed as soon as they are measured."""
+    written under ``out/checkpoints`` and removed as soon as they are measured. The frameworks of
+    ``cfg.frameworks`` run last, in their environments under ``envs`` (``frameworks.env_root``)."""
     cfg.check()
     out = Path(out)
     work = out / "checkpoints"
@@ -370,7 +367,7 @@ def run_study(cfg: StudyConfig, out: Path, on_progress: Optional[ProgressFn] = N
     t0 = time.perf_counter()
     dataset = make_dataset(cfg.samples, cfg.data_dir, cfg.seed)
     results: dict[str, Any] = {"config": asdict(cfg), "environment": environment(), "models": {},
-                               "cost": [], "formats": [], "scale": [], "determinism": {}}
+                               "cost": [], "formats": [], "scale": [], "determinism": {}, "frameworks": {}}
     try:
         with quiet_single_process():
             for model in cfg.models:
@@ -380,6 +377,12 @@ def run_study(cfg: StudyConfig, out: Path, on_progress: Optional[ProgressFn] = N
                 results["formats"] += formats
                 results["determinism"][model] = determinism(cfg, model, dataset, work / "det" / model, progress)
             results["scale"] = scale(cfg, work / "scale", progress)
+        for name in cfg.frameworks:
+            progress.start(f"{FRAMEWORKS[name].label}: environment and experiments")
+            try:
+                merge_framework(results, name, run_framework(name, cfg, work / "frameworks", envs))
+            except StudyError as e:  # the row says why; the other frameworks still run
+                results.setdefault("frameworks", {})[name] = could_not_run(name, str(e))
     finally:
         _remove(work)
         torch.set_num_threads(threads_before)

@@ -16,7 +16,7 @@ from resurgo.errors import StudyError
 from resurgo.study.models import LABELS
 from resurgo.wording import plural
 
-__all__ = ["write_outputs", "render_markdown", "require_matplotlib", "COST_PLOT", "SCALE_PLOT",
+__all__ = ["write_outputs", "render_markdown", "render_frameworks", "require_matplotlib", "COST_PLOT", "SCALE_PLOT",
            "determinism_plot_name", "cost_figure", "scale_figure", "determinism_figure", "curve_groups"]
 
 COST_PLOT = "fig1_cost_overhead.png"
@@ -206,6 +206,38 @@ def determinism_figure(plt: Any, det: dict) -> Any:
 
 
 # -- the report -------------------------------------------------------------------------------
+PYTORCH_NETS = {"resnet50": "CIFAR-10 variant (3x3 stem, no max-pool)",
+                "vgg16": "CIFAR-10 variant (batch norm, 512-512-10 classifier, dropout)"}
+
+
+def render_frameworks(results: dict) -> str:
+    """The frameworks beside PyTorch: versions, what ran or why not, each network's parameter
+    count per framework (the same architecture or not), and why scale ran for PyTorch only."""
+    frameworks = results.get("frameworks", {})
+    models = list(results["models"])
+    out = ["## Frameworks and networks\n",
+           "PyTorch runs in this process; each other framework runs the same experiments (Tables I, II and the "
+           "determinism table) in its own virtualenv with pinned versions, created on first use and cached "
+           "(`--envs`), on synthetic CIFAR-10-shaped data, with the same batch size, steps, checkpoint interval "
+           "and SGD with momentum. Its rows are named by framework in the tables below.\n"]
+    rows = [["PyTorch", f"torch {results['environment']['torch']}", "ran",
+             "ran" if results["scale"] else "not run: no rank counts were given"]]
+    for fw in frameworks.values():
+        versions = ", ".join(f"{k} {v}" for k, v in fw.get("versions", {}).items())
+        status = f"ran ({fw['duration_s']:.0f} s)" if fw["ran"] else f"could not run: {fw['why']}"
+        rows.append([fw["label"], versions or "-", status, fw["scale"]])
+    out.append(_table(["framework", "versions", "cost, formats, determinism", "scale"], rows) + "\n")
+    rows = [["PyTorch", _model(m), f"{results['models'][m]['parameters']:,}", f"resurgo.study.models, {PYTORCH_NETS[m]}"]
+            for m in models]
+    for fw in frameworks.values():
+        for m in models:
+            info = fw.get("models", {}).get(m)
+            rows.append([fw["label"], _model(m), f"{info['parameters']:,}" if info else "-",
+                         info["architecture"] if info else f"could not run: {fw.get('why', 'not run')}"])
+    out.append(_table(["framework", "model", "parameters", "definition"], rows) + "\n")
+    return "\n".join(out)
+
+
 def render_markdown(results: dict) -> str:
     cfg, env = results["config"], results["environment"]
     cores = env.get("cpu_count")
@@ -224,6 +256,8 @@ def render_markdown(results: dict) -> str:
                "PyTorch DCP `save`/`async_save` of `get_state_dict(model, optimizer)`; safetensors "
                "`save_file(model.state_dict())` (weights only); resurgo `save`/`async_save` of "
                "`TrainState(model, optimizer, dataloader, step)`, and `async_save(guard=optimizer)`.\n")
+    if results.get("frameworks"):
+        out.append(render_frameworks(results))
 
     # Table I
     out.append("## 1. Cost of checkpointing (Table I)\n")
@@ -305,12 +339,17 @@ def render_markdown(results: dict) -> str:
     rows = []
     for model in models:
         det = results["determinism"][model]
-        for r in det["restarts"].values():
+        others = [fw["determinism"][model] for fw in results.get("frameworks", {}).values()
+                  if fw["ran"] and model in fw["determinism"]]
+        for r in [r for d in [det, *others] for r in d["restarts"].values()]:
             st = r["stores"]
             rows.append([_model(model), r["label"], _yes(st["optimizer"]), _yes(st["rng"]),
                          _yes(st["data_position"]), repr(r["max_abs_diff"]), _yes(r["identical"])])
     out.append(_table(["model", "mechanism", "optimizer", "RNG", "data position",
                        "largest abs. loss difference after restart", "identical curve"], rows) + "\n")
+    if results.get("frameworks"):
+        out.append("Other frameworks' restarts are compared with their own uninterrupted run (same seed, same "
+                   "steps); the figures show PyTorch's.\n")
     for i, model in enumerate(models):
         out.append(f"![Figure {i + 2}: {_model(model)} loss after restart]({determinism_plot_name(i, model)})\n")
     return "\n".join(out)

@@ -23,7 +23,7 @@ from typing import Any
 
 from resurgo.errors import StudyError
 
-__all__ = ["spread", "median_interval", "coverage", "paired_overhead", "LEVEL"]
+__all__ = ["spread", "median_interval", "coverage", "paired_overhead", "pair_timings", "LEVEL"]
 
 LEVEL = 0.95
 
@@ -71,3 +71,14 @@ def paired_overhead(without: Sequence[float], with_ckpt: Sequence[float]) -> dic
     return {"pairs": len(diffs), "extra_s": extra, "extra_low_s": low, "extra_high_s": high,
             "coverage": cover, "overhead_pct": 100.0 * extra / base, "overhead_low_pct": 100.0 * low / base,
             "overhead_high_pct": 100.0 * high / base, "noise": low <= 0.0 <= high}
+
+
+def pair_timings(pairs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summaries of one mechanism's paired runs, each ``{"baseline_s", "seconds", "stall_s",
+    ...}``: spreads of both times and of the time blocked per checkpoint, and the paired overhead."""
+    without, with_ckpt = [r["baseline_s"] for r in pairs], [r["seconds"] for r in pairs]
+    stalls = [s for r in pairs for s in r["stall_s"]]
+    return {"repeats": len(pairs), "baseline": spread(without), "with_ckpt": spread(with_ckpt),
+            "stall": spread(stalls) if stalls else None, "stall_s": stalls,
+            "stall_interval": list(median_interval(stalls)) if stalls else None,
+            **paired_overhead(without, with_ckpt), "runs": pairs}
