@@ -84,7 +84,7 @@ def hang_in_the_save_of_last(step: int) -> type[ResurgoCheckpointIO]:
     write_then_commit = pipeline_save.write_then_commit
     armed = []
 
-    def hanging(comm, staging, write, manifest):
+    def hanging(comm, staging, write, manifest, *rest):
         def write_then_wait():
             written = write()
             if armed:
@@ -92,7 +92,7 @@ def hang_in_the_save_of_last(step: int) -> type[ResurgoCheckpointIO]:
                 time.sleep(600)
             return written
 
-        return write_then_commit(comm, staging, write_then_wait, manifest)
+        return write_then_commit(comm, staging, write_then_wait, manifest, *rest)
 
     pipeline_save.write_then_commit = hanging
 
