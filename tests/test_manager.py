@@ -356,16 +356,20 @@ def test_sigterm_saves_at_the_next_maybe_save_whatever_the_policy_and_sets_shoul
 
 
 def test_sigint_does_not_raise_keyboard_interrupt_and_the_default_action_is_not_chained(tmp_path):
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    with CheckpointManager(tmp_path, signals=(signal.SIGINT, signal.SIGUSR1), async_save=False) as mgr:
-        mgr.save(3, state_at(3))
-        os.kill(os.getpid(), signal.SIGINT)  # would raise KeyboardInterrupt if chained
-        os.kill(os.getpid(), signal.SIGUSR1)  # SIG_DFL would terminate the process if chained
-        assert mgr.maybe_save(3, state_at(3)) is False  # step 3 is already committed: nothing new
-        assert mgr.should_stop
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
-    assert committed_steps(tmp_path) == [3]
+    # Python's own SIGINT handler, whatever the launcher left (a background job of a script ignores SIGINT).
+    launched_with = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with CheckpointManager(tmp_path, signals=(signal.SIGINT, signal.SIGUSR1), async_save=False) as mgr:
+            mgr.save(3, state_at(3))
+            os.kill(os.getpid(), signal.SIGINT)  # would raise KeyboardInterrupt if chained
+            os.kill(os.getpid(), signal.SIGUSR1)  # SIG_DFL would terminate the process if chained
+            assert mgr.maybe_save(3, state_at(3)) is False  # step 3 is already committed: nothing new
+            assert mgr.should_stop
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+        assert committed_steps(tmp_path) == [3]
+    finally:
+        signal.signal(signal.SIGINT, launched_with)
 
 
 def test_off_the_main_thread_no_handler_is_installed(tmp_path):
