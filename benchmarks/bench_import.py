@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -112,6 +113,7 @@ def _dcp_rank(rank: int, out: str, port: int, params_m: float) -> None:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     dcp.save({"model": model.state_dict(), "step": 1}, checkpoint_id=out)
+    dist.barrier()  # both ranks leave together: a rank tearing gloo down under the other's feet can abort
     dist.destroy_process_group()
 
 
@@ -123,9 +125,12 @@ def write_sources(kind: str, out: Path, params_m: float, stage: int = 2) -> None
                if kind == "deepspeed" else
                f"mp.spawn(b._dcp_rank, args=({str(out)!r}, {_free_port()}, {params_m}), nprocs=2)"))
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"writing the {kind} source failed:\n{done.stderr[-4000:]}")
+    for _ in range(2):  # the source is only the input: one crash of torch's process teardown is retried
+        shutil.rmtree(out, ignore_errors=True)
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        if done.returncode == 0:
+            return
+    raise RuntimeError(f"writing the {kind} source failed twice:\n{done.stderr[-4000:]}")
 
 
 # -- one tool, in its own process ------------------------------------------------------------------
