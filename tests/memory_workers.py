@@ -162,3 +162,29 @@ def three_nodes(rank: int, world: int, tmp: str) -> dict:
     mgr.close()
     out["after"] = sorted(os.listdir(mine / "step_000000003" / "data"))
     return out
+
+
+def corrupt_in_transit(rank: int, world: int, tmp: str) -> dict:
+    """Save step 1; then save step 2 with one byte of rank 0's data flipped on its way to its
+    replica holder (rank 2): the save fails on every rank, and step 1 is what memory restores."""
+    from resurgo.storage.local import LocalStaging
+
+    mgr = manager(tmp, rank, async_save=False)
+    mgr.save(1, rank_state(1, rank, world))
+    if rank == 0:
+        mapped = LocalStaging.map_read
+
+        def flipped(self, rel):  # a private mapping: the file itself keeps its bytes
+            f = mapped(self, rel)
+            f.view[len(f.view) - 9] ^= 1
+            return f
+
+        LocalStaging.map_read = flipped
+    out: dict = {}
+    try:
+        mgr.save(2, rank_state(2, rank, world))
+    except resurgo.ResurgoError as e:
+        out["error"] = (type(e).__name__, str(e))
+    mgr.close()
+    out.update(restore_only(rank, world, tmp, 1))
+    return out

@@ -6,8 +6,8 @@ and on peers, so that a job can save every few steps and restore in seconds; dur
 the last resort. Here each node has its own root (``/dev/shm`` by default: it survives the
 training process, not the machine). A save writes every rank's data files into its node's root;
 once all are written each rank sends them to ``replicas`` ranks on other nodes
-(:func:`resurgo.plan.memory_plan.replica_targets`), which verify every checksum before writing
-them; only once that succeeded on every rank does each node's lowest rank commit its node's
+(:func:`resurgo.plan.memory_plan.replica_targets`), which receive them into their node's
+staging and verify every checksum before keeping them; only once that succeeded on every rank does each node's lowest rank commit its node's
 directory (the coordinator's manifest, the same bytes on every node). A committed node directory
 therefore always belongs to a step that was complete, with its replicas, everywhere.
 
@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 from resurgo.dist.comm import Comm
 from resurgo.errors import CorruptCheckpointError, MemoryBudgetError, ResurgoError, UnsupportedValueError
@@ -41,7 +40,7 @@ from resurgo.plan.global_plan import GlobalPlan
 from resurgo.plan.memory_plan import (Holding, Nodes, Rebuild, assign_held, choose_rebuild, node_bytes,
                                       replica_targets, replication, spread)
 from resurgo.storage.base import Staging
-from resurgo.storage.local import CheckpointDir, LocalRoot
+from resurgo.storage.local import CheckpointDir, LocalRoot, LocalStaging
 from resurgo.storage.open import is_url
 
 SHM = "/dev/shm"
@@ -107,16 +106,6 @@ class MemoryTier:
             return Path(SHM) / f"resurgo-{getpass.getuser()}" / job / f"node-{node}"
         text = os.fspath(self.root)
         return Path(text.replace("{node}", str(node)))
-
-
-def write_file(staging: Staging, name: str, data: np.ndarray) -> None:
-    """``data`` as the file ``name`` of ``staging``, durable."""
-    handle = staging.create(name)
-    try:
-        handle.write(data.data)
-        handle.fsync()
-    finally:
-        handle.close()
 
 
 def holdings(root: Path) -> dict[int, Holding]:
@@ -209,10 +198,11 @@ class MemoryNodes:
         manifest = parse_manifest(raw, "the manifest being saved")
         everyone = comm.all_gather([(name, manifest.files[name].bytes) for name in sorted(mine)])
         transfers = replication(everyone, self.targets)
-        # A memory root is a local directory: its staging (LocalStaging) reads back what it wrote.
-        replicate.exchange(comm, transfers, manifest, str(self.root),
-                           read=lambda name: replicate.read_all(staging.open_read(name)),  # type: ignore[attr-defined]
-                           write=lambda name, data: write_file(staging, name, data))
+        # A memory root is a local directory: its staging (LocalStaging) maps what it wrote, and
+        # the replicas it receives, so no file is copied beside its bytes in the node's memory.
+        assert isinstance(staging, LocalStaging)
+        replicate.exchange(comm, transfers, manifest, str(self.root), source=staging.map_read,
+                           sink=staging.create_mapped)
 
     # -- restoring --------------------------------------------------------------------------------
     def rebuild(self, comm: Comm, only: int | None = None) -> Rebuild | None:
@@ -234,15 +224,16 @@ class MemoryNodes:
         manifest = parse_manifest(source_raw, f"rank {rebuild.source}'s manifest of step {rebuild.step}")
         # Each leader opens its node's staging; every rank of the node writes what it receives there.
         incoming = {t.name for t in rebuild.transfers if t.dst == self.leader}
-        staging: Staging | None = None
+        staging: LocalStaging | None = None
+        held = CheckpointDir(path)
 
         def prepare() -> None:
             nonlocal staging
             if self.rank not in rebuild.receivers():
                 return
-            staging = CheckpointDir(path).stage(True, declared_files)
+            staging = held.stage(True, declared_files)
             for name in sorted(set(manifest.files) - incoming):  # what this node holds already
-                write_file(staging, name, replicate.read_all(CheckpointDir(path).open_read(name)))
+                staging.adopt(name, held.resolve(name))
 
         def commit() -> None:
             if staging is not None:
@@ -252,9 +243,8 @@ class MemoryNodes:
             comm.agree(prepare)
             mine = comm.all_gather(staging)[self.leader]  # None on a node that receives nothing: never written to
             comm.agree(lambda: replicate.exchange(
-                comm, spread(rebuild.transfers, self.nodes), manifest, str(path),
-                read=lambda name: replicate.read_all(CheckpointDir(path).open_read(name)),
-                write=lambda name, data: write_file(mine, name, data)))  # type: ignore[arg-type]
+                comm, spread(rebuild.transfers, self.nodes), manifest, str(path), source=held.map_read,
+                sink=lambda name, nbytes: mine.create_mapped(name, nbytes)))  # type: ignore[union-attr]
             comm.agree(commit)
         except BaseException:
             if staging is not None:

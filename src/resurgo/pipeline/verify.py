@@ -132,6 +132,12 @@ class _BytesHandle:
     def read_at(self, offset: int, n: int) -> bytes:
         return self._data[offset:offset + n].tobytes()
 
+    def view(self, offset: int, n: int) -> memoryview:
+        """The bytes themselves (checked where they are, no copy)."""
+        if offset + n > self.size:
+            raise CorruptCheckpointError(f"data file {self.rel!r}: ends at byte {self.size}, before the data the manifest lists")
+        return self._data[offset:offset + n].data
+
 
 class _Named:
     """Where messages say the bytes came from (``check_header`` names a checkpoint's path)."""
@@ -149,7 +155,7 @@ def verify_file_bytes(manifest: Manifest, name: str, data: np.ndarray, where: st
     report = VerifyReport(where)
     by_file = {name: _spans_by_file(manifest).get(name, [])}
     _check_file(_Named(where), manifest, name, _BytesHandle(name, data), by_file,  # type: ignore[arg-type]
-                np.empty(PIECE_BYTES, dtype=np.uint8), report, None)
+                np.empty(0, dtype=np.uint8), report, None)
     return report.problems
 
 
@@ -158,7 +164,8 @@ def _check_span(handle, manifest: Manifest, key: str, ci: int, offset: int, star
     """Check file bytes ``[start, stop)``, bytes from ``offset`` on of chunk ``ci`` of ``key``."""
     c = manifest.tensors[key].chunks[ci]
     piece = max(c.block_bytes, PIECE_BYTES // c.block_bytes * c.block_bytes)
-    if piece > len(buf):
+    in_memory = getattr(handle, "view", None)  # bytes already in memory are checked in place
+    if piece > len(buf) and in_memory is None:
         buf = np.empty(piece, dtype=np.uint8)
     if offset == 0:
         report.chunks_checked += 1
@@ -166,7 +173,10 @@ def _check_span(handle, manifest: Manifest, key: str, ci: int, offset: int, star
         n = min(piece, stop - start - off)
         view = buf.data[:n]
         try:
-            handle.read_into(start + off, view)
+            if in_memory is not None:
+                view = in_memory(start + off, n)
+            else:
+                handle.read_into(start + off, view)
         except CorruptCheckpointError as e:
             return f"tensor {key!r}: {e}"
         bad = checksum.first_bad_block(view, c.block_bytes, c.checksums, (offset + off) // c.block_bytes)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import mmap
 import os
 import shutil
 import stat
@@ -64,6 +65,98 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_MEMORY_FS = frozenset({"tmpfs", "ramfs"})
+
+
+def in_memory_fs(path: Path, mounts: str = "/proc/self/mounts") -> bool:
+    """Whether ``path`` lies on a filesystem held in memory (tmpfs, ramfs: ``/dev/shm``), from
+    the longest mount point above it in ``mounts`` (False where there is none)."""
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open(mounts, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mount = fields[1].replace("\\040", " ")
+                if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
+                    best, kind = mount, fields[2]
+    except OSError:
+        return False
+    return kind in _MEMORY_FS
+
+
+class MappedFile:
+    """A data file's bytes mapped into this process's memory: a new file of a known size to fill
+    in place (``create=True``: the blocks are allocated first, so a full filesystem raises
+    StorageError here rather than a SIGBUS mid-copy), or an existing one to read (a private
+    mapping: nothing written to ``view`` reaches the file). ``view``: the bytes; ``fsync`` makes
+    a new file durable; ``close`` unmaps once nothing holds ``view`` any more."""
+
+    def __init__(self, path: Path, label: str, *, create: bool = False, size: int = 0):
+        self.path, self.label = path, label
+        try:
+            if create:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+            else:
+                fd = _open_for_read(path, label)
+        except OSError as e:
+            if isinstance(e, ResurgoError):
+                raise
+            raise StorageError(e.errno, f"{label}: cannot open: {e.strerror}") from None
+        try:
+            if create:
+                self._allocate(fd, size)
+            else:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise CorruptCheckpointError(f"{label}: not a regular file")
+                size = st.st_size
+            self.size = size
+            self._map: mmap.mmap | None = (
+                None if size == 0 else mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if create else mmap.ACCESS_COPY))
+        except OSError as e:
+            if isinstance(e, ResurgoError):
+                raise
+            raise StorageError(e.errno, f"{label}: cannot map {size} bytes: {e.strerror}") from None
+        finally:
+            os.close(fd)  # the mapping keeps the file
+        self.view = memoryview(self._map) if self._map is not None else memoryview(bytearray())
+
+    @staticmethod
+    def _allocate(fd: int, size: int) -> None:
+        if size == 0:
+            return
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+            os.ftruncate(fd, size)  # no fallocate here: the blocks come as they are written
+
+    def fsync(self) -> None:
+        try:
+            if self._map is not None:
+                self._map.flush()  # msync: nothing to do in memory, the write-back on a disk
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # the file's size and blocks
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise StorageError(e.errno, f"{self.label}: fsync failed: {e.strerror}") from None
+
+    def close(self) -> None:
+        try:
+            self.view.release()
+            if self._map is not None:
+                self._map.close()
+        except BufferError:  # something over the bytes is still alive: unmapped when it goes
+            pass
+        self._map = None
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -405,6 +498,10 @@ class CheckpointDir:
     def open_read(self, rel: str) -> ReadHandle:
         return ReadHandle(self.resolve(rel), rel)
 
+    def map_read(self, rel: str) -> MappedFile:
+        """The data file ``rel`` mapped into memory, read-only (sent to a peer without a copy)."""
+        return MappedFile(self.resolve(rel), self.describe(rel))
+
     def sibling(self, name: str) -> "CheckpointDir":
         """The checkpoint ``name`` in the same directory as this one (unpinned)."""
         return CheckpointDir(self.path.parent / name)
@@ -559,20 +656,48 @@ class LocalStaging:
         self.overwrite = overwrite
         self.declared_files = declared_files  # a module-level function: the staging still pickles
         self.file_tag = ""  # the temporary directory is this save's own
+        self._in_memory: bool | None = None  # whether tmp is on tmpfs: found at the first create
 
     def _prove(self, final: Path) -> Owned:
         return prove_checkpoint_dir(final, self.declared_files, "replace it")
 
     def create(self, rel: str) -> DirectWriteHandle:
-        # Data files bypass the page cache (see storage/direct_io.py); the manifest does not.
+        # Data files bypass the page cache (see storage/direct_io.py); the manifest does not. In
+        # memory (tmpfs) there is no device to go around: O_DIRECT would only add a bounce copy.
+        if self._in_memory is None:
+            self._in_memory = in_memory_fs(self.tmp)
         try:
-            return DirectWriteHandle(self.tmp / rel, label=f"{self.final} (saving {rel})")
+            return DirectWriteHandle(self.tmp / rel, label=f"{self.final} (saving {rel})", direct=not self._in_memory)
         except OSError as e:
             raise StorageError(e.errno, f"{self.final}: cannot create {rel}: {e.strerror}") from None
 
-    def open_read(self, rel: str) -> ReadHandle:
-        """A file this save wrote, read back before the commit (a memory tier sends it to a peer)."""
-        return CheckpointDir(self.tmp).open_read(rel)
+    def create_mapped(self, rel: str, size: int) -> MappedFile:
+        """A new data file of ``size`` bytes mapped into memory, to be filled in place (a replica
+        received from a peer); ``fsync`` it once filled."""
+        return MappedFile(self.tmp / rel, f"{self.final} (saving {rel})", create=True, size=size)
+
+    def map_read(self, rel: str) -> MappedFile:
+        """A file this save wrote, mapped read-only before the commit (a memory tier sends it to a peer)."""
+        return CheckpointDir(self.tmp).map_read(rel)
+
+    def adopt(self, rel: str, source: Path) -> None:
+        """``source`` (a committed data file on the same filesystem, never modified in place) as
+        the data file ``rel`` of this save: a hard link, else a durable copy."""
+        dest = self.tmp / rel
+        try:
+            try:
+                os.link(source, dest)
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+                    raise
+                shutil.copyfile(source, dest)
+                fd = os.open(dest, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        except OSError as e:
+            raise StorageError(e.errno, f"{self.final}: cannot take {rel} from {source}: {e.strerror}") from None
 
     def commit(self, manifest: bytes) -> None:
         """Write the manifest last, make everything durable, and publish atomically."""
