@@ -10,7 +10,9 @@ Measured per repetition (each figure is the slowest rank's, every rank starting 
   from node 0's replicas, and node 1 receives node 0's data too, to hold its replicas again),
   from disk (page cache dropped where possible) and from S3; each into a blank state made before
   the timer starts (a memory restore through a manager made before it, too).
-Every restore is compared bit for bit with the state saved (outside the timed part). Reported:
+Every restore is compared bit for bit with the state saved (outside the timed part). Where the
+time goes: the replication inside the synchronous memory save (send, receive, verify) and the
+fetch from the peer inside the peer restore (the rest of it is the ordinary load). Reported:
 medians and the ratios the memory tier aims at: time-to-safe <= 0.5x the disk save, restore from
 a peer >= 3x faster than from S3.
 
@@ -39,6 +41,8 @@ SCHEMA = "resurgo-bench-memory-tier/1"
 WORLD = 4
 FIGURES = ("stall", "time_to_safe", "sync_safe", "disk_save", "s3_save", "restore_local", "restore_peer", "restore_disk",
            "restore_s3")
+# Where the time goes (the slowest rank's seconds inside the figure named first).
+PARTS = ("sync_safe: replication", "restore_peer: fetch from the peer")
 
 
 def _state(rank: int, world: int, mib: float, seed: int) -> dict:
@@ -76,19 +80,38 @@ def worker(rank: int, world: int, work: str, disk_work: str, url: str, options: 
 
     import resurgo
     from resurgo.manager import CheckpointManager, MemoryTier
+    from resurgo.manager.memory import MemoryNodes
+    from resurgo.pipeline import replicate
 
     import common
+
+    def slowest(seconds: float) -> float:
+        out = [0.0] * world
+        dist.all_gather_object(out, seconds)
+        return max(out)
 
     def timed(fn) -> float:  # the slowest rank's seconds
         dist.barrier()
         t0 = time.perf_counter()
         fn()
-        seconds = time.perf_counter() - t0
-        out = [0.0] * world
-        dist.all_gather_object(out, seconds)
-        return max(out)
+        return slowest(time.perf_counter() - t0)
 
-    figures: dict[str, list[float]] = {k: [] for k in FIGURES}
+    part: dict[str, float] = {}
+
+    def clocked(fn, name: str):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                part[name] = time.perf_counter() - t0
+        return run
+
+    # The replication of a save (send, receive, verify: replicate.exchange) and a peer restore's
+    # fetch (the files node 1 lost, received from node 0), timed where they run.
+    replicate.exchange = clocked(replicate.exchange, "exchange")
+    MemoryNodes.fetch = clocked(MemoryNodes.fetch, "fetch")  # type: ignore[method-assign]
+    figures: dict[str, list[float]] = {k: [] for k in FIGURES + PARTS}
     exact = True
     for rep in range(repeats):
         state = _state(rank, world, mib, rep)
@@ -98,6 +121,7 @@ def worker(rank: int, world: int, work: str, disk_work: str, url: str, options: 
         mgr = CheckpointManager(tiers=[tier], async_save=False)
         mgr.save(0, state)  # untimed: the first save of a job also makes its process groups
         figures["sync_safe"].append(timed(lambda: mgr.save(1, state)))
+        figures["sync_safe: replication"].append(slowest(part["exchange"]))
         mgr.close()
         mgr = CheckpointManager(tiers=[tier], async_save=True)
         mgr.save(2, state)
@@ -135,6 +159,7 @@ def worker(rank: int, world: int, work: str, disk_work: str, url: str, options: 
         if rank == 2:
             shutil.rmtree(mem / "node1")
         restore("restore_peer")
+        figures["restore_peer: fetch from the peer"].append(slowest(part["fetch"]))
 
         if rank == 0:
             common.evict(disk)
@@ -191,6 +216,8 @@ def main() -> int:
           f"{args.repeats} repeats, medians (slowest rank), every restore bit-exact: {results[0]['exact']}")
     for k in FIGURES:
         print(f"  {k:14s} {med[k]:8.3f} s")
+    for k in PARTS:
+        print(f"  {k:34s} {med[k]:8.3f} s")
     print(f"  time-to-safe / disk save   {ratios['time_to_safe / disk_save']:.2f}x  (target <= 0.5)")
     print(f"  sync memory save / disk save  {ratios['sync_safe / disk_save']:.2f}x")
     print(f"  S3 restore / peer restore  {ratios['restore_s3 / restore_peer']:.2f}x  (target >= 3)")
