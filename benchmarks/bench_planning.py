@@ -37,13 +37,13 @@ import xxhash
 
 from resurgo.dist.comm import Comm
 from resurgo.format import checksum
-from resurgo.format.manifest import parse_manifest
+from resurgo.format.index import RankIndex, data_file_name, parse_index, resolve
+from resurgo.format.manifest import (INDEXED_VERSION, BoxPlace, ChunkEntry, FileEntry, GridEntry, Manifest, RankFiles,
+                                     TensorEntry, parse_manifest)
 from resurgo.layout.box import ChunkBox
-from resurgo.pipeline.save import PreparedSave, build_manifest
-from resurgo.pipeline.writer import WrittenChunk, WrittenFile
-from resurgo.plan.global_plan import GlobalPlan, PlanCache, RankDecl, TensorDecl, plan_global
+from resurgo.plan import core_plan
+from resurgo.plan.global_plan import PlanCache, RankDecl, TensorDecl, plan_global
 from resurgo.plan.load_plan import Target, plan_reads
-from resurgo.plan.save_plan import plan_files
 
 COLS = 1024
 
@@ -53,9 +53,10 @@ def _rows(i: int) -> int:
 
 
 def _bounds(rows: int, world: int, rank: int) -> tuple[int, int]:
-    base, extra = divmod(rows, world)
-    start = rank * base + min(rank, extra)
-    return start, base + (1 if rank < extra else 0)
+    """(start, rows) of ``rank``'s shard: DTensor's Shard(0), torch.chunk's rule (trailing shards empty)."""
+    step = -(-rows // world)
+    start = min(rank * step, rows)
+    return start, min(start + step, rows) - start
 
 
 def _tree_items(tensors: int) -> list:
@@ -133,38 +134,70 @@ def cached_path(world: int, tensors: int, repeats: int) -> dict:
             "broadcast_bytes_cached": len(pickle.dumps(merged[0], protocol=pickle.HIGHEST_PROTOCOL))}
 
 
-def fake_manifest(plan: GlobalPlan, world: int) -> bytes:
-    """The manifest the coordinator would write for ``plan``: every rank's data files as the writer
-    lays them out, one checksum per block."""
-    written = []
-    n = 0
-    for rank, writes in enumerate(plan.writes):
-        files = plan_files([w.item for w in writes], rank=rank, max_files=4, tag="")
-        for f in files.files:
-            offset, chunks = 4096, []
-            for item in f.items:
-                blocks = max(1, math.ceil(item.nbytes / item.block_bytes))
-                sums = [f"{n + b:032x}" for b in range(blocks)]
-                n += blocks
-                chunks.append(WrittenChunk(item, f.path, (offset, offset + item.nbytes), item.block_bytes, sums))
-                offset += item.nbytes
-            written.append(WrittenFile(f.path, offset, 4096, "0" * 32, chunks))
-    prep = PreparedSave("sim", plan.tree, plan.tensors, {}, False, 100, None, None, None, None,  # type: ignore[arg-type]
-                        Comm(0, world))
-    return build_manifest(prep, written).to_json_bytes()
-
-
-def load_plan_of(raw: bytes, rank: int, world: int, tensors: int) -> tuple[float, float]:
-    """(seconds to parse the manifest, seconds to plan one rank's reads of its FSDP shards)."""
+def core_and_index(world: int, tensors: int, rank: int) -> tuple[bytes, bytes, float]:
+    """The format version 4 metadata of the FSDP-style state on ``world`` ranks, built by the
+    writer's own code: the core manifest (each tensor's layout found by
+    :func:`resurgo.layout.grid.describe` from its ``world`` chunks, every rank's index size and
+    digest) and ``rank``'s index (its chunks, one checksum per block); and the seconds the layouts
+    took. Other ranks' indexes are not built: each is the size of ``rank``'s, and the core records
+    their digests, 32 hex digits each, whatever they are."""
+    block = checksum.block_bytes_for
     t0 = time.perf_counter()
-    manifest = parse_manifest(raw)
-    t1 = time.perf_counter()
+    tensors_core: dict[str, TensorEntry] = {}
+    mine: dict[str, list[ChunkEntry]] = {}
+    offset, n_sums = 4096, 0
+    for i in range(tensors):
+        key, rows = f"model.layers.{i}.weight", _rows(i)
+        chunks = [(ChunkBox((a, 0), (n, COLS)), r) for r in range(world) for a, n in [_bounds(rows, world, r)] if n]
+        layout = core_plan.layout_of((rows, COLS), chunks)  # type: ignore[arg-type]
+        tensors_core[key] = TensorEntry(kind="torch", dtype="bfloat16", shape=[rows, COLS],
+                                        **({"grid": layout} if isinstance(layout, GridEntry) else {"pieces": layout}))
+        start, n = _bounds(rows, world, rank)
+        if n:
+            nbytes, bb = n * COLS * 2, block(rows * COLS * 2, COLS * 2)
+            sums = [f"{n_sums + j:032x}" for j in range(max(1, math.ceil(nbytes / bb)))]
+            n_sums += len(sums)
+            mine[key] = [ChunkEntry(box=BoxPlace(offsets=[start, 0], shape=[n, COLS]), file=data_file_name(rank, 0),
+                                    byte_range=[offset, offset + nbytes], block_bytes=bb, checksums=sums)]
+            offset += nbytes
+    for i in range(4):  # replicated: one rank writes each
+        key, writer = f"norm.{i}", i % world
+        tensors_core[key] = TensorEntry(kind="torch", dtype="float32", shape=[1024],
+                                        grid=GridEntry(parts=[1], offset=writer, strides=[0]))
+        if writer == rank:
+            mine[key] = [ChunkEntry(box=BoxPlace(offsets=[0], shape=[1024]), file=data_file_name(rank, 0),
+                                    byte_range=[offset, offset + 4096], block_bytes=65536, checksums=["0" * 32])]
+            offset += 4096
+    layouts_s = time.perf_counter() - t0
+    index = RankIndex(format="resurgo.index", version=INDEXED_VERSION, rank=rank, chunks=mine,
+                      files={data_file_name(rank, 0): FileEntry(bytes=offset, header_bytes=4096, header_checksum="0" * 32)})
+    raw_index = index.encode()
+    digests = [f"{r:032x}" for r in range(world)]
+    digests[rank] = checksum.digest(raw_index)
+    tree = {"type": "dict", "items": _tree_items(tensors) + [
+        ["rng", {"type": "per_rank", "items": [{"type": "int", "value": r} for r in range(world)]}]]}
+    core = Manifest(format="resurgo.checkpoint", version=INDEXED_VERSION, created_at="2026-01-01T00:00:00.000+00:00",
+                    step=100, library={"resurgo": "0"}, world={"size": world}, checksum_algorithm="xxh3-128",
+                    pickled=False, files={}, tensors=tensors_core, tree=tree, file_tag="",
+                    ranks=RankFiles(files=[1] * world, index_bytes=[len(raw_index)] * world, index_checksums=digests))
+    return core.to_json_bytes(), raw_index, layouts_s
+
+
+def load_plan_of(core_raw: bytes, index_raw: bytes, rank: int, world: int, tensors: int) -> float:
+    """Seconds for one rank to parse the core and its index, resolve its chunks and plan its reads."""
+    t0 = time.perf_counter()
+    core = parse_manifest(core_raw)
+    index = parse_index(index_raw, core, rank, "index")
+    wanted: dict = {}
     targets = []
     for i in range(tensors):
         start, n = _bounds(_rows(i), world, rank)
-        targets.append(Target(f"model.layers.{i}.weight", ChunkBox((start, 0), (n, COLS)), n * COLS * 2))
-    plan_reads(targets, manifest.tensors)
-    return t1 - t0, time.perf_counter() - t1
+        key = f"model.layers.{i}.weight"
+        wanted[key] = [ChunkBox((start, 0), (n, COLS))]
+        targets.append(Target(key, ChunkBox((start, 0), (n, COLS)), n * COLS * 2))
+    resolved = resolve(core, {rank: index}, wanted, lambda r: f"rank {r}'s index")
+    plan_reads(targets, resolved.tensors)
+    return time.perf_counter() - t0
 
 
 def dcp_worker(rank: int, world: int, root: str, tensors: int) -> dict | None:
@@ -223,8 +256,8 @@ COLUMNS = [("ranks", "ranks", "B"), ("uncached s", "plan_seconds", "s"), ("cache
            ("sent/rank cached B", "gathered_bytes_per_rank_cached", "B"),
            ("sent/rank uncached B", "gathered_bytes_per_rank_uncached", "B"),
            ("bcast cached MB", "broadcast_bytes_cached", "MB"), ("bcast uncached MB", "broadcast_bytes_uncached", "MB"),
-           ("manifest MB", "manifest_bytes", "MB"), ("load reads MB", "load_metadata_bytes", "MB"),
-           ("load parse s", "load_parse_seconds", "s"), ("load plan s", "load_plan_seconds", "s")]
+           ("core manifest MB", "manifest_bytes", "MB"), ("layouts s", "layouts_seconds", "s"),
+           ("load reads MB", "load_metadata_bytes", "MB"), ("load plan s", "load_plan_seconds", "s")]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -233,7 +266,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tensors", type=int, default=1000)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-planned", type=int, default=512, help="largest world whose uncached plan is measured")
-    ap.add_argument("--max-manifest", type=int, default=64, help="largest world whose manifest is built and loaded")
     ap.add_argument("--dcp-ranks", type=int, nargs="*", default=[2, 4, 8], help="real gloo worlds (none: skip)")
     ap.add_argument("--out", default="bench-results/planning.json")
     args = ap.parse_args(argv)
@@ -251,14 +283,14 @@ def main(argv: list[str] | None = None) -> dict:
             per_rank = plan[0].bytes_per_rank()
             row["max_over_mean_bytes"] = max(per_rank) / (sum(per_rank) / len(per_rank))
             del decls
-            if world <= args.max_manifest:
-                raw = fake_manifest(plan[0], world)
-                row["manifest_bytes"] = row["load_metadata_bytes"] = len(raw)
-                row["load_parse_seconds"], row["load_plan_seconds"] = load_plan_of(raw, world // 2, world, args.tensors)
-                del raw
             del plan
-        for field in ("plan_seconds", "broadcast_bytes_uncached", "manifest_bytes", "load_metadata_bytes",
-                      "load_parse_seconds", "load_plan_seconds"):
+        core_raw, index_raw, row["layouts_seconds"] = core_and_index(world, args.tensors, world // 2)
+        row["manifest_bytes"] = len(core_raw)
+        row["load_metadata_bytes"] = len(core_raw) + len(index_raw)
+        row["load_plan_seconds"] = _median_time(lambda: load_plan_of(core_raw, index_raw, world // 2, world, args.tensors),
+                                                args.repeats)
+        del core_raw, index_raw
+        for field in ("plan_seconds", "broadcast_bytes_uncached"):
             if field in row:
                 measured.setdefault(field, []).append((world, row[field]))
             elif field in measured:

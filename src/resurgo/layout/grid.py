@@ -15,7 +15,6 @@ chunk. Pure geometry: no I/O, no torch.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -77,48 +76,40 @@ def _nonempty_parts(size: int, parts: int) -> int:
 def describe(shape: Sequence[int], chunks: Sequence[tuple[ChunkBox, int]]) -> Grid | None:
     """The grid whose cells holding elements are exactly ``chunks`` (boxes, with their writers),
     or None when there is none. Among the part counts that give the same cells the smallest is
-    chosen, and a stride along a dimension of one part is 0."""
+    chosen, and a stride along a dimension of one part is 0. One pass over the chunks, each
+    checked against the rule (a job's plan has one per rank per tensor)."""
     shape = tuple(shape)
-    if not chunks or math.prod(shape) == 0:
+    ndim = len(shape)
+    if not chunks or math.prod(shape) == 0 or any(len(b.offsets) != ndim for b, _ in chunks):
         return None
-    if any(len(b.offsets) != len(shape) for b, _ in chunks):
-        return None
-    parts = []
+    bounds: list[dict[int, tuple[int, int]]] = []  # per dimension: start -> (part, size)
     for d, n in enumerate(shape):
         starts = sorted({b.offsets[d] for b, _ in chunks})
         p = len(starts)
-        if any(part_bounds(n, p, i)[0] != s for i, s in enumerate(starts)):
+        parts = [part_bounds(n, p, i) for i in range(p)]
+        if [a for a, _ in parts] != starts:
             return None
-        parts.append(p)
-    grid_shape = tuple(parts)
-    if len(chunks) != math.prod(grid_shape):
+        bounds.append({a: (i, z - a) for i, (a, z) in enumerate(parts)})
+    parts_per_dim = tuple(len(b) for b in bounds)
+    if len(chunks) != math.prod(parts_per_dim):
         return None
-    origin = tuple(0 for _ in shape)
-    starts = [_starts(n, p) for n, p in zip(shape, parts)]
-    cells = [tuple(bisect.bisect_left(st, o) for st, o in zip(starts, b.offsets)) for b, _ in chunks]
     writers: dict[tuple[int, ...], int] = {}
-    for cell, (b, rank) in zip(cells, chunks):
-        if cell in writers:
+    for b, rank in chunks:
+        cell = []
+        for d in range(ndim):
+            i, size = bounds[d][b.offsets[d]]
+            if size != b.shape[d]:
+                return None
+            cell.append(i)
+        writers[tuple(cell)] = rank
+    if len(writers) != len(chunks):
+        return None  # a cell twice
+    offset = writers[(0,) * ndim]
+    strides = tuple(0 if p == 1 else writers[tuple(1 if e == d else 0 for e in range(ndim))] - offset
+                    for d, p in enumerate(parts_per_dim))
+    for cell, rank in writers.items():
+        if offset + sum(c * s for c, s in zip(cell, strides)) != rank:
             return None
-        writers[cell] = rank
-    if origin not in writers:
-        return None
-    offset = writers[origin]
-    strides = []
-    for d, p in enumerate(parts):
-        if p == 1:
-            strides.append(0)
-            continue
-        step = tuple(1 if e == d else 0 for e in range(len(shape)))
-        if step not in writers:
-            return None
-        strides.append(writers[step] - offset)
-    grid = Grid(grid_shape, offset, tuple(strides))
-    for cell, (b, rank) in zip(cells, chunks):
-        if grid.box(shape, cell) != b or grid.writer(cell) != rank:
-            return None
-    return grid
+    return Grid(parts_per_dim, offset, strides)
 
 
-def _starts(size: int, parts: int) -> list[int]:
-    return [part_bounds(size, parts, i)[0] for i in range(parts)]

@@ -50,6 +50,7 @@ from resurgo.format.manifest import (
 )
 from resurgo.layout.box import ChunkBox, FlatRange, place_order
 from resurgo.pipeline.buffers import TensorStream, source_for_write
+from resurgo.pipeline.manifest_read import resolve_for
 from resurgo.pipeline.collective import NodeLocal, open_node_staging, write_then_commit
 from resurgo.pipeline.writer import (WrittenChunk, WrittenFile, digests_of, reused_extents, sampled_digests,
                                      write_data_file)
@@ -185,7 +186,10 @@ def read_base_manifest(base: str | os.PathLike, storage_options: dict | None) ->
     ckpt = open_checkpoint(base, storage_options)
     raw = ckpt.read_manifest_bytes()
     last = _last_incremental
-    return last[1] if last is not None and last[0] == raw else parse_manifest(raw, ckpt.describe(MANIFEST_NAME))
+    if last is not None and last[0] == raw:
+        return last[1]
+    manifest = parse_manifest(raw, ckpt.describe(MANIFEST_NAME))
+    return resolve_for(ckpt, manifest, None) if manifest.indexed else manifest  # a job's save as a base
 
 
 # The manifest of this process's last incremental save, built here: the next save's base, most

@@ -29,16 +29,16 @@ def describe_layouts(plan: GlobalPlan) -> dict[str, Layout]:
         for w in writes:
             if w.item.place.numel:  # an empty chunk holds nothing and is listed nowhere
                 placed[w.item.key].append((w.item.place, rank))
-    out: dict[str, Layout] = {}
-    for key, chunks in placed.items():
-        shape = plan.tensors[key].shape
-        grid = describe(shape, [(p, r) for p, r in chunks if isinstance(p, ChunkBox)]) \
-            if all(isinstance(p, ChunkBox) for p, _ in chunks) else None
-        if grid is not None:
-            out[key] = GridEntry(parts=list(grid.parts), offset=grid.offset, strides=list(grid.strides))
-        else:
-            out[key] = [piece(p, r) for p, r in sorted(chunks, key=lambda c: place_order(c[0]))]
-    return out
+    return {key: layout_of(plan.tensors[key].shape, chunks) for key, chunks in placed.items()}
+
+
+def layout_of(shape: tuple[int, ...], chunks: list[tuple[Place, int]]) -> Layout:
+    """One tensor's grid, or its pieces: ``chunks`` are its non-empty places and their writers."""
+    grid = describe(shape, [(p, r) for p, r in chunks if isinstance(p, ChunkBox)]) \
+        if all(isinstance(p, ChunkBox) for p, _ in chunks) else None
+    if grid is not None:
+        return GridEntry(parts=list(grid.parts), offset=grid.offset, strides=list(grid.strides))
+    return [piece(p, r) for p, r in sorted(chunks, key=lambda c: place_order(c[0]))]
 
 
 _last: tuple[object, dict[str, Layout]] | None = None
