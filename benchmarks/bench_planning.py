@@ -37,7 +37,7 @@ import xxhash
 
 from resurgo.dist.comm import Comm
 from resurgo.format import checksum
-from resurgo.format.index import RankIndex, data_file_name, parse_index, resolve
+from resurgo.format.index import RankIndex, data_file_name, parse_index, ranks_needed, resolve
 from resurgo.format.manifest import (INDEXED_VERSION, BoxPlace, ChunkEntry, FileEntry, GridEntry, Manifest, RankFiles,
                                      TensorEntry, parse_manifest)
 from resurgo.layout.box import ChunkBox
@@ -134,60 +134,72 @@ def cached_path(world: int, tensors: int, repeats: int) -> dict:
             "broadcast_bytes_cached": len(pickle.dumps(merged[0], protocol=pickle.HIGHEST_PROTOCOL))}
 
 
-def core_and_index(world: int, tensors: int, rank: int) -> tuple[bytes, bytes, float]:
+def core_and_indexes(world: int, tensors: int, ranks: set[int]) -> tuple[bytes, dict[int, bytes], float]:
     """The format version 4 metadata of the FSDP-style state on ``world`` ranks, built by the
     writer's own code: the core manifest (each tensor's layout found by
     :func:`resurgo.layout.grid.describe` from its ``world`` chunks, every rank's index size and
-    digest) and ``rank``'s index (its chunks, one checksum per block); and the seconds the layouts
-    took. Other ranks' indexes are not built: each is the size of ``rank``'s, and the core records
-    their digests, 32 hex digits each, whatever they are."""
-    block = checksum.block_bytes_for
+    digest) and the indexes of ``ranks`` (their chunks, one checksum per block); and the seconds
+    the layouts took. Other ranks' indexes are not built: the core gives them the size of the
+    first built one and a digest of 32 hex digits."""
     t0 = time.perf_counter()
     tensors_core: dict[str, TensorEntry] = {}
-    mine: dict[str, list[ChunkEntry]] = {}
-    offset, n_sums = 4096, 0
     for i in range(tensors):
-        key, rows = f"model.layers.{i}.weight", _rows(i)
+        rows = _rows(i)
         chunks = [(ChunkBox((a, 0), (n, COLS)), r) for r in range(world) for a, n in [_bounds(rows, world, r)] if n]
         layout = core_plan.layout_of((rows, COLS), chunks)  # type: ignore[arg-type]
-        tensors_core[key] = TensorEntry(kind="torch", dtype="bfloat16", shape=[rows, COLS],
-                                        **({"grid": layout} if isinstance(layout, GridEntry) else {"pieces": layout}))
-        start, n = _bounds(rows, world, rank)
-        if n:
-            nbytes, bb = n * COLS * 2, block(rows * COLS * 2, COLS * 2)
-            sums = [f"{n_sums + j:032x}" for j in range(max(1, math.ceil(nbytes / bb)))]
-            n_sums += len(sums)
-            mine[key] = [ChunkEntry(box=BoxPlace(offsets=[start, 0], shape=[n, COLS]), file=data_file_name(rank, 0),
-                                    byte_range=[offset, offset + nbytes], block_bytes=bb, checksums=sums)]
-            offset += nbytes
-    for i in range(4):  # replicated: one rank writes each
-        key, writer = f"norm.{i}", i % world
-        tensors_core[key] = TensorEntry(kind="torch", dtype="float32", shape=[1024],
-                                        grid=GridEntry(parts=[1], offset=writer, strides=[0]))
-        if writer == rank:
-            mine[key] = [ChunkEntry(box=BoxPlace(offsets=[0], shape=[1024]), file=data_file_name(rank, 0),
-                                    byte_range=[offset, offset + 4096], block_bytes=65536, checksums=["0" * 32])]
-            offset += 4096
+        tensors_core[f"model.layers.{i}.weight"] = TensorEntry(
+            kind="torch", dtype="bfloat16", shape=[rows, COLS],
+            **({"grid": layout} if isinstance(layout, GridEntry) else {"pieces": layout}))
     layouts_s = time.perf_counter() - t0
-    index = RankIndex(format="resurgo.index", version=INDEXED_VERSION, rank=rank, chunks=mine,
-                      files={data_file_name(rank, 0): FileEntry(bytes=offset, header_bytes=4096, header_checksum="0" * 32)})
-    raw_index = index.encode()
-    digests = [f"{r:032x}" for r in range(world)]
-    digests[rank] = checksum.digest(raw_index)
+    for i in range(4):  # replicated: written by one rank each, as the plan balances them
+        tensors_core[f"norm.{i}"] = TensorEntry(kind="torch", dtype="float32", shape=[1024],
+                                                grid=GridEntry(parts=[1], offset=i % world, strides=[0]))
+    indexes = {rank: _index_of(rank, world, tensors) for rank in sorted(ranks)}
+    size = len(next(iter(indexes.values())))
+    sizes, digests = [size] * world, [f"{r:032x}" for r in range(world)]
+    for rank, raw in indexes.items():
+        sizes[rank], digests[rank] = len(raw), checksum.digest(raw)
     tree = {"type": "dict", "items": _tree_items(tensors) + [
         ["rng", {"type": "per_rank", "items": [{"type": "int", "value": r} for r in range(world)]}]]}
     core = Manifest(format="resurgo.checkpoint", version=INDEXED_VERSION, created_at="2026-01-01T00:00:00.000+00:00",
                     step=100, library={"resurgo": "0"}, world={"size": world}, checksum_algorithm="xxh3-128",
                     pickled=False, files={}, tensors=tensors_core, tree=tree, file_tag="",
-                    ranks=RankFiles(files=[1] * world, index_bytes=[len(raw_index)] * world, index_checksums=digests))
-    return core.to_json_bytes(), raw_index, layouts_s
+                    ranks=RankFiles(files=[1] * world, index_bytes=sizes, index_checksums=digests))
+    return core.to_json_bytes(), indexes, layouts_s
 
 
-def load_plan_of(core_raw: bytes, index_raw: bytes, rank: int, world: int, tensors: int) -> float:
-    """Seconds for one rank to parse the core and its index, resolve its chunks and plan its reads."""
+def _index_of(rank: int, world: int, tensors: int) -> bytes:
+    """Rank ``rank``'s index: its shard of every tensor and the replicated tensors it writes."""
+    mine: dict[str, list[ChunkEntry]] = {}
+    offset, n_sums = 4096, 0
+
+    def add(key: str, place: BoxPlace, nbytes: int, block_bytes: int) -> None:
+        nonlocal offset, n_sums
+        sums = [f"{n_sums + j:032x}" for j in range(max(1, math.ceil(nbytes / block_bytes)))]
+        n_sums += len(sums)
+        mine[key] = [ChunkEntry(box=place, file=data_file_name(rank, 0), byte_range=[offset, offset + nbytes],
+                                block_bytes=block_bytes, checksums=sums)]
+        offset += nbytes
+
+    for i in range(tensors):
+        rows = _rows(i)
+        start, n = _bounds(rows, world, rank)
+        if n:
+            add(f"model.layers.{i}.weight", BoxPlace(offsets=[start, 0], shape=[n, COLS]), n * COLS * 2,
+                checksum.block_bytes_for(rows * COLS * 2, COLS * 2))
+    for i in range(4):
+        if i % world == rank:
+            add(f"norm.{i}", BoxPlace(offsets=[0], shape=[1024]), 4096, 65536)
+    return RankIndex(format="resurgo.index", version=INDEXED_VERSION, rank=rank, chunks=mine,
+                     files={data_file_name(rank, 0): FileEntry(bytes=offset, header_bytes=4096, header_checksum="0" * 32)}
+                     ).encode()
+
+
+def load_plan_of(core_raw: bytes, indexes: dict[int, bytes], rank: int, world: int, tensors: int) -> tuple[float, int]:
+    """(seconds for one rank to parse the core and the indexes it needs, resolve its chunks and plan
+    its reads; the metadata bytes it reads). The rank loads its shards and the replicated tensors."""
     t0 = time.perf_counter()
     core = parse_manifest(core_raw)
-    index = parse_index(index_raw, core, rank, "index")
     wanted: dict = {}
     targets = []
     for i in range(tensors):
@@ -195,9 +207,17 @@ def load_plan_of(core_raw: bytes, index_raw: bytes, rank: int, world: int, tenso
         key = f"model.layers.{i}.weight"
         wanted[key] = [ChunkBox((start, 0), (n, COLS))]
         targets.append(Target(key, ChunkBox((start, 0), (n, COLS)), n * COLS * 2))
-    resolved = resolve(core, {rank: index}, wanted, lambda r: f"rank {r}'s index")
+    for i in range(4):
+        wanted[f"norm.{i}"] = None
+        targets.append(Target(f"norm.{i}", ChunkBox.whole((1024,)), 4096))
+    needed = ranks_needed(core, wanted)
+    parsed = {r: parse_index(indexes[r], core, r, "index") for r in needed}
+    resolved = resolve(core, parsed, wanted, lambda r: f"rank {r}'s index")
     plan_reads(targets, resolved.tensors)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, len(core_raw) + sum(len(indexes[r]) for r in needed)
+
+
+LOADING_RANK = 1  # holds a row of every tensor at every world (rows run out past rank 4,095)
 
 
 def dcp_worker(rank: int, world: int, root: str, tensors: int) -> dict | None:
@@ -284,12 +304,13 @@ def main(argv: list[str] | None = None) -> dict:
             row["max_over_mean_bytes"] = max(per_rank) / (sum(per_rank) / len(per_rank))
             del decls
             del plan
-        core_raw, index_raw, row["layouts_seconds"] = core_and_index(world, args.tensors, world // 2)
+        rank = min(LOADING_RANK, world - 1)
+        core_raw, indexes, row["layouts_seconds"] = core_and_indexes(world, args.tensors, {rank} | set(range(min(4, world))))
         row["manifest_bytes"] = len(core_raw)
-        row["load_metadata_bytes"] = len(core_raw) + len(index_raw)
-        row["load_plan_seconds"] = _median_time(lambda: load_plan_of(core_raw, index_raw, world // 2, world, args.tensors),
+        row["load_metadata_bytes"] = load_plan_of(core_raw, indexes, rank, world, args.tensors)[1]
+        row["load_plan_seconds"] = _median_time(lambda: load_plan_of(core_raw, indexes, rank, world, args.tensors),
                                                 args.repeats)
-        del core_raw, index_raw
+        del core_raw, indexes
         for field in ("plan_seconds", "broadcast_bytes_uncached"):
             if field in row:
                 measured.setdefault(field, []).append((world, row[field]))

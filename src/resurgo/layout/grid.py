@@ -95,13 +95,13 @@ def describe(shape: Sequence[int], chunks: Sequence[tuple[ChunkBox, int]]) -> Gr
         return None
     writers: dict[tuple[int, ...], int] = {}
     for b, rank in chunks:
-        cell = []
+        at = []
         for d in range(ndim):
             i, size = bounds[d][b.offsets[d]]
             if size != b.shape[d]:
                 return None
-            cell.append(i)
-        writers[tuple(cell)] = rank
+            at.append(i)
+        writers[tuple(at)] = rank
     if len(writers) != len(chunks):
         return None  # a cell twice
     offset = writers[(0,) * ndim]
