@@ -37,13 +37,13 @@ import xxhash
 
 from resurgo.dist.comm import Comm
 from resurgo.format import checksum
-from resurgo.format.manifest import parse_manifest
+from resurgo.format.index import RankIndex, data_file_name, parse_index, ranks_needed, resolve
+from resurgo.format.manifest import (INDEXED_VERSION, BoxPlace, ChunkEntry, FileEntry, GridEntry, Manifest, RankFiles,
+                                     TensorEntry, parse_manifest)
 from resurgo.layout.box import ChunkBox
-from resurgo.pipeline.save import PreparedSave, build_manifest
-from resurgo.pipeline.writer import WrittenChunk, WrittenFile
-from resurgo.plan.global_plan import GlobalPlan, PlanCache, RankDecl, TensorDecl, plan_global
+from resurgo.plan import core_plan
+from resurgo.plan.global_plan import PlanCache, RankDecl, TensorDecl, plan_global
 from resurgo.plan.load_plan import Target, plan_reads
-from resurgo.plan.save_plan import plan_files
 
 COLS = 1024
 
@@ -53,9 +53,10 @@ def _rows(i: int) -> int:
 
 
 def _bounds(rows: int, world: int, rank: int) -> tuple[int, int]:
-    base, extra = divmod(rows, world)
-    start = rank * base + min(rank, extra)
-    return start, base + (1 if rank < extra else 0)
+    """(start, rows) of ``rank``'s shard: DTensor's Shard(0), torch.chunk's rule (trailing shards empty)."""
+    step = -(-rows // world)
+    start = min(rank * step, rows)
+    return start, min(start + step, rows) - start
 
 
 def _tree_items(tensors: int) -> list:
@@ -133,38 +134,90 @@ def cached_path(world: int, tensors: int, repeats: int) -> dict:
             "broadcast_bytes_cached": len(pickle.dumps(merged[0], protocol=pickle.HIGHEST_PROTOCOL))}
 
 
-def fake_manifest(plan: GlobalPlan, world: int) -> bytes:
-    """The manifest the coordinator would write for ``plan``: every rank's data files as the writer
-    lays them out, one checksum per block."""
-    written = []
-    n = 0
-    for rank, writes in enumerate(plan.writes):
-        files = plan_files([w.item for w in writes], rank=rank, max_files=4, tag="")
-        for f in files.files:
-            offset, chunks = 4096, []
-            for item in f.items:
-                blocks = max(1, math.ceil(item.nbytes / item.block_bytes))
-                sums = [f"{n + b:032x}" for b in range(blocks)]
-                n += blocks
-                chunks.append(WrittenChunk(item, f.path, (offset, offset + item.nbytes), item.block_bytes, sums))
-                offset += item.nbytes
-            written.append(WrittenFile(f.path, offset, 4096, "0" * 32, chunks))
-    prep = PreparedSave("sim", plan.tree, plan.tensors, {}, False, 100, None, None, None, None,  # type: ignore[arg-type]
-                        Comm(0, world))
-    return build_manifest(prep, written).to_json_bytes()
-
-
-def load_plan_of(raw: bytes, rank: int, world: int, tensors: int) -> tuple[float, float]:
-    """(seconds to parse the manifest, seconds to plan one rank's reads of its FSDP shards)."""
+def core_and_indexes(world: int, tensors: int, ranks: set[int]) -> tuple[bytes, dict[int, bytes], float]:
+    """The format version 4 metadata of the FSDP-style state on ``world`` ranks, built by the
+    writer's own code: the core manifest (each tensor's layout found by
+    :func:`resurgo.layout.grid.describe` from its ``world`` chunks, every rank's index size and
+    digest) and the indexes of ``ranks`` (their chunks, one checksum per block); and the seconds
+    the layouts took. Other ranks' indexes are not built: the core gives them the size of the
+    first built one and a digest of 32 hex digits."""
     t0 = time.perf_counter()
-    manifest = parse_manifest(raw)
-    t1 = time.perf_counter()
+    tensors_core: dict[str, TensorEntry] = {}
+    for i in range(tensors):
+        rows = _rows(i)
+        chunks = [(ChunkBox((a, 0), (n, COLS)), r) for r in range(world) for a, n in [_bounds(rows, world, r)] if n]
+        layout = core_plan.layout_of((rows, COLS), chunks)  # type: ignore[arg-type]
+        tensors_core[f"model.layers.{i}.weight"] = TensorEntry(
+            kind="torch", dtype="bfloat16", shape=[rows, COLS],
+            **({"grid": layout} if isinstance(layout, GridEntry) else {"pieces": layout}))
+    layouts_s = time.perf_counter() - t0
+    for i in range(4):  # replicated: written by one rank each, as the plan balances them
+        tensors_core[f"norm.{i}"] = TensorEntry(kind="torch", dtype="float32", shape=[1024],
+                                                grid=GridEntry(parts=[1], offset=i % world, strides=[0]))
+    indexes = {rank: _index_of(rank, world, tensors) for rank in sorted(ranks)}
+    size = len(next(iter(indexes.values())))
+    sizes, digests = [size] * world, [f"{r:032x}" for r in range(world)]
+    for rank, raw in indexes.items():
+        sizes[rank], digests[rank] = len(raw), checksum.digest(raw)
+    tree = {"type": "dict", "items": _tree_items(tensors) + [
+        ["rng", {"type": "per_rank", "items": [{"type": "int", "value": r} for r in range(world)]}]]}
+    core = Manifest(format="resurgo.checkpoint", version=INDEXED_VERSION, created_at="2026-01-01T00:00:00.000+00:00",
+                    step=100, library={"resurgo": "0"}, world={"size": world}, checksum_algorithm="xxh3-128",
+                    pickled=False, files={}, tensors=tensors_core, tree=tree, file_tag="",
+                    ranks=RankFiles(files=[1] * world, index_bytes=sizes, index_checksums=digests))
+    return core.to_json_bytes(), indexes, layouts_s
+
+
+def _index_of(rank: int, world: int, tensors: int) -> bytes:
+    """Rank ``rank``'s index: its shard of every tensor and the replicated tensors it writes."""
+    mine: dict[str, list[ChunkEntry]] = {}
+    offset, n_sums = 4096, 0
+
+    def add(key: str, place: BoxPlace, nbytes: int, block_bytes: int) -> None:
+        nonlocal offset, n_sums
+        sums = [f"{n_sums + j:032x}" for j in range(max(1, math.ceil(nbytes / block_bytes)))]
+        n_sums += len(sums)
+        mine[key] = [ChunkEntry(box=place, file=data_file_name(rank, 0), byte_range=[offset, offset + nbytes],
+                                block_bytes=block_bytes, checksums=sums)]
+        offset += nbytes
+
+    for i in range(tensors):
+        rows = _rows(i)
+        start, n = _bounds(rows, world, rank)
+        if n:
+            add(f"model.layers.{i}.weight", BoxPlace(offsets=[start, 0], shape=[n, COLS]), n * COLS * 2,
+                checksum.block_bytes_for(rows * COLS * 2, COLS * 2))
+    for i in range(4):
+        if i % world == rank:
+            add(f"norm.{i}", BoxPlace(offsets=[0], shape=[1024]), 4096, 65536)
+    return RankIndex(format="resurgo.index", version=INDEXED_VERSION, rank=rank, chunks=mine,
+                     files={data_file_name(rank, 0): FileEntry(bytes=offset, header_bytes=4096, header_checksum="0" * 32)}
+                     ).encode()
+
+
+def load_plan_of(core_raw: bytes, indexes: dict[int, bytes], rank: int, world: int, tensors: int) -> tuple[float, int]:
+    """(seconds for one rank to parse the core and the indexes it needs, resolve its chunks and plan
+    its reads; the metadata bytes it reads). The rank loads its shards and the replicated tensors."""
+    t0 = time.perf_counter()
+    core = parse_manifest(core_raw)
+    wanted: dict = {}
     targets = []
     for i in range(tensors):
         start, n = _bounds(_rows(i), world, rank)
-        targets.append(Target(f"model.layers.{i}.weight", ChunkBox((start, 0), (n, COLS)), n * COLS * 2))
-    plan_reads(targets, manifest.tensors)
-    return t1 - t0, time.perf_counter() - t1
+        key = f"model.layers.{i}.weight"
+        wanted[key] = [ChunkBox((start, 0), (n, COLS))]
+        targets.append(Target(key, ChunkBox((start, 0), (n, COLS)), n * COLS * 2))
+    for i in range(4):
+        wanted[f"norm.{i}"] = None
+        targets.append(Target(f"norm.{i}", ChunkBox.whole((1024,)), 4096))
+    needed = ranks_needed(core, wanted)
+    parsed = {r: parse_index(indexes[r], core, r, "index") for r in needed}
+    resolved = resolve(core, parsed, wanted, lambda r: f"rank {r}'s index")
+    plan_reads(targets, resolved.tensors)
+    return time.perf_counter() - t0, len(core_raw) + sum(len(indexes[r]) for r in needed)
+
+
+LOADING_RANK = 1  # holds a row of every tensor at every world (rows run out past rank 4,095)
 
 
 def dcp_worker(rank: int, world: int, root: str, tensors: int) -> dict | None:
@@ -223,8 +276,8 @@ COLUMNS = [("ranks", "ranks", "B"), ("uncached s", "plan_seconds", "s"), ("cache
            ("sent/rank cached B", "gathered_bytes_per_rank_cached", "B"),
            ("sent/rank uncached B", "gathered_bytes_per_rank_uncached", "B"),
            ("bcast cached MB", "broadcast_bytes_cached", "MB"), ("bcast uncached MB", "broadcast_bytes_uncached", "MB"),
-           ("manifest MB", "manifest_bytes", "MB"), ("load reads MB", "load_metadata_bytes", "MB"),
-           ("load parse s", "load_parse_seconds", "s"), ("load plan s", "load_plan_seconds", "s")]
+           ("core manifest MB", "manifest_bytes", "MB"), ("layouts s", "layouts_seconds", "s"),
+           ("load reads MB", "load_metadata_bytes", "MB"), ("load plan s", "load_plan_seconds", "s")]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -233,7 +286,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tensors", type=int, default=1000)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-planned", type=int, default=512, help="largest world whose uncached plan is measured")
-    ap.add_argument("--max-manifest", type=int, default=64, help="largest world whose manifest is built and loaded")
     ap.add_argument("--dcp-ranks", type=int, nargs="*", default=[2, 4, 8], help="real gloo worlds (none: skip)")
     ap.add_argument("--out", default="bench-results/planning.json")
     args = ap.parse_args(argv)
@@ -251,14 +303,15 @@ def main(argv: list[str] | None = None) -> dict:
             per_rank = plan[0].bytes_per_rank()
             row["max_over_mean_bytes"] = max(per_rank) / (sum(per_rank) / len(per_rank))
             del decls
-            if world <= args.max_manifest:
-                raw = fake_manifest(plan[0], world)
-                row["manifest_bytes"] = row["load_metadata_bytes"] = len(raw)
-                row["load_parse_seconds"], row["load_plan_seconds"] = load_plan_of(raw, world // 2, world, args.tensors)
-                del raw
             del plan
-        for field in ("plan_seconds", "broadcast_bytes_uncached", "manifest_bytes", "load_metadata_bytes",
-                      "load_parse_seconds", "load_plan_seconds"):
+        rank = min(LOADING_RANK, world - 1)
+        core_raw, indexes, row["layouts_seconds"] = core_and_indexes(world, args.tensors, {rank} | set(range(min(4, world))))
+        row["manifest_bytes"] = len(core_raw)
+        row["load_metadata_bytes"] = load_plan_of(core_raw, indexes, rank, world, args.tensors)[1]
+        row["load_plan_seconds"] = _median_time(lambda: load_plan_of(core_raw, indexes, rank, world, args.tensors),
+                                                args.repeats)
+        del core_raw, indexes
+        for field in ("plan_seconds", "broadcast_bytes_uncached"):
             if field in row:
                 measured.setdefault(field, []).append((world, row[field]))
             elif field in measured:

@@ -17,18 +17,19 @@ def test_bench_planning_runs_and_marks_extrapolations(tmp_path, capsys):
     spec.loader.exec_module(bench)  # type: ignore[union-attr]
     out = tmp_path / "planning.json"
     doc = bench.main(["--ranks", "1", "2", "4", "--tensors", "6", "--repeats", "1", "--max-planned", "2",
-                      "--max-manifest", "2", "--dcp-ranks", "--out", str(out)])
+                      "--dcp-ranks", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
     one, two, four = doc["rows"]
     fields = {f for _, f, _ in bench.COLUMNS}
     assert all(fields <= set(row) for row in doc["rows"])
     assert one["extrapolated"] == two["extrapolated"] == []
-    assert four["extrapolated"] == ["plan_seconds", "broadcast_bytes_uncached", "manifest_bytes",
-                                    "load_metadata_bytes", "load_parse_seconds", "load_plan_seconds"]
-    assert four["manifest_bytes"] == 3 * two["manifest_bytes"] - 2 * one["manifest_bytes"]  # sizes: affine
+    assert four["extrapolated"] == ["plan_seconds", "broadcast_bytes_uncached"]
+    assert four["broadcast_bytes_uncached"] == 3 * two["broadcast_bytes_uncached"] - 2 * one["broadcast_bytes_uncached"]  # sizes: affine
     assert four["plan_seconds"] == 2 * two["plan_seconds"]  # times: proportional
+    # The core describes each tensor once: a rank more adds its index's size and digest and its RNG value.
+    assert 0 < four["manifest_bytes"] - two["manifest_bytes"] < 2 * 120
     for row in doc["rows"]:
         assert 0 < row["gathered_bytes_per_rank_cached"] <= 1024 < row["gathered_bytes_per_rank_uncached"]
-        assert row["cached_plan_seconds"] > 0 and row["load_metadata_bytes"] == row["manifest_bytes"]
+        assert row["cached_plan_seconds"] > 0 and row["load_metadata_bytes"] > row["manifest_bytes"]
     table = capsys.readouterr().out
-    assert "extrapolated" in table and f"{four['manifest_bytes'] / 1e6:.2f}*" in table
+    assert "extrapolated" in table and f"{four['plan_seconds']:.3f}*" in table

@@ -33,6 +33,9 @@ class LoadReport:
     unexpected_keys: list[str] = field(default_factory=list)
     mismatched_keys: list[str] = field(default_factory=list)
     step: int | None = None
+    metadata_bytes_read: int = 0
+    """Bytes of metadata read before the data: the manifest, and the indexes of the ranks holding
+    what this rank loads (format version 4)."""
 
 
 @dataclass

@@ -27,11 +27,13 @@ from resurgo.format import checksum, dtypes
 from resurgo.format.tree import validate_tree
 from resurgo.gcpause import collector_paused
 from resurgo.layout.box import ChunkBox, FlatRange, Place, covers_exactly_once
+from resurgo.layout.grid import Grid
 
 FORMAT_NAME = "resurgo.checkpoint"
 FORMAT_VERSION = 2  # what resurgo writes for a self-contained checkpoint
 REFERENCING_VERSION = 3  # what it writes for one that references another checkpoint's data files
-READABLE_VERSIONS = (2, 3)
+INDEXED_VERSION = 4  # a distributed save: an O(tensors) core, chunk details in one index per rank
+READABLE_VERSIONS = (2, 3, 4)
 UNSEALED_VERSION = 1  # 2 without the manifest's own checksum: refused, nothing proves it unedited
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 30
@@ -137,11 +139,52 @@ def locate(spans: Sequence[Span], start: int, stop: int) -> list[tuple[str, int,
     return out
 
 
+class GridEntry(_Strict):
+    """A regular layout (version 4, :mod:`resurgo.layout.grid`): ``parts`` per dimension, and the
+    rank writing cell ``c`` is ``offset + c . strides``."""
+
+    parts: list[int]
+    offset: int
+    strides: list[int]
+
+    @property
+    def grid(self) -> Grid:
+        return Grid(tuple(self.parts), self.offset, tuple(self.strides))
+
+
+class PieceEntry(_Strict):
+    """A listed chunk of a version 4 core manifest: its place and the rank whose index holds it."""
+
+    box: Optional[BoxPlace] = None
+    flat: Optional[FlatPlace] = None
+    rank: int
+
+    @property
+    def place(self) -> Place:
+        return place_of(self.box, self.flat)
+
+
 class TensorEntry(_Strict):
     kind: Literal["torch", "numpy"]
     dtype: str
     shape: list[int]
-    chunks: list[ChunkEntry]
+    # Versions 2 and 3: every chunk. Version 4: the core has ``grid`` or ``pieces`` instead, and
+    # ``chunks`` holds the chunks read from the ranks' indexes (those a reader asked for).
+    chunks: list[ChunkEntry] = Field(default_factory=list)
+    grid: Optional[GridEntry] = None
+    pieces: Optional[list[PieceEntry]] = None
+
+    def with_chunks(self, chunks: list[ChunkEntry]) -> "TensorEntry":
+        return self.model_copy(update={"chunks": chunks})
+
+
+class RankFiles(_Strict):
+    """Per rank of a version 4 save, by rank: how many data files it wrote, and the size and
+    xxh3-128 of its index file."""
+
+    files: list[int]
+    index_bytes: list[int]
+    index_checksums: list[str]
 
 
 class FileEntry(_Strict):
@@ -173,16 +216,28 @@ class Manifest(_Strict):
     references: dict[str, FileEntry] = Field(default_factory=dict)  # other checkpoints' data files (v3)
     tensors: dict[str, TensorEntry]
     tree: dict[str, Any]
+    ranks: Optional[RankFiles] = None  # version 4: every rank's data files and index
+    file_tag: Optional[str] = None  # version 4: the prefix of this save's data file names
     manifest_checksum: Optional[str] = None  # required on read (checked against the bytes); set by seal()
 
     def to_json_bytes(self) -> bytes:
-        """The compact JSON of the manifest, sealed: its checksum is the last member."""
+        """The compact JSON of the manifest, sealed: its checksum is the last member. Of a version 4
+        manifest, the core: data files and chunks are in the ranks' indexes."""
         doc = self.model_dump(exclude_none=True)
         doc.pop(SEAL_FIELD, None)
         for optional in ("save_info", "references"):  # absent when empty: a manifest reads as it always did
             if not doc[optional]:
                 del doc[optional]
+        if self.version == INDEXED_VERSION:
+            doc["files"] = {}
+            for t in doc["tensors"].values():
+                del t["chunks"]
         return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())
+
+    @property
+    def indexed(self) -> bool:
+        """Version 4: chunks and data files are listed in the ranks' indexes, not here."""
+        return self.version == INDEXED_VERSION
 
     def file_entry(self, name: str) -> FileEntry:
         """The entry of a data file a chunk names: this checkpoint's own, or a reference."""
@@ -261,8 +316,14 @@ def parse_manifest(raw: bytes, source: str = MANIFEST_NAME) -> Manifest:
 
 def declared_files(raw: bytes, source: str = MANIFEST_NAME) -> frozenset[str]:
     """The data files a manifest lists, once it parses and verifies (its seal included); what
-    storage may replace along with it (:mod:`resurgo.storage.ownership`)."""
-    return frozenset(parse_manifest(raw, source).files)
+    storage may replace along with it (:mod:`resurgo.storage.ownership`). Of a version 4 manifest,
+    every rank's data files and index, by the naming rule."""
+    manifest = parse_manifest(raw, source)
+    if manifest.indexed:
+        from resurgo.format.index import declared_names  # the index module builds on this one
+
+        return frozenset(declared_names(manifest))
+    return frozenset(manifest.files)
 
 
 def _parse_manifest(raw: bytes, source: str) -> Manifest:
@@ -341,58 +402,134 @@ def validate_manifest(m: Manifest, source: str = MANIFEST_NAME) -> None:
             fail(f"reference {path[:200]!r} is not of the form <checkpoint>/data/<name>.safetensors "
                  f"naming another committed checkpoint of the same root")
         _check_file_entry(path, entry, fail)
+    if m.indexed:
+        _check_core(m, fail)
+    elif m.ranks is not None or m.file_tag is not None:
+        fail(f"'ranks' and 'file_tag' need format version {INDEXED_VERSION}, the manifest says {m.version}")
     for key, t in m.tensors.items():
-        if not dtypes.is_known(t.dtype) or (t.kind == "numpy" and t.dtype not in dtypes.NUMPY_DTYPES):
-            fail(f"tensor {key!r}: unknown {t.kind} dtype {t.dtype[:40]!r}")
-        if len(t.shape) > MAX_NDIM or any(d < 0 for d in t.shape):
-            fail(f"tensor {key!r}: invalid shape {_short(t.shape)}")
-        size = dtypes.itemsize(t.dtype)
-        if math.prod(max(d, 1) for d in t.shape) * size > MAX_TENSOR_BYTES:  # torch/numpy strides must fit int64
-            fail(f"tensor {key!r}: shape {_short(t.shape)} is too large (even with a zero dimension, strides overflow)")
+        check_tensor_entry(key, t, fail)
+        if m.indexed:
+            continue
+        if t.grid is not None or t.pieces is not None:
+            fail(f"tensor {key!r}: 'grid' and 'pieces' need format version {INDEXED_VERSION}, the manifest says {m.version}")
+        if "chunks" not in t.model_fields_set:
+            fail(f"tensor {key!r}: 'chunks' is required")
         places: list[Place] = []
         for i, c in enumerate(t.chunks):
-            where = f"tensor {key!r} chunk {i}" + (f" in {c.file[:200]!r}" if c.file is not None else "")
-            if (c.box is None) == (c.flat is None):
-                fail(f"{where}: needs exactly one of 'box' or 'flat'")
-            if c.extents is None and (c.file is None or c.byte_range is None):
-                fail(f"{where}: needs 'file' and 'byte_range', or 'extents'")
-            if c.extents is not None and (c.file is not None or c.byte_range is not None or not c.extents):
-                fail(f"{where}: 'extents' (a non-empty list) replaces 'file' and 'byte_range'")
-            if c.extents is not None and m.version < REFERENCING_VERSION:
-                fail(f"{where}: 'extents' needs format version {REFERENCING_VERSION}, the manifest says {m.version}")
-            if not 1 <= c.block_bytes <= MAX_BLOCK_BYTES:
-                fail(f"{where}: block_bytes {_short(c.block_bytes)} out of range")
-            spans = c.spans
-            for j, (file, start, stop) in enumerate(spans):
-                if file not in m.files and file not in m.references:
-                    fail(f"{where}: file {file[:200]!r} is not listed in 'files' (nor in 'references')")
-                f = m.file_entry(file)
-                if not f.header_bytes <= start <= stop <= f.bytes:
-                    fail(f"{where}: byte range {_short([start, stop])} is outside the data area {_short([f.header_bytes, f.bytes])} of {file[:200]!r}")
-                if c.extents is not None and (stop == start or (j < len(spans) - 1 and (stop - start) % c.block_bytes)):
-                    fail(f"{where}: extent {j} holds {stop - start} bytes: extents are not empty, and all but the last "
-                         f"hold whole checksum blocks of {_short(c.block_bytes)} bytes")
-            start, stop = 0, c.nbytes
-            place = c.place
-            if isinstance(place, ChunkBox) and not (len(place.offsets) == len(place.shape) == len(t.shape)):
-                fail(f"{where}: box rank differs from the tensor's rank {len(t.shape)}")
-            if not place.fits_in(tuple(t.shape)):
-                fail(f"{where}: place {_short(place)} lies outside the tensor's shape {_short(t.shape)}")
-            if place.numel * size != stop - start:
-                fail(f"{where}: {place.numel} elements of {t.dtype} need {place.numel * size} bytes, "
-                     f"the byte range holds {_short(stop - start)}")
-            if len(c.checksums) != checksum.block_count(stop - start, c.block_bytes):
-                fail(f"{where}: {len(c.checksums)} checksums for {checksum.block_count(stop - start, c.block_bytes)} blocks")
-            if not _all_hex128(c.checksums):
-                fail(f"{where}: checksums must be 32 hex characters")
-            places.append(place)
-        if len({type(p) for p in places}) > 1:
-            fail(f"tensor {key!r}: mixes box and flat chunks")
-        if len(places) > 0 and not covers_exactly_once(places, tuple(t.shape)):
-            fail(f"tensor {key!r}: chunks do not cover the shape {_short(t.shape)} exactly once")
-        if not places and math.prod(t.shape) != 0:
-            fail(f"tensor {key!r}: has no chunks but {math.prod(t.shape)} elements")
+            check_chunk(key, t, i, c, m.files, m.references, m.version, fail)
+            places.append(c.place)
+        check_coverage(key, t, places, fail)
     validate_tree(m.tree, {k: t.kind for k, t in m.tensors.items()}, m.pickled, source)
+
+
+def check_tensor_entry(key: str, t: TensorEntry, fail: Callable[[str], None]) -> None:
+    """A tensor entry's dtype and shape (rules 5 of format.md section 5.3)."""
+    if not dtypes.is_known(t.dtype) or (t.kind == "numpy" and t.dtype not in dtypes.NUMPY_DTYPES):
+        fail(f"tensor {key!r}: unknown {t.kind} dtype {t.dtype[:40]!r}")
+    if len(t.shape) > MAX_NDIM or any(d < 0 for d in t.shape):
+        fail(f"tensor {key!r}: invalid shape {_short(t.shape)}")
+    if math.prod(max(d, 1) for d in t.shape) * dtypes.itemsize(t.dtype) > MAX_TENSOR_BYTES:  # torch/numpy strides must fit int64
+        fail(f"tensor {key!r}: shape {_short(t.shape)} is too large (even with a zero dimension, strides overflow)")
+
+
+def check_chunk(key: str, t: TensorEntry, i: int, c: ChunkEntry, files: dict[str, "FileEntry"],
+                references: dict[str, "FileEntry"], version: int, fail: Callable[[str], None]) -> None:
+    """One chunk of tensor ``t``: its place, its byte ranges inside the data areas of ``files``
+    (or, for an extent, ``references``), its checksums (rule 6 of format.md section 5.3)."""
+    where = f"tensor {key!r} chunk {i}" + (f" in {c.file[:200]!r}" if c.file is not None else "")
+    if (c.box is None) == (c.flat is None):
+        fail(f"{where}: needs exactly one of 'box' or 'flat'")
+    if c.extents is None and (c.file is None or c.byte_range is None):
+        fail(f"{where}: needs 'file' and 'byte_range', or 'extents'")
+    if c.extents is not None and (c.file is not None or c.byte_range is not None or not c.extents):
+        fail(f"{where}: 'extents' (a non-empty list) replaces 'file' and 'byte_range'")
+    if c.extents is not None and version != REFERENCING_VERSION:
+        fail(f"{where}: 'extents' needs format version {REFERENCING_VERSION}, the manifest says {version}")
+    if not 1 <= c.block_bytes <= MAX_BLOCK_BYTES:
+        fail(f"{where}: block_bytes {_short(c.block_bytes)} out of range")
+    spans = c.spans
+    for j, (file, start, stop) in enumerate(spans):
+        f = files.get(file) or references.get(file)
+        if f is None:
+            fail(f"{where}: file {file[:200]!r} is not listed in 'files' (nor in 'references')")
+            return
+        if not f.header_bytes <= start <= stop <= f.bytes:
+            fail(f"{where}: byte range {_short([start, stop])} is outside the data area {_short([f.header_bytes, f.bytes])} of {file[:200]!r}")
+        if c.extents is not None and (stop == start or (j < len(spans) - 1 and (stop - start) % c.block_bytes)):
+            fail(f"{where}: extent {j} holds {stop - start} bytes: extents are not empty, and all but the last "
+                 f"hold whole checksum blocks of {_short(c.block_bytes)} bytes")
+    nbytes = c.nbytes
+    place = c.place
+    if isinstance(place, ChunkBox) and not (len(place.offsets) == len(place.shape) == len(t.shape)):
+        fail(f"{where}: box rank differs from the tensor's rank {len(t.shape)}")
+    if not place.fits_in(tuple(t.shape)):
+        fail(f"{where}: place {_short(place)} lies outside the tensor's shape {_short(t.shape)}")
+    size = dtypes.itemsize(t.dtype)
+    if place.numel * size != nbytes:
+        fail(f"{where}: {place.numel} elements of {t.dtype} need {place.numel * size} bytes, "
+             f"the byte range holds {_short(nbytes)}")
+    if len(c.checksums) != checksum.block_count(nbytes, c.block_bytes):
+        fail(f"{where}: {len(c.checksums)} checksums for {checksum.block_count(nbytes, c.block_bytes)} blocks")
+    if not _all_hex128(c.checksums):
+        fail(f"{where}: checksums must be 32 hex characters")
+
+
+def check_coverage(key: str, t: TensorEntry, places: list[Place], fail: Callable[[str], None]) -> None:
+    """The places of a tensor's chunks tile it exactly once (rule 7 of format.md section 5.3)."""
+    if len({type(p) for p in places}) > 1:
+        fail(f"tensor {key!r}: mixes box and flat chunks")
+    if len(places) > 0 and not covers_exactly_once(places, tuple(t.shape)):
+        fail(f"tensor {key!r}: chunks do not cover the shape {_short(t.shape)} exactly once")
+    if not places and math.prod(t.shape) != 0:
+        fail(f"tensor {key!r}: has no chunks but {math.prod(t.shape)} elements")
+
+
+MAX_FILES_PER_RANK = 1000
+FILE_TAG_RE = re.compile(r"(?:[0-9a-f]{12}-)?")
+
+
+def _check_core(m: Manifest, fail: Callable[[str], None]) -> None:
+    """A version 4 core: every rank's files and index, and each tensor's grid or listed pieces."""
+    world = m.world.get("size", 0)
+    if m.files or m.references:
+        fail(f"a version {INDEXED_VERSION} manifest lists no data files ('files' is empty, no 'references'): "
+             f"each rank's index lists its own")
+    r = m.ranks
+    if r is None or m.file_tag is None:
+        fail(f"a version {INDEXED_VERSION} manifest needs 'ranks' and 'file_tag'")
+        return
+    if not FILE_TAG_RE.fullmatch(m.file_tag):
+        fail(f"'file_tag' {m.file_tag[:40]!r} is not empty nor 12 hex digits and '-'")
+    if world < 1 or not len(r.files) == len(r.index_bytes) == len(r.index_checksums) == world:
+        fail(f"'ranks' must describe each of the world's {_short(world)} ranks")
+    if any(not 0 <= n <= MAX_FILES_PER_RANK for n in r.files) or any(n < 8 for n in r.index_bytes):
+        fail(f"'ranks': a rank writes 0 to {MAX_FILES_PER_RANK} data files and an index of at least 8 bytes")
+    if not _all_hex128(r.index_checksums):
+        fail("'ranks': index checksums must be 32 hex characters")
+    for key, t in m.tensors.items():
+        if "chunks" in t.model_fields_set:
+            fail(f"tensor {key!r}: a version {INDEXED_VERSION} core lists no chunks, only 'grid' or 'pieces'")
+        if (t.grid is None) == (t.pieces is None):
+            fail(f"tensor {key!r}: needs exactly one of 'grid' or 'pieces'")
+        if t.grid is not None:
+            g = t.grid
+            if not len(g.parts) == len(g.strides) == len(t.shape) or any(p < 1 for p in g.parts):
+                fail(f"tensor {key!r}: grid of {_short(g.parts)} parts does not fit the shape {_short(t.shape)}")
+            if math.prod(t.shape) and not 0 <= min(g.grid.writer_bounds(t.shape)) <= max(g.grid.writer_bounds(t.shape)) < world:
+                fail(f"tensor {key!r}: grid writers {_short(g.grid.writer_bounds(t.shape))} outside ranks 0..{world - 1}")
+            continue
+        assert t.pieces is not None
+        for i, p in enumerate(t.pieces):
+            if (p.box is None) == (p.flat is None):
+                fail(f"tensor {key!r} piece {i}: needs exactly one of 'box' or 'flat'")
+            place = p.place
+            if isinstance(place, ChunkBox) and not len(place.offsets) == len(place.shape) == len(t.shape):
+                fail(f"tensor {key!r} piece {i}: box rank differs from the tensor's rank {len(t.shape)}")
+            if not place.fits_in(tuple(t.shape)):
+                fail(f"tensor {key!r} piece {i}: place {_short(place)} lies outside the tensor's shape {_short(t.shape)}")
+            if not 0 <= p.rank < world:
+                fail(f"tensor {key!r} piece {i}: rank {_short(p.rank)} outside ranks 0..{world - 1}")
+        check_coverage(key, t, [p.place for p in t.pieces], fail)
 
 
 def _all_hex128(digests: list[str]) -> bool:

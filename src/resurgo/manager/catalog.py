@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from resurgo.errors import ResurgoError
+from resurgo.format.index import declared_names, index_file_name
 from resurgo.format.manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -103,10 +104,17 @@ class Entry:
 
 def size_problems_in(stored: Mapping[str, int], manifest: Manifest, size_words: str = "stored") -> list[str]:
     """Data files missing from ``stored`` (name -> bytes, as listed) or of another size than the
-    manifest says; ``size_words`` names where the sizes come from ("on disk", "stored")."""
+    manifest says; ``size_words`` names where the sizes come from ("on disk", "stored"). Of a
+    version 4 manifest: every rank's data files are there, and its index of the size recorded
+    (the data files' sizes are in the indexes, which a listing does not read)."""
+    expected: dict[str, int | None] = {name: e.bytes for name, e in manifest.files.items()}
+    if manifest.indexed:
+        assert manifest.ranks is not None and manifest.file_tag is not None
+        expected = dict.fromkeys(declared_names(manifest))
+        expected |= {index_file_name(r, manifest.file_tag): n for r, n in enumerate(manifest.ranks.index_bytes)}
     return [f"{name}: missing" if name not in stored else
-            f"{name}: {stored[name]} bytes {size_words}, the manifest says {e.bytes}"
-            for name, e in manifest.files.items() if stored.get(name) != e.bytes]
+            f"{name}: {stored[name]} bytes {size_words}, the manifest says {size}"
+            for name, size in expected.items() if name not in stored or size is not None and stored[name] != size]
 
 
 def size_problems(location: str | os.PathLike, manifest: Manifest) -> list[str]:

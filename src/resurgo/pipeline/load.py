@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from typing import Any
 
 from resurgo.dist import comm as dist_comm
@@ -17,7 +18,7 @@ from resurgo.errors import CheckpointReplacedError, KeyMismatchError, PickleNotA
 from resurgo.format import checksum
 from resurgo.format.manifest import Manifest
 from resurgo.pipeline import consistent, data_files, inflight
-from resurgo.pipeline.manifest_read import read_manifest_and_bytes
+from resurgo.pipeline.manifest_read import read_manifest_and_bytes, resolve_for
 from resurgo.pipeline.reader import ReadResult, read_destinations
 from resurgo.reports import LoadReport
 from resurgo.state.unflatten import Restorer
@@ -36,12 +37,14 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
         inflight.settle(if_busy="wait")
 
     seen: list[bytes] = []  # the manifest this attempt read
+    indexes_read: dict[str, int] = {}
 
     def plan_and_read() -> tuple[Restorer, Any, ReadResult, Manifest, float]:
         ckpt = open_checkpoint(path, storage_options).pinned()  # one version, where the backend can
         try:
-            manifest, raw = read_manifest_and_bytes(ckpt)
+            manifest, raw = read_manifest_and_bytes(ckpt, resolved=False)
             seen.append(raw)
+            indexes_read.clear()
             if manifest.pickled and not allow_pickle:
                 raise PickleNotAllowedError(
                     f"{ckpt.path}: holds pickled values; loading them could run code from the file. "
@@ -54,8 +57,14 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
             if strict and (restorer.missing or restorer.unexpected):
                 raise KeyMismatchError(_key_mismatch_message(ckpt, restorer.missing, restorer.unexpected),
                                        restorer.missing, restorer.unexpected)
+            destinations = restorer.destinations
+            if manifest.indexed:  # the chunks this rank needs, from the indexes that hold them
+                manifest = resolve_for(ckpt, manifest, {d.key: [p.place for p in d.local_pieces()] for d in destinations},
+                                       indexes_read)
+                destinations = [replace(d, entry=manifest.tensors[d.key]) for d in destinations]
+                data_files.check_sizes(ckpt, manifest)
             t_plan = time.perf_counter() - t_start
-            return restorer, result, read_destinations(ckpt, manifest, restorer.destinations, verify=verify,
+            return restorer, result, read_destinations(ckpt, manifest, destinations, verify=verify,
                                                        threads=io_threads), manifest, t_plan
         finally:
             ckpt.close()
@@ -85,6 +94,7 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
         path=str(path), bytes_read=read.bytes_read, files=read.files, num_tensors=len(restorer.destinations),
         seconds=seconds, missing_keys=restorer.missing, unexpected_keys=restorer.unexpected,
         mismatched_keys=restorer.mismatched, step=manifest.step,
+        metadata_bytes_read=len(seen[0]) + sum(indexes_read.values()),
     )
 
 

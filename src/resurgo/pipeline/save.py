@@ -26,8 +26,12 @@ from resurgo.format.tree import top_level_step
 from resurgo.gcpause import collector_paused
 from resurgo.dist import comm as dist_comm
 from resurgo.dist.comm import Comm
+from resurgo.format.index import RankIndex, data_file_name, index_file_name
 from resurgo.format.manifest import (
     FORMAT_VERSION,
+    INDEXED_VERSION,
+    GridEntry,
+    RankFiles,
     MANIFEST_NAME,
     MAX_METADATA_DEPTH,
     REFERENCE_RE,
@@ -46,10 +50,12 @@ from resurgo.format.manifest import (
 )
 from resurgo.layout.box import ChunkBox, FlatRange, place_order
 from resurgo.pipeline.buffers import TensorStream, source_for_write
+from resurgo.pipeline.manifest_read import resolve_for
 from resurgo.pipeline.collective import NodeLocal, open_node_staging, write_then_commit
 from resurgo.pipeline.writer import (WrittenChunk, WrittenFile, digests_of, reused_extents, sampled_digests,
                                      write_data_file)
 from resurgo.plan.global_plan import GlobalPlan, PlanCache, RankDecl, RankSummary, RankWrite, TensorDecl, TensorMeta
+from resurgo.plan.core_plan import layouts_of
 from resurgo.plan.reuse_plan import (BaseIndex, Segment, changed_throughout, mostly_changed, owned_bytes,
                                      sample_blocks, segments)
 from resurgo.plan.save_plan import FilePlan, SavePlan, plan_files
@@ -79,6 +85,12 @@ class PreparedSave:
     base: BaseIndex | None = None  # the checkpoint whose unchanged bytes this save references
     incremental: bool = False  # a later save may take this one as its base
     node_local: NodeLocal | None = None  # one directory per node (a memory tier), not one shared
+    job_plan: GlobalPlan | None = None  # the whole job's plan: the layouts of a version 4 core (indexed)
+
+    @property
+    def indexed(self) -> bool:
+        """Written as format version 4: a core manifest, and an index per rank."""
+        return self.job_plan is not None
 
     @property
     def tensor_bytes(self) -> int:
@@ -174,7 +186,10 @@ def read_base_manifest(base: str | os.PathLike, storage_options: dict | None) ->
     ckpt = open_checkpoint(base, storage_options)
     raw = ckpt.read_manifest_bytes()
     last = _last_incremental
-    return last[1] if last is not None and last[0] == raw else parse_manifest(raw, ckpt.describe(MANIFEST_NAME))
+    if last is not None and last[0] == raw:
+        return last[1]
+    manifest = parse_manifest(raw, ckpt.describe(MANIFEST_NAME))
+    return resolve_for(ckpt, manifest, None) if manifest.indexed else manifest  # a job's save as a base
 
 
 # The manifest of this process's last incremental save, built here: the next save's base, most
@@ -280,10 +295,14 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
     files = plan_files([w.item for w in writes], rank=comm.rank, max_files=max(1, io_threads), tag=staging.file_tag)
     if step is None:  # the state's own step counter, when it has one at its top
         step = top_level_step(plan.tree)
+    # A job of several ranks writes version 4: its metadata stays O(tensors) in the manifest. Saves
+    # taking part in reuse, and node-local ones, keep every chunk in the manifest (version 2 or 3).
+    indexed = comm.size > 1 and not incremental and base is None and node_local is None
     return PreparedSave(str(path), plan.tree, plan.tensors, own, pickled, step,
                         dict(metadata) if metadata else None, dict(save_info) if save_info else None,
                         files, staging, comm,
-                        {"flatten": time.perf_counter() - t0}, index, incremental or base is not None, node_local)
+                        {"flatten": time.perf_counter() - t0}, index, incremental or base is not None, node_local,
+                        plan if indexed else None)
 
 
 class LazySources(Mapping):
@@ -317,19 +336,30 @@ def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | Ten
             plan, reused, reuse, known = _reuse_in_file(prep, f, sources, digests)
         return ([] if plan is None else [write_data_file(prep.staging, plan, sources, known, reuse)]), reused
 
-    def write() -> tuple[list[WrittenFile], list[WrittenChunk]]:
+    mine: list[WrittenFile] = []
+
+    def write() -> Any:
         files = prep.plan.files
         if len(files) == 1:
             results = [write_file(files[0])]
         else:
             with ThreadPoolExecutor(len(files), thread_name_prefix="resurgo-write") as pool:
                 results = list(pool.map(write_file, files))
-        return [w for ws, _ in results for w in ws], [c for _, cs in results for c in cs]
+        mine.extend(w for ws, _ in results for w in ws)
+        reused = [c for _, cs in results for c in cs]
+        if prep.indexed:  # the rank's index goes with its data files; rank 0 gets its size and digest
+            written_index = write_index(prep, mine)
+            mine.append(written_index)
+            return len(mine) - 1, written_index.nbytes, written_index.header_checksum
+        return mine, reused
 
-    def manifest(everyone: list[tuple[list[WrittenFile], list[WrittenChunk]]]) -> bytes:
+    def manifest(everyone: list[Any]) -> bytes:
         global _last_incremental
         with collector_paused():  # an object per chunk and extent
-            built = build_manifest(prep, [w for ws, _ in everyone for w in ws], [c for _, cs in everyone for c in cs])
+            if prep.indexed:
+                built = build_core(prep, everyone)
+            else:
+                built = build_manifest(prep, [w for ws, _ in everyone for w in ws], [c for _, cs in everyone for c in cs])
             raw = built.to_json_bytes()
         if prep.incremental:
             _last_incremental = (raw, built)
@@ -338,11 +368,12 @@ def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | Ten
     node = prep.node_local
     hook = None if node is None else (
         node.leader, lambda raw, mine: node.before_commit(prep.staging, raw, [w.path for w in mine[0]]))
-    (written, _), manifest_bytes, t_commit = write_then_commit(comm, prep.staging, write, manifest, hook)
+    _, manifest_bytes, t_commit = write_then_commit(comm, prep.staging, write, manifest, hook)
+    written = mine
     seconds = dict(prep.seconds)
     seconds["commit"] = t_commit
     for phase in ("write", "checksum", "fsync"):
-        seconds[phase] = sum(w.seconds[phase] for w in written)
+        seconds[phase] = sum(w.seconds.get(phase, 0.0) for w in written)
     seconds["write_and_commit"] = time.perf_counter() - t_start
     return SaveReport(
         path=prep.path,
@@ -425,4 +456,53 @@ def build_manifest(prep: PreparedSave, written: list[WrittenFile], reused: list[
         files={w.path: FileEntry(bytes=w.nbytes, header_bytes=w.header_bytes, header_checksum=w.header_checksum)
                for w in sorted(written, key=lambda w: w.path)},
         references=dict(sorted(references.items())), tensors=tensors, tree=prep.tree,
+    )
+
+
+def write_index(prep: PreparedSave, written: list[WrittenFile]) -> WrittenFile:
+    """Write and fsync this rank's index (format version 4): its data files and their chunks.
+    Returned as a written file whose ``header_checksum`` is the xxh3-128 of the whole index, which
+    the core records."""
+    rank = prep.comm.rank
+    names = [w.path for w in written]
+    if names != [data_file_name(rank, i, prep.staging.file_tag) for i in range(len(names))]:
+        raise AssertionError(f"rank {rank}'s data files {names} do not follow the naming rule of format version 4")
+    chunks: dict[str, list[ChunkEntry]] = {}
+    for c in sorted((c for w in written for c in w.chunks), key=lambda c: (c.item.key, place_order(c.item.place))):
+        if c.item.place.numel:  # an empty chunk is listed nowhere
+            chunks.setdefault(c.item.key, []).append(_entry(c))
+    index = RankIndex(format="resurgo.index", version=INDEXED_VERSION, rank=rank, chunks=chunks,
+                      files={w.path: FileEntry(bytes=w.nbytes, header_bytes=w.header_bytes,
+                                               header_checksum=w.header_checksum) for w in written})
+    raw = index.encode()
+    t0 = time.perf_counter()
+    path = index_file_name(rank, prep.staging.file_tag)
+    handle = prep.staging.create(path)
+    try:
+        handle.write(memoryview(raw))
+        handle.fsync()
+    finally:
+        handle.close()
+    return WrittenFile(path, len(raw), 0, checksum.digest(raw), [], {"write": time.perf_counter() - t0})
+
+
+def build_core(prep: PreparedSave, ranks: list[tuple[int, int, str]]) -> Manifest:
+    """The version 4 manifest: each tensor's layout (:mod:`resurgo.plan.core_plan`) and each
+    rank's count of data files with its index's size and digest (``ranks``, by rank)."""
+    assert prep.job_plan is not None
+    layouts = layouts_of(prep.job_plan)
+    tensors = {}
+    for key, meta in prep.tensors.items():
+        layout = layouts[key]
+        tensors[key] = TensorEntry(kind=meta.kind, dtype=meta.dtype, shape=list(meta.shape),
+                                   **({"grid": layout} if isinstance(layout, GridEntry) else {"pieces": layout}))
+    return Manifest(
+        format="resurgo.checkpoint", version=INDEXED_VERSION,
+        created_at=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+        step=prep.step, metadata=dict(prep.metadata or {}),
+        save_info=dict(prep.save_info or {}), library=library_versions(),
+        world={"size": prep.comm.size}, checksum_algorithm="xxh3-128", pickled=prep.pickled,
+        files={}, tensors=tensors, tree=prep.tree, file_tag=prep.staging.file_tag,
+        ranks=RankFiles(files=[n for n, _, _ in ranks], index_bytes=[b for _, b, _ in ranks],
+                        index_checksums=[d for _, _, d in ranks]),
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+from resurgo.format.index import data_file_name
 from resurgo.format.safetensors_file import HeaderEntry
 from resurgo.layout.box import ChunkBox, Place
 
@@ -58,11 +59,6 @@ class SavePlan:
     @property
     def nbytes(self) -> int:
         return sum(f.nbytes for f in self.files)
-
-
-def data_file_name(rank: int, index: int, tag: str = "") -> str:
-    """``tag`` makes the names unique per save where saves share a directory (object stores)."""
-    return f"data/{tag}rank{rank:05d}-{index:03d}.safetensors"
 
 
 def plan_files(items: list[WriteItem], rank: int = 0, max_files: int = 4,

@@ -1,0 +1,95 @@
+"""Regular layouts (resurgo.layout.grid): the rule, its description of chunk lists, overlaps."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from resurgo.layout.box import ChunkBox, covers_exactly_once
+from resurgo.layout.grid import Grid, describe, part_bounds
+
+
+@st.composite
+def grids(draw):  # type: ignore[no-untyped-def]
+    ndim = draw(st.integers(0, 3))
+    shape = tuple(draw(st.integers(1, 12)) for _ in range(ndim))
+    parts = tuple(draw(st.integers(1, 6)) for _ in range(ndim))
+    offset = draw(st.integers(0, 50))
+    strides = tuple(draw(st.integers(0, 9)) if p > 1 else 0 for p in parts)
+    return shape, Grid(parts, offset, strides)
+
+
+@given(st.integers(0, 40), st.integers(1, 12))
+def test_parts_follow_torch_chunk(size, parts):
+    pieces = torch.arange(size).chunk(parts)
+    got = [part_bounds(size, parts, i) for i in range(parts)]
+    want = [(int(p[0]), int(p[-1]) + 1) for p in pieces if p.numel()]
+    assert [b for b in got if b[1] > b[0]] == want
+
+
+@given(grids())
+def test_cells_tile_the_tensor_once(case):
+    shape, grid = case
+    boxes = [grid.box(shape, c) for c in grid.cells(shape)]
+    assert all(b.numel > 0 for b in boxes)
+    assert covers_exactly_once(list(boxes), shape)
+
+
+@given(grids())
+def test_describe_finds_the_grid_of_its_own_cells(case):
+    shape, grid = case
+    chunks = [(grid.box(shape, c), grid.writer(c)) for c in grid.cells(shape)]
+    found = describe(shape, chunks)
+    assert found is not None
+    def key(chunk):  # type: ignore[no-untyped-def]
+        return chunk[0].offsets, chunk[0].shape, chunk[1]
+
+    assert sorted(((found.box(shape, c), found.writer(c)) for c in found.cells(shape)), key=key) == sorted(chunks, key=key)
+    lo, hi = found.writer_bounds(shape)
+    assert (lo, hi) == (min(r for _, r in chunks), max(r for _, r in chunks))
+
+
+@given(grids(), st.data())
+def test_describe_never_returns_a_grid_that_disagrees_with_the_chunks(case, data):
+    shape, grid = case
+    chunks = [(grid.box(shape, c), grid.writer(c)) for c in grid.cells(shape)]
+    i = data.draw(st.integers(0, len(chunks) - 1))
+    how = data.draw(st.sampled_from(["drop", "writer", "twice", "move"]))
+    box, rank = chunks[i]
+    if how == "drop":
+        del chunks[i]
+    elif how == "writer":
+        chunks[i] = (box, rank + data.draw(st.integers(1, 1000)))
+    elif how == "twice":
+        chunks.append((box, rank))
+    else:
+        chunks[i] = (ChunkBox(tuple(o + 1 for o in box.offsets), box.shape), rank)
+    found = describe(shape, chunks)
+    if how in ("twice", "move") and box.shape or how == "drop" and chunks:
+        assert found is None  # a cell twice, out of place, or missing
+    if found is not None:
+        def key(chunk):  # type: ignore[no-untyped-def]
+            return chunk[0].offsets, chunk[0].shape, chunk[1]
+
+        assert sorted(((found.box(shape, c), found.writer(c)) for c in found.cells(shape)), key=key) == sorted(chunks, key=key)
+
+
+def test_a_balanced_split_that_is_not_torch_chunk_is_not_a_grid():
+    # 10 rows over 4 ranks as 3, 3, 2, 2 (divmod) is not torch.chunk's 3, 3, 3, 1
+    rows = [(0, 3), (3, 3), (6, 2), (8, 2)]
+    assert describe((10, 4), [(ChunkBox((a, 0), (n, 4)), r) for r, (a, n) in enumerate(rows)]) is None
+
+
+@settings(max_examples=200)
+@given(grids(), st.data())
+def test_cells_overlapping_a_box_are_exactly_those_sharing_an_element(case, data):
+    shape, grid = case
+    offsets = tuple(data.draw(st.integers(0, n - 1)) for n in shape)
+    sizes = tuple(data.draw(st.integers(0, n - o)) for n, o in zip(shape, offsets))
+    box = ChunkBox(offsets, sizes)
+    want = sorted(c for c in grid.cells(shape) if grid.box(shape, c).intersect(box) is not None
+                  and math.prod(box.shape) > 0)
+    assert sorted(grid.cells_overlapping(shape, box)) == want
