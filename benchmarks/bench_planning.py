@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> dict:
             beyond[what] = {str(w): extrapolate(points, w) for w in args.ranks if w > real[-1]["ranks"]}
         for w in beyond["dcp_metadata_bytes"]:
             print(f"extrapolated to {w} ranks: DCP .metadata {beyond['dcp_metadata_bytes'][w] / 1e6:.0f} MB, "
-                  f"resurgo manifest {beyond['resurgo_manifest_bytes'][w] / 1e6:.0f} MB")
+                  f"resurgo manifest {beyond['resurgo_manifest_bytes'][w] / 1e6:.2f} MB")
     doc = {"rows": rows, "real_metadata": real, "real_metadata_extrapolated": beyond}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=2))
