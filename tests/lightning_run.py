@@ -79,22 +79,10 @@ class Steps(L.Callback):
 
 def hang_in_the_save_of_last(step: int) -> type[ResurgoCheckpointIO]:
     """A ResurgoCheckpointIO whose save of last.ckpt at ``step`` stops before its commit."""
-    import resurgo.pipeline.save as pipeline_save
+    from kill_harness import hang_before_commit
 
-    write_then_commit = pipeline_save.write_then_commit
-    armed = []
-
-    def hanging(comm, staging, write, manifest, *rest):
-        def write_then_wait():
-            written = write()
-            if armed:
-                print("SAVING last.ckpt", flush=True)
-                time.sleep(600)
-            return written
-
-        return write_then_commit(comm, staging, write_then_wait, manifest, *rest)
-
-    pipeline_save.write_then_commit = hanging
+    armed: list[bool] = []
+    hang_before_commit(lambda: bool(armed), "SAVING last.ckpt")
 
     class Hanging(ResurgoCheckpointIO):
         def save_checkpoint(self, checkpoint, path, storage_options=None):

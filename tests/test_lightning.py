@@ -127,6 +127,18 @@ def test_remove_checkpoint_deletes_only_what_resurgo_wrote(tmp_path):
     assert (tmp_path / "c.ckpt" / "manifest.json").is_file()
 
 
+class StartState(L.Callback):
+    """The weights and optimizer state a fit starts training from (after any checkpoint is loaded)."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.weights = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        self.optimizer = tensors_in(trainer.optimizers[0].state_dict()["state"])
+
+
+def tensors_in(optimizer_state: dict) -> dict:
+    return {(k, f): v.clone() for k, s in optimizer_state.items() for f, v in s.items()}
+
+
 def test_resumes_from_a_ckpt_file_of_lightnings_own_checkpoint_io_and_saves_resurgo(tmp_path):
     L.seed_everything(0)
     model = Tiny()
@@ -135,13 +147,21 @@ def test_resumes_from_a_ckpt_file_of_lightnings_own_checkpoint_io_and_saves_resu
     plain.fit(model)
     plain.save_checkpoint(tmp_path / "old.ckpt")
     assert (tmp_path / "old.ckpt").is_file()  # torch.save's zip file
+    saved_weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    saved_optimizer = tensors_in(plain.optimizers[0].state_dict()["state"])
 
-    again = Tiny()
-    t = trainer(tmp_path, 2 * BATCHES_PER_EPOCH, [ResurgoCallback()], enable_checkpointing=False)
+    L.seed_everything(1)  # another initialisation: only the load can give back the saved weights
+    again, start = Tiny(), StartState()
+    t = trainer(tmp_path, 2 * BATCHES_PER_EPOCH, [ResurgoCallback(), start], enable_checkpointing=False)
     t.fit(again, ckpt_path=tmp_path / "old.ckpt")
-    assert t.global_step == 2 * BATCHES_PER_EPOCH
+    assert len(again.losses) == BATCHES_PER_EPOCH and t.global_step == 2 * BATCHES_PER_EPOCH
+    assert start.weights.keys() == saved_weights.keys()
+    assert all(bitwise_equal(start.weights[k], saved_weights[k]) for k in saved_weights)
+    assert start.optimizer.keys() == saved_optimizer.keys() and saved_optimizer
+    assert all(bitwise_equal(start.optimizer[k], saved_optimizer[k]) for k in saved_optimizer)
     t.save_checkpoint(tmp_path / "new.ckpt")
     assert resurgo.load_dict(tmp_path / "new.ckpt")["global_step"] == 2 * BATCHES_PER_EPOCH
+    assert resurgo.read_manifest(tmp_path / "new.ckpt").pickled is False
 
 
 class Opaque:
@@ -209,6 +229,19 @@ def test_asynchronous_saves_hold_the_step_they_were_asked_for(tmp_path):
         ta, tb = tensors_of(a), tensors_of(b)
         assert ta.keys() == tb.keys() and any("exp_avg" in k for k in ta)
         assert all(bitwise_equal(ta[k], tb[k]) for k in ta), a.name
+
+
+def test_an_asynchronous_save_holds_its_tensors_as_they_were_when_it_returned(tmp_path):
+    """Snapshot semantics, directly: the caller changes the tensors in place as soon as
+    save_checkpoint returns, before the background write can have committed."""
+    weight = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB: its write outlasts the in-place change
+    expected = weight.clone()
+    io = ResurgoCheckpointIO(asynchronous=True)
+    io.save_checkpoint({"state_dict": {"w": weight}, "global_step": 1}, tmp_path / "a.ckpt")
+    assert io._in_flight  # in the background
+    weight.add_(1.0)
+    io.teardown()
+    assert bitwise_equal(resurgo.load_dict(tmp_path / "a.ckpt")["state_dict"]["w"], expected)
 
 
 def test_an_asynchronous_save_error_is_raised_by_the_next_call_that_waits(tmp_path):
@@ -293,31 +326,15 @@ def test_ddp_processes_each_get_their_own_rng_states_back(tmp_path):
 ])
 def test_sigkill_mid_training_then_resume_from_last_is_bit_identical(tmp_path, kill):
     import os
-    import signal
-    import subprocess
-    import sys
 
     import lightning_run
+    from kill_harness import kill_on_line
 
     total = 3 * BATCHES_PER_EPOCH
     whole = lightning_run.fit(tmp_path / "whole", total)
     root = tmp_path / "killed"
     hang, wait_for = (["--hang-in-save", "8"], "SAVING last.ckpt") if kill == "in_save" else (["--hang-at", "7"], "STEP 7")
-    child = subprocess.Popen([sys.executable, lightning_run.__file__, str(root), str(total), *hang],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines = []
-    try:
-        for line in child.stdout:
-            lines.append(line.strip())
-            if lines[-1] == wait_for:
-                child.send_signal(signal.SIGKILL)
-                break
-    finally:
-        if child.poll() is None and lines[-1:] != [wait_for]:
-            child.kill()
-        _, err = child.communicate(timeout=60)
-    assert child.returncode == -signal.SIGKILL, err
+    kill_on_line([lightning_run.__file__, str(root), str(total), *hang], wait_for)
     names = sorted(os.listdir(root))
     committed = [f"epoch=1-step={s}.ckpt" for s in (6, 8)] if kill == "in_save" else ["epoch=1-step=6.ckpt"]
     assert [n for n in names if not n.startswith(".")] == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt",
