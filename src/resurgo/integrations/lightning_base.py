@@ -19,7 +19,7 @@ from resurgo.dist import comm as dist_comm
 from resurgo.errors import NotACheckpointError, UnsupportedValueError
 from resurgo.format.manifest import MANIFEST_NAME
 from resurgo.format.values import decode_key
-from resurgo.integrations._torch_file import load_torch_file
+from resurgo.integrations._torch_file import check_torch_file, load_torch_file, refuse_dcp_folder
 from resurgo.layout.shards import Shard
 from resurgo.manager.catalog import remove
 from resurgo.pipeline.async_save import AsyncSaveHandle
@@ -177,7 +177,9 @@ class ShardedStrategyMethods:
     state as ``torch.distributed.checkpoint.state_dict`` gives them (keys by parameter name,
     tensors sharded): ``resurgo.load_dict`` reads it whole in one process. A path that holds no
     resurgo checkpoint (Lightning's own DCP folder or ``.ckpt`` file, from before resurgo was
-    added) is read by Lightning's own code. ``allow_pickle`` and ``verify`` as in ResurgoCheckpointIO.
+    added) is read by Lightning's own code: a DCP folder (whose ``.metadata`` is a pickle) only
+    with ``allow_pickle``, a ``.ckpt`` file without it if it holds only tensors and plain
+    containers. ``allow_pickle`` and ``verify`` as in ResurgoCheckpointIO.
     """
 
     # What the Lightning strategy this is mixed into provides (for the type checker only).
@@ -221,7 +223,8 @@ class ShardedStrategyMethods:
 
         path = Path(self.broadcast(checkpoint_path))
         if not (path / MANIFEST_NAME).is_file():  # Lightning's own checkpoint: its own reader
-            return super().load_checkpoint(path, weights_only)  # type: ignore[misc]
+            self._check_foreign(path)
+            return super().load_checkpoint(path, False if self.allow_pickle else weights_only)  # type: ignore[misc]
         strict = self.lightning_module.strict_loading
         # The optimizers are restored while fitting only, as Lightning's own strategies do.
         optimizers = self.optimizers if self.lightning_module.trainer.state.fn == "fit" else []
@@ -239,6 +242,18 @@ class ShardedStrategyMethods:
             set_optimizer_state_dict(self.model, opt, state)
         rest = {k: v for k, v in target.items() if k not in ("state_dict", "optimizer_states")}
         return _own_values(rest, self.global_rank, self.world_size)
+
+    def _check_foreign(self, path: Path) -> None:
+        """Without ``allow_pickle``, refuse (PickleNotAllowedError, naming the file) a checkpoint of
+        Lightning's own strategy that its reader would unpickle: a DCP folder (its ``.metadata``
+        always is a pickle), or a ``.ckpt`` file naming other globals than tensors and containers."""
+        if self.allow_pickle:
+            return
+        fix = f"pass {type(self).__name__}(..., allow_pickle=True) for the run that loads it"
+        if path.is_dir():
+            raise refuse_dcp_folder(path, "a checkpoint of Lightning's own strategy", fix)
+        if path.is_file():
+            check_torch_file(path, what="a Lightning checkpoint", fix=fix)
 
     def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
         if self.is_global_zero:
