@@ -8,6 +8,7 @@ comes from. The behaviour lives here once, as mixins; ``resurgo.integrations.lig
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Mapping
@@ -16,13 +17,14 @@ from typing import Any
 
 from resurgo.api import async_save, load, load_dict, read_manifest, save
 from resurgo.dist import comm as dist_comm
-from resurgo.errors import NotACheckpointError, UnsupportedValueError
+from resurgo.errors import DataPositionError, NotACheckpointError, UnsupportedValueError
 from resurgo.format.manifest import MANIFEST_NAME
 from resurgo.format.values import decode_key
 from resurgo.integrations._torch_file import check_torch_file, load_torch_file, refuse_dcp_folder
 from resurgo.layout.shards import Shard
 from resurgo.manager.catalog import remove
 from resurgo.pipeline.async_save import AsyncSaveHandle
+from resurgo.state.data_position import track_dataloader
 from resurgo.state.per_rank import PerRank
 from resurgo.state.rng import capture_rng_state, restore_rng_state
 from resurgo.storage.open import open_root
@@ -111,7 +113,15 @@ class CheckpointIOMethods:
 
 class RngCallbackMethods:
     """The Callback methods: RNG states saved in every checkpoint and restored where the resumed
-    run's next draw matches the uninterrupted run's.
+    run's next draw matches the uninterrupted run's, and a plain DataLoader's data position.
+
+    Data position: each plain ``torch.utils.data.DataLoader`` the fit trains on is made resumable
+    in place (:func:`resurgo.state.data_position.track_dataloader`) as Lightning receives it,
+    before its first ``iter()``. It then has ``state_dict``/``load_state_dict``, so Lightning
+    itself saves its position with the loops' state in every checkpoint, and loads it into the
+    rebuilt loader before that loader's first ``iter()`` of a resumed fit, which then replays the
+    interrupted epoch's order and skips the batches already trained on (without loading them).
+    Loaders with their own ``state_dict`` (torchdata's StatefulDataLoader) are left as they are.
 
     Resumed at an epoch boundary, the uninterrupted run's next draws build the next epoch's data
     iterator, which Lightning builds right after loading: the states are restored on loading.
@@ -156,6 +166,10 @@ class RngCallbackMethods:
             return None
         return per_rank[rank]
 
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit":
+            track_train_dataloaders(trainer)
+
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self._pending is None:
             return
@@ -163,6 +177,67 @@ class RngCallbackMethods:
             restore_rng_state(self._pending)
         self._pending = None
 
+
+def track_train_dataloaders(trainer: Any) -> None:
+    """Make every plain DataLoader the fit loop gets from its data source resumable, as it gets it.
+
+    Lightning has no public hook between building the train loaders (``train_dataloader()`` of
+    the module or the datamodule, or the loaders given to ``fit``) and loading their saved states
+    and calling ``iter()`` on them, so this wraps the fit loop's data source, a private object:
+    ``trainer.fit_loop._data_source``, a dataclass ``_DataLoaderSource(instance, name)`` whose
+    ``dataloader()`` the loop calls for the loaders (checked with lightning and pytorch_lightning
+    2.6.6; the same in 2.2 to 2.6). If it is not that, the loaders' position could not be
+    restored: refuse rather than resume onto other batches.
+    """
+    loop = getattr(trainer, "fit_loop", None)
+    source = getattr(loop, "_data_source", None)
+    if isinstance(source, _TrackingSource):
+        return
+    fields = {f.name for f in dataclasses.fields(source)} if dataclasses.is_dataclass(source) else set()
+    if fields != {"instance", "name"} or not callable(getattr(source, "dataloader", None)):
+        raise DataPositionError(
+            f"ResurgoCallback: trainer.fit_loop._data_source is {type(source).__name__}, not the data source of the "
+            "Lightning versions resurgo knows (2.2 to 2.6), so a plain DataLoader's position could not be saved "
+            "and restored; use torchdata's StatefulDataLoader (whose position Lightning saves itself)")
+    assert source is not None and loop is not None
+    loop._data_source = _tracking_source_class(type(source))(source.instance, source.name)
+
+
+class _TrackingSource:
+    """Marks a data source whose loaders are tracked (mixed into Lightning's own class)."""
+
+    def dataloader(self) -> Any:
+        return _track_loaders(super().dataloader())  # type: ignore[misc]
+
+
+_TRACKING_SOURCES: dict[type, type] = {}
+
+
+def _tracking_source_class(cls: type) -> type:
+    tracking = _TRACKING_SOURCES.get(cls)
+    if tracking is None:
+        tracking = _TRACKING_SOURCES[cls] = type(f"Tracking{cls.__name__}", (_TrackingSource, cls), {})
+    return tracking
+
+
+def _track_loaders(value: Any) -> Any:
+    """``value`` (a loader, a collection of loaders, or a CombinedLoader of them) with each plain
+    DataLoader tracked in place; a loader with its own ``state_dict`` is left as it is."""
+    from torch.utils.data import DataLoader
+
+    if isinstance(value, DataLoader):
+        if not callable(getattr(value, "state_dict", None)):
+            track_dataloader(value)
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            _track_loaders(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _track_loaders(v)
+    elif hasattr(value, "flattened"):  # a CombinedLoader
+        for v in value.flattened:
+            _track_loaders(v)
+    return value
 
 
 class ShardedStrategyMethods:

@@ -45,7 +45,9 @@ gets the batches since its last snapshot folded into the position when it is loa
 world size (see ``elastic_loader``).
 
 A ``DistributedSampler``'s position is a per-rank count: the state records its ``num_replicas``
-(``"distributed_num_replicas"``) and a load on another number of ranks is refused.
+(``"distributed_num_replicas"``) and a load on another number of ranks is refused. Its order is a
+function of its epoch, so the state also records the epoch the current pass was started with
+(``"distributed_epoch"``), which a mid-epoch resume sets again before replaying.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ class _Position:
 
     __slots__ = ("epoch_rng", "batches_yielded", "epoch_active", "epoch", "reset_iterator",
                  "persistent_iterator", "generation", "pending", "elastic_pass", "elastic_base",
-                 "elastic_loaded", "live")
+                 "elastic_loaded", "live", "sampler_epoch")
 
     def __init__(self) -> None:
         self.epoch_rng: dict[str, Any] | None = None  # RNG states just before the epoch's iter()
@@ -98,6 +100,7 @@ class _Position:
         self.elastic_base = 0
         self.elastic_loaded: dict[str, Any] | None = None
         self.live: weakref.ref | None = None  # the iterator of the current epoch, while someone holds it
+        self.sampler_epoch: int | None = None  # a DistributedSampler's epoch when the epoch's iter() began
 
 
 def _generators(loader: DataLoader) -> dict[str, torch.Generator]:
@@ -292,6 +295,8 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
             pos.elastic_pass, pos.elastic_base = elastic_pass, 0
             pos.epoch_active = True
             pos.reset_iterator = will_reset
+            distributed = find_sampler(self, DistributedSampler)
+            pos.sampler_epoch = int(distributed.epoch) if distributed is not None else None
             pos.epoch += 1
         tracked = _TrackedIterator(pos, it, pos.generation)
         pos.live = weakref.ref(tracked)
@@ -336,6 +341,11 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
                 it = self._resurgo_base_class.__iter__(self)
                 _prime(self, it)
             else:
+                distributed = find_sampler(self, DistributedSampler)
+                if distributed is not None and pos.sampler_epoch is not None:
+                    # Its order is a function of its epoch, which a training loop may set only
+                    # after iter() (Lightning does): the replay takes the interrupted epoch's.
+                    distributed.set_epoch(pos.sampler_epoch)
                 it = self._resurgo_base_class.__iter__(self)
                 _skip(self, it, pos.batches_yielded)
         finally:
@@ -369,6 +379,8 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
         distributed = find_sampler(self, DistributedSampler)
         if distributed is not None:
             extra["distributed_num_replicas"] = int(distributed.num_replicas)
+            if pos.sampler_epoch is not None:
+                extra["distributed_epoch"] = int(pos.sampler_epoch)
         epoch_rng_out: Any = _clone_rng(epoch_rng)
         generators_out: Any = {name: g.get_state() for name, g in _generators(self).items()}
         if elastic is not None:
@@ -442,6 +454,9 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
                 f"dataloader.distributed_num_replicas: saved by {plural(sd['distributed_num_replicas'], 'rank')}, this "
                 f"DistributedSampler has num_replicas={distributed.num_replicas}; a DistributedSampler's position "
                 "is per rank and cannot change the number of ranks: use resurgo.ElasticSampler")
+        sampler_epoch = sd.get("distributed_epoch")
+        if sampler_epoch is not None and (isinstance(sampler_epoch, bool) or not isinstance(sampler_epoch, int)):
+            raise TypeMismatchError(f"dataloader.distributed_epoch: expected an int, got {sampler_epoch!r}")
         if elastic is not None:
             elastic_loaded = dict(sd["elastic"])
             elastic.load_state_dict(elastic_loaded)  # validates before anything below changes
@@ -453,6 +468,7 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
         pos.epoch = int(sd.get("epoch", 0))
         pos.reset_iterator = bool(sd.get("reset_iterator", False))
         pos.persistent_iterator = bool(sd.get("persistent_iterator", False))
+        pos.sampler_epoch = sampler_epoch
         pos.pending = True
         if elastic is not None:
             pos.elastic_loaded = elastic_loaded
