@@ -227,7 +227,9 @@ def _track_loaders(value: Any) -> Any:
 
     if isinstance(value, DataLoader):
         if not callable(getattr(value, "state_dict", None)):
-            track_dataloader(value)
+            # Resumed on another number of processes, the position is not restored (with a
+            # warning), as the RNG states are not: the sharded strategies resume on any number.
+            track_dataloader(value, on_world_size_change="warn")
     elif isinstance(value, Mapping):
         for v in value.values():
             _track_loaders(v)
