@@ -665,7 +665,7 @@ def track_dataloader(loader: DataLoader, *, on_world_size_change: str | None = N
                                     f"got {on_world_size_change!r}")
     if is_tracked(loader):
         if on_world_size_change is not None:
-            loader.__class__ = _tracked_class(type(loader)._resurgo_base_class, on_world_size_change)
+            loader.__class__ = _tracked_class(getattr(type(loader), "_resurgo_base_class"), on_world_size_change)
         return loader
     if callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None)):
         if isinstance(loader, DataLoader):
