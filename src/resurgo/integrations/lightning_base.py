@@ -186,8 +186,8 @@ def track_train_dataloaders(trainer: Any) -> None:
     and calling ``iter()`` on them, so this wraps the fit loop's data source, a private object:
     ``trainer.fit_loop._data_source``, a dataclass ``_DataLoaderSource(instance, name)`` whose
     ``dataloader()`` the loop calls for the loaders (checked with lightning and pytorch_lightning
-    2.6.6; the same in 2.2 to 2.6). If it is not that, the loaders' position could not be
-    restored: refuse rather than resume onto other batches.
+    2.6.6). If it is not that, the loaders' position could not be restored: refuse rather than
+    resume onto other batches.
     """
     loop = getattr(trainer, "fit_loop", None)
     source = getattr(loop, "_data_source", None)
@@ -197,7 +197,7 @@ def track_train_dataloaders(trainer: Any) -> None:
     if fields != {"instance", "name"} or not callable(getattr(source, "dataloader", None)):
         raise DataPositionError(
             f"ResurgoCallback: trainer.fit_loop._data_source is {type(source).__name__}, not the data source of the "
-            "Lightning versions resurgo knows (2.2 to 2.6), so a plain DataLoader's position could not be saved "
+            "Lightning versions resurgo was checked with (2.6.6), so a plain DataLoader's position could not be saved "
             "and restored; use torchdata's StatefulDataLoader (whose position Lightning saves itself)")
     assert source is not None and loop is not None
     loop._data_source = _tracking_source_class(type(source))(source.instance, source.name)
