@@ -1,10 +1,19 @@
 """A tiny Accelerate training loop for tests/test_accelerate.py, in one process or on each rank
 of a gloo group (``two_processes``): a seeded model with dropout, a shuffled stateful loader, a
-scheduler and a custom object registered for checkpointing, saved with ``save_state()``."""
+scheduler and a custom object registered for checkpointing, saved with ``save_state()``.
+
+    python tests/accelerate_run.py PROJECT_DIR --hang-in-save STEP
+
+(the SIGKILL test) trains with a save every 3 steps and total_limit=2, resuming from the latest
+checkpoint if there is one, printing ``STEP n`` after each step; the save at STEP writes its data
+files, prints ``SAVING``, and waits to be killed before its commit.
+"""
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -30,7 +39,7 @@ class Counter:
 
 
 def train(project_dir, *, resurgo: bool = True, save_every: int | None = None, stop: int | None = None,
-          resume: bool = False, total_limit: int | None = None, on_save=None) -> dict:
+          resume: bool = False, total_limit: int | None = None, on_step=None) -> dict:
     """Trains to ``STEPS`` (or ``stop``), resuming first from the latest checkpoint if asked."""
     set_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 1))
@@ -59,10 +68,10 @@ def train(project_dir, *, resurgo: bool = True, save_every: int | None = None, s
             optimizer.zero_grad()
             losses.append(loss.detach().clone())
             counter.step += 1
+            if on_step is not None:  # before this step's save
+                on_step(counter.step)
             if save_every and counter.step % save_every == 0:
                 accelerator.save_state()
-                if on_save is not None:
-                    on_save(counter.step)
             if counter.step == (stop or STEPS):
                 break
     params = {k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
@@ -78,3 +87,22 @@ def two_processes(rank: int, world: int, root: str) -> dict:
     return {"whole": (whole["losses"], whole["params"]),
             "resumed": (first["losses"] + resumed["losses"], resumed["params"]),
             "checkpoints": sorted(os.listdir(Path(root, "ckpt", "checkpoints")))}
+
+
+if __name__ == "__main__":
+    from kill_harness import hang_before_commit
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("project_dir")
+    parser.add_argument("--hang-in-save", type=int)
+    opts = parser.parse_args()
+    step_now = [0]
+    hang_before_commit(lambda: step_now[0] == opts.hang_in_save, "SAVING")
+
+    def echo(step: int) -> None:
+        step_now[0] = step
+        print(f"STEP {step}", flush=True)
+
+    train(opts.project_dir, save_every=3, total_limit=2, on_step=echo,
+          resume=os.path.isdir(os.path.join(opts.project_dir, "checkpoints")))
+    sys.exit(0)

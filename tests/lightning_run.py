@@ -27,8 +27,8 @@ BATCHES_PER_EPOCH = 4
 
 class TinyBody:
     """Dropout and a shuffled loader: both draw from the global RNG every step. ``loader``:
-    "plain" (torch's DataLoader, restarts its epoch on resume) or "stateful" (torchdata's
-    StatefulDataLoader, whose position Lightning saves and restores). ``rank_seed``: each DDP
+    "plain" (torch's DataLoader, whose position ResurgoCallback makes resumable) or "stateful"
+    (torchdata's StatefulDataLoader, whose position is its own). ``rank_seed``: each DDP
     process reseeds with its own seed, so that the processes draw different dropout masks."""
 
     def __init__(self, loader: str = "plain", rank_seed: bool = False) -> None:
@@ -53,13 +53,18 @@ class TinyBody:
         return torch.optim.Adam(self.parameters(), lr=1e-2)
 
     def train_dataloader(self):
-        g = torch.Generator().manual_seed(123)
-        data = torch.utils.data.TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g))
-        if self.loader == "stateful":
-            from torchdata.stateful_dataloader import StatefulDataLoader
+        return train_loader(self.loader)
 
-            return StatefulDataLoader(data, batch_size=4, shuffle=True)
-        return torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
+
+def train_loader(kind: str = "plain") -> torch.utils.data.DataLoader:
+    """The shuffled loader of 16 samples, BATCHES_PER_EPOCH batches (the same data every time)."""
+    g = torch.Generator().manual_seed(123)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g))
+    if kind == "stateful":
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        return StatefulDataLoader(data, batch_size=4, shuffle=True)
+    return torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
 
 
 class Tiny(TinyBody, L.LightningModule):
@@ -79,22 +84,10 @@ class Steps(L.Callback):
 
 def hang_in_the_save_of_last(step: int) -> type[ResurgoCheckpointIO]:
     """A ResurgoCheckpointIO whose save of last.ckpt at ``step`` stops before its commit."""
-    import resurgo.pipeline.save as pipeline_save
+    from kill_harness import hang_before_commit
 
-    write_then_commit = pipeline_save.write_then_commit
-    armed = []
-
-    def hanging(comm, staging, write, manifest, *rest):
-        def write_then_wait():
-            written = write()
-            if armed:
-                print("SAVING last.ckpt", flush=True)
-                time.sleep(600)
-            return written
-
-        return write_then_commit(comm, staging, write_then_wait, manifest, *rest)
-
-    pipeline_save.write_then_commit = hanging
+    armed: list[bool] = []
+    hang_before_commit(lambda: bool(armed), "SAVING last.ckpt")
 
     class Hanging(ResurgoCheckpointIO):
         def save_checkpoint(self, checkpoint, path, storage_options=None):
@@ -109,7 +102,7 @@ def fit(root: Path, steps: int, *, hang_at: int | None = None, hang_in_save: int
         echo: bool = False) -> Tiny:
     """A fresh seeded job: it resumes from ``root``'s last.ckpt when there is one."""
     L.seed_everything(0)
-    model = Tiny("stateful")
+    model = Tiny("plain")
     io = hang_in_the_save_of_last(hang_in_save)() if hang_in_save else ResurgoCheckpointIO()
     checkpoint = L.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, save_last=True)
     trainer = L.Trainer(max_steps=steps, deterministic=True, accelerator="cpu", devices=1, logger=False,

@@ -80,17 +80,20 @@ class AtStart(L.Callback):
         self.state = full_state(trainer)
 
 
-def fit(rank: int, world: int, root: str, kind: str, steps: int, ckpt_path: str | None = None) -> dict:
+def fit(rank: int, world: int, root: str, kind: str, steps: int, ckpt_path: str | None = None,
+        allow_pickle: bool = False) -> dict:
     """``kind``: "fsdp2" (ResurgoModelParallelStrategy), "fsdp1" (ResurgoFSDPStrategy), or
     "lightning-fsdp2" (Lightning's own ModelParallelStrategy, which writes DCP folders, without
-    ResurgoCallback: a job from before resurgo was added)."""
+    ResurgoCallback: a job from before resurgo was added). ``allow_pickle``: resurgo's strategy's."""
     os.environ["LOCAL_RANK"] = str(rank)  # the processes exist already: Lightning launches none
     # All processes data parallel (by default ModelParallelStrategy gives them to tensor parallelism).
     if kind == "fsdp1":
-        strategy = ResurgoFSDPStrategy()
+        strategy = ResurgoFSDPStrategy(allow_pickle=allow_pickle)
+    elif kind == "lightning-fsdp2":
+        strategy = L.strategies.ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     else:
-        cls = L.strategies.ModelParallelStrategy if kind == "lightning-fsdp2" else ResurgoModelParallelStrategy
-        strategy = cls(data_parallel_size=world, tensor_parallel_size=1)
+        strategy = ResurgoModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1,
+                                                allow_pickle=allow_pickle)
     checkpoint = L.callbacks.ModelCheckpoint(dirpath=Path(root, "ckpts"), every_n_train_steps=2, save_top_k=2,
                                              monitor="train_loss", save_last=True)
     at_start = AtStart()

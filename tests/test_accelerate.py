@@ -94,6 +94,29 @@ def test_a_folder_accelerate_wrote_resumes_and_the_next_save_is_resurgo(tmp_path
     assert first["params"].keys() == resumed["params"].keys()
 
 
+def test_sigkill_in_a_save_then_resume_is_bit_identical_and_total_limit_kept_the_committed(tmp_path, whole):
+    """Killed while save_state of step 9 (checkpoint_2) is writing, before its commit: total_limit
+    has deleted nothing, checkpoint_1 (step 6, mid-epoch) is whole, and the resumed run is the
+    uninterrupted one from there, bit for bit."""
+    import accelerate_run
+    from kill_harness import kill_on_line
+
+    lines = kill_on_line([accelerate_run.__file__, str(tmp_path), "--hang-in-save", "9"], "SAVING")
+    assert lines[-2:] == ["STEP 9", "SAVING"]
+    names = sorted(os.listdir(tmp_path / "checkpoints"))
+    assert [n for n in names if not n.startswith(".")] == ["checkpoint_0", "checkpoint_1"]
+    assert [n.split(".resurgo-tmp-")[0] for n in names if n.startswith(".")] == [".checkpoint_2"]
+    assert verify_checkpoint(tmp_path / "checkpoints" / "checkpoint_1").ok
+
+    resumed = train(tmp_path, save_every=3, resume=True, total_limit=2)  # load_state(): checkpoint_1
+    assert len(resumed["losses"]) == STEPS - 6
+    assert same(whole["losses"][6:], resumed["losses"])
+    assert same_params(whole["params"], resumed["params"])
+    assert [n for n in sorted(os.listdir(tmp_path / "checkpoints")) if not n.startswith(".")] == [
+        "checkpoint_2", "checkpoint_3"]
+    assert resurgo.load_dict(tmp_path / "checkpoints" / "checkpoint_3")["custom"] == [{"step": STEPS}]
+
+
 def test_two_processes_resume_exactly_and_resume_on_one(tmp_path):
     ranks = run_ranks(2, "accelerate_run:two_processes", str(tmp_path))
     for rank, result in enumerate(ranks):

@@ -374,3 +374,45 @@ def test_a_changed_number_of_ranks_is_worded_in_the_singular() -> None:
     other = track_dataloader(DataLoader(ds, batch_size=4, sampler=DistributedSampler(ds, 2, 0)))
     with pytest.raises(DataPositionError, match="saved by 1 rank, this DistributedSampler has num_replicas=2"):
         other.load_state_dict(sd)
+
+
+def test_a_distributed_sampler_resumes_in_the_epoch_it_was_saved_in_even_if_set_epoch_comes_after_iter() -> None:
+    """Its order is a function of its epoch: a loop that calls set_epoch only after iter() (as
+    Lightning does on resume) still gets the rest of the interrupted epoch's order."""
+    from torch.utils.data import DistributedSampler
+
+    def loader() -> DataLoader:
+        ds = IndexDataset(augment=False)
+        return track_dataloader(DataLoader(ds, batch_size=2, sampler=DistributedSampler(ds, 2, 1, shuffle=True, seed=7)))
+
+    original = loader()
+    original.sampler.set_epoch(3)
+    it = iter(original)
+    seen = [next(it)[0].tolist() for _ in range(2)]
+    sd = core.save(original)
+    assert sd["distributed_epoch"] == 3
+    rest = [b[0].tolist() for b in it]
+
+    resumed = loader()  # a fresh sampler, at epoch 0
+    resumed.load_state_dict(sd)
+    it = iter(resumed)
+    resumed.sampler.set_epoch(3)  # too late to change this pass, as in Lightning
+    assert [b[0].tolist() for b in it] == rest and len(seen + rest) == 6
+
+
+def test_on_world_size_change_warn_loads_nothing_and_the_next_iter_starts_a_new_pass() -> None:
+    from torch.utils.data import DistributedSampler
+
+    ds = IndexDataset(augment=False)
+    saved_by = track_dataloader(DataLoader(ds, batch_size=4, sampler=DistributedSampler(ds, 2, 0, shuffle=False)))
+    it = iter(saved_by)
+    next(it)
+    sd = core.save(saved_by)
+    assert sd["batches_yielded"] == 1
+    other = track_dataloader(DataLoader(ds, batch_size=4, sampler=DistributedSampler(ds, 1, 0, shuffle=False)),
+                             on_world_size_change="warn")
+    with pytest.warns(RuntimeWarning, match="saved by 2 ranks, this DistributedSampler has num_replicas=1.*not loaded"):
+        other.load_state_dict(sd)
+    assert next(iter(other))[0].tolist() == [0, 1, 2, 3]  # a new pass, from its start
+    with pytest.raises(UnsupportedValueError, match="on_world_size_change must be 'raise' or 'warn'"):
+        track_dataloader(other, on_world_size_change="ignore")

@@ -15,7 +15,7 @@ L = pytest.importorskip("lightning.pytorch")
 import resurgo  # noqa: E402
 import resurgo.cli  # noqa: E402
 from resurgo.errors import ForeignFilesError, NotACheckpointError  # noqa: E402
-from lightning_run import BATCHES_PER_EPOCH, Tiny, TinyBody  # noqa: E402
+from lightning_run import BATCHES_PER_EPOCH, Tiny, TinyBody, train_loader  # noqa: E402
 from resurgo.integrations.lightning import ResurgoCallback, ResurgoCheckpointIO  # noqa: E402
 
 
@@ -25,17 +25,29 @@ def trainer(root: Path, max_steps: int, callbacks: list, **kw) -> L.Trainer:
                      plugins=[ResurgoCheckpointIO()], callbacks=callbacks, **kw)
 
 
+class TinyData(L.LightningDataModule):
+    def __init__(self, loader: str) -> None:
+        super().__init__()
+        self.loader = loader
+
+    def train_dataloader(self):
+        return train_loader(self.loader)
+
+
 def fit(root: Path, max_steps: int, *, callback: bool, ckpt_path=None, save_every=None, loader="plain",
-        **kw) -> Tiny:
+        source="module", **kw) -> Tiny:
     """A fresh seeded run; with ``save_every``, ModelCheckpoint saves every that many steps, in
-    the middle of training as a preempted job's last checkpoint was."""
+    the middle of training as a preempted job's last checkpoint was. ``source``: where Lightning
+    gets the (same) train loader: the module's train_dataloader, a datamodule's, or fit's argument."""
     L.seed_everything(0)
     model = Tiny(loader)
     callbacks = [ResurgoCallback()] if callback else []
     if save_every is not None:
         callbacks.append(L.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=save_every, save_top_k=-1))
     t = trainer(root, max_steps, callbacks, enable_checkpointing=save_every is not None, **kw)
-    t.fit(model, ckpt_path=ckpt_path)
+    data = {"module": {}, "datamodule": {"datamodule": TinyData(loader)},
+            "fit": {"train_dataloaders": train_loader(loader)}}[source]
+    t.fit(model, ckpt_path=ckpt_path, **data)
     return model
 
 
@@ -43,31 +55,44 @@ def bitwise_equal(a, b) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
-@pytest.mark.parametrize("stop, loader", [
-    (2 * BATCHES_PER_EPOCH, "plain"),  # an epoch boundary: the loader is rebuilt
-    (BATCHES_PER_EPOCH + 2, "stateful"),  # mid-epoch: the loader resumes its position
+def ckpt_of(root: Path, step: int) -> Path:
+    """ModelCheckpoint's file of ``step`` (a step at an epoch's end belongs to that epoch)."""
+    return root / f"epoch={(step - 1) // BATCHES_PER_EPOCH}-step={step}.ckpt"
+
+
+@pytest.mark.parametrize("loader, resume_at", [
+    # torch's DataLoader: the callback makes its position resumable, at an epoch's end and mid-epoch
+    # (saved through a datamodule's loader, resumed with the module's and with one given to fit).
+    ("plain", {BATCHES_PER_EPOCH: "module", BATCHES_PER_EPOCH + 2: "fit"}),
+    ("stateful", {BATCHES_PER_EPOCH + 2: "module"}),  # torchdata's StatefulDataLoader: its own position
 ])
-def test_resumed_fit_is_bit_identical_and_not_without_the_callback(tmp_path, stop, loader):
-    total = 3 * BATCHES_PER_EPOCH
+def test_resumed_fit_is_bit_identical_and_not_without_the_callback(tmp_path, loader, resume_at):
+    total, stop = 3 * BATCHES_PER_EPOCH, BATCHES_PER_EPOCH + 2
     whole = fit(tmp_path / "whole", total, callback=True, loader=loader)
-    first = fit(tmp_path / "first", stop, callback=True, save_every=stop, loader=loader)
-    epoch = stop // BATCHES_PER_EPOCH - (stop % BATCHES_PER_EPOCH == 0)
-    ckpt = tmp_path / "first" / f"epoch={epoch}-step={stop}.ckpt"
-    assert (ckpt / "manifest.json").is_file()
-    resumed = fit(tmp_path / "resumed", total, callback=True, ckpt_path=ckpt, loader=loader)
+    first = fit(tmp_path / "first", stop, callback=True, save_every=2, loader=loader,
+                source="datamodule" if loader == "plain" else "module")
+    assert len(first.losses) == stop and all(bitwise_equal(a, b) for a, b in zip(whole.losses, first.losses))
+    for step, source in resume_at.items():
+        ckpt = ckpt_of(tmp_path / "first", step)
+        assert (ckpt / "manifest.json").is_file()
+        resumed = fit(tmp_path / f"resumed{step}", total, callback=True, ckpt_path=ckpt, loader=loader, source=source)
+        assert len(resumed.losses) == total - step
+        assert all(bitwise_equal(a, b) for a, b in zip(whole.losses[step:], resumed.losses)), step
+        for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
+            assert bitwise_equal(a, b), (step, name)
+        opt_whole = whole.trainer.optimizers[0].state_dict()["state"]
+        opt_resumed = resumed.trainer.optimizers[0].state_dict()["state"]
+        assert opt_whole.keys() == opt_resumed.keys()
+        for k in opt_whole:
+            for field in ("step", "exp_avg", "exp_avg_sq"):
+                assert bitwise_equal(opt_whole[k][field], opt_resumed[k][field]), (step, k, field)
 
-    assert len(first.losses) == stop and len(resumed.losses) == total - stop
-    assert all(bitwise_equal(a, b) for a, b in zip(whole.losses, first.losses + resumed.losses))
-    for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
-        assert bitwise_equal(a, b), name
-    opt_whole = whole.trainer.optimizers[0].state_dict()["state"]
-    opt_resumed = resumed.trainer.optimizers[0].state_dict()["state"]
-    assert opt_whole.keys() == opt_resumed.keys()
-    for k in opt_whole:
-        for field in ("step", "exp_avg", "exp_avg_sq"):
-            assert bitwise_equal(opt_whole[k][field], opt_resumed[k][field]), (k, field)
-
-    # Control: the same checkpoint without the callback's RNG states resumes onto other draws.
+    # Control: without the callback, the mid-epoch resume trains on other draws and other batches.
+    # (A StatefulDataLoader's checkpoint holds its position anyway; a plain DataLoader's only with
+    # the callback, so that run is saved without it too.)
+    if loader == "plain":
+        fit(tmp_path / "blind_first", stop, callback=False, save_every=stop, loader=loader)
+    ckpt = ckpt_of(tmp_path / ("blind_first" if loader == "plain" else "first"), stop)
     blind = fit(tmp_path / "blind", total, callback=False, ckpt_path=ckpt, loader=loader)
     assert len(blind.losses) == total - stop
     assert not all(bitwise_equal(a, b) for a, b in zip(whole.losses[stop:], blind.losses))
@@ -127,6 +152,18 @@ def test_remove_checkpoint_deletes_only_what_resurgo_wrote(tmp_path):
     assert (tmp_path / "c.ckpt" / "manifest.json").is_file()
 
 
+class StartState(L.Callback):
+    """The weights and optimizer state a fit starts training from (after any checkpoint is loaded)."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.weights = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        self.optimizer = tensors_in(trainer.optimizers[0].state_dict()["state"])
+
+
+def tensors_in(optimizer_state: dict) -> dict:
+    return {(k, f): v.clone() for k, s in optimizer_state.items() for f, v in s.items()}
+
+
 def test_resumes_from_a_ckpt_file_of_lightnings_own_checkpoint_io_and_saves_resurgo(tmp_path):
     L.seed_everything(0)
     model = Tiny()
@@ -135,13 +172,21 @@ def test_resumes_from_a_ckpt_file_of_lightnings_own_checkpoint_io_and_saves_resu
     plain.fit(model)
     plain.save_checkpoint(tmp_path / "old.ckpt")
     assert (tmp_path / "old.ckpt").is_file()  # torch.save's zip file
+    saved_weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    saved_optimizer = tensors_in(plain.optimizers[0].state_dict()["state"])
 
-    again = Tiny()
-    t = trainer(tmp_path, 2 * BATCHES_PER_EPOCH, [ResurgoCallback()], enable_checkpointing=False)
+    L.seed_everything(1)  # another initialisation: only the load can give back the saved weights
+    again, start = Tiny(), StartState()
+    t = trainer(tmp_path, 2 * BATCHES_PER_EPOCH, [ResurgoCallback(), start], enable_checkpointing=False)
     t.fit(again, ckpt_path=tmp_path / "old.ckpt")
-    assert t.global_step == 2 * BATCHES_PER_EPOCH
+    assert len(again.losses) == BATCHES_PER_EPOCH and t.global_step == 2 * BATCHES_PER_EPOCH
+    assert start.weights.keys() == saved_weights.keys()
+    assert all(bitwise_equal(start.weights[k], saved_weights[k]) for k in saved_weights)
+    assert start.optimizer.keys() == saved_optimizer.keys() and saved_optimizer
+    assert all(bitwise_equal(start.optimizer[k], saved_optimizer[k]) for k in saved_optimizer)
     t.save_checkpoint(tmp_path / "new.ckpt")
     assert resurgo.load_dict(tmp_path / "new.ckpt")["global_step"] == 2 * BATCHES_PER_EPOCH
+    assert resurgo.read_manifest(tmp_path / "new.ckpt").pickled is False
 
 
 class Opaque:
@@ -211,6 +256,19 @@ def test_asynchronous_saves_hold_the_step_they_were_asked_for(tmp_path):
         assert all(bitwise_equal(ta[k], tb[k]) for k in ta), a.name
 
 
+def test_an_asynchronous_save_holds_its_tensors_as_they_were_when_it_returned(tmp_path):
+    """Snapshot semantics, directly: the caller changes the tensors in place as soon as
+    save_checkpoint returns, before the background write can have committed."""
+    weight = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB: its write outlasts the in-place change
+    expected = weight.clone()
+    io = ResurgoCheckpointIO(asynchronous=True)
+    io.save_checkpoint({"state_dict": {"w": weight}, "global_step": 1}, tmp_path / "a.ckpt")
+    assert io._in_flight  # in the background
+    weight.add_(1.0)
+    io.teardown()
+    assert bitwise_equal(resurgo.load_dict(tmp_path / "a.ckpt")["state_dict"]["w"], expected)
+
+
 def test_an_asynchronous_save_error_is_raised_by_the_next_call_that_waits(tmp_path):
     from resurgo.errors import ForeignFilesError
 
@@ -241,12 +299,14 @@ def test_pytorch_lightning_package_resumes_bit_identically(tmp_path):
                    plugins=[PLCheckpointIO()], callbacks=callbacks).fit(model, ckpt_path=ckpt_path)
         return model
 
+    stop = BATCHES_PER_EPOCH + 2  # mid-epoch, with a plain DataLoader
     whole = run(tmp_path / "whole", 2 * BATCHES_PER_EPOCH)
-    run(tmp_path / "first", BATCHES_PER_EPOCH, save_every=BATCHES_PER_EPOCH)
-    ckpt = tmp_path / "first" / f"epoch=0-step={BATCHES_PER_EPOCH}.ckpt"
+    run(tmp_path / "first", stop, save_every=stop)
+    ckpt = ckpt_of(tmp_path / "first", stop)
     assert (ckpt / "manifest.json").is_file()
     resumed = run(tmp_path / "resumed", 2 * BATCHES_PER_EPOCH, ckpt_path=ckpt)
-    assert all(bitwise_equal(a, b) for a, b in zip(whole.losses[BATCHES_PER_EPOCH:], resumed.losses))
+    assert len(resumed.losses) == 2 * BATCHES_PER_EPOCH - stop
+    assert all(bitwise_equal(a, b) for a, b in zip(whole.losses[stop:], resumed.losses))
     for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
         assert bitwise_equal(a, b), name
 
@@ -262,8 +322,9 @@ except ImportError:  # pragma: no cover - the lightning extra brings pytorch_lig
 
 def test_ddp_processes_each_get_their_own_rng_states_back(tmp_path):
     """Two DDP processes (ddp_spawn, gloo) draw different dropout masks: each process's RNG
-    states go into the checkpoint and come back to that process, so the resumed run ends with
-    the uninterrupted run's weights, bit for bit."""
+    states go into the checkpoint and come back to that process, and the DistributedSampler's
+    position mid-epoch is restored, so the resumed run ends with the uninterrupted run's weights,
+    bit for bit."""
     def run(root: Path, steps: int, ckpt_path=None, save_every=None) -> Tiny:
         L.seed_everything(0)
         model = Tiny(rank_seed=True)
@@ -277,9 +338,10 @@ def test_ddp_processes_each_get_their_own_rng_states_back(tmp_path):
         return model
 
     steps = BATCHES_PER_EPOCH // 2  # DistributedSampler: each process gets half an epoch
+    stop = steps + 1  # mid-epoch
     whole = run(tmp_path / "whole", 3 * steps)
-    run(tmp_path / "first", 2 * steps, save_every=2 * steps)
-    ckpt = tmp_path / "first" / f"epoch=1-step={2 * steps}.ckpt"
+    run(tmp_path / "first", stop, save_every=stop)
+    ckpt = tmp_path / "first" / f"epoch=1-step={stop}.ckpt"
     per_rank = resurgo.load_dict(ckpt)["callbacks"]["ResurgoCallback"]["rng_per_rank"]
     assert len(per_rank) == 2 and not torch.equal(per_rank[0]["torch"], per_rank[1]["torch"])
     resumed = run(tmp_path / "resumed", 3 * steps, ckpt_path=ckpt)
@@ -293,31 +355,15 @@ def test_ddp_processes_each_get_their_own_rng_states_back(tmp_path):
 ])
 def test_sigkill_mid_training_then_resume_from_last_is_bit_identical(tmp_path, kill):
     import os
-    import signal
-    import subprocess
-    import sys
 
     import lightning_run
+    from kill_harness import kill_on_line
 
     total = 3 * BATCHES_PER_EPOCH
     whole = lightning_run.fit(tmp_path / "whole", total)
     root = tmp_path / "killed"
     hang, wait_for = (["--hang-in-save", "8"], "SAVING last.ckpt") if kill == "in_save" else (["--hang-at", "7"], "STEP 7")
-    child = subprocess.Popen([sys.executable, lightning_run.__file__, str(root), str(total), *hang],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines = []
-    try:
-        for line in child.stdout:
-            lines.append(line.strip())
-            if lines[-1] == wait_for:
-                child.send_signal(signal.SIGKILL)
-                break
-    finally:
-        if child.poll() is None and lines[-1:] != [wait_for]:
-            child.kill()
-        _, err = child.communicate(timeout=60)
-    assert child.returncode == -signal.SIGKILL, err
+    kill_on_line([lightning_run.__file__, str(root), str(total), *hang], wait_for)
     names = sorted(os.listdir(root))
     committed = [f"epoch=1-step={s}.ckpt" for s in (6, 8)] if kill == "in_save" else ["epoch=1-step=6.ckpt"]
     assert [n for n in names if not n.startswith(".")] == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt",
@@ -332,3 +378,17 @@ def test_sigkill_mid_training_then_resume_from_last_is_bit_identical(tmp_path, k
     for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
         assert bitwise_equal(a, b), name
     assert resurgo.read_manifest(root / "last.ckpt").step == total
+
+
+def test_a_fit_loop_without_the_known_data_source_is_refused_naming_the_stateful_loader():
+    """The plain DataLoader's position needs the fit loop's data source of the Lightning versions
+    resurgo knows: if a Lightning version changes it, the callback refuses instead of resuming inexactly."""
+    from types import SimpleNamespace
+
+    from resurgo.errors import DataPositionError
+    from resurgo.integrations.lightning_base import track_train_dataloaders
+
+    with pytest.raises(DataPositionError, match=r"_data_source is object.*StatefulDataLoader"):
+        track_train_dataloaders(SimpleNamespace(fit_loop=SimpleNamespace(_data_source=object())))
+    with pytest.raises(DataPositionError, match=r"_data_source is NoneType"):
+        track_train_dataloaders(SimpleNamespace())

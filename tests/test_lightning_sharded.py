@@ -75,12 +75,45 @@ def test_fsdp1_saved_on_two_processes_resumes_on_one_and_three(tmp_path, world):
     resume_on(tmp_path, "fsdp1", world, saved_on_two(tmp_path, "fsdp1"))
 
 
+class Runs:
+    """A pickled object whose unpickling leaves a file behind (it would run on load)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+@pytest.mark.parametrize("cls", ["ResurgoModelParallelStrategy", "ResurgoFSDPStrategy"])
+def test_a_foreign_checkpoint_that_would_be_unpickled_is_refused_naming_its_file_and_the_flag(tmp_path, cls):
+    import pickle
+
+    import resurgo.integrations.lightning as integration
+    from resurgo.errors import PickleNotAllowedError
+
+    strategy = getattr(integration, cls)()
+    marker = tmp_path / "ran"
+    dcp_folder = tmp_path / "epoch=0-step=4.ckpt"
+    dcp_folder.mkdir()
+    (dcp_folder / ".metadata").write_bytes(pickle.dumps(Runs(marker)))
+    with pytest.raises(PickleNotAllowedError, match=rf"step=4\.ckpt/\.metadata: .*DCP.*pickle\.load.*{cls}\(\.\.\., "
+                                                    r"allow_pickle=True\)"):
+        strategy.load_checkpoint(dcp_folder)
+    torch.save({"state_dict": {"w": torch.ones(2)}, "hyper_parameters": Runs(marker)}, tmp_path / "old.ckpt")
+    with pytest.raises(PickleNotAllowedError, match=rf"old\.ckpt: .*holds .*pathlib\.Path.*{cls}\(\.\.\., "
+                                                    r"allow_pickle=True\)"):
+        strategy.load_checkpoint(tmp_path / "old.ckpt")
+    assert not marker.exists()  # neither pickle was run
+
+
 @pytest.mark.slow
 def test_a_dcp_folder_of_lightnings_own_strategy_resumes_and_the_next_saves_are_resurgo(tmp_path):
     ranks = run_ranks(2, WORKER, str(tmp_path / "before"), "lightning-fsdp2", 4, timeout=300)
     old = tmp_path / "before" / "ckpts" / "epoch=0-step=4.ckpt"
     assert (old / "meta.pt").is_file() and not (old / "manifest.json").exists()  # Lightning's DCP folder
-    after = run_ranks(1, WORKER, str(tmp_path / "after"), "fsdp2", 6, str(old), timeout=300)[0]
+    # Its .metadata is a pickle, which DCP runs when it reads it: loaded only with allow_pickle.
+    after = run_ranks(1, WORKER, str(tmp_path / "after"), "fsdp2", 6, str(old), True, timeout=300)[0]
     saved = ranks[0]["end"]
     assert [k for k in saved if not bitwise_equal(saved[k], after["start"][k])] == []
     assert after["global_step"] == 6

@@ -7,9 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -137,22 +134,10 @@ class Opaque:
 
 
 def test_sigkill_mid_training_then_resume_is_bit_identical(tmp_path, whole):
-    script = Path(__file__).with_name("hf_trainer_run.py")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    child = subprocess.Popen([sys.executable, str(script), str(tmp_path), "--hang-at", "7"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    lines = []
-    try:
-        for line in child.stdout:
-            lines.append(line)
-            if line.strip() == "STEP 7":  # checkpoint-6 was committed; step 7 is done, not saved
-                child.send_signal(signal.SIGKILL)
-                break
-    finally:
-        if child.poll() is None and not lines[-1:] == ["STEP 7\n"]:
-            child.kill()
-        _, err = child.communicate(timeout=60)
-    assert child.returncode == -signal.SIGKILL, err
+    from kill_harness import kill_on_line
+
+    # checkpoint-6 was committed; step 7 is done, not saved
+    kill_on_line([str(Path(__file__).with_name("hf_trainer_run.py")), str(tmp_path), "--hang-at", "7"], "STEP 7")
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
 
     resumed = make_trainer(tmp_path, save_steps=2)

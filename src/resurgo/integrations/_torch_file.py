@@ -48,6 +48,13 @@ def check_torch_file(path: str | os.PathLike, *, what: str, fix: str) -> None:
         raise _refused(path, what, f"it holds {', '.join(unsafe)}", fix)
 
 
+def refuse_dcp_folder(path: str | os.PathLike, what: str, fix: str) -> PickleNotAllowedError:
+    """The error for a DCP checkpoint folder at ``path`` (``what`` wrote it): its ``.metadata``
+    is a pickle that torch.distributed.checkpoint runs when it reads it."""
+    return _refused(os.path.join(path, ".metadata"), f"the metadata of {what} (a DCP folder)",
+                    "torch.distributed.checkpoint reads it with pickle.load", fix)
+
+
 def _refused(path: str | os.PathLike, what: str, detail: str, fix: str) -> PickleNotAllowedError:
     return PickleNotAllowedError(f"{path}: {what} that needs unpickling to load ({detail}). If you trust the file, "
                                  f"{fix}; the next save is a resurgo checkpoint")

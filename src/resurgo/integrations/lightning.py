@@ -6,8 +6,9 @@ top-k and last, ``trainer.save_checkpoint``) a resurgo checkpoint directory: che
 committed atomically, tensors never pickled; Lightning's retention removes only checkpoints
 resurgo can prove it wrote. ``ResurgoCheckpointIO(asynchronous=True)`` saves in the background
 from a snapshot. ``Trainer(callbacks=[ResurgoCallback()])`` adds what Lightning does not save,
-the RNG states of every process, and sets them back at the moment that makes the resumed
-``fit`` draw the same numbers as an uninterrupted one. The strategies that shard the model
+the RNG states of every process and a plain DataLoader's data position, and sets them back at the
+moment that makes the resumed ``fit`` draw the same numbers and the same batches as an
+uninterrupted one. The strategies that shard the model
 (``ModelParallelStrategy``, ``FSDPStrategy``) bypass CheckpointIO: ``ResurgoModelParallelStrategy``
 and ``ResurgoFSDPStrategy`` save their checkpoints with resurgo from every process.
 
@@ -40,7 +41,9 @@ class ResurgoCheckpointIO(CheckpointIOMethods, CheckpointIO):
 
 class ResurgoCallback(RngCallbackMethods, Callback):
     """Saves the RNG states (Python, NumPy, torch CPU and CUDA) of every process in each
-    checkpoint and restores them where the resumed run's next draw matches the uninterrupted run's."""
+    checkpoint and restores them where the resumed run's next draw matches the uninterrupted run's,
+    and makes each plain DataLoader the fit trains on resumable, so that its data position is
+    saved and restored with the loops' state (see RngCallbackMethods)."""
 
 
 class ResurgoModelParallelStrategy(ShardedStrategyMethods, ModelParallelStrategy):

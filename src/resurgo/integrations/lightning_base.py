@@ -8,6 +8,7 @@ comes from. The behaviour lives here once, as mixins; ``resurgo.integrations.lig
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Mapping
@@ -16,13 +17,14 @@ from typing import Any
 
 from resurgo.api import async_save, load, load_dict, read_manifest, save
 from resurgo.dist import comm as dist_comm
-from resurgo.errors import NotACheckpointError, UnsupportedValueError
+from resurgo.errors import DataPositionError, NotACheckpointError, UnsupportedValueError
 from resurgo.format.manifest import MANIFEST_NAME
 from resurgo.format.values import decode_key
-from resurgo.integrations._torch_file import load_torch_file
+from resurgo.integrations._torch_file import check_torch_file, load_torch_file, refuse_dcp_folder
 from resurgo.layout.shards import Shard
 from resurgo.manager.catalog import remove
 from resurgo.pipeline.async_save import AsyncSaveHandle
+from resurgo.state.data_position import track_dataloader
 from resurgo.state.per_rank import PerRank
 from resurgo.state.rng import capture_rng_state, restore_rng_state
 from resurgo.storage.open import open_root
@@ -111,7 +113,15 @@ class CheckpointIOMethods:
 
 class RngCallbackMethods:
     """The Callback methods: RNG states saved in every checkpoint and restored where the resumed
-    run's next draw matches the uninterrupted run's.
+    run's next draw matches the uninterrupted run's, and a plain DataLoader's data position.
+
+    Data position: each plain ``torch.utils.data.DataLoader`` the fit trains on is made resumable
+    in place (:func:`resurgo.state.data_position.track_dataloader`) as Lightning receives it,
+    before its first ``iter()``. It then has ``state_dict``/``load_state_dict``, so Lightning
+    itself saves its position with the loops' state in every checkpoint, and loads it into the
+    rebuilt loader before that loader's first ``iter()`` of a resumed fit, which then replays the
+    interrupted epoch's order and skips the batches already trained on (without loading them).
+    Loaders with their own ``state_dict`` (torchdata's StatefulDataLoader) are left as they are.
 
     Resumed at an epoch boundary, the uninterrupted run's next draws build the next epoch's data
     iterator, which Lightning builds right after loading: the states are restored on loading.
@@ -156,6 +166,10 @@ class RngCallbackMethods:
             return None
         return per_rank[rank]
 
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit":
+            track_train_dataloaders(trainer)
+
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self._pending is None:
             return
@@ -163,6 +177,69 @@ class RngCallbackMethods:
             restore_rng_state(self._pending)
         self._pending = None
 
+
+def track_train_dataloaders(trainer: Any) -> None:
+    """Make every plain DataLoader the fit loop gets from its data source resumable, as it gets it.
+
+    Lightning has no public hook between building the train loaders (``train_dataloader()`` of
+    the module or the datamodule, or the loaders given to ``fit``) and loading their saved states
+    and calling ``iter()`` on them, so this wraps the fit loop's data source, a private object:
+    ``trainer.fit_loop._data_source``, a dataclass ``_DataLoaderSource(instance, name)`` whose
+    ``dataloader()`` the loop calls for the loaders (checked with lightning and pytorch_lightning
+    2.6.6). If it is not that, the loaders' position could not be restored: refuse rather than
+    resume onto other batches.
+    """
+    loop = getattr(trainer, "fit_loop", None)
+    source = getattr(loop, "_data_source", None)
+    if isinstance(source, _TrackingSource):
+        return
+    fields = {f.name for f in dataclasses.fields(source)} if dataclasses.is_dataclass(source) else set()
+    if fields != {"instance", "name"} or not callable(getattr(source, "dataloader", None)):
+        raise DataPositionError(
+            f"ResurgoCallback: trainer.fit_loop._data_source is {type(source).__name__}, not the data source of the "
+            "Lightning versions resurgo was checked with (2.6.6), so a plain DataLoader's position could not be saved "
+            "and restored; use torchdata's StatefulDataLoader (whose position Lightning saves itself)")
+    assert source is not None and loop is not None
+    loop._data_source = _tracking_source_class(type(source))(source.instance, source.name)
+
+
+class _TrackingSource:
+    """Marks a data source whose loaders are tracked (mixed into Lightning's own class)."""
+
+    def dataloader(self) -> Any:
+        return _track_loaders(super().dataloader())  # type: ignore[misc]
+
+
+_TRACKING_SOURCES: dict[type, type] = {}
+
+
+def _tracking_source_class(cls: type) -> type:
+    tracking = _TRACKING_SOURCES.get(cls)
+    if tracking is None:
+        tracking = _TRACKING_SOURCES[cls] = type(f"Tracking{cls.__name__}", (_TrackingSource, cls), {})
+    return tracking
+
+
+def _track_loaders(value: Any) -> Any:
+    """``value`` (a loader, a collection of loaders, or a CombinedLoader of them) with each plain
+    DataLoader tracked in place; a loader with its own ``state_dict`` is left as it is."""
+    from torch.utils.data import DataLoader
+
+    if isinstance(value, DataLoader):
+        if not callable(getattr(value, "state_dict", None)):
+            # Resumed on another number of processes, the position is not restored (with a
+            # warning), as the RNG states are not: the sharded strategies resume on any number.
+            track_dataloader(value, on_world_size_change="warn")
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            _track_loaders(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _track_loaders(v)
+    elif hasattr(value, "flattened"):  # a CombinedLoader
+        for v in value.flattened:
+            _track_loaders(v)
+    return value
 
 
 class ShardedStrategyMethods:
@@ -177,7 +254,9 @@ class ShardedStrategyMethods:
     state as ``torch.distributed.checkpoint.state_dict`` gives them (keys by parameter name,
     tensors sharded): ``resurgo.load_dict`` reads it whole in one process. A path that holds no
     resurgo checkpoint (Lightning's own DCP folder or ``.ckpt`` file, from before resurgo was
-    added) is read by Lightning's own code. ``allow_pickle`` and ``verify`` as in ResurgoCheckpointIO.
+    added) is read by Lightning's own code: a DCP folder (whose ``.metadata`` is a pickle) only
+    with ``allow_pickle``, a ``.ckpt`` file without it if it holds only tensors and plain
+    containers. ``allow_pickle`` and ``verify`` as in ResurgoCheckpointIO.
     """
 
     # What the Lightning strategy this is mixed into provides (for the type checker only).
@@ -221,7 +300,8 @@ class ShardedStrategyMethods:
 
         path = Path(self.broadcast(checkpoint_path))
         if not (path / MANIFEST_NAME).is_file():  # Lightning's own checkpoint: its own reader
-            return super().load_checkpoint(path, weights_only)  # type: ignore[misc]
+            self._check_foreign(path)
+            return super().load_checkpoint(path, False if self.allow_pickle else weights_only)  # type: ignore[misc]
         strict = self.lightning_module.strict_loading
         # The optimizers are restored while fitting only, as Lightning's own strategies do.
         optimizers = self.optimizers if self.lightning_module.trainer.state.fn == "fit" else []
@@ -239,6 +319,18 @@ class ShardedStrategyMethods:
             set_optimizer_state_dict(self.model, opt, state)
         rest = {k: v for k, v in target.items() if k not in ("state_dict", "optimizer_states")}
         return _own_values(rest, self.global_rank, self.world_size)
+
+    def _check_foreign(self, path: Path) -> None:
+        """Without ``allow_pickle``, refuse (PickleNotAllowedError, naming the file) a checkpoint of
+        Lightning's own strategy that its reader would unpickle: a DCP folder (its ``.metadata``
+        always is a pickle), or a ``.ckpt`` file naming other globals than tensors and containers."""
+        if self.allow_pickle:
+            return
+        fix = f"pass {type(self).__name__}(..., allow_pickle=True) for the run that loads it"
+        if path.is_dir():
+            raise refuse_dcp_folder(path, "a checkpoint of Lightning's own strategy", fix)
+        if path.is_file():
+            check_torch_file(path, what="a Lightning checkpoint", fix=fix)
 
     def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
         if self.is_global_zero:

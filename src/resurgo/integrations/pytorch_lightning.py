@@ -22,8 +22,8 @@ class ResurgoCheckpointIO(CheckpointIOMethods, CheckpointIO):
 
 
 class ResurgoCallback(RngCallbackMethods, Callback):
-    """Saves and restores the RNG states of every process (see
-    :class:`resurgo.integrations.lightning.ResurgoCallback`)."""
+    """Saves and restores the RNG states of every process and a plain DataLoader's data position
+    (see :class:`resurgo.integrations.lightning.ResurgoCallback`)."""
 
 
 class ResurgoModelParallelStrategy(ShardedStrategyMethods, ModelParallelStrategy):

@@ -45,12 +45,15 @@ gets the batches since its last snapshot folded into the position when it is loa
 world size (see ``elastic_loader``).
 
 A ``DistributedSampler``'s position is a per-rank count: the state records its ``num_replicas``
-(``"distributed_num_replicas"``) and a load on another number of ranks is refused.
+(``"distributed_num_replicas"``) and a load on another number of ranks is refused. Its order is a
+function of its epoch, so the state also records the epoch the current pass was started with
+(``"distributed_epoch"``), which a mid-epoch resume sets again before replaying.
 """
 
 from __future__ import annotations
 
 import itertools
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -72,7 +75,7 @@ from resurgo.wording import plural
 __all__ = ["track_dataloader", "is_tracked"]
 
 _FORMAT_VERSION = 1
-_TRACKED_CLASSES: dict[type, type] = {}
+_TRACKED_CLASSES: dict[tuple[type, str], type] = {}
 _ATTR = "_resurgo_position"
 
 
@@ -81,7 +84,7 @@ class _Position:
 
     __slots__ = ("epoch_rng", "batches_yielded", "epoch_active", "epoch", "reset_iterator",
                  "persistent_iterator", "generation", "pending", "elastic_pass", "elastic_base",
-                 "elastic_loaded", "live")
+                 "elastic_loaded", "live", "sampler_epoch")
 
     def __init__(self) -> None:
         self.epoch_rng: dict[str, Any] | None = None  # RNG states just before the epoch's iter()
@@ -98,6 +101,7 @@ class _Position:
         self.elastic_base = 0
         self.elastic_loaded: dict[str, Any] | None = None
         self.live: weakref.ref | None = None  # the iterator of the current epoch, while someone holds it
+        self.sampler_epoch: int | None = None  # a DistributedSampler's epoch when the epoch's iter() began
 
 
 def _generators(loader: DataLoader) -> dict[str, torch.Generator]:
@@ -266,6 +270,10 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
     """
 
     _resurgo_base_class: type[DataLoader]
+    # A DistributedSampler's position loaded on another number of ranks: "raise", or "warn" and
+    # load nothing. A class attribute: a loader re-created from this one's class (Lightning does,
+    # to give it a DistributedSampler) keeps it.
+    _resurgo_on_world_size_change: str
 
     # -- iteration ---------------------------------------------------------------------------
     def __iter__(self):  # type: ignore[no-untyped-def]
@@ -292,6 +300,8 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
             pos.elastic_pass, pos.elastic_base = elastic_pass, 0
             pos.epoch_active = True
             pos.reset_iterator = will_reset
+            distributed = find_sampler(self, DistributedSampler)
+            pos.sampler_epoch = int(distributed.epoch) if distributed is not None else None
             pos.epoch += 1
         tracked = _TrackedIterator(pos, it, pos.generation)
         pos.live = weakref.ref(tracked)
@@ -336,6 +346,11 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
                 it = self._resurgo_base_class.__iter__(self)
                 _prime(self, it)
             else:
+                distributed = find_sampler(self, DistributedSampler)
+                if distributed is not None and pos.sampler_epoch is not None:
+                    # Its order is a function of its epoch, which a training loop may set only
+                    # after iter() (Lightning does): the replay takes the interrupted epoch's.
+                    distributed.set_epoch(pos.sampler_epoch)
                 it = self._resurgo_base_class.__iter__(self)
                 _skip(self, it, pos.batches_yielded)
         finally:
@@ -369,6 +384,8 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
         distributed = find_sampler(self, DistributedSampler)
         if distributed is not None:
             extra["distributed_num_replicas"] = int(distributed.num_replicas)
+            if pos.sampler_epoch is not None:
+                extra["distributed_epoch"] = int(pos.sampler_epoch)
         epoch_rng_out: Any = _clone_rng(epoch_rng)
         generators_out: Any = {name: g.get_state() for name, g in _generators(self).items()}
         if elastic is not None:
@@ -438,10 +455,17 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
                 and sd["distributed_num_replicas"] != distributed.num_replicas:
             # Its position is a per-rank count: on another number of ranks the replay would take
             # other samples (some twice, some never).
-            raise DataPositionError(
-                f"dataloader.distributed_num_replicas: saved by {plural(sd['distributed_num_replicas'], 'rank')}, this "
-                f"DistributedSampler has num_replicas={distributed.num_replicas}; a DistributedSampler's position "
-                "is per rank and cannot change the number of ranks: use resurgo.ElasticSampler")
+            message = (f"dataloader.distributed_num_replicas: saved by {plural(sd['distributed_num_replicas'], 'rank')}, "
+                       f"this DistributedSampler has num_replicas={distributed.num_replicas}; a DistributedSampler's "
+                       "position is per rank and cannot change the number of ranks")
+            if self._resurgo_on_world_size_change == "warn":
+                warnings.warn(f"{message}: not loaded, the next epoch starts a new pass (resurgo.ElasticSampler "
+                              "keeps a position that loads on any number of ranks)", RuntimeWarning, stacklevel=2)
+                return
+            raise DataPositionError(f"{message}: use resurgo.ElasticSampler")
+        sampler_epoch = sd.get("distributed_epoch")
+        if sampler_epoch is not None and (isinstance(sampler_epoch, bool) or not isinstance(sampler_epoch, int)):
+            raise TypeMismatchError(f"dataloader.distributed_epoch: expected an int, got {sampler_epoch!r}")
         if elastic is not None:
             elastic_loaded = dict(sd["elastic"])
             elastic.load_state_dict(elastic_loaded)  # validates before anything below changes
@@ -453,6 +477,7 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
         pos.epoch = int(sd.get("epoch", 0))
         pos.reset_iterator = bool(sd.get("reset_iterator", False))
         pos.persistent_iterator = bool(sd.get("persistent_iterator", False))
+        pos.sampler_epoch = sampler_epoch
         pos.pending = True
         if elastic is not None:
             pos.elastic_loaded = elastic_loaded
@@ -504,8 +529,8 @@ def _position(loader: Any) -> _Position:
     return pos
 
 
-def _tracked_class(cls: type) -> type:
-    tracked = _TRACKED_CLASSES.get(cls)
+def _tracked_class(cls: type, on_world_size_change: str = "raise") -> type:
+    tracked = _TRACKED_CLASSES.get((cls, on_world_size_change))
     if tracked is None:
         methods = {k: v for k, v in vars(_TrackedDataLoaderMixin).items()
                    if k not in ("__dict__", "__weakref__", "__doc__", "__module__", "__qualname__",
@@ -516,9 +541,10 @@ def _tracked_class(cls: type) -> type:
             "__qualname__": f"Tracked{cls.__qualname__}",
             "__doc__": cls.__doc__,
             "_resurgo_base_class": cls,
+            "_resurgo_on_world_size_change": on_world_size_change,
             "__slots__": (),  # same layout as cls, so that __class__ can be assigned
         })
-        _TRACKED_CLASSES[cls] = tracked
+        _TRACKED_CLASSES[(cls, on_world_size_change)] = tracked
     return tracked
 
 
@@ -624,14 +650,22 @@ def is_tracked(loader: Any) -> bool:
     return type(loader) in _TRACKED_CLASSES.values()
 
 
-def track_dataloader(loader: DataLoader) -> DataLoader:
+def track_dataloader(loader: DataLoader, *, on_world_size_change: str | None = None) -> DataLoader:
     """Make ``loader`` resumable in place and return it (the same object).
 
     Its class becomes a subclass with ``state_dict()``/``load_state_dict()``; iteration is
     unchanged. Call it before the first ``iter()`` of an epoch that should be resumable. Loaders
     that already have ``state_dict()`` (torchdata's ``StatefulDataLoader``) are returned as is.
+    ``on_world_size_change``: what a load of a DistributedSampler's position saved by another
+    number of ranks does: ``"raise"`` (the default, DataPositionError) or ``"warn"`` (a
+    RuntimeWarning, and nothing is loaded: the next ``iter()`` starts a new pass).
     """
+    if on_world_size_change not in (None, "raise", "warn"):
+        raise UnsupportedValueError(f"track_dataloader: on_world_size_change must be 'raise' or 'warn', "
+                                    f"got {on_world_size_change!r}")
     if is_tracked(loader):
+        if on_world_size_change is not None:
+            loader.__class__ = _tracked_class(getattr(type(loader), "_resurgo_base_class"), on_world_size_change)
         return loader
     if callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None)):
         if isinstance(loader, DataLoader):
@@ -642,6 +676,6 @@ def track_dataloader(loader: DataLoader) -> DataLoader:
             f"dataloader: expected a torch.utils.data.DataLoader or an object with state_dict()/"
             f"load_state_dict(), got {type(loader).__name__}"
         )
-    loader.__class__ = _tracked_class(type(loader))
+    loader.__class__ = _tracked_class(type(loader), on_world_size_change or "raise")
     _position(loader)
     return loader
