@@ -85,6 +85,14 @@ def block_digests(buf: memoryview, block_bytes: int) -> list[str]:
     return [h(buf[i : i + block_bytes]) for i in range(0, len(buf), block_bytes)]
 
 
+def block_digests_reusing(buf: memoryview, block_bytes: int, known: dict[int, str], first_block: int = 0) -> list[str]:
+    """:func:`block_digests`, taking the digests of blocks already hashed from ``known`` (chunk
+    block index -> digest; ``buf`` starts at block ``first_block`` of the chunk)."""
+    h = xxhash.xxh3_128_hexdigest
+    return [known.get(first_block + j) or h(buf[start : start + block_bytes])
+            for j, start in enumerate(range(0, len(buf), block_bytes))]
+
+
 def first_bad_block(buf: memoryview, block_bytes: int, expected: list[str], first_block: int = 0) -> int | None:
     """Index of the first block of ``buf`` whose digest differs from ``expected``, or None.
 
