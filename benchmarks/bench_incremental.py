@@ -125,7 +125,8 @@ def ratios(values: list[float]) -> dict:
 def run_manager(state: dict, step: Callable[[dict], None], where: Path, saves: int) -> list[dict]:
     """The training-loop case: a CheckpointManager(incremental=True) saving every step, each save's
     base the manager's previous one (whose manifest it holds), against a full manager on the same
-    states; synchronous saves, each pair in alternating order, keep_last=2 for both."""
+    states; synchronous saves, each pair in alternating order, keep_last=2 for both, each save's
+    deletions (the manager's background retention) done, untimed, before the next save."""
     roots = {"manager, full": where / "manager-full", "manager, incremental": where / "manager-incremental"}
     for root in roots.values():
         shutil.rmtree(root, ignore_errors=True)
@@ -141,6 +142,7 @@ def run_manager(state: dict, step: Callable[[dict], None], where: Path, saves: i
             t0 = time.perf_counter()
             managers[way].save(n, state)
             elapsed = time.perf_counter() - t0
+            managers[way].wait()  # its deletions, untimed: not run beside the other manager's save
             if n > 0:  # the first save of each is full: the loop's steady state follows it
                 times[way].append(elapsed)
                 written[way].append(sum(f.stat().st_size for f in (roots[way] / f"step_{n:09d}").rglob("*")
