@@ -69,12 +69,12 @@ def digests_of(source: "np.ndarray | TensorStream", nbytes: int, block_bytes: in
 
 def sampled_digests(source: "np.ndarray | TensorStream", nbytes: int, block_bytes: int, picks: list[int]) -> list[str]:
     """The digests of blocks ``picks`` of a source's bytes, reading only those blocks."""
+    if not isinstance(source, TensorStream):
+        view = source.data.cast("B")
+        return [checksum.digest(view[i * block_bytes : min((i + 1) * block_bytes, nbytes)]) for i in picks]
     out = []
     for i in picks:
         start, stop = i * block_bytes, min((i + 1) * block_bytes, nbytes)
-        if not isinstance(source, TensorStream):
-            out.append(checksum.digest(source.data.cast("B")[start:stop]))
-            continue
         size = source.tensor.element_size()  # a stream reads whole elements
         lo, hi = start // size * size, -(-stop // size) * size
         out.append(checksum.digest(source.read_into(lo, np.empty(hi - lo, dtype=np.uint8))[start - lo : stop - lo]))
