@@ -1,12 +1,15 @@
 """Incremental checkpoints: bytes written and save time of a save with a base, against full saves.
 
 Three cases, each a state saved once in full (``v0``), changed, then saved again three ways, in a
-rotated order, ``--repeats`` times (median time; "vs full": the median of each repeat's ratio to
-that repeat's full save):
+rotated order, ``--repeats`` times, each save deleted once timed (median time; "vs full": the
+median of each repeat's ratio to that repeat's full save, with a distribution-free 95% interval
+for that median from the ratios' order statistics; "CPU vs full": the same median for the
+process's CPU time, all threads, which other jobs on the machine disturb less):
 
 - ``full``: ``resurgo.save(state, path)``, the default full save;
 - ``full (incremental blocks)``: ``resurgo.save(state, path, incremental=True)``, a full save with
-  the 4 KiB checksum blocks reuse needs (what an incremental manager's full saves cost);
+  the checksum blocks reuse needs (8 rows, at least 4 KiB: what an incremental manager's full
+  saves cost);
 - ``with base``: ``resurgo.save(state, path, base=v0)``: only changed blocks are written.
 
 Then the training-loop case: ``finetune`` saved every step by a ``CheckpointManager`` with
@@ -23,6 +26,7 @@ updated at random), ``finetune`` (--finetune-mib MiB of float32 weights, every e
 from __future__ import annotations
 
 import argparse
+import math
 import shutil
 import statistics
 import tempfile
@@ -86,34 +90,47 @@ def run_case(name: str, state: dict, step: Callable[[dict], None], where: Path, 
         "with base": {"base": root / "v0"},
     }
     times: dict[str, list[float]] = {w: [] for w in ways}
+    cpu: dict[str, list[float]] = {w: [] for w in ways}
     written: dict[str, int] = {}
     order = list(ways)
     for r in range(repeats):
         for way in order[r % len(order):] + order[:r % len(order)]:
             path = root / f"v1-{way.split()[0]}-{way.count(' ')}-{r}"
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             report = resurgo.save(state, path, **ways[way])
             times[way].append(time.perf_counter() - t0)
+            cpu[way].append(time.process_time() - c0)
             written[way] = report.bytes_written
             loaded = resurgo.load_dict(path) if r == 0 else None
             if loaded is not None:
                 assert all(torch.equal(loaded[k], v) for k, v in state.items()), (name, way)
-            if way != "with base":
-                shutil.rmtree(path)
+            shutil.rmtree(path)  # every way's, so that each save follows the same deletion
     shutil.rmtree(root, ignore_errors=True)
     full_bytes = written["full"]
-    # Each repeat's ratio to that repeat's full save, then the median: on a shared machine the
-    # load drifts between repeats more than between the saves of one repeat.
+    # Each repeat's ratio to that repeat's full save: on a shared machine the load drifts between
+    # repeats more than between the saves of one repeat.
     return [{"case": name, "way": way, "bytes": written[way], "bytes_vs_full": written[way] / full_bytes,
-             "seconds": statistics.median(times[way]),
-             "time_vs_full": statistics.median(t / f for t, f in zip(times[way], times["full"]))}
+             "seconds": statistics.median(times[way]), **ratios([t / f for t, f in zip(times[way], times["full"])]),
+             "cpu_vs_full": statistics.median(t / f for t, f in zip(cpu[way], cpu["full"]))}
             for way in ways]
+
+
+def ratios(values: list[float]) -> dict:
+    """The median of per-pair ratios and a distribution-free interval around it: order statistics
+    ``k`` and ``n + 1 - k`` with ``k`` the largest such that P(Binomial(n, 1/2) < k) <= 2.5%
+    (a 95% or wider interval for the median; min and max when there are too few pairs)."""
+    xs, n = sorted(values), len(values)
+    k = 1
+    while k < n // 2 and sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n <= 0.025:
+        k += 1
+    return {"time_vs_full": statistics.median(xs), "low": xs[k - 1], "high": xs[n - k]}
 
 
 def run_manager(state: dict, step: Callable[[dict], None], where: Path, saves: int) -> list[dict]:
     """The training-loop case: a CheckpointManager(incremental=True) saving every step, each save's
     base the manager's previous one (whose manifest it holds), against a full manager on the same
-    states; synchronous saves, each pair in alternating order, keep_last=2 for both."""
+    states; synchronous saves, each pair in alternating order, keep_last=2 for both, each save's
+    deletions (the manager's background retention) done, untimed, before the next save."""
     roots = {"manager, full": where / "manager-full", "manager, incremental": where / "manager-incremental"}
     for root in roots.values():
         shutil.rmtree(root, ignore_errors=True)
@@ -121,16 +138,19 @@ def run_manager(state: dict, step: Callable[[dict], None], where: Path, saves: i
                 "manager, incremental": resurgo.CheckpointManager(roots["manager, incremental"], keep_last=2,
                                                                   async_save=False, incremental=True)}
     times: dict[str, list[float]] = {w: [] for w in managers}
+    cpu: dict[str, list[float]] = {w: [] for w in managers}
     written: dict[str, list[int]] = {w: [] for w in managers}
     for n in range(saves + 1):
         step(state)
         order = list(managers) if n % 2 == 0 else list(reversed(managers))
         for way in order:
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             managers[way].save(n, state)
-            elapsed = time.perf_counter() - t0
+            elapsed, used = time.perf_counter() - t0, time.process_time() - c0
+            managers[way].wait()  # its deletions, untimed: not run beside the other manager's save
             if n > 0:  # the first save of each is full: the loop's steady state follows it
                 times[way].append(elapsed)
+                cpu[way].append(used)
                 written[way].append(sum(f.stat().st_size for f in (roots[way] / f"step_{n:09d}").rglob("*")
                                         if f.is_file()))
     for m in managers.values():
@@ -140,8 +160,8 @@ def run_manager(state: dict, step: Callable[[dict], None], where: Path, saves: i
     full = "manager, full"
     return [{"case": "finetune", "way": way, "bytes": statistics.median(written[way]),
              "bytes_vs_full": statistics.median(b / f for b, f in zip(written[way], written[full])),
-             "seconds": statistics.median(times[way]),
-             "time_vs_full": statistics.median(t / f for t, f in zip(times[way], times[full])),
+             "seconds": statistics.median(times[way]), **ratios([t / f for t, f in zip(times[way], times[full])]),
+             "cpu_vs_full": statistics.median(t / f for t, f in zip(cpu[way], cpu[full])),
              "target": "time <= 105%" if way != full else ""}
             for way in managers]
 
@@ -164,10 +184,11 @@ def main() -> None:
     for r in rows:
         r["target"] = targets[r["case"]] if r["way"] == "with base" else ""
     rows += run_manager(*finetune(args.finetune_mib), where, args.manager_saves)
-    print(f"{'case':<10} {'save':<26} {'MiB written':>12} {'vs full':>8} {'seconds':>8} {'vs full':>8}  target")
+    print(f"{'case':<10} {'save':<26} {'MiB written':>12} {'vs full':>8} {'seconds':>8} {'vs full':>8} "
+          f"{'interval':>15} {'CPU vs full':>11}  target")
     for r in rows:
         print(f"{r['case']:<10} {r['way']:<26} {r['bytes'] / MiB:>12.2f} {r['bytes_vs_full']:>8.1%} "
-              f"{r['seconds']:>8.3f} {r['time_vs_full']:>8.1%}  {r['target']}")
+              f"{r['seconds']:>8.3f} {r['time_vs_full']:>8.1%} {r['low']:>7.1%}-{r['high']:<7.1%} {r['cpu_vs_full']:>11.1%}  {r['target']}")
     if not args.dir:
         shutil.rmtree(where, ignore_errors=True)
 

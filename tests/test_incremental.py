@@ -157,6 +157,64 @@ def test_a_chunk_whose_sampled_blocks_all_differ_is_written_whole(tmp_path: Path
     assert sample_blocks(64) == SAMPLED and sample_blocks(5) == [0, 1, 2, 3, 4]
 
 
+def test_sampled_blocks_are_not_hashed_again_as_the_chunk_is_written(tmp_path: Path, monkeypatch):
+    # Everything changed: the 16 sampled blocks' digests are kept, the writer hashes the other 48
+    # (slices of 2 blocks: sampled blocks in later slices too), and every digest is the block's.
+    from resurgo.format import checksum
+    from resurgo.pipeline import writer
+
+    monkeypatch.setattr(writer, "SLICE_BYTES", 2 * FROZEN_BLOCK)
+    state = make_state()
+    resurgo.save(state, tmp_path / "a", incremental=True)
+    state["frozen"] += 1.0
+    kept, hashed = set(), []
+    real, xxhash = checksum.block_digests_reusing, checksum.xxhash
+
+    class Counting:  # the xxhash the writer's hashing sees: counts the blocks it hashes
+        @staticmethod
+        def xxh3_128_hexdigest(buf):
+            hashed.append(len(buf))
+            return xxhash.xxh3_128_hexdigest(buf)
+
+    def spy(buf, block_bytes, known, first_block=0):
+        kept.update(i for i in known if first_block <= i < first_block + len(buf) // block_bytes)
+        checksum.xxhash = Counting
+        try:
+            return real(buf, block_bytes, known, first_block)
+        finally:
+            checksum.xxhash = xxhash
+
+    monkeypatch.setattr(checksum, "block_digests_reusing", spy)
+    resurgo.save(state, tmp_path / "b", base=tmp_path / "a")
+    monkeypatch.undo()
+    resurgo.save(state, tmp_path / "c", incremental=True)
+    frozen = resurgo.read_manifest(tmp_path / "b").tensors["frozen"].chunks[0]
+    assert frozen.extents is None and sorted(kept) == SAMPLED and hashed == [FROZEN_BLOCK] * 48
+    assert frozen.checksums == resurgo.read_manifest(tmp_path / "c").tensors["frozen"].chunks[0].checksums
+    assert verify_checkpoint(tmp_path / "b").ok
+
+
+def test_a_base_is_parsed_once_for_the_saves_that_share_it(tmp_path: Path, monkeypatch):
+    from resurgo.pipeline import save as save_mod
+
+    state = make_state()
+    resurgo.save(state, tmp_path / "a", incremental=True)
+    resurgo.save(state, tmp_path / "x", incremental=True)  # now the last one written is not "a"
+    parsed = []
+    real = save_mod.parse_manifest
+    monkeypatch.setattr(save_mod, "parse_manifest", lambda raw, where: parsed.append(where) or real(raw, where))
+    for name in ("b", "c"):
+        state["emb"][0] += 1.0
+        resurgo.save(state, tmp_path / name, base=tmp_path / "a")
+    resurgo.save(state, tmp_path / "d", base=tmp_path / "c")  # the last one written: not parsed
+    assert parsed == [str(tmp_path / "a" / "manifest.json")]
+    (tmp_path / "a" / "manifest.json").write_bytes((tmp_path / "x" / "manifest.json").read_bytes())
+    resurgo.save(state, tmp_path / "e", base=tmp_path / "a")  # other bytes: parsed again
+    assert len(parsed) == 2
+    assert resurgo.read_manifest(tmp_path / "e").owned_bytes == 4096
+    assert_same(resurgo.load_dict(tmp_path / "e"), state)
+
+
 def test_async_save_with_base(tmp_path: Path):
     state = make_state()
     resurgo.save(state, tmp_path / "a", incremental=True)

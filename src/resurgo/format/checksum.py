@@ -85,6 +85,19 @@ def block_digests(buf: memoryview, block_bytes: int) -> list[str]:
     return [h(buf[i : i + block_bytes]) for i in range(0, len(buf), block_bytes)]
 
 
+def block_digests_reusing(buf: memoryview, block_bytes: int, known: dict[int, str], first_block: int = 0) -> list[str]:
+    """:func:`block_digests`, taking the digests of blocks already hashed from ``known`` (chunk
+    block index -> digest; ``buf`` starts at block ``first_block`` of the chunk)."""
+    n = -(-len(buf) // block_bytes)
+    out: list[str] = []
+    at = 0  # the runs of blocks between known ones are hashed as block_digests does: no per-block lookup
+    for j in sorted(i - first_block for i in known if first_block <= i < first_block + n):
+        out += block_digests(buf[at * block_bytes : j * block_bytes], block_bytes)
+        out.append(known[first_block + j])
+        at = j + 1
+    return out + block_digests(buf[at * block_bytes :], block_bytes)
+
+
 def first_bad_block(buf: memoryview, block_bytes: int, expected: list[str], first_block: int = 0) -> int | None:
     """Index of the first block of ``buf`` whose digest differs from ``expected``, or None.
 

@@ -180,21 +180,37 @@ def open_base(path: str | os.PathLike, base: str | os.PathLike, storage_options:
 
 
 def read_base_manifest(base: str | os.PathLike, storage_options: dict | None) -> Manifest:
-    """The manifest of the checkpoint ``base``, checked as any manifest read is, and parsed only
-    when it is not the very bytes of this process's last incremental save (most often the next
-    save's base, which a training loop would otherwise parse twice per save)."""
+    """The manifest of the checkpoint ``base``, checked as any manifest read is (parsed only when
+    its bytes are not those of a manifest this process already holds: :data:`_manifests`)."""
     ckpt = open_checkpoint(base, storage_options)
     raw = ckpt.read_manifest_bytes()
-    last = _last_incremental
-    if last is not None and last[0] == raw:
-        return last[1]
-    manifest = parse_manifest(raw, ckpt.describe(MANIFEST_NAME))
+    manifest = _manifests.parse(raw, ckpt.describe(MANIFEST_NAME))
     return resolve_for(ckpt, manifest, None) if manifest.indexed else manifest  # a job's save as a base
 
 
-# The manifest of this process's last incremental save, built here: the next save's base, most
-# often, which is then not parsed again (the bytes read back must be the very bytes written).
-_last_incremental: tuple[bytes, Manifest] | None = None
+class _ManifestMemo:
+    """Parsed manifests by their exact bytes: this process's last incremental save (most often the
+    next save's base) and the last base parsed (one base of several saves, or the base a manager
+    read to choose it, read again by the save). A base is then parsed once, not once per save:
+    equal bytes are the same manifest, validated when it was parsed or built here."""
+
+    def __init__(self) -> None:
+        self._written: tuple[bytes, Manifest] | None = None
+        self._parsed: tuple[bytes, Manifest] | None = None
+
+    def wrote(self, raw: bytes, manifest: Manifest) -> None:
+        self._written = (raw, manifest)
+
+    def parse(self, raw: bytes, where: str) -> Manifest:
+        for held in (self._written, self._parsed):
+            if held is not None and held[0] == raw:
+                return held[1]
+        manifest = parse_manifest(raw, where)
+        self._parsed = (raw, manifest)
+        return manifest
+
+
+_manifests = _ManifestMemo()
 
 
 def _reuse_blocks(w: RankWrite, base: BaseIndex) -> RankWrite:
@@ -333,8 +349,8 @@ def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | Ten
 
     def write_file(f: FilePlan) -> tuple[list[WrittenFile], list[WrittenChunk]]:
         with collector_paused():  # an object per run of blocks: see resurgo.gcpause
-            plan, reused, reuse, known = _reuse_in_file(prep, f, sources, digests)
-        return ([] if plan is None else [write_data_file(prep.staging, plan, sources, known, reuse)]), reused
+            plan, reused, reuse, known, sampled = _reuse_in_file(prep, f, sources, digests)
+        return ([] if plan is None else [write_data_file(prep.staging, plan, sources, known, reuse, sampled)]), reused
 
     mine: list[WrittenFile] = []
 
@@ -354,7 +370,6 @@ def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | Ten
         return mine, reused
 
     def manifest(everyone: list[Any]) -> bytes:
-        global _last_incremental
         with collector_paused():  # an object per chunk and extent
             if prep.indexed:
                 built = build_core(prep, everyone)
@@ -362,7 +377,7 @@ def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | Ten
                 built = build_manifest(prep, [w for ws, _ in everyone for w in ws], [c for _, cs in everyone for c in cs])
             raw = built.to_json_bytes()
         if prep.incremental:
-            _last_incremental = (raw, built)
+            _manifests.wrote(raw, built)
         return raw
 
     node = prep.node_local
@@ -387,18 +402,21 @@ def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | Ten
 
 def _reuse_in_file(prep: PreparedSave, f: FilePlan, sources: Mapping[str, "np.ndarray | TensorStream"],
                    digests: Mapping[str, list[str]] | None
-                   ) -> tuple[FilePlan | None, list[WrittenChunk], dict[str, list[Segment]], Mapping[str, list[str]] | None]:
+                   ) -> tuple[FilePlan | None, list[WrittenChunk], dict[str, list[Segment]],
+                              Mapping[str, list[str]] | None, dict[str, dict[int, str]]]:
     """With a base: decide what of each chunk of file ``f`` that the base also has is written.
     A chunk whose sampled blocks all differ from the base's is written whole, hashed as it is
-    written; the others are hashed now (unless staging hashed them already) and compared block by
-    block: unchanged, reused whole; mostly changed, written whole; else only what changed is
-    written. Returns the file to write (None: nothing left in it), the chunks reused whole, each
-    partial chunk's segments, and the digests known before writing."""
+    written (but for the sampled blocks: their digests are kept); the others are hashed now
+    (unless staging hashed them already) and compared block by block: unchanged, reused whole;
+    mostly changed, written whole; else only what changed is written. Returns the file to write
+    (None: nothing left in it), the chunks reused whole, each partial chunk's segments, the
+    digests known before writing, and the sampled digests of the chunks written whole unhashed."""
     if prep.base is None:
-        return f, [], {}, digests
+        return f, [], {}, digests, {}
     known = dict(digests or {})
     reused: list[WrittenChunk] = []
     reuse: dict[str, list[Segment]] = {}
+    sampled_whole: dict[str, dict[int, str]] = {}
     items = []
     for item in f.items:
         match = prep.base.match(item.key, item.place, item.nbytes, item.block_bytes)
@@ -410,6 +428,8 @@ def _reuse_in_file(prep: PreparedSave, f: FilePlan, sources: Mapping[str, "np.nd
                    else sampled_digests(sources[item.name], item.nbytes, item.block_bytes, picks))
         if changed_throughout(sampled, match, picks):
             items.append(item)
+            if item.name not in known:
+                sampled_whole[item.name] = dict(zip(picks, sampled))
             continue
         if item.name not in known:
             known[item.name] = digests_of(sources[item.name], item.nbytes, item.block_bytes)
@@ -423,7 +443,7 @@ def _reuse_in_file(prep: PreparedSave, f: FilePlan, sources: Mapping[str, "np.nd
         else:
             reuse[item.name] = segs
             items.append(replace(item, nbytes=owned, partial=True))
-    return (FilePlan(f.path, tuple(items)) if items else None), reused, reuse, known
+    return (FilePlan(f.path, tuple(items)) if items else None), reused, reuse, known, sampled_whole
 
 
 def _entry(c: WrittenChunk) -> ChunkEntry:

@@ -69,12 +69,12 @@ def digests_of(source: "np.ndarray | TensorStream", nbytes: int, block_bytes: in
 
 def sampled_digests(source: "np.ndarray | TensorStream", nbytes: int, block_bytes: int, picks: list[int]) -> list[str]:
     """The digests of blocks ``picks`` of a source's bytes, reading only those blocks."""
+    if not isinstance(source, TensorStream):
+        view = source.data.cast("B")
+        return [checksum.digest(view[i * block_bytes : min((i + 1) * block_bytes, nbytes)]) for i in picks]
     out = []
     for i in picks:
         start, stop = i * block_bytes, min((i + 1) * block_bytes, nbytes)
-        if not isinstance(source, TensorStream):
-            out.append(checksum.digest(source.data.cast("B")[start:stop]))
-            continue
         size = source.tensor.element_size()  # a stream reads whole elements
         lo, hi = start // size * size, -(-stop // size) * size
         out.append(checksum.digest(source.read_into(lo, np.empty(hi - lo, dtype=np.uint8))[start - lo : stop - lo]))
@@ -132,10 +132,12 @@ def _joined(group: list[np.ndarray], size: int, buffer: np.ndarray) -> memoryvie
 def write_data_file(staging: Staging, plan: FilePlan,
                     sources: Mapping[str, "np.ndarray | TensorStream"],
                     digests: Mapping[str, list[str]] | None = None,
-                    reuse: Mapping[str, list[Segment]] | None = None) -> WrittenFile:
+                    reuse: Mapping[str, list[Segment]] | None = None,
+                    sampled: Mapping[str, dict[int, str]] | None = None) -> WrittenFile:
     """Write one data file and fsync it. ``digests``: block digests already computed for some
-    chunks (hashed as they were staged); the others are hashed here. ``reuse``: of a partial
-    chunk, its segments: only those the base lacks are written."""
+    chunks (hashed as they were staged); the others are hashed here, but for blocks in
+    ``sampled`` (chunk name -> block index -> digest, hashed to compare them with a base's).
+    ``reuse``: of a partial chunk, its segments: only those the base lacks are written."""
     t_write = t_hash = 0.0
     slice_buffer: np.ndarray | None = None  # reused by every streamed or partial tensor of this file
     header, ranges = build_header(plan.header_entries)
@@ -155,6 +157,7 @@ def write_data_file(staging: Staging, plan: FilePlan,
                 slice_buffer = np.empty(step, dtype=np.uint8)
             known = digests.get(item.name) if digests else None
             chunk_digests: list[str] = list(known) if known is not None else []
+            hashed = sampled.get(item.name) if sampled else None
             segments = reuse.get(item.name) if reuse and item.partial else None
             assert segments is None or known is not None, "a partial chunk was hashed to compare it"
             parts = [(0, item.nbytes)] if segments is None else [(g.start, g.stop) for g in segments if g.reference is None]
@@ -165,7 +168,9 @@ def write_data_file(staging: Staging, plan: FilePlan,
                 pieces = _gathered(source.data.cast("B"), parts, step, slice_buffer)  # type: ignore[arg-type]
             for piece in pieces:
                 t0 = time.perf_counter()
-                if known is None:  # then the chunk is one part: each piece starts on a block
+                if known is None and hashed:  # then the chunk is one part: each piece starts on a block
+                    chunk_digests.extend(checksum.block_digests_reusing(piece, block_bytes, hashed, len(chunk_digests)))
+                elif known is None:
                     chunk_digests.extend(checksum.block_digests(piece, block_bytes))
                 t1 = time.perf_counter()
                 handle.write(piece)
