@@ -229,7 +229,8 @@ def _track_loaders(value: Any) -> Any:
         if not callable(getattr(value, "state_dict", None)):
             # Resumed on another number of processes, the position is not restored (with a
             # warning), as the RNG states are not: the sharded strategies resume on any number.
-            track_dataloader(value, on_world_size_change="warn")
+            # Saved at an epoch's last batch, Lightning resumes at the next epoch: so does the loader.
+            track_dataloader(value, on_world_size_change="warn", finished_epoch="next")
     elif isinstance(value, Mapping):
         for v in value.values():
             _track_loaders(v)

@@ -75,7 +75,7 @@ from resurgo.wording import plural
 __all__ = ["track_dataloader", "is_tracked"]
 
 _FORMAT_VERSION = 1
-_TRACKED_CLASSES: dict[tuple[type, str], type] = {}
+_TRACKED_CLASSES: dict[tuple[type, str, str], type] = {}
 _ATTR = "_resurgo_position"
 
 
@@ -180,20 +180,26 @@ def _fast_skip_possible(loader: DataLoader, it: Any) -> bool:
     )
 
 
-def _prime(loader: DataLoader, it: Any) -> None:
+def _prime(loader: DataLoader, it: Any) -> bool:
     """Pull the first index batch now, while the RNG is still at the epoch-start state.
 
     RandomSampler draws its seed at its first next(); pulling it here makes the epoch's order a
     function of the recorded state alone, whatever the caller draws before the first batch.
-    The batch is chained back in front, so nothing is lost.
+    The batch is chained back in front, so nothing is lost. Returns True if the order is left to
+    the first batch instead: a DistributedSampler's order is its seed and epoch, read at its first
+    next(), and a loop may call set_epoch() after iter() (Lightning does, on resume), as it would
+    without tracking.
     """
     if not _fast_skip_possible(loader, it):
-        return
+        return False
+    if find_sampler(loader, DistributedSampler) is not None:
+        return True
     try:
         first = next(it._sampler_iter)
     except StopIteration:
-        return
+        return False
     it._sampler_iter = itertools.chain([first], it._sampler_iter)
+    return False
 
 
 def _skip(loader: DataLoader, it: Any, n: int) -> None:
@@ -229,15 +235,20 @@ def _skip(loader: DataLoader, it: Any, n: int) -> None:
 class _TrackedIterator:
     """Wraps the loader's iterator to count batches handed out and notice the epoch's end."""
 
-    def __init__(self, pos: _Position, it: Any, generation: int) -> None:
+    def __init__(self, pos: _Position, it: Any, generation: int, epoch_of: DistributedSampler | None = None) -> None:
         self._pos = pos
         self._it = it
         self._generation = generation
+        self._epoch_of = epoch_of  # a sampler whose epoch, read at the first batch, is the pass's
 
     def __iter__(self) -> _TrackedIterator:
         return self
 
     def __next__(self) -> Any:
+        if self._epoch_of is not None:
+            if self._pos.generation == self._generation:
+                self._pos.sampler_epoch = int(self._epoch_of.epoch)
+            self._epoch_of = None
         try:
             batch = next(self._it)
         except StopIteration:
@@ -274,12 +285,17 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
     # load nothing. A class attribute: a loader re-created from this one's class (Lightning does,
     # to give it a DistributedSampler) keeps it.
     _resurgo_on_world_size_change: str
+    # A position saved once the epoch's last batch was handed out (before its StopIteration):
+    # "empty", the next iter() gives the rest of that epoch, nothing; or "next", the next epoch,
+    # for a loop that counts that epoch as done when it resumes (Lightning does).
+    _resurgo_finished_epoch: str
 
     # -- iteration ---------------------------------------------------------------------------
     def __iter__(self):  # type: ignore[no-untyped-def]
         pos = _position(self)
         pending, pos.pending = pos.pending, False
         pos.generation += 1
+        epoch_of: DistributedSampler | None = None
         if pending and pos.epoch_active:
             it = self._resurgo_resume(pos)
         else:
@@ -294,16 +310,18 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
             # Before construction: building the iterator starts the sampler's pass.
             elastic_pass = elastic.next_pass() if elastic is not None else None
             it = self._resurgo_base_class.__iter__(self)
-            _prime(self, it)
+            deferred = _prime(self, it)
             pos.epoch_rng = epoch_rng
             pos.batches_yielded = 0
             pos.elastic_pass, pos.elastic_base = elastic_pass, 0
             pos.epoch_active = True
             pos.reset_iterator = will_reset
             distributed = find_sampler(self, DistributedSampler)
+            # Workers read its order at construction; without, at the first batch (see _prime).
             pos.sampler_epoch = int(distributed.epoch) if distributed is not None else None
+            epoch_of = distributed if deferred else None
             pos.epoch += 1
-        tracked = _TrackedIterator(pos, it, pos.generation)
+        tracked = _TrackedIterator(pos, it, pos.generation, epoch_of)
         pos.live = weakref.ref(tracked)
         return tracked
 
@@ -474,6 +492,9 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
         pos.epoch_rng = rng
         pos.batches_yielded = n
         pos.epoch_active = bool(sd["epoch_active"])
+        if pos.epoch_active and elastic is None and self._resurgo_finished_epoch == "next" \
+                and n >= (_length(self) or n + 1):
+            pos.epoch_active = False
         pos.epoch = int(sd.get("epoch", 0))
         pos.reset_iterator = bool(sd.get("reset_iterator", False))
         pos.persistent_iterator = bool(sd.get("persistent_iterator", False))
@@ -529,8 +550,17 @@ def _position(loader: Any) -> _Position:
     return pos
 
 
-def _tracked_class(cls: type, on_world_size_change: str = "raise") -> type:
-    tracked = _TRACKED_CLASSES.get((cls, on_world_size_change))
+def _length(loader: DataLoader) -> int | None:
+    """The number of batches of an epoch, if the loader knows it."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def _tracked_class(cls: type, on_world_size_change: str = "raise", finished_epoch: str = "empty") -> type:
+    key = (cls, on_world_size_change, finished_epoch)
+    tracked = _TRACKED_CLASSES.get(key)
     if tracked is None:
         methods = {k: v for k, v in vars(_TrackedDataLoaderMixin).items()
                    if k not in ("__dict__", "__weakref__", "__doc__", "__module__", "__qualname__",
@@ -542,9 +572,10 @@ def _tracked_class(cls: type, on_world_size_change: str = "raise") -> type:
             "__doc__": cls.__doc__,
             "_resurgo_base_class": cls,
             "_resurgo_on_world_size_change": on_world_size_change,
+            "_resurgo_finished_epoch": finished_epoch,
             "__slots__": (),  # same layout as cls, so that __class__ can be assigned
         })
-        _TRACKED_CLASSES[(cls, on_world_size_change)] = tracked
+        _TRACKED_CLASSES[key] = tracked
     return tracked
 
 
@@ -650,7 +681,8 @@ def is_tracked(loader: Any) -> bool:
     return type(loader) in _TRACKED_CLASSES.values()
 
 
-def track_dataloader(loader: DataLoader, *, on_world_size_change: str | None = None) -> DataLoader:
+def track_dataloader(loader: DataLoader, *, on_world_size_change: str | None = None,
+                     finished_epoch: str | None = None) -> DataLoader:
     """Make ``loader`` resumable in place and return it (the same object).
 
     Its class becomes a subclass with ``state_dict()``/``load_state_dict()``; iteration is
@@ -659,13 +691,22 @@ def track_dataloader(loader: DataLoader, *, on_world_size_change: str | None = N
     ``on_world_size_change``: what a load of a DistributedSampler's position saved by another
     number of ranks does: ``"raise"`` (the default, DataPositionError) or ``"warn"`` (a
     RuntimeWarning, and nothing is loaded: the next ``iter()`` starts a new pass).
+    ``finished_epoch``: what the first ``iter()`` after loading a position saved once the
+    epoch's last batch was handed out (before its StopIteration) gives: ``"empty"`` (the default:
+    the rest of that epoch, no batch) or ``"next"`` (the next epoch, for a loop that counts that
+    epoch as done when it resumes, as Lightning does). Options not given stay as they were.
     """
     if on_world_size_change not in (None, "raise", "warn"):
         raise UnsupportedValueError(f"track_dataloader: on_world_size_change must be 'raise' or 'warn', "
                                     f"got {on_world_size_change!r}")
+    if finished_epoch not in (None, "empty", "next"):
+        raise UnsupportedValueError(f"track_dataloader: finished_epoch must be 'empty' or 'next', got {finished_epoch!r}")
     if is_tracked(loader):
-        if on_world_size_change is not None:
-            loader.__class__ = _tracked_class(getattr(type(loader), "_resurgo_base_class"), on_world_size_change)
+        tracked = type(loader)
+        loader.__class__ = _tracked_class(
+            getattr(tracked, "_resurgo_base_class"),
+            on_world_size_change or getattr(tracked, "_resurgo_on_world_size_change"),
+            finished_epoch or getattr(tracked, "_resurgo_finished_epoch"))
         return loader
     if callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None)):
         if isinstance(loader, DataLoader):
@@ -676,6 +717,6 @@ def track_dataloader(loader: DataLoader, *, on_world_size_change: str | None = N
             f"dataloader: expected a torch.utils.data.DataLoader or an object with state_dict()/"
             f"load_state_dict(), got {type(loader).__name__}"
         )
-    loader.__class__ = _tracked_class(type(loader), on_world_size_change or "raise")
+    loader.__class__ = _tracked_class(type(loader), on_world_size_change or "raise", finished_epoch or "empty")
     _position(loader)
     return loader
