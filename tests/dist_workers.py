@@ -311,3 +311,46 @@ def load_while_replaced(rank: int, world: int, path: str, other: str, how: str) 
     target = {"w": torch.zeros(8)}
     report = resurgo.load(target, path)
     return reads[0], report.step, float(target["w"][0])
+
+
+def shared_reads(rank: int, world: int, root: str) -> dict:
+    """Save the reference state replicated, then load it with shared reads (compared bitwise with
+    an unshared load), with mixed needs (ranks 0 and 1 the whole of "d", the others a half each),
+    and with a damaged chunk (every rank must raise the same error)."""
+    from pathlib import Path
+
+    ref = reference()
+    path = f"{root}/replicated"
+    resurgo.save({k: v.clone() for k, v in ref.items()}, path)
+    out: dict = {}
+    shared = {k: torch.zeros_like(v) for k, v in ref.items()}
+    report = resurgo.load(shared, path, share_reads=True)
+    alone = {k: torch.zeros_like(v) for k, v in ref.items()}
+    unshared = resurgo.load(alone, path, share_reads=False)
+    out["equal"] = all(bits(shared[k]) == bits(alone[k]) == bits(ref[k]) for k in ref)
+    out["shared"] = (report.shared, report.bytes_read, report.bytes_received, report.share_plan_bytes_sent)
+    out["unshared"] = (unshared.shared, unshared.bytes_read, unshared.bytes_received)
+    out["auto"] = resurgo.load({k: torch.zeros_like(v) for k, v in ref.items()}, path).shared
+    if rank < 2:
+        mixed = {"d": torch.zeros_like(ref["d"])}
+        expected = ref["d"]
+    else:
+        a, b = _bounds(ref["d"].shape[0], 2, rank - 2)
+        mixed = {"d": resurgo.Shard(torch.zeros(b - a, ref["d"].shape[1]), ref["d"].shape, (a, 0))}
+        expected = ref["d"][a:b]
+    rep = resurgo.load(mixed, path, strict=False, share_reads=True)
+    out["mixed"] = (bits(local_of(mixed["d"])) == bits(expected), rep.bytes_read, rep.bytes_received)
+    dist.barrier()
+    if rank == 0:
+        entry = resurgo.read_manifest(path).tensors["d"].chunks[0]
+        data = Path(path) / entry.file
+        raw = bytearray(data.read_bytes())
+        raw[entry.byte_range[0] + 100] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    dist.barrier()
+    try:
+        resurgo.load({k: torch.zeros_like(v) for k, v in ref.items()}, path, share_reads=True)
+        out["damaged"] = "loaded"
+    except resurgo.CorruptCheckpointError as e:
+        out["damaged"] = f"CorruptCheckpointError: {e}"
+    return out

@@ -168,3 +168,26 @@ def test_manager_decisions_and_async_commits_do_not_cross(tmp_path):
     assert results == [[11, 12], [11, 12]]
     full = resurgo.load_dict(tmp_path / "root" / "step_000000012")
     assert full["step"] == 12 and bits_equal(full["w"], torch.arange(4096, dtype=torch.float32).reshape(64, 64) + 12)
+
+
+def test_shared_reads_read_each_replicated_byte_once(tmp_path):
+    results = run_ranks(4, "dist_workers:shared_reads", str(tmp_path))
+    ref = reference()
+    state_bytes = sum(v.numel() * v.element_size() for v in ref.values())
+    d_bytes = ref["d"].numel() * ref["d"].element_size()
+    assert all(r["equal"] for r in results)
+    assert all(r["shared"][0] for r in results) and not any(r["auto"] for r in results)  # one host, local files
+    assert sum(r["shared"][1] for r in results) == state_bytes  # not 4x
+    for r in results:
+        assert r["shared"][1] + r["shared"][2] == state_bytes  # each rank gets every byte exactly once
+        assert 0 < r["shared"][3] < 2048  # one fingerprint each, no need lists: all needs are the same
+        assert r["unshared"] == (False, state_bytes, 0)
+    # Mixed needs: ranks 0 and 1 need all of "d", ranks 2 and 3 half each: "d" is read once in all.
+    assert all(r["mixed"][0] for r in results)
+    assert sum(r["mixed"][1] for r in results) == d_bytes
+    # The unit shared is a piece of a chunk (up to 64 MiB): the 2 MiB chunk reaches every rank whole.
+    assert [r["mixed"][1] + r["mixed"][2] for r in results] == [d_bytes] * 4
+    damaged = {r["damaged"] for r in results}
+    assert len(damaged) == 1, damaged
+    message = damaged.pop()
+    assert message.startswith("CorruptCheckpointError: rank ") and "'d'" in message and ".safetensors" in message

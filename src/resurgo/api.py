@@ -115,7 +115,7 @@ def read_manifest(path: str | os.PathLike, *, storage_options: dict | None = Non
 def load(state: Any, path: str | os.PathLike, *, strict: bool = True, verify: bool = True,
          allow_pickle: bool = False, io_threads: int = DEFAULT_IO_THREADS,
          storage_options: dict | None = None, ignore_mismatched: bool = False,
-         collective: bool = True) -> LoadReport:
+         collective: bool = True, share_reads: bool | None = None) -> LoadReport:
     """Load the checkpoint at ``path`` into ``state`` in place; returns a :class:`LoadReport`.
 
     Tensors are filled in place (dtype and shape must match: resurgo never casts), plain values
@@ -128,11 +128,16 @@ def load(state: Any, path: str | os.PathLike, *, strict: bool = True, verify: bo
     the checkpoint during the load is not an error: the load reads one complete version, the old
     or the new (:mod:`resurgo.pipeline.consistent`). In a distributed job every rank calls ``load``;
     ``collective=False`` loads as a job of one process, the others not calling (plain tensors only).
+    ``share_reads``: in a distributed job, bytes that several ranks need (replicas) are read from
+    storage by one of them, verified there and sent to the others over the job's process group
+    (``LoadReport.bytes_received``); every rank must load the same checkpoint. None (default)
+    shares when it saves storage traffic the page cache cannot: a URL (``s3://...``) or ranks on
+    several hosts; local files on one host are read by each rank. True always, False never.
     """
     with _scope(collective):
         _, report = restore(state, path, strict=strict, verify=verify, allow_pickle=allow_pickle,
                             io_threads=io_threads, storage_options=storage_options,
-                            ignore_mismatched=ignore_mismatched)
+                            ignore_mismatched=ignore_mismatched, share_reads=share_reads)
     return report
 
 

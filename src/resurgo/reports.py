@@ -24,7 +24,7 @@ class SaveReport:
 @dataclass
 class LoadReport:
     path: str
-    bytes_read: int
+    bytes_read: int  # read from storage by this rank
     files: list[str]
     num_tensors: int
     seconds: dict[str, float] = field(default_factory=dict)
@@ -36,6 +36,12 @@ class LoadReport:
     metadata_bytes_read: int = 0
     """Bytes of metadata read before the data: the manifest, and the indexes of the ranks holding
     what this rank loads (format version 4)."""
+    bytes_received: int = 0
+    """Bytes this rank received from other ranks that read them for it (shared reads)."""
+    shared: bool = False
+    """Whether the ranks shared their reads (``share_reads``)."""
+    share_plan_bytes_sent: int = 0
+    """Bytes this rank sent to agree on the shared reads (0 alone or with ``share_reads=False``)."""
 
 
 @dataclass

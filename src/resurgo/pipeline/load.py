@@ -20,27 +20,32 @@ from resurgo.format.manifest import Manifest
 from resurgo.pipeline import consistent, data_files, inflight
 from resurgo.pipeline.manifest_read import read_manifest_and_bytes, resolve_for
 from resurgo.pipeline.reader import ReadResult, read_destinations
+from resurgo.pipeline.shared_read import SharedLoad, agree_plan
 from resurgo.reports import LoadReport
 from resurgo.state.unflatten import Restorer
 from resurgo.storage.base import Checkpoint
-from resurgo.storage.open import open_checkpoint
+from resurgo.storage.open import is_url, open_checkpoint
 
 
 def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool, allow_pickle: bool,
             io_threads: int, storage_options: dict | None = None,
-            ignore_mismatched: bool = False) -> tuple[Any, LoadReport]:
+            ignore_mismatched: bool = False, share_reads: bool | None = None) -> tuple[Any, LoadReport]:
     """Plan, check and read everything, then fill the target. In a distributed job every rank reads
-    only what its own layout needs; if any rank fails before the target is touched, all raise."""
+    only what its own layout needs; if any rank fails before the target is touched, all raise.
+    ``share_reads``: bytes several ranks need are read once and sent (:mod:`resurgo.pipeline.shared_read`);
+    None decides from where the ranks run and what they read, False never."""
     t_start = time.perf_counter()
     comm = dist_comm.current()
+    sharing = comm.size > 1 and share_reads is not False
     if comm.size > 1:  # an in-flight save commits with collectives on the same group: let it finish
         inflight.settle(if_busy="wait")
 
     seen: list[bytes] = []  # the manifest this attempt read
     indexes_read: dict[str, int] = {}
 
-    def plan_and_read() -> tuple[Restorer, Any, ReadResult, Manifest, float]:
+    def plan_and_read() -> tuple[Restorer, Any, ReadResult | SharedLoad, Manifest, float]:
         ckpt = open_checkpoint(path, storage_options).pinned()  # one version, where the backend can
+        keep_open = False
         try:
             manifest, raw = read_manifest_and_bytes(ckpt, resolved=False)
             seen.append(raw)
@@ -64,10 +69,26 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
                 destinations = [replace(d, entry=manifest.tensors[d.key]) for d in destinations]
                 data_files.check_sizes(ckpt, manifest)
             t_plan = time.perf_counter() - t_start
+            if sharing:  # read once every rank agreed on the plan: the sharing is collective
+                keep_open = True
+                return restorer, result, SharedLoad(ckpt, manifest, destinations, verify, io_threads), manifest, t_plan
             return restorer, result, read_destinations(ckpt, manifest, destinations, verify=verify,
                                                        threads=io_threads), manifest, t_plan
         finally:
-            ckpt.close()
+            if not keep_open:
+                ckpt.close()
+
+    shared_info = {"shared": False, "plan_bytes": 0}
+
+    def read_shared(load: SharedLoad) -> ReadResult:
+        """Every rank agrees on the share plan, then reads its part (all raise if one fails)."""
+        try:
+            plan, shared_info["plan_bytes"] = agree_plan(comm, (str(path), checksum.digest(seen[0])), load.needs,
+                                                         share_reads, is_url(path))
+            shared_info["shared"] = plan is not None
+            return comm.agree(load.read_alone if plan is None else lambda: load.transfer(comm, plan))
+        finally:
+            load.ckpt.close()
 
     # A save replacing the checkpoint meanwhile is not corruption: read the new version instead. Every
     # decision is collective, so all ranks retry together and end on the same version.
@@ -75,6 +96,11 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
         seen.clear()
         try:
             restorer, result, read, manifest, t_plan = comm.agree(plan_and_read)
+            if isinstance(read, SharedLoad):
+                shared_load: SharedLoad | None = read
+                read = read_shared(read)
+            else:
+                shared_load = None
         except CheckpointReplacedError:
             continue  # raised on every rank by agree()
         except ResurgoError:
@@ -86,8 +112,10 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
             break
     else:
         raise consistent.replaced_too_often(path)
-    restorer.run_actions()
     seconds = dict(read.seconds)
+    if shared_load is not None:
+        seconds["assemble"] = seconds.get("assemble", 0.0) + shared_load.finish()
+    restorer.run_actions()
     seconds["plan"] = t_plan + seconds.get("plan", 0.0)
     seconds["total"] = time.perf_counter() - t_start
     return result, LoadReport(
@@ -95,6 +123,8 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
         seconds=seconds, missing_keys=restorer.missing, unexpected_keys=restorer.unexpected,
         mismatched_keys=restorer.mismatched, step=manifest.step,
         metadata_bytes_read=len(seen[0]) + sum(indexes_read.values()),
+        bytes_received=read.bytes_received, shared=bool(shared_info["shared"]),
+        share_plan_bytes_sent=int(shared_info["plan_bytes"]),
     )
 
 

@@ -18,7 +18,7 @@ import torch
 
 from resurgo.errors import CorruptCheckpointError
 from resurgo.format import checksum, dtypes
-from resurgo.format.manifest import Manifest
+from resurgo.format.manifest import Manifest, TensorEntry
 from resurgo.pipeline.buffers import as_copyable, typed_view, writable_bytes
 from resurgo.pipeline.data_files import open_data_file
 from resurgo.plan.load_plan import BoxCopy, ReadOp, Scatter, Target, plan_reads
@@ -39,12 +39,13 @@ class ReadTask:
 
 @dataclass
 class ReadResult:
-    bytes_read: int
+    bytes_read: int  # from storage
     files: list[str]
     seconds: dict[str, float]
+    bytes_received: int = 0  # from other ranks (shared reads)
 
 
-def _targets(destinations: list[Destination]) -> tuple[list[Target], list[np.ndarray], list[tuple[Array, np.ndarray]]]:
+def place_destinations(destinations: list[Destination]) -> tuple[list[Target], list[np.ndarray], list[tuple[Array, np.ndarray]]]:
     """Every place this rank fills, its bytes (the tensor's own memory when it is one flat host
     buffer, else a staging array copied in at the end), and the staged ones."""
     targets: list[Target] = []
@@ -67,11 +68,11 @@ class _PlanReading:
     """One load plan being read: the destination bytes, the open data files, and the checks each
     read passes before its bytes are scattered into place. ``run`` is called from pool threads."""
 
-    def __init__(self, ckpt: Checkpoint, manifest: Manifest, destinations: list[Destination],
+    def __init__(self, ckpt: Checkpoint, manifest: Manifest, entries: dict[str, TensorEntry],
                  bufs: list[np.ndarray], handles: dict[str, ReadHandle], verify: bool):
         self.ckpt = ckpt
         self.manifest = manifest
-        self.by_key = {d.key: d for d in destinations}
+        self.entries = entries
         self.bufs = bufs
         self.handles = handles
         self.verify = verify
@@ -116,7 +117,7 @@ class _PlanReading:
         t1 = time.perf_counter()
         if self.verify:
             for part, view in zip(op.parts, views):
-                chunk = self.by_key[part.key].entry.chunks[part.chunk]
+                chunk = self.entries[part.key].chunks[part.chunk]
                 bad = checksum.first_bad_block(view, chunk.block_bytes, chunk.checksums, part.first_block)
                 if bad is not None:
                     _, start, a, b = chunk.locate(bad * chunk.block_bytes, (bad + 1) * chunk.block_bytes)[0]
@@ -137,14 +138,33 @@ def read_destinations(ckpt: Checkpoint, manifest: Manifest, destinations: list[D
                       verify: bool = True, threads: int = 4) -> ReadResult:
     """Fill every destination from the checkpoint, reading only the bytes its places need."""
     t_start = time.perf_counter()
-    targets, bufs, staged = _targets(destinations)
-    ops = plan_reads(targets, {d.key: d.entry for d in destinations})
-    handles = _open_files(ckpt, manifest, {op.file for op in ops})
+    targets, bufs, staged = place_destinations(destinations)
+    entries = {d.key: d.entry for d in destinations}
+    ops = plan_reads(targets, entries)
+    result = read_ops(ckpt, manifest, entries, bufs, ops, verify=verify, threads=threads)
+    result.seconds["plan"] += time.perf_counter() - t_start - result.seconds["total"]
+    t0 = time.perf_counter()
+    copy_back(staged)
+    result.seconds["assemble"] += time.perf_counter() - t0
+    result.seconds["total"] = time.perf_counter() - t_start
+    return result
+
+
+def read_ops(ckpt: Checkpoint, manifest: Manifest, entries: dict[str, TensorEntry], bufs: list[np.ndarray],
+             ops: list[ReadOp], verify: bool = True, threads: int = 4,
+             handles: dict[str, ReadHandle] | None = None) -> ReadResult:
+    """Run the read ops of a load plan into ``bufs`` (the plan's targets' bytes), verifying each
+    read unless ``verify`` is false. ``handles``: the files to read from (bytes already in memory),
+    else the checkpoint's data files, opened here and closed at the end."""
+    t_start = time.perf_counter()
+    own = handles is None
+    if handles is None:
+        handles = _open_files(ckpt, manifest, {op.file for op in ops})
     seconds = {"plan": time.perf_counter() - t_start, "read": 0.0, "checksum": 0.0}
-    gap, most = ckpt.coalesce_reads
+    gap, most = ckpt.coalesce_reads if own else (0, 0)
     batches = coalesce(ops, gap, most) if most else [[op] for op in ops]
     tasks = read_tasks(batches, {name: manifest.file_entry(name).header_bytes for name in handles} if verify else {}, gap)
-    reading = _PlanReading(ckpt, manifest, destinations, bufs, handles, verify)
+    reading = _PlanReading(ckpt, manifest, entries, bufs, handles, verify)
     try:
         # One batch (and its header reads) runs in this thread: run in a pool thread, its buffers
         # come from another malloc arena, which raised a windowed conversion's peak RSS by 8-16 MiB.
@@ -154,16 +174,20 @@ def read_destinations(ckpt: Checkpoint, manifest: Manifest, destinations: list[D
             with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="resurgo-read") as pool:
                 results = list(pool.map(reading.run, tasks))
     finally:
-        for h in handles.values():
-            h.close()
+        if own:
+            for h in handles.values():
+                h.close()
     seconds["read"] = sum(r[0] for r in results)
     seconds["checksum"] = sum(r[1] for r in results)
-    t0 = time.perf_counter()
+    seconds["assemble"] = sum(r[2] for r in results)
+    seconds["total"] = time.perf_counter() - t_start
+    return ReadResult(sum(op.length for op in ops), sorted({op.file for op in ops}), seconds)
+
+
+def copy_back(staged: list[tuple[Array, np.ndarray]]) -> None:
+    """Copy staged bytes into the tensors they were read for (those that are not one flat host buffer)."""
     for tensor, mem in staged:
         _copy_back(tensor, mem)
-    seconds["assemble"] = time.perf_counter() - t0 + sum(r[2] for r in results)
-    seconds["total"] = time.perf_counter() - t_start
-    return ReadResult(sum(op.length for op in ops), sorted(handles), seconds)
 
 
 def coalesce(ops: list[ReadOp], max_gap: int, max_bytes: int) -> list[list[ReadOp]]:
