@@ -21,7 +21,7 @@ DS_PYTEST := PYTHONPATH=$(DS_SITE) DS_ACCELERATOR=cpu DS_BUILD_OPS=0 $(BIN)/pyth
 TT_SITE := .torchtitan-site
 TT_PYTEST := PYTHONPATH=$(CURDIR)/$(TT_SITE) $(BIN)/python -m pytest -q -m torchtitan
 
-.PHONY: demo study study-full study-frameworks demo-kill test test-slow test-deepspeed test-torchtitan bench bench-async bench-overhead bench-s3 bench-import bench-incremental bench-planning bench-memory install clean
+.PHONY: demo study study-full study-frameworks demo-kill test test-slow test-deepspeed test-torchtitan bench bench-async bench-overhead bench-s3 bench-import bench-incremental bench-planning bench-memory bench-shared install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -96,6 +96,9 @@ bench-overhead: $(STAMP)
 # Save planning and load metadata from 1 to 16,384 simulated ranks, DCP's .metadata on 2-8 gloo ranks.
 bench-planning: $(STAMP)
 	$(BIN)/python benchmarks/bench_planning.py
+
+bench-shared: $(STAMP)
+	$(BIN)/python benchmarks/bench_shared_read.py
 
 bench-s3: $(STAMP)
 	$(BIN)/python benchmarks/bench_s3.py

@@ -1,0 +1,115 @@
+"""Shared reads: W gloo ranks load one replicated state, each byte read from storage once or by every rank.
+
+Rank 0 saves a replicated state of ``--size-mib`` (``--tensors`` float32 tensors) with resurgo and
+with PyTorch DCP. Each repetition, in rotating order, every rank loads the whole state: resurgo
+with ``share_reads=True`` (each byte read by one rank, sent to the others over gloo), resurgo with
+``share_reads=False`` (every rank reads everything) and ``dcp.load``; the page cache is evicted
+(posix_fadvise DONTNEED on every file) before each load. Reports the bytes read from storage over
+the state's bytes (all ranks together) and wall times, the slowest rank's between barriers,
+medians of ``--repeats``, with ratios against the unshared load and DCP measured in the same run.
+
+    .venv/bin/python benchmarks/bench_shared_read.py [--world 4] [--size-mib 1024] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import environment, evict  # noqa: E402
+
+MODES = ["shared", "unshared", "dcp"]
+
+
+def _state(size_mib: int, tensors: int, fill: bool) -> dict:
+    import torch
+
+    numel = size_mib * (1 << 20) // 4 // tensors
+    g = torch.Generator().manual_seed(7)
+    return {f"w{i}": torch.randn(numel, generator=g) if fill else torch.zeros(numel) for i in range(tensors)}
+
+
+def worker(rank: int, world: int, root: str, size_mib: int, tensors: int, repeats: int) -> dict:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import resurgo
+
+    state = _state(size_mib, tensors, fill=True)
+    resurgo.save(state, f"{root}/resurgo")
+    dcp.save(state, checkpoint_id=f"{root}/dcp")
+    del state
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    storage: dict[str, list[int]] = {"shared": [], "unshared": []}
+    received: list[int] = []
+    for rep in range(repeats):
+        for mode in MODES[rep % len(MODES):] + MODES[:rep % len(MODES)]:
+            target = _state(size_mib, tensors, fill=False)
+            dist.barrier()
+            if rank == 0:
+                evict(Path(root))
+            dist.barrier()
+            t0 = time.perf_counter()
+            if mode == "dcp":
+                dcp.load(target, checkpoint_id=f"{root}/dcp")
+            else:
+                report = resurgo.load(target, f"{root}/resurgo", share_reads=mode == "shared")
+                storage[mode].append(report.bytes_read)
+                if mode == "shared":
+                    received.append(report.bytes_received)
+            elapsed = time.perf_counter() - t0
+            dist.barrier()
+            times[mode].append(elapsed)
+            del target
+    return {"times": times, "storage": storage, "received": received, "plan_bytes": report.share_plan_bytes_sent}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--tensors", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    from resurgo.dist.launch import run_ranks
+
+    state_bytes = args.size_mib * (1 << 20) // 4 // args.tensors * 4 * args.tensors
+    with tempfile.TemporaryDirectory(prefix="bench-shared-", dir=".") as root:
+        results = run_ranks(args.world, "bench_shared_read:worker", root, args.size_mib, args.tensors, args.repeats,
+                            sys_path=[str(Path(__file__).resolve().parent)])
+    # per repetition, the slowest rank
+    slowest = {m: [max(r["times"][m][i] for r in results) for i in range(args.repeats)] for m in MODES}
+    median = {m: statistics.median(v) for m, v in slowest.items()}
+    read_ratio = {m: statistics.median(sum(r["storage"][m][i] for r in results) for i in range(args.repeats)) / state_bytes
+                  for m in ("shared", "unshared")}
+    out = {
+        "world": args.world, "state_bytes": state_bytes, "repeats": args.repeats,
+        "bytes_read_over_state": read_ratio,
+        "bytes_received_per_rank": [statistics.median(r["received"]) for r in results],
+        "plan_bytes_sent_per_rank": [r["plan_bytes"] for r in results],
+        "seconds_median": median,
+        "shared_over_unshared": median["shared"] / median["unshared"],
+        "shared_over_dcp": median["shared"] / median["dcp"],
+        "environment": environment(),
+    }
+    print(f"{args.world} ranks, replicated state of {state_bytes / (1 << 20):.0f} MiB, medians of {args.repeats}")
+    print(f"  bytes read from storage / state: shared {read_ratio['shared']:.2f}x, unshared {read_ratio['unshared']:.2f}x")
+    for m in MODES:
+        print(f"  {m:9s} {median[m]:7.2f} s")
+    print(f"  shared / unshared {out['shared_over_unshared']:.2f}, shared / DCP {out['shared_over_dcp']:.2f}")
+    print(f"  bytes each rank sent to plan the sharing: {out['plan_bytes_sent_per_rank']}")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
