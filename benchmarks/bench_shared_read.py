@@ -49,6 +49,7 @@ def worker(rank: int, world: int, root: str, size_mib: int, tensors: int, repeat
     times: dict[str, list[float]] = {m: [] for m in MODES}
     storage: dict[str, list[int]] = {"shared": [], "unshared": []}
     received: list[int] = []
+    plan_bytes = 0
     for rep in range(repeats):
         for mode in MODES[rep % len(MODES):] + MODES[:rep % len(MODES)]:
             target = _state(size_mib, tensors, fill=False)
@@ -64,11 +65,12 @@ def worker(rank: int, world: int, root: str, size_mib: int, tensors: int, repeat
                 storage[mode].append(report.bytes_read)
                 if mode == "shared":
                     received.append(report.bytes_received)
+                    plan_bytes = report.share_plan_bytes_sent
             elapsed = time.perf_counter() - t0
             dist.barrier()
             times[mode].append(elapsed)
             del target
-    return {"times": times, "storage": storage, "received": received, "plan_bytes": report.share_plan_bytes_sent}
+    return {"times": times, "storage": storage, "received": received, "plan_bytes": plan_bytes}
 
 
 def main() -> None:
@@ -78,12 +80,13 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--root", default=".", help="where the checkpoints go (a disk, not tmpfs)")
     args = parser.parse_args()
 
     from resurgo.dist.launch import run_ranks
 
     state_bytes = args.size_mib * (1 << 20) // 4 // args.tensors * 4 * args.tensors
-    with tempfile.TemporaryDirectory(prefix="bench-shared-", dir=".") as root:
+    with tempfile.TemporaryDirectory(prefix="bench-shared-", dir=args.root) as root:
         results = run_ranks(args.world, "bench_shared_read:worker", root, args.size_mib, args.tensors, args.repeats,
                             sys_path=[str(Path(__file__).resolve().parent)])
     # per repetition, the slowest rank

@@ -111,7 +111,7 @@ def agree_plan(comm: Comm, checkpoint: tuple[str, str], needs: dict[ChunkId, int
         else:
             leads = {g[0] for g in groups}
             lists = comm.all_gather(sorted(needs.items()) if comm.rank in leads else None)
-            plan = plan_shares([(g, dict(lists[g[0]])) for g in groups])
+            plan = plan_shares([(g, dict(lists[g[0]] or ())) for g in groups])
     return plan, sum(sent_bytes().values()) - before
 
 
@@ -201,7 +201,7 @@ class SharedLoad:
                 if piece is not None:
                     self._hold(piece, arena[at:at + c.nbytes])
         self.from_memory = []
-        from_storage = []
+        from_storage: list[ReadOp] = []
         for op in self.ops:  # an op is split where its parts switch between memory and storage
             at = op.file_offset
             for part in op.parts:
