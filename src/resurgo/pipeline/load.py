@@ -70,8 +70,9 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
                 data_files.check_sizes(ckpt, manifest)
             t_plan = time.perf_counter() - t_start
             if sharing:  # read once every rank agreed on the plan: the sharing is collective
+                opened.append(SharedLoad(ckpt, manifest, destinations, verify, io_threads))
                 keep_open = True
-                return restorer, result, SharedLoad(ckpt, manifest, destinations, verify, io_threads), manifest, t_plan
+                return restorer, result, opened[-1], manifest, t_plan
             return restorer, result, read_destinations(ckpt, manifest, destinations, verify=verify,
                                                        threads=io_threads), manifest, t_plan
         finally:
@@ -79,6 +80,7 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
                 ckpt.close()
 
     shared_info = {"shared": False, "plan_bytes": 0}
+    opened: list[SharedLoad] = []  # loads planned whose checkpoint is still open (read_shared closes it)
 
     def read_shared(load: SharedLoad) -> ReadResult:
         """Every rank agrees on the share plan, then reads its part (all raise if one fails)."""
@@ -88,6 +90,7 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
             shared_info["shared"] = plan is not None
             return comm.agree(load.read_alone if plan is None else lambda: load.transfer(comm, plan))
         finally:
+            opened.clear()
             load.ckpt.close()
 
     # A save replacing the checkpoint meanwhile is not corruption: read the new version instead. Every
@@ -95,7 +98,13 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
     for _ in range(consistent.ATTEMPTS):
         seen.clear()
         try:
-            restorer, result, read, manifest, t_plan = comm.agree(plan_and_read)
+            try:
+                restorer, result, read, manifest, t_plan = comm.agree(plan_and_read)
+            except BaseException:  # another rank failed: this rank's planned load is not read
+                for load in opened:
+                    load.ckpt.close()
+                opened.clear()
+                raise
             if isinstance(read, SharedLoad):
                 shared_load: SharedLoad | None = read
                 read = read_shared(read)

@@ -174,23 +174,35 @@ class SharedLoad:
                 arena = np.empty(m.nbytes, dtype=np.uint8)
                 arenas[tag] = arena
                 pending.append((dist.irecv(torch.from_numpy(arena), src=peer(m.reader), group=comm.group, tag=tag), arena))
-        bytes_read, seconds = 0, {"read": 0.0, "checksum": 0.0, "assemble": 0.0}
+        totals = {"bytes": 0}
+        seconds = {"read": 0.0, "checksum": 0.0, "assemble": 0.0}
         files: set[str] = set()
+
+        def read(bufs: list[np.ndarray], ops: list[ReadOp]) -> None:
+            """Read ``ops`` from storage into ``bufs``, counting; a failure is kept for the end."""
+            if errors:  # after a failure the peers still get (unverified) bytes, then everyone raises
+                return
+            try:
+                got = read_ops(self.ckpt, self.manifest, self.entries, bufs, ops, self.verify, self.threads)
+            except BaseException as e:  # noqa: BLE001 - raised once every transfer is done
+                errors.append(e)
+                return
+            totals["bytes"] += got.bytes_read
+            files.update(got.files)
+            for k in seconds:
+                seconds[k] += got.seconds[k]
+
         for tag, m in enumerate(plan.messages):
             if m.reader != comm.rank:
                 continue
             arena = np.empty(m.nbytes, dtype=np.uint8)
             arenas[tag] = arena
-            if not errors:  # after a failure the peers still get (unverified) bytes, then everyone raises
-                try:
-                    ops = self._message_ops(m.chunks, m.offsets())
-                    got = read_ops(self.ckpt, self.manifest, self.entries, [arena], ops, self.verify, self.threads)
-                    bytes_read += got.bytes_read
-                    files.update(got.files)
-                    for k in seconds:
-                        seconds[k] += got.seconds[k]
-                except BaseException as e:  # noqa: BLE001 - raised once every transfer is done
-                    errors.append(e)
+            try:
+                ops = self._message_ops(m.chunks, m.offsets())
+            except BaseException as e:  # noqa: BLE001 - raised once every transfer is done
+                errors.append(e)
+                ops = []
+            read([arena], ops)
             tensor = torch.from_numpy(arena)
             for r in m.receivers:
                 pending.append((dist.isend(tensor, dst=peer(r), group=comm.group, tag=tag), arena))
@@ -208,15 +220,7 @@ class SharedLoad:
                 held = op.file in self.memory and self.memory[op.file].holds(at, part.length)
                 (self.from_memory if held else from_storage).append(ReadOp(op.file, at, part.length, (part,)))
                 at += part.length
-        if not errors:
-            try:
-                got = read_ops(self.ckpt, self.manifest, self.entries, self.bufs, from_storage, self.verify, self.threads)
-                bytes_read += got.bytes_read
-                files.update(got.files)
-                for k in seconds:
-                    seconds[k] += got.seconds[k]
-            except BaseException as e:  # noqa: BLE001 - raised once every transfer is done
-                errors.append(e)
+        read(self.bufs, from_storage)
         t_wait = time.perf_counter()
         for request, _ in pending:
             try:
@@ -228,7 +232,7 @@ class SharedLoad:
         if errors:
             raise errors[0]
         seconds["total"] = time.perf_counter() - t_start
-        return ReadResult(bytes_read, sorted(files), seconds, bytes_received=self.bytes_received)
+        return ReadResult(totals["bytes"], sorted(files), seconds, bytes_received=self.bytes_received)
 
     def _message_ops(self, chunks: Any, offsets: list[int]) -> list[ReadOp]:
         """Read ops that fill a message's arena (its one target) with its pieces, verified."""
