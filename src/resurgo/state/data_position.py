@@ -402,8 +402,9 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
         distributed = find_sampler(self, DistributedSampler)
         if distributed is not None:
             extra["distributed_num_replicas"] = int(distributed.num_replicas)
-            if pos.sampler_epoch is not None:
-                extra["distributed_epoch"] = int(pos.sampler_epoch)
+            # Never iterated: the sampler's epoch stands in, so that a fresh loader (the target of
+            # a load) has the keys of a saved one.
+            extra["distributed_epoch"] = int(pos.sampler_epoch if pos.sampler_epoch is not None else distributed.epoch)
         epoch_rng_out: Any = _clone_rng(epoch_rng)
         generators_out: Any = {name: g.get_state() for name, g in _generators(self).items()}
         if elastic is not None:
