@@ -529,3 +529,37 @@ def test_a_distributed_samplers_order_is_read_at_the_first_batch_so_set_epoch_af
     tracked.sampler.set_epoch(4)
     assert [b[0].tolist() for b in it] == expected
     assert tracked.state_dict()["distributed_epoch"] == 4
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+@pytest.mark.parametrize("finished_epoch", ["empty", "next"])
+def test_a_stateful_dataloader_saved_at_its_epochs_last_batch_resumes_empty_or_at_the_next_epoch(
+        finished_epoch: str) -> None:
+    """torchdata's own position, saved before the epoch's StopIteration: as it is, the first iter()
+    after the load gives nothing; with finished_epoch="next" it gives the uninterrupted loader's next
+    epoch (its sampler's generator as saved, its base seed drawn as the uninterrupted run drew it)."""
+    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def make():
+        # Its RandomSampler draws its seed from the global RNG when the loader is built.
+        return track_dataloader(sdl.StatefulDataLoader(IndexDataset(augment=False), batch_size=4, shuffle=True),
+                                finished_epoch=finished_epoch)
+
+    seed_all(0)
+    loader = make()
+    it = iter(loader)
+    for _ in range(len(loader)):
+        next(it)
+    sd, saved_rng = core.save(loader), core.save(RNGState())
+    reference = [(b[0], torch.rand(2)) for b in loader]
+
+    seed_all(4)
+    fresh = make()
+    core.load(fresh, sd)
+    core.load(RNGState(), saved_rng)
+    got = [(b[0], torch.rand(2)) for b in fresh]
+    if finished_epoch == "empty":
+        assert got == []
+        return
+    assert len(got) == len(reference) == 6
+    assert all(torch.equal(a, b) and torch.equal(na, nb) for (a, na), (b, nb) in zip(got, reference))
