@@ -692,7 +692,7 @@ def _guarded_base_iter(self: Any) -> Any:
 def _rng_guarded_class(cls: type, finished_epoch: str = "empty") -> type:
     """A subclass of a loader with its own state_dict whose first iter() after a load draws no RNG."""
     if cls in _GUARDED_CLASSES.values():
-        cls = cls._resurgo_base_class
+        cls = getattr(cls, "_resurgo_base_class")
     key = (cls, finished_epoch)
     guarded = _GUARDED_CLASSES.get(key)
     if guarded is None:
