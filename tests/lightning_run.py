@@ -27,14 +27,16 @@ BATCHES_PER_EPOCH = 4
 
 class TinyBody:
     """Dropout and a shuffled loader: both draw from the global RNG every step. ``loader``:
-    "plain" (torch's DataLoader, whose position ResurgoCallback makes resumable) or "stateful"
-    (torchdata's StatefulDataLoader, whose position is its own). ``rank_seed``: each DDP
+    "plain" (torch's DataLoader, whose position ResurgoCallback makes resumable), "augment" (the
+    same, its dataset adding noise from the global RNG as it loads each sample, in the main
+    process) or "stateful" (torchdata's StatefulDataLoader, whose position is its own). ``rank_seed``: each DDP
     process reseeds with its own seed, so that the processes draw different dropout masks."""
 
     def __init__(self, loader: str = "plain", rank_seed: bool = False) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
         self.losses: list[torch.Tensor] = []
+        self.trace: list[tuple[int, int, int]] = []  # (current_epoch, global_step, batch_idx) of each step
         self.loader = loader
         self.rank_seed = rank_seed
 
@@ -46,6 +48,7 @@ class TinyBody:
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.losses.append(loss.detach().clone())
+        self.trace.append((self.current_epoch, self.global_step, batch_idx))
         self.log("train_loss", loss)
         return loss
 
@@ -60,11 +63,27 @@ def train_loader(kind: str = "plain") -> torch.utils.data.DataLoader:
     """The shuffled loader of 16 samples, BATCHES_PER_EPOCH batches (the same data every time)."""
     g = torch.Generator().manual_seed(123)
     data = torch.utils.data.TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g))
+    if kind == "augment":
+        data = Augmented(data)
     if kind == "stateful":
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         return StatefulDataLoader(data, batch_size=4, shuffle=True)
     return torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
+
+
+class Augmented(torch.utils.data.Dataset):
+    """Each sample with noise from the global RNG, drawn when it is loaded."""
+
+    def __init__(self, data: torch.utils.data.Dataset) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        x, y = self.data[i]
+        return x + 0.1 * torch.randn(x.shape), y
 
 
 class Tiny(TinyBody, L.LightningModule):

@@ -416,3 +416,150 @@ def test_on_world_size_change_warn_loads_nothing_and_the_next_iter_starts_a_new_
     assert next(iter(other))[0].tolist() == [0, 1, 2, 3]  # a new pass, from its start
     with pytest.raises(UnsupportedValueError, match="on_world_size_change must be 'raise' or 'warn'"):
         track_dataloader(other, on_world_size_change="ignore")
+
+
+# -- a position saved once the epoch's last batch was handed out -----------------------------------
+def _distributed_loader(finished_epoch: str | None = None) -> DataLoader:
+    from torch.utils.data import DistributedSampler
+
+    ds = IndexDataset()  # 11 samples per rank: 3 batches, the last one short
+    return track_dataloader(DataLoader(ds, batch_size=4, sampler=DistributedSampler(ds, 2, 1, shuffle=True, seed=5)),
+                            finished_epoch=finished_epoch)
+
+
+def _loader_for(kind: str, finished_epoch: str | None) -> DataLoader:
+    if kind == "distributed":
+        return _distributed_loader(finished_epoch)
+    return track_dataloader(make_loader(kind), finished_epoch=finished_epoch)
+
+
+def _epoch(it) -> list:
+    """The batches of ``it`` with a draw of the training RNG after each, as train_loop records them."""
+    return [(idx.clone(), noise.clone(), torch.rand(2), random.random(), np.random.rand()) for idx, noise in it]
+
+
+def _start_epoch(loader: DataLoader, epoch: int):
+    """A loop's start of an epoch as Lightning's on resume: iter() first, set_epoch() after."""
+    it = iter(loader)
+    if hasattr(loader.sampler, "set_epoch"):
+        loader.sampler.set_epoch(epoch)
+    return it
+
+
+@pytest.mark.parametrize("kind", ["shuffle", "workers", "distributed"])
+@pytest.mark.parametrize("finished_epoch", [None, "empty", "next"])
+def test_a_position_saved_at_an_epochs_last_batch_resumes_empty_or_at_the_next_epoch(kind: str,
+                                                                                    finished_epoch: str | None) -> None:
+    """Saved after the epoch's last batch was handed out but before its StopIteration (a loop that
+    knows the length never asks for it): by default the first iter() after the load gives the rest
+    of that epoch, nothing; with finished_epoch="next" it gives the next epoch, the very batches
+    (order, loading noise) and training draws of the uninterrupted loader's next epoch."""
+    seed_all(0)
+    loader = _loader_for(kind, finished_epoch)
+    it = _start_epoch(loader, 0)
+    first = [next(it) for _ in range(len(loader))]
+    sd = core.save(loader)
+    saved_rng = core.save(RNGState())
+    assert (sd["batches_yielded"], sd["epoch_active"]) == (len(loader), True) and len(first) == len(loader)
+    reference = _epoch(_start_epoch(loader, 1))  # the uninterrupted loop's next epoch
+    assert len(reference) == len(loader)
+
+    seed_all(12345)
+    fresh = _loader_for(kind, finished_epoch)
+    core.load(fresh, sd)
+    core.load(RNGState(), saved_rng)
+    got = _epoch(_start_epoch(fresh, 1))
+    if finished_epoch == "next":
+        assert_same(got, reference)
+    else:
+        assert got == []  # the rest of the finished epoch
+        assert_same(_epoch(_start_epoch(fresh, 1)), reference)  # then the loop's next iter()
+
+
+def test_finished_epoch_next_leaves_a_mid_epoch_position_as_it_is() -> None:
+    """Only a position at the epoch's last batch moves on to the next epoch: one batch earlier, the
+    resume gives that last batch."""
+    seed_all(0)
+    loader = track_dataloader(make_loader("shuffle"), finished_epoch="next")
+    it = iter(loader)
+    for _ in range(len(loader) - 1):
+        next(it)
+    sd, saved_rng = core.save(loader), core.save(RNGState())
+    last = _epoch(it)
+    assert len(last) == 1
+    seed_all(3)
+    fresh = track_dataloader(make_loader("shuffle"), finished_epoch="next")
+    core.load(fresh, sd)
+    core.load(RNGState(), saved_rng)
+    assert_same(_epoch(iter(fresh)), last)
+
+
+def test_finished_epoch_is_kept_or_changed_by_tracking_again_and_an_invalid_one_is_refused() -> None:
+    loader = track_dataloader(make_loader("shuffle"), finished_epoch="next")
+    assert type(loader)._resurgo_finished_epoch == "next"
+    assert track_dataloader(loader) is loader and type(loader)._resurgo_finished_epoch == "next"
+    track_dataloader(loader, finished_epoch="empty")
+    assert type(loader)._resurgo_finished_epoch == "empty"
+    assert type(track_dataloader(make_loader("shuffle")))._resurgo_finished_epoch == "empty"  # the default
+    with pytest.raises(UnsupportedValueError, match=r"finished_epoch must be 'empty' or 'next', got 'skip'"):
+        track_dataloader(make_loader("shuffle"), finished_epoch="skip")
+    with pytest.raises(UnsupportedValueError, match=r"finished_epoch must be 'empty' or 'next', got 'skip'"):
+        track_dataloader(loader, finished_epoch="skip")
+    assert type(loader)._resurgo_finished_epoch == "empty"  # a refused value changed nothing
+
+
+def test_a_distributed_samplers_order_is_read_at_the_first_batch_so_set_epoch_after_iter_applies() -> None:
+    """Without workers a tracked loader leaves a DistributedSampler's order to the first batch, as an
+    untracked one does: set_epoch() between iter() and the first next() (Lightning's order on
+    resume) gives that epoch's order, and the position records that epoch."""
+    from torch.utils.data import DistributedSampler
+
+    def plain() -> DataLoader:
+        ds = IndexDataset(augment=False)
+        return DataLoader(ds, batch_size=4, sampler=DistributedSampler(ds, 2, 0, shuffle=True, seed=5))
+
+    untracked = plain()
+    untracked.sampler.set_epoch(4)
+    expected = [b[0].tolist() for b in untracked]
+    untracked.sampler.set_epoch(0)
+    assert [b[0].tolist() for b in untracked] != expected  # the epoch changes the order
+
+    tracked = track_dataloader(plain())
+    it = iter(tracked)
+    tracked.sampler.set_epoch(4)
+    assert [b[0].tolist() for b in it] == expected
+    assert tracked.state_dict()["distributed_epoch"] == 4
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+@pytest.mark.parametrize("finished_epoch", ["empty", "next"])
+def test_a_stateful_dataloader_saved_at_its_epochs_last_batch_resumes_empty_or_at_the_next_epoch(
+        finished_epoch: str) -> None:
+    """torchdata's own position, saved before the epoch's StopIteration: as it is, the first iter()
+    after the load gives nothing; with finished_epoch="next" it gives the uninterrupted loader's next
+    epoch (its sampler's generator as saved, its base seed drawn as the uninterrupted run drew it)."""
+    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def make():
+        # Its RandomSampler draws its seed from the global RNG when the loader is built.
+        return track_dataloader(sdl.StatefulDataLoader(IndexDataset(augment=False), batch_size=4, shuffle=True),
+                                finished_epoch=finished_epoch)
+
+    seed_all(0)
+    loader = make()
+    it = iter(loader)
+    for _ in range(len(loader)):
+        next(it)
+    sd, saved_rng = core.save(loader), core.save(RNGState())
+    reference = [(b[0], torch.rand(2)) for b in loader]
+
+    seed_all(4)
+    fresh = make()
+    core.load(fresh, sd)
+    core.load(RNGState(), saved_rng)
+    got = [(b[0], torch.rand(2)) for b in fresh]
+    if finished_epoch == "empty":
+        assert got == []
+        return
+    assert len(got) == len(reference) == 6
+    assert all(torch.equal(a, b) and torch.equal(na, nb) for (a, na), (b, nb) in zip(got, reference))

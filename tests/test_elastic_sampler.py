@@ -455,6 +455,8 @@ def test_fold_keys_are_torchdatas() -> None:
         elastic_loader.SAMPLER_ITER_YIELDED, elastic_loader.SAMPLER_ITER_STATE)
     from torchdata.stateful_dataloader.sampler import _BatchSamplerIterator
     assert _BatchSamplerIterator._SAMPLES_YIELDED == elastic_loader.SAMPLES_YIELDED
+    assert (sdl._StatefulSingleProcessDataLoaderIter._NUM_YIELDED, sdl._ITERATOR_FINISHED) == (
+        elastic_loader.NUM_YIELDED, elastic_loader.ITERATOR_FINISHED)
 
 
 def test_loader_built_differently_is_refused() -> None:

@@ -64,7 +64,9 @@ def ckpt_of(root: Path, step: int) -> Path:
     # torch's DataLoader: the callback makes its position resumable, at an epoch's end and mid-epoch
     # (saved through a datamodule's loader, resumed with the module's and with one given to fit).
     ("plain", {BATCHES_PER_EPOCH: "module", BATCHES_PER_EPOCH + 2: "fit"}),
-    ("stateful", {BATCHES_PER_EPOCH + 2: "module"}),  # torchdata's StatefulDataLoader: its own position
+    ("augment", {BATCHES_PER_EPOCH: "module", BATCHES_PER_EPOCH + 2: "module"}),  # noise drawn while loading
+    # torchdata's StatefulDataLoader: its own position
+    ("stateful", {BATCHES_PER_EPOCH: "module", BATCHES_PER_EPOCH + 2: "module"}),
 ])
 def test_resumed_fit_is_bit_identical_and_not_without_the_callback(tmp_path, loader, resume_at):
     total, stop = 3 * BATCHES_PER_EPOCH, BATCHES_PER_EPOCH + 2
@@ -77,6 +79,10 @@ def test_resumed_fit_is_bit_identical_and_not_without_the_callback(tmp_path, loa
         assert (ckpt / "manifest.json").is_file()
         resumed = fit(tmp_path / f"resumed{step}", total, callback=True, ckpt_path=ckpt, loader=loader, source=source)
         assert len(resumed.losses) == total - step
+        # The same epochs, steps and batch indices as the uninterrupted run from there on.
+        assert resumed.trace == whole.trace[step:], step
+        assert (resumed.trainer.current_epoch, resumed.trainer.global_step) == \
+            (whole.trainer.current_epoch, whole.trainer.global_step)
         assert all(bitwise_equal(a, b) for a, b in zip(whole.losses[step:], resumed.losses)), step
         for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
             assert bitwise_equal(a, b), (step, name)
@@ -90,9 +96,9 @@ def test_resumed_fit_is_bit_identical_and_not_without_the_callback(tmp_path, loa
     # Control: without the callback, the mid-epoch resume trains on other draws and other batches.
     # (A StatefulDataLoader's checkpoint holds its position anyway; a plain DataLoader's only with
     # the callback, so that run is saved without it too.)
-    if loader == "plain":
+    if loader != "stateful":
         fit(tmp_path / "blind_first", stop, callback=False, save_every=stop, loader=loader)
-    ckpt = ckpt_of(tmp_path / ("blind_first" if loader == "plain" else "first"), stop)
+    ckpt = ckpt_of(tmp_path / ("blind_first" if loader != "stateful" else "first"), stop)
     blind = fit(tmp_path / "blind", total, callback=False, ckpt_path=ckpt, loader=loader)
     assert len(blind.losses) == total - stop
     assert not all(bitwise_equal(a, b) for a, b in zip(whole.losses[stop:], blind.losses))

@@ -168,17 +168,27 @@ class RngCallbackMethods:
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":
-            track_train_dataloaders(trainer)
+            track_train_dataloaders(trainer, after_build=self._restore_pending)
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    def _restore_pending(self) -> None:
+        """Set the loaded states again once the train loaders are built: building one may draw
+        (torchdata's RandomSampler draws its seed), which the uninterrupted run did at its start."""
+        if self._pending is not None:
+            restore_rng_state(self._pending)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self._pending is None:
             return
-        if batch_idx > 0:  # resumed mid-epoch: undo the draws of the rebuilt iterator
+        # The loaded progress (the epoch loop resets it only later): batches of the interrupted epoch.
+        ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        if 0 < ready < trainer.num_training_batches:
+            # Resumed mid-epoch: undo the draws of the rebuilt iterator, before the first batch is
+            # fetched (loading it may draw, as the uninterrupted run did, from these states).
             restore_rng_state(self._pending)
         self._pending = None
 
 
-def track_train_dataloaders(trainer: Any) -> None:
+def track_train_dataloaders(trainer: Any, after_build: Any = None) -> None:
     """Make every plain DataLoader the fit loop gets from its data source resumable, as it gets it.
 
     Lightning has no public hook between building the train loaders (``train_dataloader()`` of
@@ -187,11 +197,13 @@ def track_train_dataloaders(trainer: Any) -> None:
     ``trainer.fit_loop._data_source``, a dataclass ``_DataLoaderSource(instance, name)`` whose
     ``dataloader()`` the loop calls for the loaders (checked with lightning and pytorch_lightning
     2.6.6). If it is not that, the loaders' position could not be restored: refuse rather than
-    resume onto other batches.
+    resume onto other batches. ``after_build``: called each time the loaders were built, before
+    Lightning loads their states and calls ``iter()`` on them.
     """
     loop = getattr(trainer, "fit_loop", None)
     source = getattr(loop, "_data_source", None)
     if isinstance(source, _TrackingSource):
+        source.after_build = after_build
         return
     fields = {f.name for f in dataclasses.fields(source)} if dataclasses.is_dataclass(source) else set()
     if fields != {"instance", "name"} or not callable(getattr(source, "dataloader", None)):
@@ -200,14 +212,21 @@ def track_train_dataloaders(trainer: Any) -> None:
             "Lightning versions resurgo was checked with (2.6.6), so a plain DataLoader's position could not be saved "
             "and restored; use torchdata's StatefulDataLoader (whose position Lightning saves itself)")
     assert source is not None and loop is not None
-    loop._data_source = _tracking_source_class(type(source))(source.instance, source.name)
+    tracking = _tracking_source_class(type(source))(source.instance, source.name)
+    tracking.after_build = after_build
+    loop._data_source = tracking
 
 
 class _TrackingSource:
     """Marks a data source whose loaders are tracked (mixed into Lightning's own class)."""
 
+    after_build: Any = None  # called once the loaders are built
+
     def dataloader(self) -> Any:
-        return _track_loaders(super().dataloader())  # type: ignore[misc]
+        loaders = _track_loaders(super().dataloader())  # type: ignore[misc]
+        if self.after_build is not None:
+            self.after_build()
+        return loaders
 
 
 _TRACKING_SOURCES: dict[type, type] = {}
@@ -226,11 +245,13 @@ def _track_loaders(value: Any) -> Any:
     from torch.utils.data import DataLoader
 
     if isinstance(value, DataLoader):
+        # Saved at an epoch's last batch, Lightning resumes at the next epoch: so does the loader.
         if not callable(getattr(value, "state_dict", None)):
             # Resumed on another number of processes, the position is not restored (with a
             # warning), as the RNG states are not: the sharded strategies resume on any number.
-            # Saved at an epoch's last batch, Lightning resumes at the next epoch: so does the loader.
             track_dataloader(value, on_world_size_change="warn", finished_epoch="next")
+        else:
+            track_dataloader(value, finished_epoch="next")
     elif isinstance(value, Mapping):
         for v in value.values():
             _track_loaders(v)

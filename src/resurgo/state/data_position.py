@@ -62,6 +62,11 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from resurgo.errors import DataPositionError, TypeMismatchError, UnsupportedValueError
 from resurgo.state.elastic_loader import (
+    NUM_YIELDED,
+    ITERATOR_FINISHED,
+    SNAPSHOT,
+    SNAPSHOT_STEP,
+    STEPS_SINCE_SNAPSHOT,
     find_elastic_sampler,
     find_sampler,
     prepare_stateful_load,
@@ -402,8 +407,9 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
         distributed = find_sampler(self, DistributedSampler)
         if distributed is not None:
             extra["distributed_num_replicas"] = int(distributed.num_replicas)
-            if pos.sampler_epoch is not None:
-                extra["distributed_epoch"] = int(pos.sampler_epoch)
+            # Never iterated: the sampler's epoch stands in, so that a fresh loader (the target of
+            # a load) has the keys of a saved one.
+            extra["distributed_epoch"] = int(pos.sampler_epoch if pos.sampler_epoch is not None else distributed.epoch)
         epoch_rng_out: Any = _clone_rng(epoch_rng)
         generators_out: Any = {name: g.get_state() for name, g in _generators(self).items()}
         if elastic is not None:
@@ -579,7 +585,7 @@ def _tracked_class(cls: type, on_world_size_change: str = "raise", finished_epoc
     return tracked
 
 
-_GUARDED_CLASSES: dict[type, type] = {}
+_GUARDED_CLASSES: dict[tuple[type, str], type] = {}
 _RESUMING = "_resurgo_resuming"
 
 
@@ -626,9 +632,44 @@ def _guarded_load_state_dict(self: Any, state_dict: Any) -> Any:
         # torchdata replays the batches since its last snapshot: on another world size those would
         # be other samples, so there they become part of the global position instead.
         state_dict = prepare_stateful_load(state_dict, elastic, samples_per_batch(self))
+    elif self._resurgo_finished_epoch == "next" and _at_epoch_end(self, state_dict):
+        # Saved at the epoch's last batch: the next iter() starts the next epoch, as the
+        # uninterrupted run's did. Built now (the loaded samplers and datasets take their saved
+        # states) without drawing; marked finished, so that iter() builds or resets a new one.
+        result = self._resurgo_base_class.load_state_dict(self, {**state_dict, ITERATOR_FINISHED: True})
+        _without_rng_draws(self, lambda: setattr(self, "_iterator", self._get_iterator()))
+        return result
     result = self._resurgo_base_class.load_state_dict(self, state_dict)
     self.__dict__[_RESUMING] = True
     return result
+
+
+def _at_epoch_end(loader: Any, state_dict: Any) -> bool:
+    """True if a StatefulDataLoader's state was taken once every batch of its epoch was handed out."""
+    if not isinstance(state_dict, dict):
+        return False
+    if NUM_YIELDED in state_dict:  # no workers
+        handed_out = state_dict[NUM_YIELDED]
+    elif isinstance(state_dict.get(SNAPSHOT), dict) and SNAPSHOT_STEP in state_dict[SNAPSHOT]:
+        handed_out = state_dict[SNAPSHOT][SNAPSHOT_STEP] + state_dict.get(STEPS_SINCE_SNAPSHOT, 0)
+    else:
+        return False
+    length = _length(loader)
+    return isinstance(handed_out, int) and length is not None and handed_out >= length > 0
+
+
+def _without_rng_draws(loader: Any, build: Any) -> Any:
+    """``build()`` with the sources of a loader's base seed (the global CPU RNG, its generator)
+    set back afterwards."""
+    cpu = torch.get_rng_state()
+    gen = getattr(loader, "generator", None)
+    gen_state = gen.get_state() if isinstance(gen, torch.Generator) else None
+    try:
+        return build()
+    finally:
+        torch.set_rng_state(cpu)
+        if gen is not None and gen_state is not None:
+            gen.set_state(gen_state)
 
 
 def _guarded_iter(self: Any) -> Any:
@@ -645,22 +686,15 @@ def _guarded_base_iter(self: Any) -> Any:
         return self._resurgo_base_class.__iter__(self)
     # Only the sources of that base seed are guarded: the sampler's generator is legitimately
     # set from the checkpoint while the iterator is built.
-    cpu = torch.get_rng_state()
-    gen = getattr(self, "generator", None)
-    gen_state = gen.get_state() if isinstance(gen, torch.Generator) else None
-    try:
-        return self._resurgo_base_class.__iter__(self)
-    finally:
-        torch.set_rng_state(cpu)
-        if gen is not None and gen_state is not None:
-            gen.set_state(gen_state)
+    return _without_rng_draws(self, lambda: self._resurgo_base_class.__iter__(self))
 
 
-def _rng_guarded_class(cls: type) -> type:
+def _rng_guarded_class(cls: type, finished_epoch: str = "empty") -> type:
     """A subclass of a loader with its own state_dict whose first iter() after a load draws no RNG."""
     if cls in _GUARDED_CLASSES.values():
-        return cls
-    guarded = _GUARDED_CLASSES.get(cls)
+        cls = getattr(cls, "_resurgo_base_class")
+    key = (cls, finished_epoch)
+    guarded = _GUARDED_CLASSES.get(key)
     if guarded is None:
         guarded = type(f"Resumable{cls.__name__}", (cls,), {
             "__iter__": _guarded_iter,
@@ -670,9 +704,10 @@ def _rng_guarded_class(cls: type) -> type:
             "__qualname__": f"Resumable{cls.__qualname__}",
             "__doc__": cls.__doc__,
             "_resurgo_base_class": cls,
+            "_resurgo_finished_epoch": finished_epoch,
             "__slots__": (),
         })
-        _GUARDED_CLASSES[cls] = guarded
+        _GUARDED_CLASSES[key] = guarded
     return guarded
 
 
@@ -710,7 +745,8 @@ def track_dataloader(loader: DataLoader, *, on_world_size_change: str | None = N
         return loader
     if callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None)):
         if isinstance(loader, DataLoader):
-            loader.__class__ = _rng_guarded_class(type(loader))
+            kept = getattr(type(loader), "_resurgo_finished_epoch", "empty")
+            loader.__class__ = _rng_guarded_class(type(loader), finished_epoch or kept)
         return loader
     if not isinstance(loader, DataLoader):
         raise UnsupportedValueError(

@@ -37,6 +37,8 @@ NUM_WORKERS = "_num_workers"
 SAMPLER_ITER_YIELDED = "_sampler_iter_yielded"
 SAMPLER_ITER_STATE = "_sampler_iter_state"
 SAMPLES_YIELDED = "samples_yielded"  # torchdata's BatchSampler iterator: samples drawn
+NUM_YIELDED = "_num_yielded"  # batches handed out, without workers
+ITERATOR_FINISHED = "_iterator_finished"
 
 
 def find_sampler(loader: Any, kind: type[T]) -> T | None:
