@@ -66,7 +66,8 @@ class MemoryTier:
     ``rank // LOCAL_WORLD_SIZE``, else the hostname. ``memory_budget``: the most bytes the
     checkpoints in one node's root may take; a save that would exceed it raises MemoryBudgetError
     before writing anything (the previous step stays until the new one is complete, so the budget
-    must hold ``keep_last + 1`` steps).
+    must hold ``keep_last + 1`` steps). A deleted step's data files stay in the root as spare pages
+    for the next save (:mod:`resurgo.storage.spare_pages`), emptied first when the budget needs it.
     """
 
     replicas: int = 1
