@@ -10,13 +10,16 @@ Measured per repetition (each figure is the slowest rank's, every rank starting 
   from node 0's replicas, and node 1 receives node 0's data too, to hold its replicas again),
   from disk (page cache dropped where possible) and from S3; each into a blank state made before
   the timer starts (a memory restore through a manager made before it, too).
-Every restore is compared bit for bit with the state saved (outside the timed part). Where the
+References measured in the same run: a gloo send of each rank's state bytes to its replica holder
+(while receiving as many) and a plain write of them into a new ``/dev/shm`` file. For every
+figure the CPU seconds of all ranks (``time.process_time``, every thread) are reported beside
+the wall time. Every restore is compared bit for bit with the state saved (outside the timed part). Where the
 time goes: the replication inside the synchronous memory save (send, receive, verify) and the
 fetch from the peer inside the peer restore (the rest of it is the ordinary load). Reported:
 medians and the ratios the memory tier aims at: time-to-safe <= 0.5x the disk save, restore from
 a peer >= 3x faster than from S3.
 
-    .venv/bin/python benchmarks/bench_memory_tier.py [--mib-per-rank 256] [--repeats 3] [--out bench-results/memory_tier.json]
+    .venv/bin/python benchmarks/bench_memory_tier.py [--mib-per-rank 256] [--repeats 5] [--out bench-results/memory_tier.json]
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distribu
 SCHEMA = "resurgo-bench-memory-tier/1"
 WORLD = 4
 FIGURES = ("stall", "time_to_safe", "sync_safe", "disk_save", "s3_save", "restore_local", "restore_peer", "restore_disk",
-           "restore_s3")
+           "restore_s3", "ref_gloo_send", "ref_shm_copy")
 # Where the time goes (the slowest rank's seconds inside the figure named first).
 PARTS = ("sync_safe: replication", "restore_peer: fetch from the peer")
 
@@ -90,11 +93,43 @@ def worker(rank: int, world: int, work: str, disk_work: str, url: str, options: 
         dist.all_gather_object(out, seconds)
         return max(out)
 
-    def timed(fn) -> float:  # the slowest rank's seconds
+    def total(seconds: float) -> float:
+        out = [0.0] * world
+        dist.all_gather_object(out, seconds)
+        return sum(out)
+
+    cpu: dict[str, list[float]] = {k: [] for k in FIGURES}
+
+    def timed(fn, figure: str | None = None) -> float:  # the slowest rank's seconds
         dist.barrier()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         fn()
-        return slowest(time.perf_counter() - t0)
+        wall, used = time.perf_counter() - t0, time.process_time() - c0
+        if figure is not None:
+            cpu[figure].append(total(used))  # every rank's CPU seconds (all its threads)
+        return slowest(wall)
+
+    def gloo_send() -> None:
+        """The reference for the replication: each rank sends its state's bytes to the rank that
+        holds its replica and receives as many from the rank whose replica it holds, at once."""
+        peer = (rank + 2) % world
+        reqs = [dist.isend(send_buf, dst=peer), dist.irecv(recv_buf, src=peer)]
+        for r in reqs:
+            r.wait()
+
+    def shm_copy(rep: int) -> None:
+        """The reference for the local copy: this rank's state bytes written to a new /dev/shm file."""
+        path = Path(work) / f"copy-{rep}-{rank}"
+        with open(path, "wb") as f:
+            f.write(memoryview(data))
+        path.unlink()
+
+    import torch
+
+    nbytes = 2 * (int(mib * (1 << 20)) // 8) * 4  # the state's two float32 tensors
+    send_buf, recv_buf = torch.ones(nbytes, dtype=torch.uint8), torch.ones(nbytes, dtype=torch.uint8)  # touched once
+    data = send_buf.numpy()
+    gloo_send()  # untimed: the first exchange between two ranks connects them
 
     part: dict[str, float] = {}
 
@@ -120,18 +155,22 @@ def worker(rank: int, world: int, work: str, disk_work: str, url: str, options: 
 
         mgr = CheckpointManager(tiers=[tier], async_save=False)
         mgr.save(0, state)  # untimed: the first save of a job also makes its process groups
-        figures["sync_safe"].append(timed(lambda: mgr.save(1, state)))
+        figures["ref_gloo_send"].append(timed(gloo_send, "ref_gloo_send"))
+        figures["ref_shm_copy"].append(timed(lambda: shm_copy(rep), "ref_shm_copy"))
+        figures["sync_safe"].append(timed(lambda: mgr.save(1, state), "sync_safe"))
         figures["sync_safe: replication"].append(slowest(part["exchange"]))
         mgr.close()
         mgr = CheckpointManager(tiers=[tier], async_save=True)
         mgr.save(2, state)
         mgr.wait()
         dist.barrier()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         mgr.save(3, state)
         stall = time.perf_counter() - t0
+        cpu["stall"].append(total(time.process_time() - c0))
         mgr.wait()
         safe = time.perf_counter() - t0
+        cpu["time_to_safe"].append(total(time.process_time() - c0))
         mgr.close()
         for name, value in (("stall", stall), ("time_to_safe", safe)):
             out = [0.0] * world
@@ -139,9 +178,9 @@ def worker(rank: int, world: int, work: str, disk_work: str, url: str, options: 
             figures[name].append(max(out))
 
         disk = Path(disk_work) / f"disk-{rep}"  # one checkpoint, every rank writing its share
-        figures["disk_save"].append(timed(lambda: resurgo.save(state, disk)))
+        figures["disk_save"].append(timed(lambda: resurgo.save(state, disk), "disk_save"))
         s3 = f"{url}/rep{rep}"
-        figures["s3_save"].append(timed(lambda: resurgo.save(state, s3, storage_options=options)))
+        figures["s3_save"].append(timed(lambda: resurgo.save(state, s3, storage_options=options), "s3_save"))
 
         def restore(figure: str) -> None:
             """A restart's restore through a new manager (made untimed, as a disk or S3 load's
@@ -150,7 +189,7 @@ def worker(rank: int, world: int, work: str, disk_work: str, url: str, options: 
             target = _blank(state)
             m = CheckpointManager(tiers=[tier])
             restored: list[int | None] = []
-            figures[figure].append(timed(lambda: restored.append(m.restore(target))))
+            figures[figure].append(timed(lambda: restored.append(m.restore(target)), figure))
             m.close()
             exact = exact and restored == [3] and _same(target, state)
 
@@ -164,10 +203,10 @@ def worker(rank: int, world: int, work: str, disk_work: str, url: str, options: 
         if rank == 0:
             common.evict(disk)
         target = _blank(state)
-        figures["restore_disk"].append(timed(lambda: resurgo.load(target, disk)))
+        figures["restore_disk"].append(timed(lambda: resurgo.load(target, disk), "restore_disk"))
         exact = exact and _same(target, state)
         target = _blank(state)
-        figures["restore_s3"].append(timed(lambda: resurgo.load(target, s3, storage_options=options)))
+        figures["restore_s3"].append(timed(lambda: resurgo.load(target, s3, storage_options=options), "restore_s3"))
         exact = exact and _same(target, state)
         dist.barrier()
         if rank == 0:
@@ -175,13 +214,13 @@ def worker(rank: int, world: int, work: str, disk_work: str, url: str, options: 
             shutil.rmtree(Path(disk_work) / f"disk-{rep}", ignore_errors=True)
     everyone = [None] * world
     dist.all_gather_object(everyone, exact)
-    return {"figures": figures, "exact": all(everyone)}
+    return {"figures": figures, "cpu": cpu, "exact": all(everyone)}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib-per-rank", type=float, default=256)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="bench-results/memory_tier.json")
     args = ap.parse_args()
 
@@ -206,16 +245,19 @@ def main() -> int:
         shutil.rmtree(disk_work, ignore_errors=True)
     figures = results[0]["figures"]
     med = {k: statistics.median(v) for k, v in figures.items()}
+    cpu = {k: statistics.median(v) for k, v in results[0]["cpu"].items()}
     ratios = {"time_to_safe / disk_save": med["time_to_safe"] / med["disk_save"],
               "sync_safe / disk_save": med["sync_safe"] / med["disk_save"],
               "stall / disk_save": med["stall"] / med["disk_save"],
               "restore_s3 / restore_peer": med["restore_s3"] / med["restore_peer"],
-              "restore_disk / restore_local": med["restore_disk"] / med["restore_local"]}
+              "restore_disk / restore_local": med["restore_disk"] / med["restore_local"],
+              "time_to_safe / (ref_gloo_send + ref_shm_copy)": med["time_to_safe"] / (med["ref_gloo_send"] + med["ref_shm_copy"])}
     total = WORLD * args.mib_per_rank
     print(f"memory tier: {WORLD} ranks on 2 nodes, {args.mib_per_rank:g} MiB per rank ({total:g} MiB), "
           f"{args.repeats} repeats, medians (slowest rank), every restore bit-exact: {results[0]['exact']}")
+    print(f"  {'':14s} {'wall':>8s}   {'CPU (all ranks)':>15s}")
     for k in FIGURES:
-        print(f"  {k:14s} {med[k]:8.3f} s")
+        print(f"  {k:14s} {med[k]:8.3f} s {cpu[k]:8.3f} s")
     for k in PARTS:
         print(f"  {k:34s} {med[k]:8.3f} s")
     print(f"  time-to-safe / disk save   {ratios['time_to_safe / disk_save']:.2f}x  (target <= 0.5)")
@@ -223,10 +265,11 @@ def main() -> int:
     print(f"  S3 restore / peer restore  {ratios['restore_s3 / restore_peer']:.2f}x  (target >= 3)")
     print(f"  stall / disk save          {ratios['stall / disk_save']:.2f}x")
     print(f"  disk restore / local restore {ratios['restore_disk / restore_local']:.2f}x")
+    print(f"  time-to-safe / (gloo send + shm copy) {ratios['time_to_safe / (ref_gloo_send + ref_shm_copy)']:.2f}x")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"schema": SCHEMA, "mib_per_rank": args.mib_per_rank, "world": WORLD,
-                               "repeats": args.repeats, "figures": figures, "medians": med, "ratios": ratios,
+                               "repeats": args.repeats, "figures": figures, "medians": med, "cpu_medians": cpu, "ratios": ratios,
                                "exact": results[0]["exact"]}, indent=2))
     return 0 if results[0]["exact"] else 1
 

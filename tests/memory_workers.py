@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import resurgo
 from resurgo.manager import CheckpointManager, MemoryTier, Tier
+from resurgo.storage.spare_pages import SPARE_DIR, SparePages
 
 ROWS = 24  # rows of w: a block per rank on 2, 3 or 4 ranks
 MTBF = 3600.0
@@ -150,7 +151,8 @@ def three_nodes(rank: int, world: int, tmp: str) -> dict:
         mgr.save(s, rank_state(s, rank, world))
     mgr.close()
     mine = Path(tmp) / "mem" / f"node{rank}"
-    out: dict = {"steps": sorted(os.listdir(mine)), "held": sorted(os.listdir(mine / "step_000000003" / "data"))}
+    out: dict = {"steps": sorted(n for n in os.listdir(mine) if n != SPARE_DIR),
+                 "spares": len(SparePages(mine).files()), "held": sorted(os.listdir(mine / "step_000000003" / "data"))}
     dist.barrier()
     if rank == 1:
         shutil.rmtree(mine)

@@ -23,6 +23,7 @@ from resurgo.manager.memory import MemoryNodes
 from resurgo.pipeline.verify import verify_checkpoint, verify_file_bytes
 from resurgo.storage import local as local_storage
 from resurgo.storage.local import CheckpointDir
+from resurgo.storage.spare_pages import SPARE_DIR, SparePages
 from resurgo.plan.memory_plan import (Holding, Nodes, Transfer, assign_held, choose_rebuild, node_bytes,
                                       replica_targets, replication, spread)
 
@@ -44,7 +45,9 @@ def test_restore_from_local_memory_then_from_a_peer_after_a_node_is_replaced(tmp
     # keep_last=1 per node; each node holds its ranks' files and the other node's replicas
     node0 = {n[len(mem0) + 1:]: b for n, b in before.items() if n.startswith(mem0)}
     assert {n[len(mem1) + 1:]: b for n, b in before.items() if n.startswith(mem1)} == node0
-    assert not [n for n in before if n.startswith("mem/") and not n.startswith((mem0, mem1))]
+    # and the pages of step 1's data files, deleted once step 2 was complete, for the next save
+    spares = [n for n in before if n.startswith("mem/") and not n.startswith((mem0, mem1))]
+    assert sorted(n.rsplit("/", 1)[0] for n in spares) == [f"mem/node{k}/{SPARE_DIR}" for k in (0, 0, 0, 0, 1, 1, 1, 1)]
     assert sorted(n for n in node0 if n.startswith("data/")) == [f"data/rank0000{r}-000.safetensors" for r in range(4)]
     # the durable tier got its copies, made from memory (each rank from its own node's files)
     assert {n[len("durable/step_000000002/"):]: b for n, b in before.items()
@@ -108,6 +111,7 @@ def test_three_nodes_each_holding_two_of_three_files_keep_last_and_restore(tmp_p
     files = [f"rank0000{r}-000.safetensors" for r in range(3)]
     for rank, r in enumerate(out):
         assert r["steps"] == [checkpoint_name(3)]  # keep_last=1 although no node holds every file
+        assert r["spares"] == 2  # step 2's two files, deleted once step 3 was complete
         assert r["held"] == sorted([files[rank], files[(rank - 1) % 3]])  # its own and its predecessor's
         assert (r["restored"], r["exact"], r["after"]) == (3, True, files)
 
@@ -279,7 +283,7 @@ def test_data_files_in_memory_are_written_without_o_direct(tmp_path: Path, monke
     assert not local_storage.in_memory_fs(Path("/dev/shmx/y"), str(mounts))
     assert not local_storage.in_memory_fs(Path("/home/x"), str(mounts))
     asked, looked_up = [], []
-    monkeypatch.setattr(local_storage, "DirectWriteHandle", lambda path, label, direct: asked.append(direct))
+    monkeypatch.setattr(local_storage, "DirectWriteHandle", lambda path, label, direct, reuse: asked.append(direct))
     for in_memory in (True, False):
         monkeypatch.setattr(local_storage, "in_memory_fs", lambda path: looked_up.append(path) or in_memory)
         staging = CheckpointDir(tmp_path / f"c{in_memory}").stage(False)
@@ -294,3 +298,54 @@ def test_a_rebuild_spreads_each_nodes_files_over_its_ranks():
     transfers = [Transfer(0, n, 2, 10) for n in ("a", "b", "c", "d")] + [Transfer(2, "e", 0, 10)]
     assert spread(transfers, nodes) == sorted([Transfer(0, "a", 2, 10), Transfer(1, "b", 3, 10), Transfer(0, "c", 4, 10),
                                                Transfer(1, "d", 2, 10), Transfer(2, "e", 0, 10)])
+
+
+def _data_file(root: Path, step: int) -> Path:
+    (name,) = os.listdir(root / checkpoint_name(step) / "data")
+    return root / checkpoint_name(step) / "data" / name
+
+
+def test_a_deleted_step_leaves_its_pages_to_the_next_save_and_only_resurgos_files(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(local_storage, "in_memory_fs", lambda path: True)  # tmp_path is on disk: pretend tmpfs
+    root = tmp_path / "m"
+    pool = SparePages(root)
+    tier = MemoryTier(replicas=0, keep_last=1, root=root, node=0)
+    states = {s: {"w": torch.arange(1000 * (5 - s), dtype=torch.float32) + s} for s in range(1, 5)}  # shrinking
+    with CheckpointManager(tiers=[tier], async_save=False) as mgr:
+        mgr.save(1, states[1])
+        first = _data_file(root, 1).stat()
+        mgr.save(2, states[2])
+        mgr.wait()
+        assert [(size, (pool.path / name).stat().st_ino) for size, name in pool.files()] == [
+            (first.st_size, first.st_ino)]
+        (pool.path / "notes.txt").write_text("mine")  # not resurgo's: never taken nor deleted
+        os.symlink(tmp_path, pool.path / "page-0123456789ab")
+        mgr.save(3, states[3])
+        mgr.wait()
+        third = _data_file(root, 3)
+        assert third.stat().st_ino == first.st_ino  # written over step 1's pages, cut to its own size
+        assert third.stat().st_size == resurgo.read_manifest(root / checkpoint_name(3)).files[
+            "data/" + third.name].bytes
+        assert verify_checkpoint(root / checkpoint_name(3)).ok
+        os.link(third, tmp_path / "linked")  # a file with another link keeps its pages where they are
+        mgr.save(4, states[4])
+        mgr.wait()
+        assert pool.files() == [] and (tmp_path / "linked").stat().st_nlink == 1
+        target = {"w": torch.zeros(1000)}
+        assert mgr.restore(target) == 4 and torch.equal(target["w"], states[4]["w"])
+    assert sorted(os.listdir(pool.path)) == ["notes.txt", "page-0123456789ab"]
+    assert (pool.path / "notes.txt").read_text() == "mine"
+
+
+def test_spare_pages_count_against_the_memory_budget_and_go_first(tmp_path: Path):
+    tier = MemoryTier(replicas=0, root=tmp_path / "n", node=0, memory_budget=1000)
+    nodes = MemoryNodes(tier, Comm(0, 1))
+    pool = SparePages(nodes.root)
+    pool.path.mkdir(parents=True)
+    spare = tmp_path / "freed"
+    spare.write_bytes(bytes(600))
+    assert pool.keep(spare) and not spare.exists()
+    nodes.check_budget(3, _Plan([400]))  # the save takes the pages over: 1000 bytes at most
+    assert [size for size, _ in pool.files()] == [600]
+    nodes.check_budget(3, _Plan([500]))  # 1100 if it could not: the spare pages are freed instead
+    assert pool.files() == []

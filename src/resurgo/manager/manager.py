@@ -225,7 +225,7 @@ class CheckpointManager:
         # Made collectively over the control channel, in the same order on every rank.
         self._memory = MemoryNodes(self.tiers[0], dist_comm.current("control")) if isinstance(
             self.tiers[0], MemoryTier) else None
-        self._roots: list[Root] = [open_root(self._memory.root) if i == 0 and self._memory is not None
+        self._roots: list[Root] = [self._memory.open_root() if i == 0 and self._memory is not None
                                    else open_root(t.root, t.storage_options) for i, t in enumerate(self.tiers)]
         self._store: Root = self._roots[0]
         self.root: Path | str = self._store.path

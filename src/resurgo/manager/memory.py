@@ -42,6 +42,7 @@ from resurgo.plan.memory_plan import (Holding, Nodes, Rebuild, assign_held, choo
 from resurgo.storage.base import Staging
 from resurgo.storage.local import CheckpointDir, LocalRoot, LocalStaging
 from resurgo.storage.open import is_url
+from resurgo.storage.spare_pages import SparePages
 
 SHM = "/dev/shm"
 JOB_ENV = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")  # the job's id, for the default root
@@ -65,7 +66,8 @@ class MemoryTier:
     ``rank // LOCAL_WORLD_SIZE``, else the hostname. ``memory_budget``: the most bytes the
     checkpoints in one node's root may take; a save that would exceed it raises MemoryBudgetError
     before writing anything (the previous step stays until the new one is complete, so the budget
-    must hold ``keep_last + 1`` steps).
+    must hold ``keep_last + 1`` steps). A deleted step's data files stay in the root as spare pages
+    for the next save (:mod:`resurgo.storage.spare_pages`), emptied first when the budget needs it.
     """
 
     replicas: int = 1
@@ -161,6 +163,10 @@ class MemoryNodes:
     def path_for(self, step: int) -> Path:
         return self.root / checkpoint_name(step)
 
+    def open_root(self) -> LocalRoot:
+        """This node's root, whose deleted steps leave their data files' pages to the next save."""
+        return LocalRoot(self.root, spare_pages=True)
+
     # -- saving -----------------------------------------------------------------------------------
     def node_local(self, step: int, comm: Callable[[], Comm]) -> NodeLocal:
         """How the save of ``step`` writes into this node's root and replicates (``comm()``: the
@@ -184,6 +190,9 @@ class MemoryNodes:
         needed = node_bytes(per_rank, self.nodes, self.targets)[k]
         own = sum(per_rank[r] for r in self.nodes.members[k])
         used = self.used_bytes()
+        spares = SparePages(self.root)
+        if used + needed + spares.nbytes() > budget:
+            spares.clear()  # the save could not take them all over: their pages are freed, not counted
         if used + needed > budget:
             raise MemoryBudgetError(
                 f"{self.root}: saving step {step} needs {needed} bytes in node {self.node!r}'s memory ({own} of its "

@@ -97,13 +97,16 @@ class DirectWriteHandle:
     ``direct`` is asked for (``direct=False``: ordinary buffered writes, for small files).
 
     ``write``, ``fsync`` (which first writes the bounce buffer's tail), ``close``,
-    ``bytes_written`` (the file's logical size so far).
+    ``bytes_written`` (the file's logical size so far). ``reuse``: the file is one already at
+    ``path`` (a memory root's spare pages), written over from its start and cut to its new size
+    by ``fsync``.
     """
 
-    def __init__(self, path: Path, label: str | None = None, direct: bool = True):
+    def __init__(self, path: Path, label: str | None = None, direct: bool = True, reuse: bool = False):
         self.path = path
         self.label = label or str(path)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        self.reuse = reuse
+        flags = os.O_WRONLY | getattr(os, "O_CLOEXEC", 0) | (0 if reuse else os.O_CREAT | os.O_EXCL)
         self.direct = direct and direct_io_enabled()
         self.fd = -1
         if self.direct:
@@ -214,6 +217,8 @@ class DirectWriteHandle:
     def fsync(self) -> None:
         try:
             self._finish_tail()
+            if self.reuse:
+                os.ftruncate(self.fd, self._flushed)  # a longer file's old tail goes
         except OSError as e:
             raise StorageError(e.errno, f"{self.label}: write failed after {self._flushed} bytes: {e.strerror}") from None
         try:

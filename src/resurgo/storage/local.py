@@ -51,6 +51,7 @@ from resurgo.storage import ownership
 from resurgo.storage.base import DATA_DIR, Listing, check_size
 from resurgo.storage.direct_io import DirectWriteHandle
 from resurgo.storage.ownership import DeclaredFiles, Owned
+from resurgo.storage.spare_pages import SparePages
 
 assert ownership.MANIFEST == MANIFEST_NAME
 
@@ -68,6 +69,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 _MEMORY_FS = frozenset({"tmpfs", "ramfs"})
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux
 
 
 def in_memory_fs(path: Path, mounts: str = "/proc/self/mounts") -> bool:
@@ -94,13 +96,18 @@ class MappedFile:
     in place (``create=True``: the blocks are allocated first, so a full filesystem raises
     StorageError here rather than a SIGBUS mid-copy), or an existing one to read (a private
     mapping: nothing written to ``view`` reaches the file). ``view``: the bytes; ``fsync`` makes
-    a new file durable; ``close`` unmaps once nothing holds ``view`` any more."""
+    a new file durable; ``close`` unmaps once nothing holds ``view`` any more. ``reuse``: the new
+    file is one already at ``path`` (spare pages taken over), cut or grown to ``size``.
 
-    def __init__(self, path: Path, label: str, *, create: bool = False, size: int = 0):
+    A new file is mapped with its pages populated at once (one call, instead of a fault per page
+    as the bytes arrive)."""
+
+    def __init__(self, path: Path, label: str, *, create: bool = False, size: int = 0, reuse: bool = False):
         self.path, self.label = path, label
         try:
             if create:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+                flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0) | (0 if reuse else os.O_CREAT | os.O_EXCL)
+                fd = os.open(path, flags, 0o644)
             else:
                 fd = _open_for_read(path, label)
         except OSError as e:
@@ -109,6 +116,8 @@ class MappedFile:
             raise StorageError(e.errno, f"{label}: cannot open: {e.strerror}") from None
         try:
             if create:
+                if reuse:
+                    os.ftruncate(fd, size)
                 self._allocate(fd, size)
             else:
                 st = os.fstat(fd)
@@ -116,8 +125,12 @@ class MappedFile:
                     raise CorruptCheckpointError(f"{label}: not a regular file")
                 size = st.st_size
             self.size = size
-            self._map: mmap.mmap | None = (
-                None if size == 0 else mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if create else mmap.ACCESS_COPY))
+            self._map: mmap.mmap | None = None
+            if size and create:
+                self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE,
+                                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            elif size:
+                self._map = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
         except OSError as e:
             if isinstance(e, ResurgoError):
                 raise
@@ -292,9 +305,11 @@ class LocalRoot:
     size_words = "on disk"
     storage_options: dict | None = None
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, spare_pages: bool = False):
         self.path = Path(path)
         self.name = str(self.path.absolute())
+        # A memory root keeps the data files of a deleted checkpoint for the next save (spare_pages.py).
+        self.spares = SparePages(self.path) if spare_pages else None
 
     def __str__(self) -> str:
         return str(self.path)
@@ -377,8 +392,24 @@ class LocalRoot:
             _fsync_dir(path.parent)  # the rename is durable before any file goes
         except OSError as e:
             raise StorageError(e.errno, f"{path.parent}: fsync failed after renaming {path.name} away: {e.strerror}") from None
+        if self.spares is not None:
+            self._keep_pages(trash, owned)
         remove_checkpoint_dir(trash, owned)
         return True
+
+    def _keep_pages(self, trash: Path, owned: Owned) -> None:
+        """Move the data files ``owned`` accepts of the checkpoint renamed away to ``trash`` into
+        the spare pages (first emptied of what an older deletion left)."""
+        assert self.spares is not None
+        self.spares.clear()
+        try:
+            with os.scandir(trash / DATA_DIR) as it:
+                names = [e.name for e in it if e.is_file(follow_symlinks=False)]
+        except FileNotFoundError:
+            return
+        for name in sorted(names):
+            if owned(f"{DATA_DIR}/{name}", ownership.FILE):
+                self.spares.keep(trash / DATA_DIR / name)
 
 
 class WriteHandle(DirectWriteHandle):
@@ -657,6 +688,7 @@ class LocalStaging:
         self.declared_files = declared_files  # a module-level function: the staging still pickles
         self.file_tag = ""  # the temporary directory is this save's own
         self._in_memory: bool | None = None  # whether tmp is on tmpfs: found at the first create
+        self._spares: SparePages | None = None  # the root's spare pages, if any: found then too
 
     def _prove(self, final: Path) -> Owned:
         return prove_checkpoint_dir(final, self.declared_files, "replace it")
@@ -664,17 +696,25 @@ class LocalStaging:
     def create(self, rel: str) -> DirectWriteHandle:
         # Data files bypass the page cache (see storage/direct_io.py); the manifest does not. In
         # memory (tmpfs) there is no device to go around: O_DIRECT would only add a bounce copy.
-        if self._in_memory is None:
-            self._in_memory = in_memory_fs(self.tmp)
+        reuse = self._take_spare(rel, None)
         try:
-            return DirectWriteHandle(self.tmp / rel, label=f"{self.final} (saving {rel})", direct=not self._in_memory)
+            return DirectWriteHandle(self.tmp / rel, label=f"{self.final} (saving {rel})", direct=not self._in_memory,
+                                     reuse=reuse)
         except OSError as e:
             raise StorageError(e.errno, f"{self.final}: cannot create {rel}: {e.strerror}") from None
 
     def create_mapped(self, rel: str, size: int) -> MappedFile:
         """A new data file of ``size`` bytes mapped into memory, to be filled in place (a replica
         received from a peer); ``fsync`` it once filled."""
-        return MappedFile(self.tmp / rel, f"{self.final} (saving {rel})", create=True, size=size)
+        reuse = self._take_spare(rel, size)
+        return MappedFile(self.tmp / rel, f"{self.final} (saving {rel})", create=True, size=size, reuse=reuse)
+
+    def _take_spare(self, rel: str, size: int | None) -> bool:
+        """Whether the new data file ``rel`` took over a file of the root's spare pages (in memory only)."""
+        if self._in_memory is None:
+            self._in_memory = in_memory_fs(self.tmp)
+            self._spares = SparePages.beside(self.tmp) if self._in_memory else None
+        return self._spares is not None and self._spares.take(self.tmp / rel, size)
 
     def map_read(self, rel: str) -> MappedFile:
         """A file this save wrote, mapped read-only before the commit (a memory tier sends it to a peer)."""
