@@ -103,3 +103,23 @@ def test_an_index_holding_a_piece_of_another_rank_is_refused():
     with pytest.raises(ManifestError, match=rf"ix0: holds a chunk of 'p' at FlatRange\(start={a}, stop={b}\), "
                                             r"which the manifest does not place on rank 0"):
         parse_index(raws[0], _core(raws), 0, "ix0")
+
+
+# -- the format marker ----------------------------------------------------------------------------
+@pytest.mark.parametrize("marker", ["resurgo.checkpoint", None, 4])
+def test_an_index_of_another_format_is_corruption_naming_the_file(marker):
+    doc = _index(1).model_dump(exclude_none=True)
+    if marker is None:
+        del doc["format"]
+    else:
+        doc["format"] = marker
+    raws = [_index(0).encode(), _encoded(doc), _index(2).encode()]
+    with pytest.raises(CorruptCheckpointError, match=rf"^data/rank00001-index\.safetensors: is not a resurgo index: "
+                                                     rf"its 'format' is '{marker}', an index's is 'resurgo.index'$"):
+        parse_index(raws[1], _core(raws), 1, index_file_name(1))
+
+
+def test_an_index_whose_json_is_not_an_object_is_corruption_naming_the_file():
+    raws = [_index(0).encode(), _encoded([INDEX_FORMAT]), _index(2).encode()]  # type: ignore[arg-type]
+    with pytest.raises(CorruptCheckpointError, match=r"^ix1: is not a resurgo index: its 'format' is 'None'"):
+        parse_index(raws[1], _core(raws), 1, "ix1")

@@ -99,6 +99,10 @@ def parse_index(raw: bytes, core: Manifest, rank: int, source: str) -> RankIndex
         start, stop = header.entries[INDEX_TENSOR]
         with collector_paused():
             doc = json.loads(raw[header.data_start + start:header.data_start + stop])
+            marker = doc.get("format") if isinstance(doc, dict) else None
+            if marker != INDEX_FORMAT:
+                raise CorruptCheckpointError(f"{source}: is not a resurgo index: its 'format' is "
+                                             f"{str(marker)[:60]!r}, an index's is {INDEX_FORMAT!r}")
             index = RankIndex.model_validate(doc)
     except (ValueError, KeyError, RecursionError, ValidationError) as e:
         raise ManifestError(f"{source}: not a valid index ({type(e).__name__}: {str(e)[:400]})") from None
