@@ -123,3 +123,24 @@ def test_an_index_whose_json_is_not_an_object_is_corruption_naming_the_file():
     raws = [_index(0).encode(), _encoded([INDEX_FORMAT]), _index(2).encode()]  # type: ignore[arg-type]
     with pytest.raises(CorruptCheckpointError, match=r"^ix1: is not a resurgo index: its 'format' is 'None'"):
         parse_index(raws[1], _core(raws), 1, "ix1")
+
+
+# -- one check of a place ---------------------------------------------------------------------------
+@pytest.mark.parametrize("place, message", [
+    (ChunkBox((0,), (3,)), "box rank differs from the tensor's rank 2"),
+    (ChunkBox((7, 0), (3, 4)), r"place ChunkBox\(offsets=\(7, 0\), shape=\(3, 4\)\) lies outside the tensor's shape \[9, 4\]"),
+])
+def test_a_bad_place_fails_alike_as_a_chunk_and_as_a_piece(place, message):
+    def fail(msg: str) -> None:
+        raise ManifestError(msg)
+
+    box = BoxPlace(offsets=list(place.offsets), shape=list(place.shape))
+    t = TensorEntry(kind="torch", dtype="float32", shape=[9, 4], chunks=[])
+    chunk = ChunkEntry(box=box, file="data/a.safetensors", byte_range=[8, 8 + place.numel * 4], block_bytes=BLOCK,
+                       checksums=["0" * 32])
+    with pytest.raises(ManifestError, match=rf"^tensor 'g' chunk 0 in 'data/a.safetensors': {message}$"):
+        check_chunk("g", t, 0, chunk, {"data/a.safetensors": FileEntry(bytes=1 << 10, header_bytes=8,
+                                                                         header_checksum="0" * 32)}, {}, 2, fail)
+    tensors = {"g": TensorEntry(kind="torch", dtype="float32", shape=[9, 4], pieces=[PieceEntry(box=box, rank=0)])}
+    with pytest.raises(ManifestError, match=rf"^core: tensor 'g' piece 0: {message}$"):
+        validate_manifest(_core([b"x" * 8] * WORLD, tensors), "core")
