@@ -144,3 +144,19 @@ def test_a_bad_place_fails_alike_as_a_chunk_and_as_a_piece(place, message):
     tensors = {"g": TensorEntry(kind="torch", dtype="float32", shape=[9, 4], pieces=[PieceEntry(box=box, rank=0)])}
     with pytest.raises(ManifestError, match=rf"^core: tensor 'g' piece 0: {message}$"):
         validate_manifest(_core([b"x" * 8] * WORLD, tensors), "core")
+
+
+# -- the size of an index file --------------------------------------------------------------------
+def test_an_index_file_of_another_size_names_the_file_and_both_sizes(tmp_path):
+    raws = [_index(r).encode() for r in range(WORLD)]
+    core = _core(raws)
+    (tmp_path / "data").mkdir()
+    for rank, raw in enumerate(raws):
+        (tmp_path / index_file_name(rank)).write_bytes(raw + (b" " if rank == 2 else b""))
+    ckpt = CheckpointDir(tmp_path)
+    index, size = read_index(ckpt, core, 1)
+    assert size == len(raws[1]) and index.rank == 1
+    with pytest.raises(CorruptCheckpointError, match=rf"^{tmp_path / index_file_name(2)}: rank 2's index has "
+                                                     rf"{len(raws[2]) + 1} bytes, the manifest records {len(raws[2])} "
+                                                     r"\(truncated or altered\)$"):
+        read_index(ckpt, core, 2)
