@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping
-from typing import Literal, Optional
+from typing import Final, Literal, Optional
 
 from pydantic import ValidationError
 
@@ -39,7 +39,7 @@ from resurgo.format.safetensors_file import HeaderEntry, build_header, read_head
 from resurgo.gcpause import collector_paused
 from resurgo.layout.box import ChunkBox, FlatRange, Place, place_order
 
-INDEX_FORMAT = "resurgo.index"
+INDEX_FORMAT: Final = "resurgo.index"
 INDEX_TENSOR = "resurgo.index"  # the one tensor of an index file: the index's JSON, as bytes
 
 

@@ -119,7 +119,8 @@ def describe_arrays(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarr
     if (by_cell < 0).any():
         return None  # a cell twice (and so another one missing)
     first = writers[by_cell]  # the writer of each cell, row-major
-    unit = np.ravel_multi_index(tuple(np.eye(ndim, dtype=np.int64)), parts, mode="clip")  # cell 1 along each dimension
+    unit: list[int] = np.asarray(np.ravel_multi_index(tuple(np.eye(ndim, dtype=np.int64)), parts,
+                                                       mode="clip")).tolist()  # cell 1 along each dimension
     offset = int(first[0])
     strides = tuple(0 if p == 1 else int(first[u]) - offset for p, u in zip(parts, unit))
     if not np.array_equal(offset + cells @ np.array(strides, dtype=np.int64), writers):
