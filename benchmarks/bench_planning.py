@@ -37,7 +37,7 @@ import xxhash
 
 from resurgo.dist.comm import Comm
 from resurgo.format import checksum
-from resurgo.format.index import RankIndex, data_file_name, parse_index, ranks_needed, resolve
+from resurgo.format.index import INDEX_FORMAT, RankIndex, data_file_name, parse_index, ranks_needed, resolve
 from resurgo.format.manifest import (INDEXED_VERSION, BoxPlace, ChunkEntry, FileEntry, GridEntry, Manifest, RankFiles,
                                      TensorEntry, parse_manifest)
 from resurgo.layout.box import ChunkBox
@@ -190,7 +190,7 @@ def _index_of(rank: int, world: int, tensors: int) -> bytes:
     for i in range(4):
         if i % world == rank:
             add(f"norm.{i}", BoxPlace(offsets=[0], shape=[1024]), 4096, 65536)
-    return RankIndex(format="resurgo.index", version=INDEXED_VERSION, rank=rank, chunks=mine,
+    return RankIndex(format=INDEX_FORMAT, version=INDEXED_VERSION, rank=rank, chunks=mine,
                      files={data_file_name(rank, 0): FileEntry(bytes=offset, header_bytes=4096, header_checksum="0" * 32)}
                      ).encode()
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping
-from typing import Literal, Optional
+from typing import Final, Literal, Optional
 
 from pydantic import ValidationError
 
@@ -39,7 +39,7 @@ from resurgo.format.safetensors_file import HeaderEntry, build_header, read_head
 from resurgo.gcpause import collector_paused
 from resurgo.layout.box import ChunkBox, FlatRange, Place, place_order
 
-INDEX_FORMAT = "resurgo.index"
+INDEX_FORMAT: Final = "resurgo.index"
 INDEX_TENSOR = "resurgo.index"  # the one tensor of an index file: the index's JSON, as bytes
 
 
@@ -99,6 +99,10 @@ def parse_index(raw: bytes, core: Manifest, rank: int, source: str) -> RankIndex
         start, stop = header.entries[INDEX_TENSOR]
         with collector_paused():
             doc = json.loads(raw[header.data_start + start:header.data_start + stop])
+            marker = doc.get("format") if isinstance(doc, dict) else None
+            if marker != INDEX_FORMAT:
+                raise CorruptCheckpointError(f"{source}: is not a resurgo index: its 'format' is "
+                                             f"{str(marker)[:60]!r}, an index's is {INDEX_FORMAT!r}")
             index = RankIndex.model_validate(doc)
     except (ValueError, KeyError, RecursionError, ValidationError) as e:
         raise ManifestError(f"{source}: not a valid index ({type(e).__name__}: {str(e)[:400]})") from None
@@ -116,33 +120,41 @@ def parse_index(raw: bytes, core: Manifest, rank: int, source: str) -> RankIndex
         if t is None:
             fail(f"holds chunks of {key!r}, which the manifest does not list")
             return index
+        writers = ChunkWriters(t)
         for i, c in enumerate(chunks):
             check_chunk(key, t, i, c, index.files, {}, INDEXED_VERSION, fail)
-            if writer_of(t, c.place) != rank:
+            if writers.of(c.place) != rank:
                 fail(f"holds a chunk of {key!r} at {c.place}, which the manifest does not place on rank {rank}")
     return index.model_copy(update={"header_bytes": header.data_start,
                                     "header_checksum": checksum.digest(raw[:header.data_start])})
 
 
-def writer_of(t: TensorEntry, place: Place) -> int | None:
-    """The rank whose index holds the chunk of ``t`` at ``place``; None when no chunk is there."""
-    if t.grid is not None:
-        grid = t.grid.grid
-        if not isinstance(place, ChunkBox) or len(place.offsets) != len(t.shape):
+class ChunkWriters:
+    """Which rank's index holds the chunk of one tensor at a place: the grid's rule, or the listed
+    pieces as a dict place -> rank (built once, so checking an index costs one lookup a chunk)."""
+
+    def __init__(self, t: TensorEntry):
+        self._shape = tuple(t.shape)
+        self._grid = t.grid.grid if t.grid is not None else None
+        # Reversed: where pieces share a place (empty ones), the first listed is the one named.
+        self._pieces = {p.place: p.rank for p in reversed(t.pieces or ())}
+
+    def of(self, place: Place) -> int | None:
+        """The writer of the chunk at ``place``; None when no chunk is there."""
+        grid = self._grid
+        if grid is None:
+            return self._pieces.get(place)
+        if not isinstance(place, ChunkBox) or len(place.offsets) != len(self._shape):
             return None
         cell = []
-        for n, p, o in zip(t.shape, grid.parts, place.offsets):
+        for n, p, o in zip(self._shape, grid.parts, place.offsets):
             step = -(-n // p) if n else 0
             if step == 0:
                 return None
             cell.append(o // step)
-        if any(c >= p for c, p in zip(cell, grid.parts)) or grid.box(t.shape, cell) != place or place.numel == 0:
+        if any(c >= p for c, p in zip(cell, grid.parts)) or grid.box(self._shape, cell) != place or place.numel == 0:
             return None
         return grid.writer(cell)
-    for piece in t.pieces or ():
-        if piece.place == place:
-            return piece.rank
-    return None
 
 
 def _hull(place: Place, shape: tuple[int, ...]) -> ChunkBox:

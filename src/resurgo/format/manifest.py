@@ -460,10 +460,7 @@ def check_chunk(key: str, t: TensorEntry, i: int, c: ChunkEntry, files: dict[str
                  f"hold whole checksum blocks of {_short(c.block_bytes)} bytes")
     nbytes = c.nbytes
     place = c.place
-    if isinstance(place, ChunkBox) and not (len(place.offsets) == len(place.shape) == len(t.shape)):
-        fail(f"{where}: box rank differs from the tensor's rank {len(t.shape)}")
-    if not place.fits_in(tuple(t.shape)):
-        fail(f"{where}: place {_short(place)} lies outside the tensor's shape {_short(t.shape)}")
+    check_place(where, place, t, fail)
     size = dtypes.itemsize(t.dtype)
     if place.numel * size != nbytes:
         fail(f"{where}: {place.numel} elements of {t.dtype} need {place.numel * size} bytes, "
@@ -472,6 +469,14 @@ def check_chunk(key: str, t: TensorEntry, i: int, c: ChunkEntry, files: dict[str
         fail(f"{where}: {len(c.checksums)} checksums for {checksum.block_count(nbytes, c.block_bytes)} blocks")
     if not _all_hex128(c.checksums):
         fail(f"{where}: checksums must be 32 hex characters")
+
+
+def check_place(where: str, place: Place, t: TensorEntry, fail: Callable[[str], None]) -> None:
+    """A chunk's or a piece's place (``where`` names it) lies inside tensor ``t``, a box of its rank."""
+    if isinstance(place, ChunkBox) and not len(place.offsets) == len(place.shape) == len(t.shape):
+        fail(f"{where}: box rank differs from the tensor's rank {len(t.shape)}")
+    if not place.fits_in(tuple(t.shape)):
+        fail(f"{where}: place {_short(place)} lies outside the tensor's shape {_short(t.shape)}")
 
 
 def check_coverage(key: str, t: TensorEntry, places: list[Place], fail: Callable[[str], None]) -> None:
@@ -522,11 +527,7 @@ def _check_core(m: Manifest, fail: Callable[[str], None]) -> None:
         for i, p in enumerate(t.pieces):
             if (p.box is None) == (p.flat is None):
                 fail(f"tensor {key!r} piece {i}: needs exactly one of 'box' or 'flat'")
-            place = p.place
-            if isinstance(place, ChunkBox) and not len(place.offsets) == len(place.shape) == len(t.shape):
-                fail(f"tensor {key!r} piece {i}: box rank differs from the tensor's rank {len(t.shape)}")
-            if not place.fits_in(tuple(t.shape)):
-                fail(f"tensor {key!r} piece {i}: place {_short(place)} lies outside the tensor's shape {_short(t.shape)}")
+            check_place(f"tensor {key!r} piece {i}", p.place, t, fail)
             if not 0 <= p.rank < world:
                 fail(f"tensor {key!r} piece {i}: rank {_short(p.rank)} outside ranks 0..{world - 1}")
         check_coverage(key, t, [p.place for p in t.pieces], fail)

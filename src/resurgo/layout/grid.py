@@ -10,7 +10,7 @@ no elements are stored nowhere.
 
 :func:`describe` finds the grid of a list of chunk boxes and their writers, or says there is
 none (FlatShard ranges, hand-made boxes, writers chosen by balancing): those stay listed chunk by
-chunk. Pure geometry: no I/O, no torch.
+chunk. Pure geometry: no I/O, no torch (numpy for the arrays of chunks).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from resurgo.layout.box import ChunkBox
 
@@ -76,40 +78,51 @@ def _nonempty_parts(size: int, parts: int) -> int:
 def describe(shape: Sequence[int], chunks: Sequence[tuple[ChunkBox, int]]) -> Grid | None:
     """The grid whose cells holding elements are exactly ``chunks`` (boxes, with their writers),
     or None when there is none. Among the part counts that give the same cells the smallest is
-    chosen, and a stride along a dimension of one part is 0. One pass over the chunks, each
-    checked against the rule (a job's plan has one per rank per tensor)."""
+    chosen, and a stride along a dimension of one part is 0 (:func:`describe_arrays`)."""
     shape = tuple(shape)
     ndim = len(shape)
-    if not chunks or math.prod(shape) == 0 or any(len(b.offsets) != ndim for b, _ in chunks):
+    if not chunks or math.prod(shape) == 0 or any(len(b.offsets) != ndim or len(b.shape) != ndim for b, _ in chunks):
         return None
-    bounds: list[dict[int, tuple[int, int]]] = []  # per dimension: start -> (part, size)
-    for d, n in enumerate(shape):
-        starts = sorted({b.offsets[d] for b, _ in chunks})
+    if ndim == 0:
+        return Grid((), chunks[0][1], ()) if len(chunks) == 1 else None
+    offsets = np.array([b.offsets for b, _ in chunks], dtype=np.int64)
+    sizes = np.array([b.shape for b, _ in chunks], dtype=np.int64)
+    return describe_arrays(shape, offsets, sizes, np.array([r for _, r in chunks], dtype=np.int64))
+
+
+def describe_arrays(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray, writers: np.ndarray) -> Grid | None:
+    """:func:`describe` of chunks given as arrays: ``offsets`` and ``sizes`` (chunks x dimensions,
+    at least one dimension; the tensor has elements) and ``writers`` (one per chunk). Array
+    operations, no Python object per chunk: a job's plan has one chunk per rank per tensor."""
+    n, ndim = offsets.shape
+    if n == 0:
+        return None
+    cells = np.empty((n, ndim), dtype=np.int64)
+    parts = []
+    for d, size in enumerate(shape):
+        starts = np.unique(offsets[:, d])
         p = len(starts)
-        parts = [part_bounds(n, p, i) for i in range(p)]
-        if [a for a, _ in parts] != starts:
+        step = -(-size // p)
+        expected = np.minimum(np.arange(p, dtype=np.int64) * step, size)
+        if not np.array_equal(starts, expected):
             return None
-        bounds.append({a: (i, z - a) for i, (a, z) in enumerate(parts)})
-    parts_per_dim = tuple(len(b) for b in bounds)
-    if len(chunks) != math.prod(parts_per_dim):
+        at = np.searchsorted(starts, offsets[:, d])
+        if not np.array_equal(sizes[:, d], (np.minimum(expected + step, size) - expected)[at]):
+            return None
+        cells[:, d] = at
+        parts.append(p)
+    if n != math.prod(parts):
         return None
-    writers: dict[tuple[int, ...], int] = {}
-    for b, rank in chunks:
-        at = []
-        for d in range(ndim):
-            i, size = bounds[d][b.offsets[d]]
-            if size != b.shape[d]:
-                return None
-            at.append(i)
-        writers[tuple(at)] = rank
-    if len(writers) != len(chunks):
-        return None  # a cell twice
-    offset = writers[(0,) * ndim]
-    strides = tuple(0 if p == 1 else writers[tuple(1 if e == d else 0 for e in range(ndim))] - offset
-                    for d, p in enumerate(parts_per_dim))
-    for cell, rank in writers.items():
-        if offset + sum(c * s for c, s in zip(cell, strides)) != rank:
-            return None
-    return Grid(parts_per_dim, offset, strides)
-
-
+    flat = np.ravel_multi_index(tuple(cells.T), parts)
+    by_cell = np.full(n, -1, dtype=np.int64)
+    by_cell[flat] = np.arange(n)
+    if (by_cell < 0).any():
+        return None  # a cell twice (and so another one missing)
+    first = writers[by_cell]  # the writer of each cell, row-major
+    unit: list[int] = np.asarray(np.ravel_multi_index(tuple(np.eye(ndim, dtype=np.int64)), parts,
+                                                       mode="clip")).tolist()  # cell 1 along each dimension
+    offset = int(first[0])
+    strides = tuple(0 if p == 1 else int(first[u]) - offset for p, u in zip(parts, unit))
+    if not np.array_equal(offset + cells @ np.array(strides, dtype=np.int64), writers):
+        return None
+    return Grid(tuple(parts), offset, strides)

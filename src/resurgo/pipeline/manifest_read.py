@@ -15,10 +15,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
+from resurgo.errors import CorruptCheckpointError
 from resurgo.format.index import RankIndex, index_file_name, parse_index, ranks_needed, resolve
 from resurgo.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from resurgo.layout.box import Place
-from resurgo.storage.base import Checkpoint, check_size
+from resurgo.storage.base import Checkpoint
 
 INDEX_READERS = 8  # indexes read at once (object stores: one request each)
 
@@ -45,7 +46,9 @@ def read_index(ckpt: Checkpoint, core: Manifest, rank: int) -> tuple[RankIndex, 
     size = core.ranks.index_bytes[rank]
     handle = ckpt.open_read(name)
     try:
-        check_size(ckpt.path, name, handle.size, size)
+        if handle.size != size:
+            raise CorruptCheckpointError(f"{ckpt.describe(name)}: rank {rank}'s index has {handle.size} bytes, "
+                                         f"the manifest records {size} (truncated or altered)")
         raw = handle.read_at(0, size)
     finally:
         handle.close()

@@ -26,7 +26,7 @@ from resurgo.format.tree import top_level_step
 from resurgo.gcpause import collector_paused
 from resurgo.dist import comm as dist_comm
 from resurgo.dist.comm import Comm
-from resurgo.format.index import RankIndex, data_file_name, index_file_name
+from resurgo.format.index import INDEX_FORMAT, RankIndex, data_file_name, index_file_name
 from resurgo.format.manifest import (
     FORMAT_VERSION,
     INDEXED_VERSION,
@@ -491,7 +491,7 @@ def write_index(prep: PreparedSave, written: list[WrittenFile]) -> WrittenFile:
     for c in sorted((c for w in written for c in w.chunks), key=lambda c: (c.item.key, place_order(c.item.place))):
         if c.item.place.numel:  # an empty chunk is listed nowhere
             chunks.setdefault(c.item.key, []).append(_entry(c))
-    index = RankIndex(format="resurgo.index", version=INDEXED_VERSION, rank=rank, chunks=chunks,
+    index = RankIndex(format=INDEX_FORMAT, version=INDEXED_VERSION, rank=rank, chunks=chunks,
                       files={w.path: FileEntry(bytes=w.nbytes, header_bytes=w.header_bytes,
                                                header_checksum=w.header_checksum) for w in written})
     raw = index.encode()
