@@ -37,16 +37,16 @@ def whole(tmp_path_factory):
 
 def assert_same_run(whole, losses: list, trace: list, resumed) -> None:
     """``losses`` and ``trace`` are those of every step, across the interrupted and resumed runs."""
-    assert len(losses) == STEPS
-    assert all(bitwise_equal(a, b) for a, b in zip(whole.losses, losses))
     # Each step's (epoch, global_step, sample indices, last learning rates): the same batches in
-    # the same order, counted the same, however the run was cut.
+    # the same order, counted the same, however the run was cut (checked first: a divergence shows its step).
     assert [(epoch, step) for epoch, step, _, _ in whole.trace] == [(s / 4, s) for s in range(1, STEPS + 1)]
     for e in range(STEPS // 4):  # each epoch trains on every sample once
         assert sorted(i for _, _, batch, _ in whole.trace[4 * e:4 * e + 4] for i in batch) == list(range(16))
     assert trace == whole.trace
     assert (resumed.state.epoch, resumed.state.global_step) == (whole.state.epoch, whole.state.global_step)
     assert resumed.lr_scheduler.get_last_lr() == whole.lr_scheduler.get_last_lr()
+    assert len(losses) == STEPS
+    assert all(bitwise_equal(a, b) for a, b in zip(whole.losses, losses))
     for (name, a), (_, b) in zip(whole.model.state_dict().items(), resumed.model.state_dict().items()):
         assert bitwise_equal(a, b), name
     opt_whole, opt_resumed = whole.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
