@@ -31,14 +31,21 @@ class Tokens(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict:
         return {"input_ids": self.x[i], "labels": self.x[i]}
 
+    def indices_of(self, batch: torch.Tensor) -> tuple[int, ...]:
+        """The sample index of each row of a batch (the rows are distinct, so each matches once)."""
+        matches = (batch[:, None, :] == self.x[None, :, :]).all(-1).nonzero()
+        assert matches[:, 0].tolist() == list(range(len(batch))), "a batch row matches no sample, or several"
+        return tuple(matches[:, 1].tolist())
+
 
 class Recording:
-    """Keeps every training loss (the Trainer's logs round them)."""
+    """Keeps every training loss (the Trainer's logs round them) and the sample indices of its batch."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if model.training:  # not the evaluation's (which asks for the outputs too)
             self.losses.append(result.detach().clone())
+            self.batch_indices.append(self.train_dataset.indices_of(inputs["input_ids"]))
         return result
 
 
@@ -65,6 +72,17 @@ class Steps(TrainerCallback):
             control.should_training_stop = True
 
 
+class Trace(TrainerCallback):
+    """After each optimizer step: (state.epoch, state.global_step, the sample indices the step
+    trained on, the scheduler's last learning rates), appended to ``steps``."""
+
+    def __init__(self, batch_indices: list, steps: list) -> None:
+        self.batch_indices, self.steps = batch_indices, steps
+
+    def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
+        self.steps.append((state.epoch, state.global_step, self.batch_indices[-1], tuple(lr_scheduler.get_last_lr())))
+
+
 def make_trainer(output_dir, *, resurgo: bool = True, save_steps: int = 3, stop: int | None = None,
                  callbacks: tuple = (), eval_dataset=None, **kwargs) -> Trainer:
     """Seeded as a fresh job is: the model is rebuilt from the config (no downloads); dropout and
@@ -75,9 +93,11 @@ def make_trainer(output_dir, *, resurgo: bool = True, save_steps: int = 3, stop:
                              save_steps=save_steps, learning_rate=1e-2, use_cpu=True, report_to="none", seed=0,
                              disable_tqdm=True, logging_strategy="no", **kwargs)
     cls = ResurgoRecording if resurgo else PlainTrainer
+    batch_indices: list = []
+    trace: list = []  # filled by Trace, before Steps can stop the run
     trainer = cls(model=model, args=args, train_dataset=Tokens(), eval_dataset=eval_dataset,
-                  callbacks=[Steps(stop), *callbacks])
-    trainer.losses = []
+                  callbacks=[Trace(batch_indices, trace), Steps(stop), *callbacks])
+    trainer.losses, trainer.batch_indices, trainer.trace = [], batch_indices, trace
     return trainer
 
 
@@ -106,4 +126,5 @@ def two_processes(rank: int, world: int, root: str) -> dict:
     resumed.train(resume_from_checkpoint=True)
     params = lambda t: {k: v.detach().clone() for k, v in t.model.state_dict().items()}  # noqa: E731
     return {"whole": (whole.losses, params(whole)), "resumed": (first.losses + resumed.losses, params(resumed)),
+            "whole_trace": whole.trace, "resumed_trace": first.trace + resumed.trace,
             "checkpoints": sorted(os.listdir(Path(root, "ckpt")))}

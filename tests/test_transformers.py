@@ -35,7 +35,16 @@ def whole(tmp_path_factory):
     return trainer
 
 
-def assert_same_run(whole, losses: list, resumed) -> None:
+def assert_same_run(whole, losses: list, trace: list, resumed) -> None:
+    """``losses`` and ``trace`` are those of every step, across the interrupted and resumed runs."""
+    # Each step's (epoch, global_step, sample indices, last learning rates): the same batches in
+    # the same order, counted the same, however the run was cut (checked first: a divergence shows its step).
+    assert [(epoch, step) for epoch, step, _, _ in whole.trace] == [(s / 4, s) for s in range(1, STEPS + 1)]
+    for e in range(STEPS // 4):  # each epoch trains on every sample once
+        assert sorted(i for _, _, batch, _ in whole.trace[4 * e:4 * e + 4] for i in batch) == list(range(16))
+    assert trace == whole.trace
+    assert (resumed.state.epoch, resumed.state.global_step) == (whole.state.epoch, whole.state.global_step)
+    assert resumed.lr_scheduler.get_last_lr() == whole.lr_scheduler.get_last_lr()
     assert len(losses) == STEPS
     assert all(bitwise_equal(a, b) for a, b in zip(whole.losses, losses))
     for (name, a), (_, b) in zip(whole.model.state_dict().items(), resumed.model.state_dict().items()):
@@ -63,7 +72,7 @@ def test_resume_from_true_is_bit_identical_and_every_checkpoint_verifies(tmp_pat
 
     resumed = make_trainer(tmp_path, save_steps=stop // 2)
     resumed.train(resume_from_checkpoint=True)  # the latest: checkpoint-<stop>
-    assert_same_run(whole, first.losses + resumed.losses, resumed)
+    assert_same_run(whole, first.losses + resumed.losses, first.trace + resumed.trace, resumed)
     assert resurgo.read_manifest(tmp_path / f"checkpoint-{STEPS}").step == STEPS
 
 
@@ -82,7 +91,7 @@ def test_save_total_limit_deletes_only_committed_predecessors_and_the_model_expo
     # Saves at 4, 8, 12: checkpoint-4 goes only once checkpoint-12 is committed.
     assert seen == [("checkpoint-4", ["checkpoint-12", "checkpoint-4", "checkpoint-8"])]
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-12", "checkpoint-8"]
-    assert_same_run(whole, trainer.losses, trainer)
+    assert_same_run(whole, trainer.losses, trainer.trace, trainer)
 
     from transformers import GPT2LMHeadModel
 
@@ -123,7 +132,7 @@ def test_a_folder_of_the_plain_trainer_resumes_exactly_and_the_next_saves_are_re
 
     resumed = make_trainer(tmp_path, save_steps=3, save_total_limit=2)
     resumed.train(resume_from_checkpoint=True)
-    assert_same_run(whole, plain.losses + resumed.losses, resumed)
+    assert_same_run(whole, plain.losses + resumed.losses, plain.trace + resumed.trace, resumed)
     # The Trainer's retention removed its own old folders once resurgo's were committed.
     assert sorted(os.listdir(tmp_path)) == ["bad", "checkpoint-12", "checkpoint-9"]
     assert sorted(os.listdir(tmp_path / "checkpoint-12")) == ["data", "manifest.json"]
@@ -143,7 +152,7 @@ def test_sigkill_mid_training_then_resume_is_bit_identical(tmp_path, whole):
     resumed = make_trainer(tmp_path, save_steps=2)
     resumed.train(resume_from_checkpoint=True)
     assert len(resumed.losses) == STEPS - 6
-    assert_same_run(whole, whole.losses[:6] + resumed.losses, resumed)
+    assert_same_run(whole, whole.losses[:6] + resumed.losses, whole.trace[:6] + resumed.trace, resumed)
     trainer_state = json.loads(resurgo.load_dict(tmp_path / "checkpoint-12")["trainer_state"])
     assert trainer_state["global_step"] == STEPS
 
@@ -165,6 +174,7 @@ def test_two_processes_resume_exactly(tmp_path):
         assert len(whole_losses) == len(resumed_losses) == STEPS, rank
         assert all(bitwise_equal(a, b) for a, b in zip(whole_losses, resumed_losses)), rank
         assert all(bitwise_equal(whole_params[k], resumed_params[k]) for k in whole_params), rank
+        assert len(result["whole_trace"]) == STEPS and result["resumed_trace"] == result["whole_trace"], rank
     assert not all(bitwise_equal(a, b) for a, b in zip(ranks[0]["whole"][0], ranks[1]["whole"][0]))  # own shards
     assert ranks[0]["checkpoints"] == ["checkpoint-12", "checkpoint-3", "checkpoint-6", "checkpoint-9"]
     manifest = resurgo.read_manifest(tmp_path / "ckpt" / "checkpoint-12")
