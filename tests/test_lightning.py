@@ -334,7 +334,7 @@ def test_ddp_processes_each_get_their_own_rng_states_back(tmp_path):
     def run(root: Path, steps: int, ckpt_path=None, save_every=None) -> Tiny:
         L.seed_everything(0)
         model = Tiny(rank_seed=True)
-        callbacks = [ResurgoCallback()]
+        callbacks = [ResurgoCallback(), RankProgress(root)]
         if save_every:
             callbacks.append(L.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=save_every, save_top_k=-1))
         L.Trainer(max_steps=steps, deterministic=True, accelerator="cpu", devices=2, strategy="ddp_spawn",
@@ -351,8 +351,35 @@ def test_ddp_processes_each_get_their_own_rng_states_back(tmp_path):
     per_rank = resurgo.load_dict(ckpt)["callbacks"]["ResurgoCallback"]["rng_per_rank"]
     assert len(per_rank) == 2 and not torch.equal(per_rank[0]["torch"], per_rank[1]["torch"])
     resumed = run(tmp_path / "resumed", 3 * steps, ckpt_path=ckpt)
+    for rank in (0, 1):
+        whole_rank, resumed_rank = (RankProgress.read(tmp_path / name, rank) for name in ("whole", "resumed"))
+        assert len(whole_rank["trace"]) == 3 * steps and len(resumed_rank["trace"]) == 3 * steps - stop
+        # The same epochs, steps and batch indices as the uninterrupted run from there on, per process.
+        assert resumed_rank["trace"] == whole_rank["trace"][stop:], rank
+        assert (resumed_rank["current_epoch"], resumed_rank["global_step"]) == \
+            (whole_rank["current_epoch"], whole_rank["global_step"]), rank
     for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
         assert bitwise_equal(a, b), name
+
+
+class RankProgress(L.Callback):
+    """Each DDP process's step trace, current_epoch and global_step at the end of its fit, written
+    to ``root/progress-rank{r}.json`` (ddp_spawn hands only rank 0's weights back to the caller)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def on_fit_end(self, trainer, pl_module):
+        self.root.mkdir(parents=True, exist_ok=True)
+        progress = {"trace": pl_module.trace, "current_epoch": trainer.current_epoch,
+                    "global_step": trainer.global_step}
+        (self.root / f"progress-rank{trainer.global_rank}.json").write_text(json.dumps(progress))
+
+    @staticmethod
+    def read(root: Path, rank: int) -> dict:
+        progress = json.loads((root / f"progress-rank{rank}.json").read_text())
+        progress["trace"] = [tuple(step) for step in progress["trace"]]
+        return progress
 
 
 @pytest.mark.parametrize("kill", [
@@ -380,6 +407,10 @@ def test_sigkill_mid_training_then_resume_from_last_is_bit_identical(tmp_path, k
 
     resumed = lightning_run.fit(root, total)  # ckpt_path="last": the committed last.ckpt, of step 6
     assert len(resumed.losses) == total - 6
+    # The same epochs, steps and batch indices as the uninterrupted run from step 6 on.
+    assert resumed.trace == whole.trace[6:]
+    assert (resumed.trainer.current_epoch, resumed.trainer.global_step) == \
+        (whole.trainer.current_epoch, whole.trainer.global_step)
     assert all(bitwise_equal(a, b) for a, b in zip(whole.losses[6:], resumed.losses))
     for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
         assert bitwise_equal(a, b), name
