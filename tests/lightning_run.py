@@ -29,7 +29,8 @@ class TinyBody:
     """Dropout and a shuffled loader: both draw from the global RNG every step. ``loader``:
     "plain" (torch's DataLoader, whose position ResurgoCallback makes resumable), "augment" (the
     same, its dataset adding noise from the global RNG as it loads each sample, in the main
-    process) or "stateful" (torchdata's StatefulDataLoader, whose position is its own). ``rank_seed``: each DDP
+    process), "stateful" (torchdata's StatefulDataLoader, whose position is its own) or "elastic" (torch's
+    DataLoader with resurgo's ElasticSampler). ``rank_seed``: each DDP
     process reseeds with its own seed, so that the processes draw different dropout masks."""
 
     def __init__(self, loader: str = "plain", rank_seed: bool = False) -> None:
@@ -65,6 +66,10 @@ def train_loader(kind: str = "plain") -> torch.utils.data.DataLoader:
     data = torch.utils.data.TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g))
     if kind == "augment":
         data = Augmented(data)
+    if kind == "elastic":
+        from resurgo import ElasticSampler
+
+        return torch.utils.data.DataLoader(data, batch_size=4, sampler=ElasticSampler(data, seed=0))
     if kind == "stateful":
         from torchdata.stateful_dataloader import StatefulDataLoader
 

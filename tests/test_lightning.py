@@ -104,6 +104,25 @@ def test_resumed_fit_is_bit_identical_and_not_without_the_callback(tmp_path, loa
     assert not all(bitwise_equal(a, b) for a, b in zip(whole.losses[stop:], blind.losses))
 
 
+def test_an_elastic_sampler_resumes_exactly_at_an_epoch_end_and_is_refused_mid_epoch(tmp_path):
+    """Loaded mid-epoch, an ElasticSampler's length is the rest of the epoch, which Lightning would
+    take for every epoch's length: that resume is refused, naming the sampler and the way out."""
+    from resurgo.errors import DataPositionError
+
+    total, stop = 3 * BATCHES_PER_EPOCH, BATCHES_PER_EPOCH + 2
+    whole = fit(tmp_path / "whole", total, callback=True, loader="elastic")
+    fit(tmp_path / "first", stop, callback=True, save_every=2, loader="elastic")
+    resumed = fit(tmp_path / "resumed", total, callback=True, ckpt_path=ckpt_of(tmp_path / "first", BATCHES_PER_EPOCH),
+                  loader="elastic")
+    assert resumed.trace == whole.trace[BATCHES_PER_EPOCH:]
+    assert (resumed.trainer.current_epoch, resumed.trainer.global_step) == \
+        (whole.trainer.current_epoch, whole.trainer.global_step)
+    assert all(bitwise_equal(a, b) for a, b in zip(whole.losses[BATCHES_PER_EPOCH:], resumed.losses))
+    with pytest.raises(DataPositionError, match=rf"step={stop}\.ckpt: .*ElasticSampler .*epoch 1: .* 8 of 16 samples"
+                                                r".*use_distributed_sampler=True"):
+        fit(tmp_path / "mid_epoch", total, callback=True, ckpt_path=ckpt_of(tmp_path / "first", stop), loader="elastic")
+
+
 def test_model_checkpoint_files_are_resurgo_checkpoints_and_top_k_removes_them(tmp_path):
     dirpath = tmp_path / "ckpts"
     mc = L.callbacks.ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=2, monitor="train_loss",

@@ -25,6 +25,8 @@ from resurgo.layout.shards import Shard
 from resurgo.manager.catalog import remove
 from resurgo.pipeline.async_save import AsyncSaveHandle
 from resurgo.state.data_position import track_dataloader
+from resurgo.state.elastic_loader import find_elastic_sampler
+from resurgo.state.elastic_sampler import per_rank_count
 from resurgo.state.per_rank import PerRank
 from resurgo.state.rng import capture_rng_state, restore_rng_state
 from resurgo.storage.open import open_root
@@ -177,6 +179,7 @@ class RngCallbackMethods:
             restore_rng_state(self._pending)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        refuse_elastic_sampler_mid_epoch(trainer)
         if self._pending is None:
             return
         # The loaded progress (the epoch loop resets it only later): batches of the interrupted epoch.
@@ -186,6 +189,40 @@ class RngCallbackMethods:
             # fetched (loading it may draw, as the uninterrupted run did, from these states).
             restore_rng_state(self._pending)
         self._pending = None
+
+
+def refuse_elastic_sampler_mid_epoch(trainer: Any) -> None:
+    """Refuse (DataPositionError) a fit resumed mid-epoch on a DataLoader with an ElasticSampler.
+
+    (Saved at an epoch's end, the tracked loader loads the next epoch's start: a whole epoch.)
+    Loaded mid-epoch, an ElasticSampler's length is what is left of the epoch, and Lightning
+    reads the loaders' lengths right after loading their states: it would take those remaining
+    batches for the length of every epoch, ending this one with other batch indices and each
+    later one early, so the fit would no longer follow the uninterrupted run.
+    """
+    for loader in _flat_loaders(getattr(trainer, "train_dataloader", None)):
+        sampler = find_elastic_sampler(loader)
+        if sampler is None:
+            continue
+        whole = per_rank_count(len(sampler.dataset), 0, sampler.num_replicas, drop_last=sampler.drop_last,
+                               batch_size=sampler.batch_size)
+        if len(sampler) != whole:
+            raise DataPositionError(
+                f"ResurgoCallback: {trainer.ckpt_path}: the train DataLoader's sampler is a resurgo.ElasticSampler "
+                f"loaded part way through epoch {sampler.epoch}: its length is the rest of the epoch, {len(sampler)} "
+                f"of {whole} samples, which Lightning takes for the length of every epoch, so the resumed fit "
+                "would not follow the interrupted one. Resume from a checkpoint saved at an epoch's end, or train "
+                "without the ElasticSampler: with Lightning's own DistributedSampler "
+                "(use_distributed_sampler=True) or a shuffled DataLoader, ResurgoCallback resumes mid-epoch exactly")
+
+
+def _flat_loaders(value: Any) -> list[Any]:
+    """The loaders of ``trainer.train_dataloader`` (one, or a collection of them)."""
+    if isinstance(value, Mapping):
+        return [loader for v in value.values() for loader in _flat_loaders(v)]
+    if isinstance(value, (list, tuple)):
+        return [loader for v in value for loader in _flat_loaders(v)]
+    return [] if value is None else [value]
 
 
 def track_train_dataloaders(trainer: Any, after_build: Any = None) -> None:

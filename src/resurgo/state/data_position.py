@@ -490,16 +490,24 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
         sampler_epoch = sd.get("distributed_epoch")
         if sampler_epoch is not None and (isinstance(sampler_epoch, bool) or not isinstance(sampler_epoch, int)):
             raise TypeMismatchError(f"dataloader.distributed_epoch: expected an int, got {sampler_epoch!r}")
+        finished = False  # saved once the epoch's last batch was handed out
         if elastic is not None:
             elastic_loaded = dict(sd["elastic"])
             elastic.load_state_dict(elastic_loaded)  # validates before anything below changes
+            finished = elastic_loaded["consumed"] >= elastic_loaded["num_samples"]
+            if finished and self._resurgo_finished_epoch == "next":
+                # The next epoch from its start, so that the sampler's length (which a loop may
+                # read before iter(), as Lightning does) is a whole epoch's, not the finished one's 0.
+                elastic_loaded = elastic.position(elastic_loaded["epoch"] + 1, 0)
+                elastic.load_state_dict(elastic_loaded)
+        else:
+            finished = n >= (_length(self) or n + 1)
         pos = _position(self)
         pos.generation += 1  # an iterator already handed out no longer moves the position
         pos.epoch_rng = rng
         pos.batches_yielded = n
         pos.epoch_active = bool(sd["epoch_active"])
-        if pos.epoch_active and elastic is None and self._resurgo_finished_epoch == "next" \
-                and n >= (_length(self) or n + 1):
+        if pos.epoch_active and finished and self._resurgo_finished_epoch == "next":
             pos.epoch_active = False
         pos.epoch = int(sd.get("epoch", 0))
         pos.reset_iterator = bool(sd.get("reset_iterator", False))
