@@ -476,6 +476,32 @@ def test_a_position_saved_at_an_epochs_last_batch_resumes_empty_or_at_the_next_e
         assert_same(_epoch(_start_epoch(fresh, 1)), reference)  # then the loop's next iter()
 
 
+def test_an_elastic_samplers_position_at_an_epochs_last_batch_loads_as_the_next_epochs_start() -> None:
+    """With finished_epoch="next", an ElasticSampler's finished pass loads as the next epoch's start:
+    the loader's length is a whole epoch's before iter() (a loop reading it then, as Lightning does,
+    would otherwise see 0), and its batches are the next epoch's."""
+    from resurgo import ElasticSampler
+
+    def elastic_loader() -> DataLoader:
+        ds = IndexDataset()  # 11 samples per rank: 3 batches
+        return track_dataloader(DataLoader(ds, batch_size=4, sampler=ElasticSampler(ds, num_replicas=2, rank=1, seed=5)),
+                                finished_epoch="next")
+
+    loader = elastic_loader()
+    it = iter(loader)
+    [next(it) for _ in range(len(loader))]
+    sd = core.save(loader)
+    assert sd["elastic"]["consumed"] == 22 and len(loader) == 3
+    loader.sampler.set_epoch(1)
+    reference = [idx.tolist() for idx, _ in loader]
+
+    fresh = elastic_loader()
+    core.load(fresh, sd)
+    assert len(fresh) == 3 and fresh.sampler.epoch == 1
+    fresh.sampler.set_epoch(1)
+    assert [idx.tolist() for idx, _ in fresh] == reference
+
+
 def test_finished_epoch_next_leaves_a_mid_epoch_position_as_it_is() -> None:
     """Only a position at the epoch's last batch moves on to the next epoch: one batch earlier, the
     resume gives that last batch."""
