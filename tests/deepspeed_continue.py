@@ -106,6 +106,9 @@ def fsdp_job(rank: int, world: int, imported: str, out_json: str, port: int) -> 
         with open(out_json, "w") as f:
             json.dump({"losses": losses, "lr": sched.get_last_lr(), "missing": report.missing_keys,
                        "unexpected": report.unexpected_keys}, f)
+    # Every rank past its last collective before any closes the group: gloo aborts a process
+    # whose peer tears its connections down under it ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
