@@ -239,7 +239,7 @@ class SharedLoad:
         ops = []
         for c, at in zip(chunks, offsets):
             key, _, _, start = c.chunk
-            ci = self._chunk_index(c.chunk)
+            ci = self._piece(c.chunk).chunk
             chunk = self.entries[key].chunks[ci]
             step = _step(chunk.block_bytes, MAX_PIECE_BYTES)
             for a in range(start, start + c.nbytes, step):
@@ -248,12 +248,13 @@ class SharedLoad:
                                                                        at + lo - start),)))
         return ops
 
-    def _chunk_index(self, cid: ChunkId) -> int:
-        key, file, offset, _ = cid
-        for i, c in enumerate(self.entries[key].chunks):
-            if c.spans[0][:2] == (file, offset):
-                return i
-        raise CorruptCheckpointError(f"{self.ckpt.path}: tensor {key!r} has no chunk at byte {offset} of {file}")
+    def _piece(self, cid: ChunkId) -> _Piece:
+        """This rank's piece ``cid`` (a reader reads only pieces it needs itself)."""
+        piece = self.pieces.get(cid)
+        if piece is None:
+            key, file, offset, _ = cid
+            raise CorruptCheckpointError(f"{self.ckpt.path}: tensor {key!r} has no chunk at byte {offset} of {file}")
+        return piece
 
     def _hold(self, piece: _Piece, data: np.ndarray) -> None:
         chunk = self.entries[piece.key].chunks[piece.chunk]
