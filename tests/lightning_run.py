@@ -29,15 +29,17 @@ class TinyBody:
     """Dropout and a shuffled loader: both draw from the global RNG every step. ``loader``:
     "plain" (torch's DataLoader, whose position ResurgoCallback makes resumable), "augment" (the
     same, its dataset adding noise from the global RNG as it loads each sample, in the main
-    process), "stateful" (torchdata's StatefulDataLoader, whose position is its own) or "elastic" (torch's
-    DataLoader with resurgo's ElasticSampler). ``rank_seed``: each DDP
+    process), "stateful" (torchdata's StatefulDataLoader, whose position is its own), "elastic" (torch's
+    DataLoader with resurgo's ElasticSampler) or "stateful_elastic" (a StatefulDataLoader with
+    an ElasticSampler). ``rank_seed``: each DDP
     process reseeds with its own seed, so that the processes draw different dropout masks."""
 
     def __init__(self, loader: str = "plain", rank_seed: bool = False) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
         self.losses: list[torch.Tensor] = []
-        self.trace: list[tuple[int, int, int]] = []  # (current_epoch, global_step, batch_idx) of each step
+        # (current_epoch, global_step, batch_idx, the batch's inputs as floats) of each step
+        self.trace: list[tuple[int, int, int, tuple[float, ...]]] = []
         self.loader = loader
         self.rank_seed = rank_seed
 
@@ -49,7 +51,7 @@ class TinyBody:
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.losses.append(loss.detach().clone())
-        self.trace.append((self.current_epoch, self.global_step, batch_idx))
+        self.trace.append((self.current_epoch, self.global_step, batch_idx, tuple(x.flatten().tolist())))
         self.log("train_loss", loss)
         return loss
 
@@ -74,6 +76,12 @@ def train_loader(kind: str = "plain") -> torch.utils.data.DataLoader:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         return StatefulDataLoader(data, batch_size=4, shuffle=True)
+    if kind == "stateful_elastic":
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        from resurgo import ElasticSampler
+
+        return StatefulDataLoader(data, batch_size=4, sampler=ElasticSampler(data, seed=0))
     return torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
 
 

@@ -24,7 +24,7 @@ from resurgo.integrations._torch_file import check_torch_file, load_torch_file, 
 from resurgo.layout.shards import Shard
 from resurgo.manager.catalog import remove
 from resurgo.pipeline.async_save import AsyncSaveHandle
-from resurgo.state.data_position import track_dataloader
+from resurgo.state.data_position import mark_epoch_finished, track_dataloader
 from resurgo.state.elastic_loader import find_elastic_sampler
 from resurgo.state.elastic_sampler import per_rank_count
 from resurgo.state.per_rank import PerRank
@@ -178,6 +178,9 @@ class RngCallbackMethods:
         if self._pending is not None:
             restore_rng_state(self._pending)
 
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        mark_finished_epoch_positions(trainer, checkpoint)
+
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         refuse_elastic_sampler_mid_epoch(trainer)
         if self._pending is None:
@@ -189,6 +192,35 @@ class RngCallbackMethods:
             # fetched (loading it may draw, as the uninterrupted run did, from these states).
             restore_rng_state(self._pending)
         self._pending = None
+
+
+def mark_finished_epoch_positions(trainer: Any, checkpoint: dict[str, Any]) -> None:
+    """At an epoch's last batch, mark the train loaders' saved positions in ``checkpoint`` finished.
+
+    With ``limit_train_batches`` below a loader's length, the epoch ends before the loader runs out:
+    its own position says "mid-epoch", while the resumed fit starts the next epoch. Lightning saves
+    each stateful train loader's ``state_dict()`` in order under the fit loop's
+    ``combined_loader`` (checked with lightning and pytorch_lightning 2.6.6); once the loop has
+    fetched the epoch's last batch (its batch progress is the epoch's number of batches), each of
+    those states is marked finished (:func:`resurgo.state.data_position.mark_epoch_finished`), so
+    that the resumed loaders start the next epoch, as the uninterrupted run's do.
+    """
+    ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+    if ready == 0 or ready < trainer.num_training_batches:
+        return
+    fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+    states = fit_state.get("combined_loader") if isinstance(fit_state, dict) else None
+    if not states:
+        return
+    # The loaders Lightning took the states of: its stateful ones (state_dict and load_state_dict).
+    loaders = [loader for loader in _flat_loaders(getattr(trainer, "train_dataloader", None))
+               if callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))]
+    if len(loaders) != len(states):
+        raise DataPositionError(
+            f"ResurgoCallback: the checkpoint of step {trainer.global_step} holds {len(states)} train loader positions, "
+            f"the fit trains on {len(loaders)} stateful loaders; this Lightning version saves them otherwise than "
+            "the versions resurgo was checked with (2.6.6), so the positions at the epoch's end could not be marked")
+    fit_state["combined_loader"] = [mark_epoch_finished(loader, state) for loader, state in zip(loaders, states)]
 
 
 def refuse_elastic_sampler_mid_epoch(trainer: Any) -> None:

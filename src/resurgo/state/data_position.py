@@ -69,6 +69,7 @@ from resurgo.state.elastic_loader import (
     STEPS_SINCE_SNAPSHOT,
     find_elastic_sampler,
     find_sampler,
+    is_stateful_dataloader,
     prepare_stateful_load,
     samples_per_batch,
 )
@@ -77,9 +78,12 @@ from resurgo.state.per_rank import PerRank
 from resurgo.state.rng import carry_over_rng
 from resurgo.wording import plural
 
-__all__ = ["track_dataloader", "is_tracked"]
+__all__ = ["track_dataloader", "is_tracked", "mark_epoch_finished"]
 
 _FORMAT_VERSION = 1
+# A tracked loader's state key (optional, False when absent): the training loop ended the epoch at
+# this position, before the loader ran out (see mark_epoch_finished).
+EPOCH_FINISHED = "epoch_finished"
 _TRACKED_CLASSES: dict[tuple[type, str, str], type] = {}
 _ATTR = "_resurgo_position"
 
@@ -490,10 +494,16 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
         sampler_epoch = sd.get("distributed_epoch")
         if sampler_epoch is not None and (isinstance(sampler_epoch, bool) or not isinstance(sampler_epoch, int)):
             raise TypeMismatchError(f"dataloader.distributed_epoch: expected an int, got {sampler_epoch!r}")
-        finished = False  # saved once the epoch's last batch was handed out
+        epoch_finished = sd.get(EPOCH_FINISHED, False)
+        if not isinstance(epoch_finished, bool):
+            raise TypeMismatchError(f"dataloader.{EPOCH_FINISHED}: expected a bool, got {epoch_finished!r}")
+        finished = False  # saved once the epoch's last batch was handed out, or marked finished
         if elastic is not None:
             elastic_loaded = dict(sd["elastic"])
             elastic.load_state_dict(elastic_loaded)  # validates before anything below changes
+            if epoch_finished:  # the loop ended the epoch here: its rest is consumed
+                elastic_loaded = elastic.position(elastic_loaded["epoch"], elastic_loaded["num_samples"])
+                elastic.load_state_dict(elastic_loaded)
             finished = elastic_loaded["consumed"] >= elastic_loaded["num_samples"]
             if finished and self._resurgo_finished_epoch == "next":
                 # The next epoch from its start, so that the sampler's length (which a loop may
@@ -501,7 +511,16 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
                 elastic_loaded = elastic.position(elastic_loaded["epoch"] + 1, 0)
                 elastic.load_state_dict(elastic_loaded)
         else:
-            finished = n >= (_length(self) or n + 1)
+            length = _length(self)
+            finished = epoch_finished or n >= (length or n + 1)
+            if epoch_finished and self._resurgo_finished_epoch == "empty":
+                # The rest of the epoch is empty: the resume skips every batch of it.
+                if length is None:
+                    raise DataPositionError(
+                        f"dataloader.{EPOCH_FINISHED}: the position marks its epoch finished, and this "
+                        f"{self._resurgo_base_class.__name__} has no length, so the rest of that epoch cannot be skipped; "
+                        "track it with finished_epoch='next' to resume at the next epoch")
+                n = max(n, length)
         pos = _position(self)
         pos.generation += 1  # an iterator already handed out no longer moves the position
         pos.epoch_rng = rng
@@ -640,12 +659,16 @@ def _guarded_load_state_dict(self: Any, state_dict: Any) -> Any:
         # torchdata replays the batches since its last snapshot: on another world size those would
         # be other samples, so there they become part of the global position instead.
         state_dict = prepare_stateful_load(state_dict, elastic, samples_per_batch(self))
-    elif self._resurgo_finished_epoch == "next" and _at_epoch_end(self, state_dict):
+    if self._resurgo_finished_epoch == "next" and _at_epoch_end(self, state_dict):
         # Saved at the epoch's last batch: the next iter() starts the next epoch, as the
         # uninterrupted run's did. Built now (the loaded samplers and datasets take their saved
         # states) without drawing; marked finished, so that iter() builds or resets a new one.
         result = self._resurgo_base_class.load_state_dict(self, {**state_dict, ITERATOR_FINISHED: True})
         _without_rng_draws(self, lambda: setattr(self, "_iterator", self._get_iterator()))
+        if elastic is not None:
+            # The loaded pass is the finished epoch's: the next iter() starts the next epoch, and
+            # the sampler's length (read before iter(), as Lightning does) is a whole epoch's.
+            elastic.load_state_dict(elastic.position(elastic.epoch + 1, 0))
         return result
     result = self._resurgo_base_class.load_state_dict(self, state_dict)
     self.__dict__[_RESUMING] = True
@@ -653,9 +676,12 @@ def _guarded_load_state_dict(self: Any, state_dict: Any) -> Any:
 
 
 def _at_epoch_end(loader: Any, state_dict: Any) -> bool:
-    """True if a StatefulDataLoader's state was taken once every batch of its epoch was handed out."""
+    """True if a StatefulDataLoader's state was taken once every batch of its epoch was handed out,
+    or says its iterator is finished (it ran out, or :func:`mark_epoch_finished` marked it)."""
     if not isinstance(state_dict, dict):
         return False
+    if state_dict.get(ITERATOR_FINISHED) is True:
+        return True
     if NUM_YIELDED in state_dict:  # no workers
         handed_out = state_dict[NUM_YIELDED]
     elif isinstance(state_dict.get(SNAPSHOT), dict) and SNAPSHOT_STEP in state_dict[SNAPSHOT]:
@@ -717,6 +743,26 @@ def _rng_guarded_class(cls: type, finished_epoch: str = "empty") -> type:
         })
         _GUARDED_CLASSES[key] = guarded
     return guarded
+
+
+def mark_epoch_finished(loader: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``state_dict``, ``loader``'s saved position, marked as at its epoch's end.
+
+    For a training loop that ends an epoch before the loader runs out (Lightning's
+    ``limit_train_batches``): the loader's own count says "mid-epoch", while the loop will resume at
+    the next epoch. Loaded into a loader tracked with ``finished_epoch="next"``, the marked position
+    resumes at the next epoch's start, as a position saved at the epoch's last batch does (with
+    ``"empty"``, the first ``iter()`` gives the rest of the marked epoch: nothing). ``loader``: a
+    DataLoader made resumable by :func:`track_dataloader` (its ``"epoch_finished"`` key; with an
+    ElasticSampler, that epoch's samples count as consumed) or a torchdata ``StatefulDataLoader``
+    (its iterator marked finished). Any other loader's state is returned as it is: its position is
+    its own.
+    """
+    if is_tracked(loader):
+        return {**state_dict, EPOCH_FINISHED: True}
+    if is_stateful_dataloader(loader):
+        return {**state_dict, ITERATOR_FINISHED: True}
+    return dict(state_dict)
 
 
 def is_tracked(loader: Any) -> bool:

@@ -24,7 +24,7 @@ from resurgo.state.elastic_sampler import POSITION_KEYS, ElasticSampler, consume
 T = TypeVar("T")
 
 __all__ = ["elastic_state", "find_sampler", "find_elastic_sampler", "samples_per_batch", "fold_snapshot_steps",
-           "prepare_stateful_load"]
+           "prepare_stateful_load", "is_stateful_dataloader"]
 
 # torchdata 0.11 StatefulDataLoader state keys (stateful_dataloader.py); a test checks them against
 # torchdata's own constants so a rename fails loudly.
@@ -149,7 +149,8 @@ def prepare_stateful_load(state: dict[str, Any], sampler: ElasticSampler, batch_
     return fold_snapshot_steps(state, sampler, batch_size, resized_only=True)
 
 
-def _is_stateful_dataloader(loader: Any) -> bool:
+def is_stateful_dataloader(loader: Any) -> bool:
+    """True if ``loader`` is a torchdata ``StatefulDataLoader`` (False when torchdata is not installed)."""
     try:
         from torchdata.stateful_dataloader import StatefulDataLoader
     except ImportError:
@@ -172,7 +173,7 @@ def elastic_state(loader: Any) -> dict[str, Any]:
         raise UnsupportedValueError(
             f"elastic_state: a {type(loader).__name__} whose sampler is not an ElasticSampler has no global "
             "data position")
-    if _is_stateful_dataloader(loader):
+    if is_stateful_dataloader(loader):
         folded = fold_snapshot_steps(loader.state_dict(), sampler, samples_per_batch(loader))
         positions = _positions_in(folded)
         if len(positions) != 1:
