@@ -25,11 +25,11 @@ from resurgo.layout.shards import Shard
 from resurgo.manager.catalog import remove
 from resurgo.pipeline.async_save import AsyncSaveHandle
 from resurgo.state.data_position import mark_epoch_finished, track_dataloader
-from resurgo.state.elastic_loader import find_elastic_sampler
-from resurgo.state.elastic_sampler import per_rank_count
+from resurgo.state.elastic_loader import batches_of, find_elastic_sampler
 from resurgo.state.per_rank import PerRank
 from resurgo.state.rng import capture_rng_state, restore_rng_state
 from resurgo.storage.open import open_root
+from resurgo.wording import plural
 
 
 def _plain(value: Any) -> Any:
@@ -224,28 +224,30 @@ def mark_finished_epoch_positions(trainer: Any, checkpoint: dict[str, Any]) -> N
 
 
 def refuse_elastic_sampler_mid_epoch(trainer: Any) -> None:
-    """Refuse (DataPositionError) a fit resumed mid-epoch on a DataLoader with an ElasticSampler.
+    """Refuse (DataPositionError) a fit resumed mid-epoch whose ElasticSampler's rest of the epoch
+    does not end where Lightning's count of that epoch's batches does.
 
-    (Saved at an epoch's end, the tracked loader loads the next epoch's start: a whole epoch.)
-    Loaded mid-epoch, an ElasticSampler's length is what is left of the epoch, and Lightning
-    reads the loaders' lengths right after loading their states: it would take those remaining
-    batches for the length of every epoch, ending this one with other batch indices and each
-    later one early, so the fit would no longer follow the uninterrupted run.
+    Lightning resumes at the saved batch index and ends the epoch at the loader's length, read
+    after loading (a resumable loader with an ElasticSampler reports the whole epoch's); the
+    loader yields the samples the checkpoint had not consumed, in batches of this world size. On
+    the world size that saved it, both end together. On another one, the batches before the
+    checkpoint (counted on the old size) and the rest (on the new) need not add up to the epoch's
+    length: the epoch would end early, or its last batches would get other batch indices.
     """
+    ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+    if not 0 < ready < trainer.num_training_batches:
+        return
     for loader in _flat_loaders(getattr(trainer, "train_dataloader", None)):
         sampler = find_elastic_sampler(loader)
-        if sampler is None:
+        rest = batches_of(loader, len(sampler)) if sampler is not None else None
+        if rest is None or ready + rest == len(loader):
             continue
-        whole = per_rank_count(len(sampler.dataset), 0, sampler.num_replicas, drop_last=sampler.drop_last,
-                               batch_size=sampler.batch_size)
-        if len(sampler) != whole:
-            raise DataPositionError(
-                f"ResurgoCallback: {trainer.ckpt_path}: the train DataLoader's sampler is a resurgo.ElasticSampler "
-                f"loaded part way through epoch {sampler.epoch}: its length is the rest of the epoch, {len(sampler)} "
-                f"of {whole} samples, which Lightning takes for the length of every epoch, so the resumed fit "
-                "would not follow the interrupted one. Resume from a checkpoint saved at an epoch's end, or train "
-                "without the ElasticSampler: with Lightning's own DistributedSampler "
-                "(use_distributed_sampler=True) or a shuffled DataLoader, ResurgoCallback resumes mid-epoch exactly")
+        raise DataPositionError(
+            f"ResurgoCallback: {trainer.ckpt_path}: the train DataLoader's sampler is a resurgo.ElasticSampler loaded "
+            f"part way through epoch {sampler.epoch}, saved on another number of processes (or batch size): its rest of the epoch is "
+            f"{rest} batches on {plural(sampler.num_replicas, 'process', 'processes')}, while Lightning resumes at batch "
+            f"{ready} of {len(loader)}, so the resumed fit would not follow the interrupted one. Resume on the number "
+            "of processes that saved it, or from a checkpoint saved at an epoch's end (which resumes on any number)")
 
 
 def _flat_loaders(value: Any) -> list[Any]:

@@ -68,6 +68,7 @@ from resurgo.state.elastic_loader import (
     SNAPSHOT_STEP,
     STEPS_SINCE_SNAPSHOT,
     find_elastic_sampler,
+    epoch_batches,
     find_sampler,
     is_stateful_dataloader,
     prepare_stateful_load,
@@ -300,6 +301,9 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
     _resurgo_finished_epoch: str
 
     # -- iteration ---------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return _epoch_length(self)
+
     def __iter__(self):  # type: ignore[no-untyped-def]
         pos = _position(self)
         pending, pos.pending = pos.pending, False
@@ -543,6 +547,17 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
                 g.set_state(now[name])
 
 
+def _epoch_length(loader: Any) -> int:
+    """A resumable loader's length: the batches of its epoch. With an ElasticSampler, a whole epoch's
+    on this world size even while a resumed pass yields only the rest of it, as a plain DataLoader's
+    length is its epoch's while a mid-epoch resume skips the batches before the checkpoint (a loop
+    that reads the length after loading, as Lightning does, counts the resumed epoch's batches
+    from its start)."""
+    elastic = find_elastic_sampler(loader)
+    whole = epoch_batches(loader, elastic) if elastic is not None else None
+    return whole if whole is not None else loader._resurgo_base_class.__len__(loader)
+
+
 def _refuse_live_iterator(loader: str, progress: str) -> None:
     # A loaded position applies to the next iter(): an iterator made before the load would go on
     # from where it is, silently training on the wrong batches.
@@ -732,6 +747,7 @@ def _rng_guarded_class(cls: type, finished_epoch: str = "empty") -> type:
     if guarded is None:
         guarded = type(f"Resumable{cls.__name__}", (cls,), {
             "__iter__": _guarded_iter,
+            "__len__": _epoch_length,
             "load_state_dict": _guarded_load_state_dict,
             "_resurgo_before_load": _guarded_before_load,
             "__module__": __name__,

@@ -24,7 +24,7 @@ from resurgo.state.elastic_sampler import POSITION_KEYS, ElasticSampler, consume
 T = TypeVar("T")
 
 __all__ = ["elastic_state", "find_sampler", "find_elastic_sampler", "samples_per_batch", "fold_snapshot_steps",
-           "prepare_stateful_load", "is_stateful_dataloader"]
+           "prepare_stateful_load", "is_stateful_dataloader", "batches_of", "epoch_batches"]
 
 # torchdata 0.11 StatefulDataLoader state keys (stateful_dataloader.py); a test checks them against
 # torchdata's own constants so a rename fails loudly.
@@ -67,6 +67,26 @@ def samples_per_batch(loader: Any) -> int:
             f"dataloader.batch_sampler: a {type(batch_sampler).__name__} has no int batch_size; with an "
             "ElasticSampler the data position counts batches of a fixed size (use torch's BatchSampler)")
     return size
+
+
+def batches_of(loader: Any, count: int) -> int | None:
+    """How many batches ``loader`` makes of ``count`` samples of its rank; None if its batch
+    sampler is not torch's ``BatchSampler`` (whose length is known from its size and drop_last)."""
+    from torch.utils.data import BatchSampler
+
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if batch_sampler is None:
+        return count  # batch_size=None: every item is one sample
+    if not isinstance(batch_sampler, BatchSampler):
+        return None
+    size = batch_sampler.batch_size
+    return count // size if batch_sampler.drop_last else -(-count // size)
+
+
+def epoch_batches(loader: Any, sampler: ElasticSampler) -> int | None:
+    """Batches in the whole current epoch of ``loader`` drawing from ``sampler`` on this world size,
+    whatever part of it a resumed pass still yields (None as for :func:`batches_of`)."""
+    return batches_of(loader, sampler.whole_pass().count)
 
 
 def _positions_in(tree: Any) -> list[dict[str, Any]]:

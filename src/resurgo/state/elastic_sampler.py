@@ -172,6 +172,10 @@ class ElasticSampler(Sampler[int]):
             start = self._resume[1]
         return self._pass_from(start)
 
+    def whole_pass(self) -> EpochPass:
+        """The pass over the whole current epoch, from its start (no side effect)."""
+        return self._pass_from(0)
+
     def _pass_from(self, start: int) -> EpochPass:
         n = len(self.dataset)
         count = per_rank_count(n, start, self.num_replicas, drop_last=self.drop_last, batch_size=self.batch_size)
