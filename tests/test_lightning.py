@@ -55,9 +55,27 @@ def bitwise_equal(a, b) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
-def ckpt_of(root: Path, step: int) -> Path:
+def ckpt_of(root: Path, step: int, batches_per_epoch: int = BATCHES_PER_EPOCH) -> Path:
     """ModelCheckpoint's file of ``step`` (a step at an epoch's end belongs to that epoch)."""
-    return root / f"epoch={(step - 1) // BATCHES_PER_EPOCH}-step={step}.ckpt"
+    return root / f"epoch={(step - 1) // batches_per_epoch}-step={step}.ckpt"
+
+
+def assert_follows(whole: Tiny, resumed: Tiny, step: int) -> None:
+    """``resumed``, a fit resumed from step ``step``, trained as ``whole`` did from there on: the same
+    epochs, steps, batch indices and batches, the same losses, weights and optimizer state, bit for bit."""
+    assert len(resumed.losses) == len(whole.losses) - step, step
+    assert resumed.trace == whole.trace[step:], step
+    assert (resumed.trainer.current_epoch, resumed.trainer.global_step) == \
+        (whole.trainer.current_epoch, whole.trainer.global_step)
+    assert all(bitwise_equal(a, b) for a, b in zip(whole.losses[step:], resumed.losses)), step
+    for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
+        assert bitwise_equal(a, b), (step, name)
+    opt_whole = whole.trainer.optimizers[0].state_dict()["state"]
+    opt_resumed = resumed.trainer.optimizers[0].state_dict()["state"]
+    assert opt_whole.keys() == opt_resumed.keys()
+    for k in opt_whole:
+        for field in ("step", "exp_avg", "exp_avg_sq"):
+            assert bitwise_equal(opt_whole[k][field], opt_resumed[k][field]), (step, k, field)
 
 
 @pytest.mark.parametrize("loader, resume_at", [
@@ -67,6 +85,9 @@ def ckpt_of(root: Path, step: int) -> Path:
     ("augment", {BATCHES_PER_EPOCH: "module", BATCHES_PER_EPOCH + 2: "module"}),  # noise drawn while loading
     # torchdata's StatefulDataLoader: its own position
     ("stateful", {BATCHES_PER_EPOCH: "module", BATCHES_PER_EPOCH + 2: "module"}),
+    # resurgo's ElasticSampler, in torch's DataLoader and in a StatefulDataLoader
+    ("elastic", {BATCHES_PER_EPOCH: "module", BATCHES_PER_EPOCH + 2: "module"}),
+    ("stateful_elastic", {BATCHES_PER_EPOCH: "module", BATCHES_PER_EPOCH + 2: "module"}),
 ])
 def test_resumed_fit_is_bit_identical_and_not_without_the_callback(tmp_path, loader, resume_at):
     total, stop = 3 * BATCHES_PER_EPOCH, BATCHES_PER_EPOCH + 2
@@ -78,49 +99,68 @@ def test_resumed_fit_is_bit_identical_and_not_without_the_callback(tmp_path, loa
         ckpt = ckpt_of(tmp_path / "first", step)
         assert (ckpt / "manifest.json").is_file()
         resumed = fit(tmp_path / f"resumed{step}", total, callback=True, ckpt_path=ckpt, loader=loader, source=source)
-        assert len(resumed.losses) == total - step
-        # The same epochs, steps and batch indices as the uninterrupted run from there on.
-        assert resumed.trace == whole.trace[step:], step
-        assert (resumed.trainer.current_epoch, resumed.trainer.global_step) == \
-            (whole.trainer.current_epoch, whole.trainer.global_step)
-        assert all(bitwise_equal(a, b) for a, b in zip(whole.losses[step:], resumed.losses)), step
-        for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
-            assert bitwise_equal(a, b), (step, name)
-        opt_whole = whole.trainer.optimizers[0].state_dict()["state"]
-        opt_resumed = resumed.trainer.optimizers[0].state_dict()["state"]
-        assert opt_whole.keys() == opt_resumed.keys()
-        for k in opt_whole:
-            for field in ("step", "exp_avg", "exp_avg_sq"):
-                assert bitwise_equal(opt_whole[k][field], opt_resumed[k][field]), (step, k, field)
+        assert_follows(whole, resumed, step)
 
     # Control: without the callback, the mid-epoch resume trains on other draws and other batches.
     # (A StatefulDataLoader's checkpoint holds its position anyway; a plain DataLoader's only with
     # the callback, so that run is saved without it too.)
-    if loader != "stateful":
+    if not loader.startswith("stateful"):
         fit(tmp_path / "blind_first", stop, callback=False, save_every=stop, loader=loader)
-    ckpt = ckpt_of(tmp_path / ("blind_first" if loader != "stateful" else "first"), stop)
+    ckpt = ckpt_of(tmp_path / ("blind_first" if not loader.startswith("stateful") else "first"), stop)
     blind = fit(tmp_path / "blind", total, callback=False, ckpt_path=ckpt, loader=loader)
     assert len(blind.losses) == total - stop
     assert not all(bitwise_equal(a, b) for a, b in zip(whole.losses[stop:], blind.losses))
 
 
-def test_an_elastic_sampler_resumes_exactly_at_an_epoch_end_and_is_refused_mid_epoch(tmp_path):
-    """Loaded mid-epoch, an ElasticSampler's length is the rest of the epoch, which Lightning would
-    take for every epoch's length: that resume is refused, naming the sampler and the way out."""
-    from resurgo.errors import DataPositionError
+@pytest.mark.parametrize("loader", ["plain", "stateful", "elastic", "stateful_elastic"])
+def test_a_limited_epoch_resumes_exactly_from_its_last_batch_and_mid_epoch(tmp_path, loader):
+    """limit_train_batches below the loader's length (3 of its 4 batches): a checkpoint at a limited
+    epoch's last batch, where the loader itself is mid-epoch, resumes at the next epoch, and one
+    saved mid-epoch at the next batch, as the uninterrupted run trained."""
+    limit = BATCHES_PER_EPOCH - 1
+    total, stop = 3 * limit, 2 * limit
+    whole = fit(tmp_path / "whole", total, callback=True, loader=loader, limit_train_batches=limit)
+    assert [epoch for epoch, *_ in whole.trace] == [e for e in range(3) for _ in range(limit)]
+    fit(tmp_path / "first", stop, callback=True, save_every=2, loader=loader, limit_train_batches=limit)
+    for step in (stop, 4):  # epoch 1's last batch; its first
+        resumed = fit(tmp_path / f"resumed{step}", total, callback=True, ckpt_path=ckpt_of(tmp_path / "first", step, limit),
+                      loader=loader, limit_train_batches=limit)
+        assert_follows(whole, resumed, step)
 
-    total, stop = 3 * BATCHES_PER_EPOCH, BATCHES_PER_EPOCH + 2
-    whole = fit(tmp_path / "whole", total, callback=True, loader="elastic")
-    fit(tmp_path / "first", stop, callback=True, save_every=2, loader="elastic")
-    resumed = fit(tmp_path / "resumed", total, callback=True, ckpt_path=ckpt_of(tmp_path / "first", BATCHES_PER_EPOCH),
-                  loader="elastic")
-    assert resumed.trace == whole.trace[BATCHES_PER_EPOCH:]
-    assert (resumed.trainer.current_epoch, resumed.trainer.global_step) == \
-        (whole.trainer.current_epoch, whole.trainer.global_step)
-    assert all(bitwise_equal(a, b) for a, b in zip(whole.losses[BATCHES_PER_EPOCH:], resumed.losses))
-    with pytest.raises(DataPositionError, match=rf"step={stop}\.ckpt: .*ElasticSampler .*epoch 1: .* 8 of 16 samples"
-                                                r".*use_distributed_sampler=True"):
-        fit(tmp_path / "mid_epoch", total, callback=True, ckpt_path=ckpt_of(tmp_path / "first", stop), loader="elastic")
+
+def test_an_elastic_sampler_resumed_mid_epoch_on_another_world_size_is_refused_naming_the_counts():
+    """Mid-epoch, the batches before the checkpoint were counted on the world size that saved it and
+    the rest of the epoch is batched on this one: when they do not add up to the epoch's length,
+    Lightning's epoch would end elsewhere than the loader's, so the callback refuses."""
+    from types import SimpleNamespace
+
+    from resurgo import ElasticSampler
+    from resurgo.errors import DataPositionError
+    from resurgo.integrations.lightning_base import refuse_elastic_sampler_mid_epoch
+    from resurgo.state.data_position import track_dataloader
+
+    data = train_loader().dataset  # 16 samples, batches of 4
+
+    def loader(world: int):
+        return track_dataloader(torch.utils.data.DataLoader(data, batch_size=4, sampler=ElasticSampler(
+            data, num_replicas=world, rank=0, seed=0)), finished_epoch="next")
+
+    def resumed_fit(world: int):
+        resumed = loader(world)
+        resumed.load_state_dict(saved)
+        iter(resumed)  # Lightning builds the iterator before the fit starts
+        progress = SimpleNamespace(current=SimpleNamespace(ready=1))
+        return SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
+                               num_training_batches=len(resumed), train_dataloader=resumed, ckpt_path="last.ckpt")
+
+    saving = loader(2)  # 8 samples per rank: 2 batches
+    next(iter(saving))
+    saved = saving.state_dict()  # 8 of the 16 samples consumed
+    refuse_elastic_sampler_mid_epoch(resumed_fit(2))  # 1 + 1 batches: the epoch's 2
+    with pytest.raises(DataPositionError, match=r"last\.ckpt: .*ElasticSampler .*epoch 0, saved on another number of "
+                                                r"processes .*: its rest of the epoch is 2 batches on 1 process, while "
+                                                r"Lightning resumes at batch 1 of 4"):
+        refuse_elastic_sampler_mid_epoch(resumed_fit(1))  # 1 + 2 batches, of 4
 
 
 def test_model_checkpoint_files_are_resurgo_checkpoints_and_top_k_removes_them(tmp_path):
