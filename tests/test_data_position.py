@@ -502,6 +502,60 @@ def test_an_elastic_samplers_position_at_an_epochs_last_batch_loads_as_the_next_
     assert [idx.tolist() for idx, _ in fresh] == reference
 
 
+def _limited_loader(kind: str, finished_epoch: str) -> DataLoader:
+    from resurgo import ElasticSampler
+
+    if kind == "elastic":
+        ds = IndexDataset()  # 11 samples per rank: 3 batches
+        return track_dataloader(DataLoader(ds, batch_size=4, sampler=ElasticSampler(ds, num_replicas=2, rank=1, seed=5)),
+                                finished_epoch=finished_epoch)
+    if kind == "stateful":
+        return track_dataloader(_stateful_loader(), finished_epoch=finished_epoch)
+    return _loader_for(kind, finished_epoch)
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+@pytest.mark.parametrize("kind", ["shuffle", "workers", "distributed", "elastic", "stateful"])
+@pytest.mark.parametrize("finished_epoch", ["empty", "next"])
+def test_a_position_marked_finished_mid_epoch_resumes_at_the_next_epoch_or_empty(kind: str, finished_epoch: str) -> None:
+    """A loop that ends its epoch before the loader runs out (Lightning's limit_train_batches) marks
+    the position it saves there: with finished_epoch="next" the resumed loader gives the
+    uninterrupted loop's next epoch (batches, loading noise, training draws); with "empty", the
+    rest of the marked epoch first, nothing (a StatefulDataLoader: torchdata starts the next epoch).
+    Unmarked, the same position resumes the epoch's last batch."""
+    from resurgo.state.data_position import mark_epoch_finished
+
+    def start(loader: DataLoader, epoch: int):
+        if kind == "elastic":  # its pass is fixed by iter(): the loop sets the epoch first
+            loader.sampler.set_epoch(epoch)
+            return iter(loader)
+        return _start_epoch(loader, epoch)
+
+    seed_all(0)
+    loader = _limited_loader(kind, finished_epoch)
+    it = start(loader, 0)
+    ended = [next(it) for _ in range(len(loader) - 1)]  # the loop's epoch ends one batch early
+    sd = core.save(loader)
+    marked = mark_epoch_finished(loader, sd)
+    saved_rng = core.save(RNGState())
+    reference = _epoch(start(loader, 1))  # the uninterrupted loop's next epoch
+    assert len(ended) == len(loader) - 1 and len(reference) == len(loader)
+
+    def resumed(state: dict) -> DataLoader:
+        seed_all(12345)
+        fresh = _limited_loader(kind, finished_epoch)
+        core.load(fresh, state)
+        core.load(RNGState(), saved_rng)
+        assert len(fresh) == len(loader)  # a whole epoch's, before iter() (Lightning reads it then)
+        return fresh
+
+    fresh = resumed(marked)
+    if finished_epoch == "empty" and kind != "stateful":
+        assert _epoch(start(fresh, 0)) == []  # the rest of the marked epoch
+    assert_same(_epoch(start(fresh, 1)), reference)
+    assert len(_epoch(start(resumed(sd), 0))) == 1  # unmarked: the epoch's last batch
+
+
 def test_finished_epoch_next_leaves_a_mid_epoch_position_as_it_is() -> None:
     """Only a position at the epoch's last batch moves on to the next epoch: one batch earlier, the
     resume gives that last batch."""

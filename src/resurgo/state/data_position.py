@@ -7,11 +7,14 @@ How: :func:`track_dataloader` swaps the loader's class to a subclass made once p
 Its ``__iter__`` records, *before* creating the underlying iterator, every RNG state that the
 epoch's order depends on (the torch global CPU RNG, and ``loader.generator`` /
 ``sampler.generator`` when set), then counts the batches handed out. ``state_dict()`` returns
-``{"epoch_rng", "batches_yielded", "epoch_active", ...}``. After ``load_state_dict()``, the next
-``iter()`` sets those RNGs back to the epoch start, rebuilds the iterator, skips the batches already
-seen, then puts the global RNG back where it was, so the training stream (restored by
-:class:`resurgo.state.rng.RNGState`) is untouched. Saved between epochs, nothing is replayed; the
+``{"epoch_rng", "batches_yielded", "epoch_active", "epoch_finished", ...}``. After
+``load_state_dict()``, the next ``iter()`` sets those RNGs back to the epoch start, rebuilds the
+iterator, skips the batches already seen, then puts the global RNG back where it was, so the
+training stream (restored by :class:`resurgo.state.rng.RNGState`) is untouched. Saved between epochs, nothing is replayed; the
 loader's own generators are set to their saved current states instead (``"generators"``).
+A loop that ends its epochs before the loader runs out (Lightning's ``limit_train_batches``) marks
+the position saved at an epoch's end with :func:`mark_epoch_finished` (``"epoch_finished"``): it
+then loads as a finished epoch, as one saved once the epoch's last batch was handed out does.
 
 Where the RNG is drawn inside a DataLoader (torch 2.x), which is why the order above matters:
 1. iterator construction draws ``_base_seed`` (the worker seed) from ``loader.generator`` or,
@@ -436,6 +439,8 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
             # so the next epoch's order depends on these.
             "generators": generators_out,
             "persistent_iterator": bool(self._resurgo_will_reset()),
+            # Set by mark_epoch_finished only; present always, so that a fresh loader is a load target.
+            EPOCH_FINISHED: False,
             **extra,
         }
 
@@ -674,10 +679,12 @@ def _guarded_load_state_dict(self: Any, state_dict: Any) -> Any:
         # torchdata replays the batches since its last snapshot: on another world size those would
         # be other samples, so there they become part of the global position instead.
         state_dict = prepare_stateful_load(state_dict, elastic, samples_per_batch(self))
-    if self._resurgo_finished_epoch == "next" and _at_epoch_end(self, state_dict):
-        # Saved at the epoch's last batch: the next iter() starts the next epoch, as the
-        # uninterrupted run's did. Built now (the loaded samplers and datasets take their saved
-        # states) without drawing; marked finished, so that iter() builds or resets a new one.
+    finished = isinstance(state_dict, dict) and state_dict.get(ITERATOR_FINISHED) is True
+    if finished or (self._resurgo_finished_epoch == "next" and _at_epoch_end(self, state_dict)):
+        # Saved with its iterator finished, or at the epoch's last batch: the next iter() starts
+        # the next epoch, as the uninterrupted run's did, drawing its seeds as that one did. Built
+        # now (the loaded samplers and datasets take their saved states) without drawing; marked
+        # finished, so that iter() builds or resets a new one.
         result = self._resurgo_base_class.load_state_dict(self, {**state_dict, ITERATOR_FINISHED: True})
         _without_rng_draws(self, lambda: setattr(self, "_iterator", self._get_iterator()))
         if elastic is not None:
@@ -691,12 +698,9 @@ def _guarded_load_state_dict(self: Any, state_dict: Any) -> Any:
 
 
 def _at_epoch_end(loader: Any, state_dict: Any) -> bool:
-    """True if a StatefulDataLoader's state was taken once every batch of its epoch was handed out,
-    or says its iterator is finished (it ran out, or :func:`mark_epoch_finished` marked it)."""
+    """True if a StatefulDataLoader's state was taken once every batch of its epoch was handed out."""
     if not isinstance(state_dict, dict):
         return False
-    if state_dict.get(ITERATOR_FINISHED) is True:
-        return True
     if NUM_YIELDED in state_dict:  # no workers
         handed_out = state_dict[NUM_YIELDED]
     elif isinstance(state_dict.get(SNAPSHOT), dict) and SNAPSHOT_STEP in state_dict[SNAPSHOT]:
@@ -767,11 +771,12 @@ def mark_epoch_finished(loader: Any, state_dict: dict[str, Any]) -> dict[str, An
     For a training loop that ends an epoch before the loader runs out (Lightning's
     ``limit_train_batches``): the loader's own count says "mid-epoch", while the loop will resume at
     the next epoch. Loaded into a loader tracked with ``finished_epoch="next"``, the marked position
-    resumes at the next epoch's start, as a position saved at the epoch's last batch does (with
-    ``"empty"``, the first ``iter()`` gives the rest of the marked epoch: nothing). ``loader``: a
-    DataLoader made resumable by :func:`track_dataloader` (its ``"epoch_finished"`` key; with an
-    ElasticSampler, that epoch's samples count as consumed) or a torchdata ``StatefulDataLoader``
-    (its iterator marked finished). Any other loader's state is returned as it is: its position is
+    resumes at the next epoch's start, as a position saved at the epoch's last batch does.
+    ``loader``: a DataLoader made resumable by :func:`track_dataloader` (its ``"epoch_finished"``
+    key; with an ElasticSampler, that epoch's samples count as consumed; tracked with ``"empty"``,
+    the first ``iter()`` after the load gives the rest of the marked epoch: nothing) or a torchdata
+    ``StatefulDataLoader`` (its iterator marked finished, which torchdata resumes at the next epoch
+    whatever ``finished_epoch``). Any other loader's state is returned as it is: its position is
     its own.
     """
     if is_tracked(loader):
