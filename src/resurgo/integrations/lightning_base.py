@@ -123,7 +123,10 @@ class RngCallbackMethods:
     itself saves its position with the loops' state in every checkpoint, and loads it into the
     rebuilt loader before that loader's first ``iter()`` of a resumed fit, which then replays the
     interrupted epoch's order and skips the batches already trained on (without loading them).
-    Loaders with their own ``state_dict`` (torchdata's StatefulDataLoader) are left as they are.
+    Loaders with their own ``state_dict`` (torchdata's StatefulDataLoader) keep it. A checkpoint
+    saved at an epoch's last batch marks each loader's position finished (the epoch may end before
+    the loader runs out, under ``limit_train_batches``), so that the resumed loader starts the next
+    epoch, as Lightning's loop does.
 
     Resumed at an epoch boundary, the uninterrupted run's next draws build the next epoch's data
     iterator, which Lightning builds right after loading: the states are restored on loading.

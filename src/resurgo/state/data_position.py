@@ -41,6 +41,8 @@ A mid-epoch load then resumes through the sampler instead of replaying batches, 
 ranks may differ; the epoch-start RNG is still set while the iterator is built, so the worker base
 seed and the restored RNG streams are as in the original epoch. (Random augmentation in workers is
 then not reproduced bit for bit: the workers do not replay the batches before the checkpoint.)
+The loader's length is the whole epoch's on this world size, as a plain DataLoader's is, while
+a resumed pass yields only the rest (a loop that reads it after loading counts the epoch whole).
 The RNG parts of such a loader's state (``epoch_rng``, ``generators``) are the rank's own, so they
 are :class:`~resurgo.PerRank` values with a carry-over policy: on another number of ranks an old
 rank keeps its own and a new rank derives its own. A StatefulDataLoader with an ElasticSampler
