@@ -242,7 +242,9 @@ def refuse_elastic_sampler_mid_epoch(trainer: Any) -> None:
         return
     for loader in _flat_loaders(getattr(trainer, "train_dataloader", None)):
         sampler = find_elastic_sampler(loader)
-        rest = batches_of(loader, len(sampler)) if sampler is not None else None
+        if sampler is None:
+            continue
+        rest = batches_of(loader, len(sampler))
         if rest is None or ready + rest == len(loader):
             continue
         raise DataPositionError(
