@@ -556,6 +556,30 @@ def test_a_position_marked_finished_mid_epoch_resumes_at_the_next_epoch_or_empty
     assert len(_epoch(start(resumed(sd), 0))) == 1  # unmarked: the epoch's last batch
 
 
+def test_a_marked_position_without_a_length_to_skip_or_with_a_bad_mark_is_refused() -> None:
+    """Tracked with finished_epoch="empty", a marked epoch's rest is skipped, which needs the
+    loader's length: an IterableDataset without one is refused, naming the key and the fix."""
+    from torch.utils.data import IterableDataset
+
+    from resurgo.errors import DataPositionError
+    from resurgo.state.data_position import mark_epoch_finished
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(10))
+
+    loader = track_dataloader(DataLoader(Stream(), batch_size=2))
+    next(iter(loader))
+    marked = mark_epoch_finished(loader, loader.state_dict())
+    with pytest.raises(DataPositionError, match=r"epoch_finished: .*no length.*finished_epoch='next'"):
+        track_dataloader(DataLoader(Stream(), batch_size=2)).load_state_dict(marked)
+    nexts = track_dataloader(DataLoader(Stream(), batch_size=2), finished_epoch="next")
+    nexts.load_state_dict(marked)
+    assert [b.tolist() for b in nexts] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]  # the next epoch, whole
+    with pytest.raises(TypeMismatchError, match=r"epoch_finished: expected a bool, got 1"):
+        nexts.load_state_dict({**marked, "epoch_finished": 1})
+
+
 def test_finished_epoch_next_leaves_a_mid_epoch_position_as_it_is() -> None:
     """Only a position at the epoch's last batch moves on to the next epoch: one batch earlier, the
     resume gives that last batch."""

@@ -249,10 +249,11 @@ def refuse_elastic_sampler_mid_epoch(trainer: Any) -> None:
             continue
         raise DataPositionError(
             f"ResurgoCallback: {trainer.ckpt_path}: the train DataLoader's sampler is a resurgo.ElasticSampler loaded "
-            f"part way through epoch {sampler.epoch}, saved on another number of processes (or batch size): its rest of the epoch is "
-            f"{rest} batches on {plural(sampler.num_replicas, 'process', 'processes')}, while Lightning resumes at batch "
-            f"{ready} of {len(loader)}, so the resumed fit would not follow the interrupted one. Resume on the number "
-            "of processes that saved it, or from a checkpoint saved at an epoch's end (which resumes on any number)")
+            f"part way through epoch {sampler.epoch}, saved on another number of processes (or batch size): its rest "
+            f"of the epoch is {plural(rest, 'batch', 'batches')} on {plural(sampler.num_replicas, 'process', 'processes')}, "
+            f"while Lightning resumes at batch {ready} of {len(loader)}, so the resumed fit would not follow the "
+            "interrupted one. Resume on the number of processes that saved it, or from a checkpoint saved at an "
+            "epoch's end (which resumes on any number)")
 
 
 def _flat_loaders(value: Any) -> list[Any]:

@@ -10,8 +10,9 @@ epoch's order depends on (the torch global CPU RNG, and ``loader.generator`` /
 ``{"epoch_rng", "batches_yielded", "epoch_active", "epoch_finished", ...}``. After
 ``load_state_dict()``, the next ``iter()`` sets those RNGs back to the epoch start, rebuilds the
 iterator, skips the batches already seen, then puts the global RNG back where it was, so the
-training stream (restored by :class:`resurgo.state.rng.RNGState`) is untouched. Saved between epochs, nothing is replayed; the
-loader's own generators are set to their saved current states instead (``"generators"``).
+training stream (restored by :class:`resurgo.state.rng.RNGState`) is untouched. Saved between
+epochs, nothing is replayed; the loader's own generators are set to their saved current states
+instead (``"generators"``).
 A loop that ends its epochs before the loader runs out (Lightning's ``limit_train_batches``) marks
 the position saved at an epoch's end with :func:`mark_epoch_finished` (``"epoch_finished"``): it
 then loads as a finished epoch, as one saved once the epoch's last batch was handed out does.
@@ -72,8 +73,8 @@ from resurgo.state.elastic_loader import (
     SNAPSHOT,
     SNAPSHOT_STEP,
     STEPS_SINCE_SNAPSHOT,
-    find_elastic_sampler,
     epoch_batches,
+    find_elastic_sampler,
     find_sampler,
     is_stateful_dataloader,
     prepare_stateful_load,
