@@ -29,7 +29,7 @@ import bisect
 import pickle
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -215,23 +215,22 @@ class SharedLoad:
             except BaseException as e:  # noqa: BLE001 - raised once every transfer is done
                 errors.append(e)
 
-        def read_message(m: Message, into: np.ndarray) -> None:
+        def read_and_send(tag: int) -> None:
+            """Read one of this rank's messages and send it; from a pool thread, so the sends of
+            one message start while the others are read, with no hand-off to this thread."""
+            m, into = plan.messages[tag], landing[tag]
             try:
-                ops = self._message_ops(m.chunks, m.offsets())
+                read([into], self._message_ops(m.chunks, m.offsets()), 1)
             except BaseException as e:  # noqa: BLE001 - raised once every transfer is done
                 errors.append(e)
-                return
-            read([into], ops, 1)
+            tensor = torch.from_numpy(into)
+            for r in m.receivers:
+                pending.append((dist.isend(tensor, dst=peer(r), group=comm.group, tag=tag), into))
 
         mine = [tag for tag, m in enumerate(plan.messages) if m.reader == comm.rank]
-        if mine:  # the reads run in parallel; each message is sent as soon as it is read and verified
+        if mine:
             with ThreadPoolExecutor(max_workers=max(1, self.threads), thread_name_prefix="resurgo-share") as pool:
-                futures = {pool.submit(read_message, plan.messages[tag], landing[tag]): tag for tag in mine}
-                for done in as_completed(futures):
-                    tag = futures[done]
-                    tensor = torch.from_numpy(landing[tag])
-                    for r in plan.messages[tag].receivers:
-                        pending.append((dist.isend(tensor, dst=peer(r), group=comm.group, tag=tag), landing[tag]))
+                list(pool.map(read_and_send, mine))
         self.from_memory = []
         from_storage: list[ReadOp] = []
         for op in self.ops:  # an op is split where its parts switch between taken, memory and storage
