@@ -12,7 +12,8 @@ import torch
 
 import resurgo
 from resurgo.pipeline.manifest_read import read_manifest_and_bytes, resolve_for
-from resurgo.pipeline.shared_read import SharedLoad
+from resurgo.pipeline.shared_read import SharedLoad, _whole_chunks
+from resurgo.plan.load_plan import ReadOp, ReadPart
 from resurgo.plan.share_plan import plan_shares
 from resurgo.state.unflatten import Restorer
 from resurgo.storage.open import open_checkpoint
@@ -63,3 +64,16 @@ def test_a_piece_a_target_needs_part_of_lands_in_memory(tmp_path):
         assert all(load.memory[op.file].holds(op.file_offset, op.length) for op in load.ops)
     finally:
         load.ckpt.close()
+
+
+def test_only_chunks_read_straight_into_one_target_count_as_whole():
+    def op(*parts: ReadPart) -> ReadOp:
+        return ReadOp("data/f", 0, sum(p.length for p in parts), parts)
+
+    ops = [
+        op(ReadPart("a", 0, 100, 0, 2, 300), ReadPart("a", 0, 50, 1, 2, 400)),  # lands at 300 of target 2
+        op(ReadPart("b", 0, 100, 0, 1, 0), ReadPart("b", 0, 100, 1, None)),  # partly through scratch
+        op(ReadPart("c", 0, 100, 0, 0, 0), ReadPart("c", 0, 100, 1, 3, 100)),  # two targets
+        op(ReadPart("d", 1, 100, 0, None)),
+    ]
+    assert _whole_chunks(ops) == {("a", 0): (2, 300)}

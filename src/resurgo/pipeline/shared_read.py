@@ -134,7 +134,8 @@ def _whole_chunks(ops: list[ReadOp]) -> dict[tuple[str, int], tuple[int, int]]:
             places.setdefault((part.key, part.chunk), set()).add((-1, 0) if part.target is None else (part.target, part.dst_offset))
     out = {}
     for chunk, found in places.items():
-        if len({t for t, _ in found} | {-1}) == 2:  # one target; a part lands at base + its start in the chunk
+        targets = {t for t, _ in found}
+        if len(targets) == 1 and -1 not in targets:  # a part lands at base + where it starts in the chunk
             out[chunk] = min(found)
     return out
 
@@ -284,7 +285,7 @@ class SharedLoad:
         return all(s in starts for s in range(lo // step * step, lo + part.length, step))
 
     def _message_ops(self, chunks: Any, offsets: list[int]) -> list[ReadOp]:
-        """Read ops that fill a message's arena (its one target) with its pieces, verified."""
+        """Read ops that fill a message's landing (their one target) with its pieces, verified."""
         ops = []
         for c, at in zip(chunks, offsets):
             key, _, _, start = c.chunk

@@ -22,8 +22,12 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from resurgo.plan.load_plan import MAX_PIECE_BYTES
+
 ChunkId = tuple[str, str, int, int]  # (key, data file of the chunk's first byte, its offset there, piece start in the chunk)
-PIECE_BYTES = 16 << 20  # the unit shared: small enough that sends start while the reader reads the rest
+# The unit shared: the load plan's read pieces (a direct read part is then one piece, all of it
+# received or all of it read), small enough that sends start while the reader reads the rest.
+PIECE_BYTES = MAX_PIECE_BYTES
 MESSAGE_BYTES = 16 << 20  # small pieces packed up to this
 ALONE_BYTES = 1 << 20  # a piece this large is sent alone: one copy less beats one message less
 
