@@ -185,7 +185,7 @@ def test_shared_reads_read_each_replicated_byte_once(tmp_path):
     # Mixed needs: ranks 0 and 1 need all of "d", ranks 2 and 3 half each: "d" is read once in all.
     assert all(r["mixed"][0] for r in results)
     assert sum(r["mixed"][1] for r in results) == d_bytes
-    # The unit shared is a piece of a chunk (up to 64 MiB): the 2 MiB chunk reaches every rank whole.
+    # The unit shared is a piece of a chunk (up to 16 MiB): the 2 MiB chunk reaches every rank whole.
     assert [r["mixed"][1] + r["mixed"][2] for r in results] == [d_bytes] * 4
     damaged = {r["damaged"] for r in results}
     assert len(damaged) == 1, damaged

@@ -1,5 +1,6 @@
 """The share plan (resurgo.plan.share_plan): every needed piece reaches every rank that needs it
-exactly once, reads are spread evenly, messages group pieces by sender and receivers."""
+exactly once, reads are spread evenly, large pieces travel alone and small ones are grouped by
+sender and receivers."""
 
 from __future__ import annotations
 
@@ -22,14 +23,14 @@ def groups(draw):
 
 
 @settings(max_examples=200, deadline=None)
-@given(groups(), st.integers(1, 12000))
-def test_every_needed_piece_reaches_every_rank_that_needs_it_once(needs, message_bytes):
+@given(groups(), st.integers(1, 12000), st.integers(1, 6000))
+def test_every_needed_piece_reaches_every_rank_that_needs_it_once(needs, message_bytes, alone_bytes):
     grouped = [(g, needs[g[0]]) for g in groups_of([fingerprint(n) for n in needs])]
-    plan = plan_shares(grouped, message_bytes)
+    plan = plan_shares(grouped, message_bytes, alone_bytes)
     got: dict[int, list] = {r: [] for r in range(len(needs))}
     for m in plan.messages:
         assert m.reader not in m.receivers and m.receivers == tuple(sorted(set(m.receivers)))
-        assert len(m.chunks) == 1 or m.nbytes <= message_bytes
+        assert len(m.chunks) == 1 or (m.nbytes <= message_bytes and all(c.nbytes < alone_bytes for c in m.chunks))
         for c in m.chunks:
             assert (c.reader, c.receivers) == (m.reader, m.receivers)
             for r in (m.reader, *m.receivers):
@@ -55,3 +56,15 @@ def test_ranks_with_the_same_needs_form_one_group_and_order_does_not_matter():
 def test_a_piece_one_rank_needs_is_not_shared():
     plan = plan_shares([((0,), {PIECES[0]: 10}), ((1,), {PIECES[1]: 10})])
     assert plan.messages == ()
+
+
+def test_large_pieces_travel_alone_and_small_ones_together():
+    need = dict(zip(PIECES, [5000, 5000, 5000, 10, 20]))
+
+    def messages(alone_bytes: int) -> list[tuple[int, list[int]]]:
+        plan = plan_shares([((0, 1), need)], message_bytes=20000, alone_bytes=alone_bytes)
+        return sorted((m.reader, [c.nbytes for c in m.chunks]) for m in plan.messages)
+
+    # reads: rank 0 two pieces of 5000, rank 1 one of 5000 and the small ones
+    assert messages(1000) == [(0, [5000]), (0, [5000]), (1, [10, 20]), (1, [5000])]
+    assert messages(10**6) == [(0, [5000, 5000]), (1, [5000, 10, 20])]

@@ -83,22 +83,29 @@ class Comm:
     def agree(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` here; if it failed on any rank, every rank raises the same error (the first
         failing rank's, naming that rank). Collective: every rank must call it."""
-        failure: tuple[str, str, int] | None = None
+        return self.agree_noting(lambda: (fn(), None))[0]
+
+    def agree_noting(self, fn: Callable[[], tuple[T, Any]]) -> tuple[T, list[Any]]:
+        """:meth:`agree` for an ``fn`` returning (result, note): with the result, every rank's
+        note, gathered in the same collective as the outcomes."""
+        outcome: tuple[Any, Any] = (None, None)  # (failure, note)
         result: Any = None
         original: BaseException | None = None
         try:
-            result = fn()
+            result, note = fn()
+            outcome = (None, note)
         except BaseException as e:  # noqa: BLE001 - reported to every rank, then raised
             original = e
-            failure = (type(e).__name__, str(e), self.rank)
+            outcome = ((type(e).__name__, str(e), self.rank), None)
         if self.size == 1:
             if original is not None:
                 raise original
-            return result
-        failures = [f for f in self.all_gather(failure) if f is not None]
+            return result, [outcome[1]]
+        every = self.all_gather(outcome)
+        failures = [f for f, _ in every if f is not None]
         if failures:
             raise _rebuild(*failures[0]) from original
-        return result
+        return result, [n for _, n in every]
 
 
 def _global_rank(group: Any, group_rank: int) -> int:

@@ -20,7 +20,7 @@ from resurgo.format.manifest import Manifest
 from resurgo.pipeline import consistent, data_files, inflight
 from resurgo.pipeline.manifest_read import read_manifest_and_bytes, resolve_for
 from resurgo.pipeline.reader import ReadResult, read_destinations
-from resurgo.pipeline.shared_read import SharedLoad, agree_plan
+from resurgo.pipeline.shared_read import SharedLoad, agree_plan, share_note
 from resurgo.reports import LoadReport
 from resurgo.state.unflatten import Restorer
 from resurgo.storage.base import Checkpoint
@@ -43,7 +43,9 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
     seen: list[bytes] = []  # the manifest this attempt read
     indexes_read: dict[str, int] = {}
 
-    def plan_and_read() -> tuple[Restorer, Any, ReadResult | SharedLoad, Manifest, float]:
+    def plan_and_read() -> tuple[tuple[Restorer, Any, ReadResult | SharedLoad, Manifest, float], Any]:
+        """The load planned (and read, unless the ranks may share), and this rank's note for the
+        others: the manifest it read, and what planning shared reads needs (None: not sharing)."""
         ckpt = open_checkpoint(path, storage_options).pinned()  # one version, where the backend can
         keep_open = False
         try:
@@ -69,12 +71,13 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
                 destinations = [replace(d, entry=manifest.tensors[d.key]) for d in destinations]
                 data_files.check_sizes(ckpt, manifest)
             t_plan = time.perf_counter() - t_start
+            version = (str(path), checksum.digest(raw))
             if sharing:  # read once every rank agreed on the plan: the sharing is collective
                 opened.append(SharedLoad(ckpt, manifest, destinations, verify, io_threads))
                 keep_open = True
-                return restorer, result, opened[-1], manifest, t_plan
-            return restorer, result, read_destinations(ckpt, manifest, destinations, verify=verify,
-                                                       threads=io_threads), manifest, t_plan
+                return (restorer, result, opened[-1], manifest, t_plan), (version, share_note(opened[-1].needs, is_url(path)))
+            return (restorer, result, read_destinations(ckpt, manifest, destinations, verify=verify, threads=io_threads),
+                    manifest, t_plan), (version, None)
         finally:
             if not keep_open:
                 ckpt.close()
@@ -82,16 +85,20 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
     shared_info = {"shared": False, "plan_bytes": 0}
     opened: list[SharedLoad] = []  # loads planned whose checkpoint is still open (read_shared closes it)
 
-    def read_shared(load: SharedLoad) -> ReadResult:
+    def read_shared(load: SharedLoad, notes: list[Any]) -> ReadResult:
         """Every rank agrees on the share plan, then reads its part (all raise if one fails)."""
         try:
-            plan, shared_info["plan_bytes"] = agree_plan(comm, (str(path), checksum.digest(seen[0])), load.needs,
-                                                         share_reads, is_url(path))
+            plan, shared_info["plan_bytes"] = agree_plan(comm, [v for v, _ in notes], [n for _, n in notes],
+                                                         load.needs, share_reads)
             shared_info["shared"] = plan is not None
             return comm.agree(load.read_alone if plan is None else lambda: load.transfer(comm, plan))
         finally:
-            opened.clear()
+            close_opened()
+
+    def close_opened() -> None:
+        for load in opened:
             load.ckpt.close()
+        opened.clear()
 
     # A save replacing the checkpoint meanwhile is not corruption: read the new version instead. Every
     # decision is collective, so all ranks retry together and end on the same version.
@@ -99,15 +106,16 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
         seen.clear()
         try:
             try:
-                restorer, result, read, manifest, t_plan = comm.agree(plan_and_read)
+                (restorer, result, read, manifest, t_plan), notes = comm.agree_noting(plan_and_read)
             except BaseException:  # another rank failed: this rank's planned load is not read
-                for load in opened:
-                    load.ckpt.close()
-                opened.clear()
+                close_opened()
                 raise
+            if not _one_version_per_path([v for v, _ in notes]):
+                close_opened()
+                continue
             if isinstance(read, SharedLoad):
                 shared_load: SharedLoad | None = read
-                read = read_shared(read)
+                read = read_shared(read, notes)
             else:
                 shared_load = None
         except CheckpointReplacedError:
@@ -117,8 +125,7 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
             if any(comm.all_gather(changed)):
                 continue
             raise
-        if comm.size == 1 or _one_version_per_path(comm.all_gather((str(path), checksum.digest(seen[0])))):
-            break
+        break
     else:
         raise consistent.replaced_too_often(path)
     seconds = dict(read.seconds)

@@ -21,7 +21,7 @@ from resurgo.format import checksum, dtypes
 from resurgo.format.manifest import Manifest, TensorEntry
 from resurgo.pipeline.buffers import as_copyable, typed_view, writable_bytes
 from resurgo.pipeline.data_files import open_data_file
-from resurgo.plan.load_plan import BoxCopy, ReadOp, Scatter, Target, plan_reads
+from resurgo.plan.load_plan import MAX_PIECE_BYTES, BoxCopy, ReadOp, Scatter, Target, plan_reads
 from resurgo.state.flatten import Array
 from resurgo.state.unflatten import Destination
 from resurgo.storage.base import Checkpoint, ReadHandle
@@ -161,7 +161,8 @@ def read_ops(ckpt: Checkpoint, manifest: Manifest, entries: dict[str, TensorEntr
     if handles is None:
         handles = _open_files(ckpt, manifest, {op.file for op in ops})
     seconds = {"plan": time.perf_counter() - t_start, "read": 0.0, "checksum": 0.0}
-    gap, most = ckpt.coalesce_reads if own else (0, 0)
+    # Bytes in memory: reads back to back are one task (a pool task costs more than a call).
+    gap, most = ckpt.coalesce_reads if own else (0, MAX_PIECE_BYTES)
     batches = coalesce(ops, gap, most) if most else [[op] for op in ops]
     tasks = read_tasks(batches, {name: manifest.file_entry(name).header_bytes for name in handles} if verify else {}, gap)
     reading = _PlanReading(ckpt, manifest, entries, bufs, handles, verify)

@@ -2,28 +2,34 @@
 
 :class:`SharedLoad` takes one rank's load plan (its read ops) and, with the other ranks:
 
-1. agrees on a :class:`~resurgo.plan.share_plan.SharePlan` (:func:`agree_plan`). One small
-   all-gather carries each rank's checkpoint (path and manifest digest), host, whether it reads
-   an object store, and a fingerprint of its needs; ranks with identical needs form a group that
-   needs no further exchange, and only when there are several groups does the lowest rank of
-   each send its group's need list. It also decides whether to share at all: ``share_reads=None``
-   shares when the page cache cannot make repeated reads free (an object store, or ranks on
-   several hosts); every rank must load the same version of the same checkpoint.
+1. agrees on a :class:`~resurgo.plan.share_plan.SharePlan` (:func:`agree_plan`) in no collective
+   of its own: each rank's checkpoint (path and manifest digest), host, whether it reads an
+   object store, and a fingerprint of its needs (:func:`share_note`) travel with the outcome of
+   its load plan (:meth:`resurgo.dist.comm.Comm.agree_noting`). Ranks with identical needs form a
+   group that needs no further exchange; only when there are several groups does the lowest rank
+   of each send its group's need list. It also decides whether to share at all:
+   ``share_reads=None`` shares when the page cache cannot make repeated reads free (an object
+   store, or ranks on several hosts); every rank must load the same version of the same checkpoint.
 2. transfers (:meth:`SharedLoad.transfer`): every rank posts the receives of the messages it
-   gets, then reads, verifies and sends its own messages one after the other (the next read
-   overlaps the previous sends, which gloo runs in the background), then reads the bytes only it
-   needs. Failures are kept until every transfer is done, so no peer waits forever, then raised;
-   the caller agrees on them (:meth:`resurgo.dist.comm.Comm.agree`), so a corrupt chunk makes
-   every rank raise the same error.
-3. fills the targets (:meth:`SharedLoad.finish`), only once every rank succeeded: the shared
-   bytes are scattered from memory into the destinations by the ordinary read ops.
+   gets, a piece that lands as one contiguous run of a target straight into it; it reads and
+   verifies its own messages in parallel, the same way, each sent as soon as it is verified
+   (gloo sends in the background while the next ones are read), then reads the bytes only it
+   needs. Bytes are verified once, by the rank that read them from storage; the receivers get
+   them over the process group's reliable transport. Failures are kept until every transfer is
+   done, so no peer waits forever, then raised; the caller agrees on them
+   (:meth:`resurgo.dist.comm.Comm.agree`), so a corrupt chunk makes every rank raise the same error.
+3. fills the rest of the targets (:meth:`SharedLoad.finish`) once every rank succeeded: bytes
+   held in memory (small pieces packed in one message, pieces a target needs only part of) are
+   scattered into place by the ordinary read ops.
 """
 
 from __future__ import annotations
 
 import bisect
+import pickle
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +40,7 @@ from resurgo.errors import CorruptCheckpointError
 from resurgo.format.manifest import Manifest, TensorEntry
 from resurgo.pipeline.reader import ReadResult, copy_back, place_destinations, read_ops
 from resurgo.plan.load_plan import MAX_PIECE_BYTES, ReadOp, ReadPart, plan_reads
-from resurgo.plan.share_plan import (MESSAGE_BYTES, ChunkId, SharePlan, fingerprint, groups_of,
+from resurgo.plan.share_plan import (PIECE_BYTES, ChunkId, Message, SharePlan, fingerprint, groups_of,
                                      plan_shares)
 from resurgo.state.unflatten import Destination
 from resurgo.storage.base import Checkpoint
@@ -94,25 +100,44 @@ class _MemoryFile:
         pass
 
 
-def agree_plan(comm: Comm, checkpoint: tuple[str, str], needs: dict[ChunkId, int], share_reads: bool | None,
-               object_store: bool) -> tuple[SharePlan | None, int]:
-    """The share plan every rank agrees on, or None when the ranks do not share; and the bytes this
-    rank sent to build it. Collective."""
+def share_note(needs: dict[ChunkId, int], object_store: bool) -> tuple[str, bool, str]:
+    """What this rank tells the others to plan the sharing (gathered with the load plan's outcome,
+    in no collective of its own): its host, whether it reads an object store, a fingerprint of
+    its needs."""
+    return socket.gethostname(), object_store, fingerprint(needs)
+
+
+def agree_plan(comm: Comm, checkpoints: list[tuple[str, str]], notes: list[tuple[str, bool, str]],
+               needs: dict[ChunkId, int], share_reads: bool | None) -> tuple[SharePlan | None, int]:
+    """The share plan every rank agrees on, from every rank's checkpoint (path, manifest digest)
+    and :func:`share_note`, or None when the ranks do not share; and the bytes this rank sent to
+    build it. Collective only when the needs differ (each group's lowest rank sends its list)."""
+    sent = len(pickle.dumps(notes[comm.rank], protocol=pickle.HIGHEST_PROTOCOL))
+    helps = any(o for _, o, _ in notes) or len({h for h, _, _ in notes}) > 1
+    if len(set(checkpoints)) > 1 or not (share_reads or (share_reads is None and helps)):
+        return None, sent
+    groups = groups_of([fp for _, _, fp in notes])
+    if len(groups) == 1:
+        return plan_shares([(groups[0], needs)]), sent
     before = sum(sent_bytes().values())
-    mine = fingerprint(needs)
-    every = comm.all_gather((checkpoint, socket.gethostname(), object_store, mine))
-    one_checkpoint = len({c for c, _, _, _ in every}) == 1
-    helps = any(o for _, _, o, _ in every) or len({h for _, h, _, _ in every}) > 1
-    plan = None
-    if one_checkpoint and (share_reads or (share_reads is None and helps)):
-        groups = groups_of([fp for _, _, _, fp in every])
-        if len(groups) == 1:
-            plan = plan_shares([(groups[0], needs)])
-        else:
-            leads = {g[0] for g in groups}
-            lists = comm.all_gather(sorted(needs.items()) if comm.rank in leads else None)
-            plan = plan_shares([(g, dict(lists[g[0]] or ())) for g in groups])
-    return plan, sum(sent_bytes().values()) - before
+    leads = {g[0] for g in groups}
+    lists = comm.all_gather(sorted(needs.items()) if comm.rank in leads else None)
+    return plan_shares([(g, dict(lists[g[0]] or ())) for g in groups]), sent + sum(sent_bytes().values()) - before
+
+
+def _whole_chunks(ops: list[ReadOp]) -> dict[tuple[str, int], tuple[int, int]]:
+    """Chunks read straight into one target as one contiguous run (its parts all direct, to one
+    target): (key, chunk) -> (target, byte of the target where the chunk's first byte lands)."""
+    places: dict[tuple[str, int], set[tuple[int, int]]] = {}
+    for op in ops:
+        for part in op.parts:
+            places.setdefault((part.key, part.chunk), set()).add((-1, 0) if part.target is None else (part.target, part.dst_offset))
+    out = {}
+    for chunk, found in places.items():
+        targets = {t for t, _ in found}
+        if len(targets) == 1 and -1 not in targets:  # a part lands at base + where it starts in the chunk
+            out[chunk] = min(found)
+    return out
 
 
 class SharedLoad:
@@ -131,6 +156,8 @@ class SharedLoad:
                 for cid, piece in self._pieces_of(part):
                     self.pieces[cid] = piece
                     self.needs[cid] = piece.stop - piece.start
+        self.whole = _whole_chunks(self.ops)
+        self.landed: dict[tuple[str, int], set[int]] = {}  # chunk -> starts of its pieces taken into its target
         self.memory: dict[str, _MemoryFile] = {}
         self.from_memory: list[ReadOp] = []
         self.bytes_received = 0
@@ -139,7 +166,7 @@ class SharedLoad:
         """The share pieces a read part touches (one block more at its end: a part that starts
         inside a block, at an extent boundary, ends up to one block past ``first_block``'s span)."""
         c = self.entries[part.key].chunks[part.chunk]
-        step = _step(c.block_bytes, MESSAGE_BYTES)
+        step = _step(c.block_bytes, PIECE_BYTES)
         lo = part.first_block * c.block_bytes
         hi = min(c.nbytes, lo + part.length + c.block_bytes)
         file, offset, _ = c.spans[0]
@@ -156,7 +183,9 @@ class SharedLoad:
 
     def transfer(self, comm: Comm, plan: SharePlan) -> ReadResult:
         """Receive, read and send the shared messages, and read what only this rank needs; raise
-        the first failure once every transfer is done. Targets are not touched (see :meth:`finish`)."""
+        the first failure once every transfer is done. A message of one piece that lands as one
+        contiguous run of a target is received (or read) straight into it; other messages land
+        in memory, scattered into the targets by :meth:`finish`."""
         import torch
         import torch.distributed as dist
 
@@ -167,75 +196,96 @@ class SharedLoad:
             return group_rank(comm.group, rank) if group_rank is not None else rank
 
         errors: list[BaseException] = []
-        pending: list[Any] = []  # (request, arena): arenas kept alive until their transfer is done
-        arenas: dict[int, np.ndarray] = {}
+        pending: list[Any] = []  # (request, buffer): buffers kept alive until their transfer is done
+        landing: dict[int, np.ndarray] = {}  # message index (its tag) -> where its bytes go here
+        for tag, m in enumerate(plan.messages):
+            if comm.rank == m.reader or comm.rank in m.receivers:
+                landing[tag] = self._landing(m)
         for tag, m in enumerate(plan.messages):
             if comm.rank in m.receivers:
-                arena = np.empty(m.nbytes, dtype=np.uint8)
-                arenas[tag] = arena
-                pending.append((dist.irecv(torch.from_numpy(arena), src=peer(m.reader), group=comm.group, tag=tag), arena))
-        totals = {"bytes": 0}
-        seconds = {"read": 0.0, "checksum": 0.0, "assemble": 0.0}
-        files: set[str] = set()
+                pending.append((dist.irecv(torch.from_numpy(landing[tag]), src=peer(m.reader), group=comm.group,
+                                           tag=tag), landing[tag]))
+        results: list[ReadResult] = []
 
-        def read(bufs: list[np.ndarray], ops: list[ReadOp]) -> None:
-            """Read ``ops`` from storage into ``bufs``, counting; a failure is kept for the end."""
+        def read(bufs: list[np.ndarray], ops: list[ReadOp], threads: int) -> None:
+            """Read ``ops`` from storage into ``bufs``; a failure is kept for the end."""
             if errors:  # after a failure the peers still get (unverified) bytes, then everyone raises
                 return
             try:
-                got = read_ops(self.ckpt, self.manifest, self.entries, bufs, ops, self.verify, self.threads)
+                results.append(read_ops(self.ckpt, self.manifest, self.entries, bufs, ops, self.verify, threads))
             except BaseException as e:  # noqa: BLE001 - raised once every transfer is done
                 errors.append(e)
-                return
-            totals["bytes"] += got.bytes_read
-            files.update(got.files)
-            for k in seconds:
-                seconds[k] += got.seconds[k]
 
-        for tag, m in enumerate(plan.messages):
-            if m.reader != comm.rank:
-                continue
-            arena = np.empty(m.nbytes, dtype=np.uint8)
-            arenas[tag] = arena
+        def read_and_send(tag: int) -> None:
+            """Read one of this rank's messages and send it; from a pool thread, so the sends of
+            one message start while the others are read, with no hand-off to this thread."""
+            m, into = plan.messages[tag], landing[tag]
             try:
-                ops = self._message_ops(m.chunks, m.offsets())
+                read([into], self._message_ops(m.chunks, m.offsets()), 1)
             except BaseException as e:  # noqa: BLE001 - raised once every transfer is done
                 errors.append(e)
-                ops = []
-            read([arena], ops)
-            tensor = torch.from_numpy(arena)
+            tensor = torch.from_numpy(into)
             for r in m.receivers:
-                pending.append((dist.isend(tensor, dst=peer(r), group=comm.group, tag=tag), arena))
-        for tag, arena in arenas.items():
-            m = plan.messages[tag]
-            for c, at in zip(m.chunks, m.offsets()):
-                piece = self.pieces.get(c.chunk)
-                if piece is not None:
-                    self._hold(piece, arena[at:at + c.nbytes])
+                pending.append((dist.isend(tensor, dst=peer(r), group=comm.group, tag=tag), into))
+
+        mine = [tag for tag, m in enumerate(plan.messages) if m.reader == comm.rank]
+        if mine:
+            with ThreadPoolExecutor(max_workers=max(1, self.threads), thread_name_prefix="resurgo-share") as pool:
+                list(pool.map(read_and_send, mine))
         self.from_memory = []
         from_storage: list[ReadOp] = []
-        for op in self.ops:  # an op is split where its parts switch between memory and storage
+        for op in self.ops:  # an op is split where its parts switch between taken, memory and storage
             at = op.file_offset
             for part in op.parts:
-                held = op.file in self.memory and self.memory[op.file].holds(at, part.length)
-                (self.from_memory if held else from_storage).append(ReadOp(op.file, at, part.length, (part,)))
+                if not self._taken(part):
+                    held = op.file in self.memory and self.memory[op.file].holds(at, part.length)
+                    (self.from_memory if held else from_storage).append(ReadOp(op.file, at, part.length, (part,)))
                 at += part.length
-        read(self.bufs, from_storage)
+        if from_storage:
+            read(self.bufs, from_storage, self.threads)
         t_wait = time.perf_counter()
         for request, _ in pending:
             try:
                 request.wait()
             except BaseException as e:  # noqa: BLE001 - a peer that failed mid-transfer
                 errors.append(CorruptCheckpointError(f"{self.ckpt.path}: a shared read from another rank failed: {e}"))
+        seconds = {k: sum(r.seconds[k] for r in results) for k in ("read", "checksum", "assemble")}
         seconds["transfer_wait"] = time.perf_counter() - t_wait
         self.bytes_received = plan.received_bytes(comm.rank)
         if errors:
             raise errors[0]
         seconds["total"] = time.perf_counter() - t_start
-        return ReadResult(totals["bytes"], sorted(files), seconds, bytes_received=self.bytes_received)
+        return ReadResult(sum(r.bytes_read for r in results), sorted({f for r in results for f in r.files}), seconds,
+                          bytes_received=self.bytes_received)
+
+    def _landing(self, m: Message) -> np.ndarray:
+        """Where message ``m``'s bytes go on this rank: straight into the target when it is one
+        piece landing there as one contiguous run, else a buffer held in memory."""
+        piece = self.pieces.get(m.chunks[0].chunk) if len(m.chunks) == 1 else None
+        place = self.whole.get((piece.key, piece.chunk)) if piece is not None else None
+        if piece is not None and place is not None and piece.stop - piece.start == m.nbytes:
+            target, base = place
+            self.landed.setdefault((piece.key, piece.chunk), set()).add(piece.start)
+            return self.bufs[target][base + piece.start:base + piece.stop]
+        arena = np.empty(m.nbytes, dtype=np.uint8)
+        for c, at in zip(m.chunks, m.offsets()):
+            held = self.pieces.get(c.chunk)
+            if held is not None:
+                self._hold(held, arena[at:at + c.nbytes])
+        return arena
+
+    def _taken(self, part: ReadPart) -> bool:
+        """Whether every byte of ``part`` is taken straight into its target by a message."""
+        starts = self.landed.get((part.key, part.chunk))
+        if part.target is None or starts is None:
+            return False
+        c = self.entries[part.key].chunks[part.chunk]
+        step = _step(c.block_bytes, PIECE_BYTES)
+        lo = part.dst_offset - self.whole[(part.key, part.chunk)][1]
+        return all(s in starts for s in range(lo // step * step, lo + part.length, step))
 
     def _message_ops(self, chunks: Any, offsets: list[int]) -> list[ReadOp]:
-        """Read ops that fill a message's arena (its one target) with its pieces, verified."""
+        """Read ops that fill a message's landing (their one target) with its pieces, verified."""
         ops = []
         for c, at in zip(chunks, offsets):
             key, _, _, start = c.chunk

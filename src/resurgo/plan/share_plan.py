@@ -10,9 +10,10 @@ build the plan do not grow with world x chunks when most ranks need the same thi
 For every chunk that two ranks or more need, one of them reads it from storage (the one with the
 fewest bytes to read so far, largest chunks first: within a group, reads differ by at most one
 chunk) and the others receive it. Chunks only one rank needs are not in the plan: that rank
-reads them as usual. The shared chunks travel in messages: chunks with the same reader and the
-same receivers packed together up to :data:`MESSAGE_BYTES`, one send per receiver each, so a
-state of many small tensors does not cost one send per tensor.
+reads them as usual. The shared chunks travel in messages, one send per receiver each: a chunk of
+:data:`ALONE_BYTES` or more alone (the receivers take it straight into their tensors), smaller
+ones with the same reader and receivers packed together up to :data:`MESSAGE_BYTES`, so a state
+of many small tensors does not cost one send per tensor.
 """
 
 from __future__ import annotations
@@ -21,8 +22,14 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from resurgo.plan.load_plan import MAX_PIECE_BYTES
+
 ChunkId = tuple[str, str, int, int]  # (key, data file of the chunk's first byte, its offset there, piece start in the chunk)
-MESSAGE_BYTES = 64 << 20  # large enough to stream at full speed, small enough to overlap reads and sends
+# The unit shared: the load plan's read pieces (a direct read part is then one piece, all of it
+# received or all of it read), small enough that sends start while the reader reads the rest.
+PIECE_BYTES = MAX_PIECE_BYTES
+MESSAGE_BYTES = 16 << 20  # small pieces packed up to this
+ALONE_BYTES = 1 << 20  # a piece this large is sent alone: one copy less beats one message less
 
 
 def fingerprint(needs: Mapping[ChunkId, int]) -> str:
@@ -89,7 +96,7 @@ class SharePlan:
 
 
 def plan_shares(groups: Sequence[tuple[Sequence[int], Mapping[ChunkId, int]]],
-                message_bytes: int = MESSAGE_BYTES) -> SharePlan:
+                message_bytes: int = MESSAGE_BYTES, alone_bytes: int = ALONE_BYTES) -> SharePlan:
     """The plan for ``groups``: (ranks, their common need) pairs, each rank in one group."""
     needers: dict[ChunkId, list[int]] = {}
     sizes: dict[ChunkId, int] = {}
@@ -111,6 +118,9 @@ def plan_shares(groups: Sequence[tuple[Sequence[int], Mapping[ChunkId, int]]],
     batch: list[SharedChunk] = []
     batch_bytes = 0
     for c in shared:
+        if c.nbytes >= alone_bytes:
+            messages.append(Message(c.reader, c.receivers, (c,)))
+            continue
         if batch and ((batch[0].reader, batch[0].receivers) != (c.reader, c.receivers)
                       or batch_bytes + c.nbytes > message_bytes):
             messages.append(Message(batch[0].reader, batch[0].receivers, tuple(batch)))

@@ -1,0 +1,79 @@
+"""Where a shared load's messages land (resurgo.pipeline.shared_read), one process: a piece sent
+alone that lands as one contiguous run of a target goes straight into the target's memory, and
+the parts it covers are not read again; small pieces packed together, and pieces a target needs
+only part of, land in memory that the ordinary read ops scatter from."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+import resurgo
+from resurgo.pipeline.manifest_read import read_manifest_and_bytes, resolve_for
+from resurgo.pipeline.shared_read import SharedLoad, _whole_chunks
+from resurgo.plan.load_plan import ReadOp, ReadPart
+from resurgo.plan.share_plan import plan_shares
+from resurgo.state.unflatten import Restorer
+from resurgo.storage.open import open_checkpoint
+
+
+def _shared_load(path, target) -> SharedLoad:
+    ckpt = open_checkpoint(str(path)).pinned()
+    manifest, _ = read_manifest_and_bytes(ckpt, resolved=False)
+    restorer = Restorer(manifest, strict=False)
+    restorer.restore(target)
+    destinations = restorer.destinations
+    if manifest.indexed:
+        manifest = resolve_for(ckpt, manifest, {d.key: [p.place for p in d.local_pieces()] for d in destinations}, {})
+        destinations = [replace(d, entry=manifest.tensors[d.key]) for d in destinations]
+    return SharedLoad(ckpt, manifest, destinations, verify=True, threads=1)
+
+
+def test_a_whole_piece_lands_in_the_target_and_small_ones_in_memory(tmp_path):
+    state = {"w": torch.randn(512, 1024), "s1": torch.arange(100.0), "s2": torch.arange(7.0)}  # w (2 MiB) alone
+    resurgo.save(state, tmp_path / "ck")
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    load = _shared_load(tmp_path / "ck", target)
+    try:
+        plan = plan_shares([((0, 1), load.needs)])  # rank 0 reads w, rank 1 the small ones, in one message
+        assert sorted(sorted(c.chunk[0] for c in m.chunks) for m in plan.messages) == [["s1", "s2"], ["w"]]
+        landing = {m.chunks[0].chunk[0]: load._landing(m) for m in plan.messages}
+        w_bytes = target["w"].view(-1).view(torch.uint8).numpy()
+        assert np.shares_memory(landing["w"], w_bytes) and landing["w"].size == w_bytes.size
+        small = landing["s1" if "s1" in landing else "s2"]
+        assert not any(np.shares_memory(small, target[k].numpy()) for k in ("s1", "s2"))
+        left = {p.key for op in load.ops for p in op.parts if not load._taken(p)}
+        assert left == {"s1", "s2"}  # w is neither read again from storage nor copied from memory
+    finally:
+        load.ckpt.close()
+
+
+def test_a_piece_a_target_needs_part_of_lands_in_memory(tmp_path):
+    w = torch.randn(512, 1024)
+    resurgo.save({"w": w}, tmp_path / "ck")
+    half = resurgo.Shard(torch.zeros(512, 512), (512, 1024), (0, 512))  # columns: not one run of the chunk
+    load = _shared_load(tmp_path / "ck", {"w": half})
+    try:
+        plan = plan_shares([((0, 1), load.needs)])
+        assert [len(m.chunks) for m in plan.messages] == [1]
+        landed = load._landing(plan.messages[0])
+        assert not np.shares_memory(landed, half.local.numpy()) and landed.size == w.numel() * 4
+        assert not any(load._taken(p) for op in load.ops for p in op.parts)
+        assert all(load.memory[op.file].holds(op.file_offset, op.length) for op in load.ops)
+    finally:
+        load.ckpt.close()
+
+
+def test_only_chunks_read_straight_into_one_target_count_as_whole():
+    def op(*parts: ReadPart) -> ReadOp:
+        return ReadOp("data/f", 0, sum(p.length for p in parts), parts)
+
+    ops = [
+        op(ReadPart("a", 0, 100, 0, 2, 300), ReadPart("a", 0, 50, 1, 2, 400)),  # lands at 300 of target 2
+        op(ReadPart("b", 0, 100, 0, 1, 0), ReadPart("b", 0, 100, 1, None)),  # partly through scratch
+        op(ReadPart("c", 0, 100, 0, 0, 0), ReadPart("c", 0, 100, 1, 3, 100)),  # two targets
+        op(ReadPart("d", 1, 100, 0, None)),
+    ]
+    assert _whole_chunks(ops) == {("a", 0): (2, 300)}
