@@ -19,6 +19,7 @@ from resurgo.format import checksum
 from resurgo.format.manifest import Manifest
 from resurgo.pipeline import consistent, data_files, inflight
 from resurgo.pipeline.manifest_read import read_manifest_and_bytes, resolve_for
+from resurgo.pipeline.peer_read import PeerFiles, PeerLoad
 from resurgo.pipeline.reader import ReadResult, read_destinations
 from resurgo.pipeline.shared_read import SharedLoad, agree_plan
 from resurgo.reports import LoadReport
@@ -29,14 +30,18 @@ from resurgo.storage.open import is_url, open_checkpoint
 
 def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool, allow_pickle: bool,
             io_threads: int, storage_options: dict | None = None,
-            ignore_mismatched: bool = False, share_reads: bool | None = None) -> tuple[Any, LoadReport]:
+            ignore_mismatched: bool = False, share_reads: bool | None = None,
+            peers: PeerFiles | None = None) -> tuple[Any, LoadReport]:
     """Plan, check and read everything, then fill the target. In a distributed job every rank reads
     only what its own layout needs; if any rank fails before the target is touched, all raise.
     ``share_reads``: bytes several ranks need are read once and sent (:mod:`resurgo.pipeline.shared_read`);
-    None decides from where the ranks run and what they read, False never."""
+    None decides from where the ranks run and what they read, False never. ``peers``: each rank
+    loads its node's directory of ``path``, and the files it lacks are read from the peers named
+    (:mod:`resurgo.pipeline.peer_read`); every rank passes one (an empty one where its node holds
+    every file); the ranks do not share reads."""
     t_start = time.perf_counter()
     comm = dist_comm.current()
-    sharing = comm.size > 1 and share_reads is not False
+    sharing = comm.size > 1 and share_reads is not False and peers is None
     if comm.size > 1:  # an in-flight save commits with collectives on the same group: let it finish
         inflight.settle(if_busy="wait")
 
@@ -55,7 +60,10 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
                     f"{ckpt.path}: holds pickled values; loading them could run code from the file. "
                     "Pass allow_pickle=True only if you trust this checkpoint."
                 )
-            data_files.check_sizes(ckpt, manifest)  # before any allocation
+            if peers is None:
+                data_files.check_sizes(ckpt, manifest)  # before any allocation
+            else:
+                peers.check_sizes(ckpt, {name: f.bytes for name, f in manifest.files.items()})
             restorer = Restorer(manifest, allow_pickle=allow_pickle, strict=strict, rank=comm.rank, world=comm.size,
                                 source=str(ckpt.path), ignore_mismatched=ignore_mismatched)
             result = restorer.restore(target)
@@ -69,6 +77,10 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
                 destinations = [replace(d, entry=manifest.tensors[d.key]) for d in destinations]
                 data_files.check_sizes(ckpt, manifest)
             t_plan = time.perf_counter() - t_start
+            if peers is not None:  # read once every rank planned: the transfers are collective
+                opened.append(PeerLoad(ckpt, manifest, destinations, verify, io_threads, peers, ckpt.map_read))
+                keep_open = True
+                return restorer, result, opened[-1], manifest, t_plan
             if sharing:  # read once every rank agreed on the plan: the sharing is collective
                 opened.append(SharedLoad(ckpt, manifest, destinations, verify, io_threads))
                 keep_open = True
@@ -80,7 +92,14 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
                 ckpt.close()
 
     shared_info = {"shared": False, "plan_bytes": 0}
-    opened: list[SharedLoad] = []  # loads planned whose checkpoint is still open (read_shared closes it)
+    opened: list[SharedLoad | PeerLoad] = []  # loads planned whose checkpoint is still open (read_shared closes it)
+
+    def read_from_peers(load: PeerLoad) -> ReadResult:
+        try:
+            return comm.agree(lambda: load.transfer(comm))
+        finally:
+            opened.clear()
+            load.ckpt.close()
 
     def read_shared(load: SharedLoad) -> ReadResult:
         """Every rank agrees on the share plan, then reads its part (all raise if one fails)."""
@@ -105,9 +124,9 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
                     load.ckpt.close()
                 opened.clear()
                 raise
-            if isinstance(read, SharedLoad):
-                shared_load: SharedLoad | None = read
-                read = read_shared(read)
+            if isinstance(read, (SharedLoad, PeerLoad)):
+                shared_load: SharedLoad | PeerLoad | None = read
+                read = read_shared(read) if isinstance(read, SharedLoad) else read_from_peers(read)
             else:
                 shared_load = None
         except CheckpointReplacedError:
