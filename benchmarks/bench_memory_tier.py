@@ -45,7 +45,8 @@ WORLD = 4
 FIGURES = ("stall", "time_to_safe", "sync_safe", "disk_save", "s3_save", "restore_local", "restore_peer", "restore_disk",
            "restore_s3", "ref_gloo_send", "ref_shm_copy")
 # Where the time goes (the slowest rank's seconds inside the figure named first).
-PARTS = ("sync_safe: replication", "restore_peer: fetch from the peer")
+PARTS = ("sync_safe: replication", "restore_peer: reads received from peers",
+         "restore_peer: re-replication after it")
 
 
 def _state(rank: int, world: int, mib: float, seed: int) -> dict:
@@ -83,8 +84,8 @@ def worker(rank: int, world: int, work: str, disk_work: str, url: str, options: 
 
     import resurgo
     from resurgo.manager import CheckpointManager, MemoryTier
-    from resurgo.manager.memory import MemoryNodes
     from resurgo.pipeline import replicate
+    from resurgo.pipeline.peer_read import PeerLoad
 
     import common
 
@@ -143,9 +144,9 @@ def worker(rank: int, world: int, work: str, disk_work: str, url: str, options: 
         return run
 
     # The replication of a save (send, receive, verify: replicate.exchange) and a peer restore's
-    # fetch (the files node 1 lost, received from node 0), timed where they run.
+    # load (its reads of the files node 1 lost received from node 0), timed where they run.
     replicate.exchange = clocked(replicate.exchange, "exchange")
-    MemoryNodes.fetch = clocked(MemoryNodes.fetch, "fetch")  # type: ignore[method-assign]
+    PeerLoad.transfer = clocked(PeerLoad.transfer, "peer_load")  # type: ignore[method-assign]
     figures: dict[str, list[float]] = {k: [] for k in FIGURES + PARTS}
     exact = True
     for rep in range(repeats):
@@ -190,7 +191,9 @@ def worker(rank: int, world: int, work: str, disk_work: str, url: str, options: 
             m = CheckpointManager(tiers=[tier])
             restored: list[int | None] = []
             figures[figure].append(timed(lambda: restored.append(m.restore(target)), figure))
-            m.close()
+            t0 = time.perf_counter()
+            m.close()  # after a peer restore: waits for node 1 to hold the step again
+            part["close"] = time.perf_counter() - t0
             exact = exact and restored == [3] and _same(target, state)
 
         restore("restore_local")
@@ -198,7 +201,8 @@ def worker(rank: int, world: int, work: str, disk_work: str, url: str, options: 
         if rank == 2:
             shutil.rmtree(mem / "node1")
         restore("restore_peer")
-        figures["restore_peer: fetch from the peer"].append(slowest(part["fetch"]))
+        figures["restore_peer: reads received from peers"].append(slowest(part["peer_load"]))
+        figures["restore_peer: re-replication after it"].append(slowest(part["close"]))
 
         if rank == 0:
             common.evict(disk)

@@ -190,3 +190,36 @@ def corrupt_in_transit(rank: int, world: int, tmp: str) -> dict:
     mgr.close()
     out.update(restore_only(rank, world, tmp, 1))
     return out
+
+
+def corrupt_peer_read(rank: int, world: int, tmp: str) -> dict:
+    """Save steps 1 and 2 (both copied to the durable tier); wipe node 1's root; restore with one
+    byte of every file node 0 sends flipped on its way: node 1's ranks find it does not verify,
+    and every rank restores step 2 from the durable tier instead."""
+    import warnings
+
+    from resurgo.storage.local import CheckpointDir
+
+    save_steps(rank, world, tmp, [1, 2])
+    dist.barrier()
+    if rank == 2:
+        shutil.rmtree(Path(tmp) / "mem" / "node1")
+    dist.barrier()
+    if rank in (0, 1):
+        mapped = CheckpointDir.map_read
+
+        def flipped(self, rel):  # a private mapping: the file itself keeps its bytes
+            f = mapped(self, rel)
+            f.view[len(f.view) - 9] ^= 1
+            return f
+
+        CheckpointDir.map_read = flipped
+    mgr = manager(tmp, rank)
+    state = blank(rank, world)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        restored = mgr.restore(state)
+    mgr.close()
+    node1 = Path(tmp) / "mem" / "node1" / "step_000000002"
+    return {"step": restored, "exact": same(state, 2, rank, world), "warnings": [str(w.message) for w in caught],
+            "node1": sorted(str(p.relative_to(node1)) for p in node1.rglob("*") if p.is_file()) if rank == 2 else None}
