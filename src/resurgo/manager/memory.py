@@ -13,9 +13,12 @@ therefore always belongs to a step that was complete, with its replicas, everywh
 
 Restore: the nodes' leaders report what their roots hold; every rank agrees on the newest step
 whose files the nodes hold among them (:func:`resurgo.plan.memory_plan.choose_rebuild`); each node
-that lacks files of it receives them from a node that holds them (verified) and commits a
-complete directory of the step (so a node that came back empty holds its replicas again); then
-every rank loads from its own node's root with the ordinary verified load.
+that lacks files of it commits a directory of the step with the files it holds; every rank loads
+from its own node's root with the ordinary verified load, whose reads of the files its node lacks
+are received from a rank that holds them (:mod:`resurgo.pipeline.peer_read`). Once the restore
+has returned, those nodes receive the files they lack (verified) in the background and commit
+the complete step (:class:`Refill`): a node that came back empty holds its replicas again before
+the next save or load runs.
 """
 
 from __future__ import annotations
