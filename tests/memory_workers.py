@@ -166,6 +166,19 @@ def three_nodes(rank: int, world: int, tmp: str) -> dict:
     return out
 
 
+def flip_what_is_sent(cls) -> None:
+    """From now on, every file ``cls.map_read`` maps to be sent has one byte flipped (a private
+    mapping: the file itself keeps its bytes)."""
+    mapped = cls.map_read
+
+    def flipped(self, rel):
+        f = mapped(self, rel)
+        f.view[len(f.view) - 9] ^= 1
+        return f
+
+    cls.map_read = flipped
+
+
 def corrupt_in_transit(rank: int, world: int, tmp: str) -> dict:
     """Save step 1; then save step 2 with one byte of rank 0's data flipped on its way to its
     replica holder (rank 2): the save fails on every rank, and step 1 is what memory restores."""
@@ -174,14 +187,7 @@ def corrupt_in_transit(rank: int, world: int, tmp: str) -> dict:
     mgr = manager(tmp, rank, async_save=False)
     mgr.save(1, rank_state(1, rank, world))
     if rank == 0:
-        mapped = LocalStaging.map_read
-
-        def flipped(self, rel):  # a private mapping: the file itself keeps its bytes
-            f = mapped(self, rel)
-            f.view[len(f.view) - 9] ^= 1
-            return f
-
-        LocalStaging.map_read = flipped
+        flip_what_is_sent(LocalStaging)
     out: dict = {}
     try:
         mgr.save(2, rank_state(2, rank, world))
@@ -206,14 +212,7 @@ def corrupt_peer_read(rank: int, world: int, tmp: str) -> dict:
         shutil.rmtree(Path(tmp) / "mem" / "node1")
     dist.barrier()
     if rank in (0, 1):
-        mapped = CheckpointDir.map_read
-
-        def flipped(self, rel):  # a private mapping: the file itself keeps its bytes
-            f = mapped(self, rel)
-            f.view[len(f.view) - 9] ^= 1
-            return f
-
-        CheckpointDir.map_read = flipped
+        flip_what_is_sent(CheckpointDir)
     mgr = manager(tmp, rank)
     state = blank(rank, world)
     with warnings.catch_warnings(record=True) as caught:

@@ -426,6 +426,7 @@ class CheckpointManager:
         are tried next."""
         assert self._memory is not None
         comm = dist_comm.current("control")
+        inflight.settle("wait")  # an earlier restore's re-replication writes the same directories
         try:
             rebuild = self._memory.rebuild(comm, step)
             if rebuild is None:
