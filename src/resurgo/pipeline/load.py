@@ -48,7 +48,7 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
     seen: list[bytes] = []  # the manifest this attempt read
     indexes_read: dict[str, int] = {}
 
-    def plan_and_read() -> tuple[Restorer, Any, ReadResult | SharedLoad, Manifest, float]:
+    def plan_and_read() -> tuple[Restorer, Any, ReadResult | SharedLoad | PeerLoad, Manifest, float]:
         ckpt = open_checkpoint(path, storage_options).pinned()  # one version, where the backend can
         keep_open = False
         try:
@@ -78,7 +78,9 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
                 data_files.check_sizes(ckpt, manifest)
             t_plan = time.perf_counter() - t_start
             if peers is not None:  # read once every rank planned: the transfers are collective
-                opened.append(PeerLoad(ckpt, manifest, destinations, verify, io_threads, peers, ckpt.map_read))
+                # a memory tier's node directory: a local one, whose files map (see CheckpointDir)
+                opened.append(PeerLoad(ckpt, manifest, destinations, verify, io_threads, peers,
+                                       ckpt.map_read))  # type: ignore[attr-defined]
                 keep_open = True
                 return restorer, result, opened[-1], manifest, t_plan
             if sharing:  # read once every rank agreed on the plan: the sharing is collective

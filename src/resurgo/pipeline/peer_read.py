@@ -225,8 +225,8 @@ class _Received:
         import torch.distributed as dist
 
         src = _global(self.comm, self.sender)
-        requests = [dist.irecv(t, src=src, group=self.comm.group, tag=tag + i)
-                    for i, t in enumerate(tensors) if t is not None]
+        requests: list[Any] = [dist.irecv(t, src=src, group=self.comm.group, tag=tag + i)
+                               for i, t in enumerate(tensors) if t is not None]
         for r in requests:
             r.wait()
 
