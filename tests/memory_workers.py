@@ -166,6 +166,19 @@ def three_nodes(rank: int, world: int, tmp: str) -> dict:
     return out
 
 
+def flip_what_is_sent(cls) -> None:
+    """From now on, every file ``cls.map_read`` maps to be sent has one byte flipped (a private
+    mapping: the file itself keeps its bytes)."""
+    mapped = cls.map_read
+
+    def flipped(self, rel):
+        f = mapped(self, rel)
+        f.view[len(f.view) - 9] ^= 1
+        return f
+
+    cls.map_read = flipped
+
+
 def corrupt_in_transit(rank: int, world: int, tmp: str) -> dict:
     """Save step 1; then save step 2 with one byte of rank 0's data flipped on its way to its
     replica holder (rank 2): the save fails on every rank, and step 1 is what memory restores."""
@@ -174,14 +187,7 @@ def corrupt_in_transit(rank: int, world: int, tmp: str) -> dict:
     mgr = manager(tmp, rank, async_save=False)
     mgr.save(1, rank_state(1, rank, world))
     if rank == 0:
-        mapped = LocalStaging.map_read
-
-        def flipped(self, rel):  # a private mapping: the file itself keeps its bytes
-            f = mapped(self, rel)
-            f.view[len(f.view) - 9] ^= 1
-            return f
-
-        LocalStaging.map_read = flipped
+        flip_what_is_sent(LocalStaging)
     out: dict = {}
     try:
         mgr.save(2, rank_state(2, rank, world))
@@ -190,3 +196,29 @@ def corrupt_in_transit(rank: int, world: int, tmp: str) -> dict:
     mgr.close()
     out.update(restore_only(rank, world, tmp, 1))
     return out
+
+
+def corrupt_peer_read(rank: int, world: int, tmp: str) -> dict:
+    """Save steps 1 and 2 (both copied to the durable tier); wipe node 1's root; restore with one
+    byte of every file node 0 sends flipped on its way: node 1's ranks find it does not verify,
+    and every rank restores step 2 from the durable tier instead."""
+    import warnings
+
+    from resurgo.storage.local import CheckpointDir
+
+    save_steps(rank, world, tmp, [1, 2])
+    dist.barrier()
+    if rank == 2:
+        shutil.rmtree(Path(tmp) / "mem" / "node1")
+    dist.barrier()
+    if rank in (0, 1):
+        flip_what_is_sent(CheckpointDir)
+    mgr = manager(tmp, rank)
+    state = blank(rank, world)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        restored = mgr.restore(state)
+    mgr.close()
+    node1 = Path(tmp) / "mem" / "node1" / "step_000000002"
+    return {"step": restored, "exact": same(state, 2, rank, world), "warnings": [str(w.message) for w in caught],
+            "node1": sorted(str(p.relative_to(node1)) for p in node1.rglob("*") if p.is_file()) if rank == 2 else None}

@@ -349,3 +349,13 @@ def test_spare_pages_count_against_the_memory_budget_and_go_first(tmp_path: Path
     assert [size for size, _ in pool.files()] == [600]
     nodes.check_budget(3, _Plan([500]))  # 1100 if it could not: the spare pages are freed instead
     assert pool.files() == []
+
+
+@pytest.mark.slow
+def test_bytes_read_from_a_peer_that_do_not_verify_are_never_loaded(tmp_path: Path):
+    out = run_ranks(WORLD, "memory_workers:corrupt_peer_read", str(tmp_path))
+    assert [(r["step"], r["exact"]) for r in out] == [(2, True)] * WORLD  # from the durable tier
+    for rank in (2, 3):  # the ranks whose reads came from node 0
+        (warned,) = [w for w in out[rank]["warnings"] if "from memory" in w]
+        assert "does not match its xxh3-128 checksum" in warned and "trying the durable tiers" in warned
+    assert out[2]["node1"] == ["manifest.json"]  # node 1 holds the step's manifest, and no unverified byte

@@ -72,13 +72,15 @@ from resurgo.manager.retention import (
     shortcut_policy,
     steps_to_delete,
 )
-from resurgo.manager.memory import MemoryNodes, MemoryTier
+from resurgo.manager.memory import MemoryNodes, MemoryTier, Refill
 from resurgo.manager.tiers import Tier
 from resurgo.pipeline import inflight
 from resurgo.pipeline.async_save import start_async_save
 from resurgo.pipeline.collective import NodeLocal
 from resurgo.pipeline.save import LazySources, prepare_save, write_and_commit
 from resurgo.pipeline.copy import copy_checkpoint, data_files, share_of
+from resurgo.pipeline.load import restore as restore_into
+from resurgo.pipeline.peer_read import PeerFiles
 from resurgo.pipeline.manifest_read import read_manifest_of
 from resurgo.pipeline.verify import verify_checkpoint
 from resurgo.pipeline.save import read_base_manifest
@@ -254,6 +256,7 @@ class CheckpointManager:
         # made here, on the training thread, where every rank builds its manager in the same order.
         self._copy_comm = dist_comm.current("copy") if len(self.tiers) > 1 else dist_comm.Comm(0, 1)
         self._pending: AsyncSaveHandle | None = None
+        self._refill: Refill | None = None  # a restore's re-replication to nodes that lacked files
         self._pending_step: int | None = None
         self._on_commit = on_commit
         self._latest_committed: int | None = None  # written by the committing thread: one int, atomic
@@ -423,22 +426,27 @@ class CheckpointManager:
         are tried next."""
         assert self._memory is not None
         comm = dist_comm.current("control")
+        inflight.settle("wait")  # an earlier restore's re-replication writes the same directories
         try:
             rebuild = self._memory.rebuild(comm, step)
             if rebuild is None:
                 log.info("no step%s complete in the nodes' memory: trying the durable tiers",
                          "" if step is None else f" {step}")
                 return None
-            self._memory.fetch(comm, rebuild)
+            peers = self._memory.open_for_load(comm, rebuild)
         except _UNREADABLE as e:
             warnings.warn(f"resurgo: not restoring from memory ({self._memory.root}): {e}; trying the durable "
                           "tiers", stacklevel=3)
             return None
         s, path = rebuild.step, self.path_for(rebuild.step)
-        outcome, error = self._try_load(state, path, s, strict, None)
+        outcome, error = self._try_load(state, path, s, strict, None, peers)
         (outcome,) = agreement.max_over_ranks([outcome])
         if outcome == _OK:
             self._restored(path, s, 0)
+            # The nodes that lacked files get them after the restore returns, before the next save.
+            self._refill = self._memory.refill(dist_comm.current(), rebuild)
+            if self._refill is not None:
+                inflight.register(self._refill)
             return s
         if error is None:
             error = CorruptCheckpointError(f"{path}: could not be restored on another rank (see its error)")
@@ -478,10 +486,14 @@ class CheckpointManager:
         return sorted(candidates, key=lambda c: (-c[0], c[1]))
 
     @staticmethod
-    def _try_load(state: Any, path: Path | str, step: int, strict: bool,
-                  storage_options: dict | None) -> tuple[int, ResurgoError | None]:
+    def _try_load(state: Any, path: Path | str, step: int, strict: bool, storage_options: dict | None,
+                  peers: PeerFiles | None = None) -> tuple[int, ResurgoError | None]:
         try:
-            report = load(state, path, strict=strict, verify=True, storage_options=storage_options)
+            if peers is None:
+                report = load(state, path, strict=strict, verify=True, storage_options=storage_options)
+            else:  # the files this rank's node lacks are read from peers' memory
+                _, report = restore_into(state, path, strict=strict, verify=True, allow_pickle=False,
+                                         io_threads=DEFAULT_IO_THREADS, peers=peers)
         except _UNREADABLE as e:
             return _UNREADABLE_HERE, e
         except ResurgoError as e:
@@ -807,7 +819,11 @@ class CheckpointManager:
             raise RuntimeError(f"CheckpointManager({str(self.root)!r}) is closed")
 
     def wait(self) -> None:
-        """Block until the save in flight is committed (raising its error) and deletions are done."""
+        """Block until the save in flight is committed (raising its error), deletions are done,
+        and a restore's re-replication to nodes that came back empty is done."""
+        if self._refill is not None:
+            self._refill.wait()
+            self._refill = None
         self._wait_commit()
         self._janitor.join()
         self._reap()

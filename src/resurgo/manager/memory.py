@@ -13,16 +13,22 @@ therefore always belongs to a step that was complete, with its replicas, everywh
 
 Restore: the nodes' leaders report what their roots hold; every rank agrees on the newest step
 whose files the nodes hold among them (:func:`resurgo.plan.memory_plan.choose_rebuild`); each node
-that lacks files of it receives them from a node that holds them (verified) and commits a
-complete directory of the step (so a node that came back empty holds its replicas again); then
-every rank loads from its own node's root with the ordinary verified load.
+that lacks files of it commits a directory of the step with the files it holds; every rank loads
+from its own node's root with the ordinary verified load, whose reads of the files its node lacks
+are received from a rank that holds them (:mod:`resurgo.pipeline.peer_read`). Once the restore
+has returned, those nodes receive the files they lack (verified) in the background and commit
+the complete step (:class:`Refill`): a node that came back empty holds its replicas again before
+the next save or load runs.
 """
 
 from __future__ import annotations
 
 import getpass
+import logging
 import os
 import socket
+import threading
+import warnings
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +42,7 @@ from resurgo.format.manifest import MANIFEST_NAME, declared_files, parse_manifes
 from resurgo.manager.catalog import checkpoint_name, step_of, temporary_target
 from resurgo.pipeline import replicate
 from resurgo.pipeline.collective import NodeLocal
+from resurgo.pipeline.peer_read import PeerFiles
 from resurgo.plan.global_plan import GlobalPlan
 from resurgo.plan.memory_plan import (Holding, Nodes, Rebuild, assign_held, choose_rebuild, node_bytes,
                                       replica_targets, replication, spread)
@@ -44,6 +51,7 @@ from resurgo.storage.local import CheckpointDir, LocalRoot, LocalStaging
 from resurgo.storage.open import is_url
 from resurgo.storage.spare_pages import SparePages
 
+log = logging.getLogger("resurgo.manager")
 SHM = "/dev/shm"
 JOB_ENV = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")  # the job's id, for the default root
 
@@ -220,10 +228,32 @@ class MemoryNodes:
         everyone = comm.all_gather(mine)
         return choose_rebuild({r: h for r, h in enumerate(everyone) if h is not None}, only)
 
-    def fetch(self, comm: Comm, rebuild: Rebuild) -> None:
+    def open_for_load(self, comm: Comm, rebuild: Rebuild) -> PeerFiles | None:
+        """Make the chosen step loadable on every node before any file moves: each node that lacks
+        files of it commits a directory of the step with the files it holds and the manifest of
+        the node they come from (a node directory may hold only some of its step's files), and
+        every rank learns which peer rank sends it each file its node lacks (the load reads
+        those bytes from there: :mod:`resurgo.pipeline.peer_read`). None when every node holds
+        every file. Collective."""
+        if not rebuild.transfers:
+            return None
+        self.fetch(comm, rebuild, receive=False)
+        mine = self.nodes.index[self.rank]
+        return PeerFiles({t.name: t.src for t in spread(rebuild.transfers, self.nodes)
+                          if self.nodes.index[t.dst] == mine})
+
+    def refill(self, comm: Comm, rebuild: Rebuild) -> "Refill | None":
+        """After a restore loaded ``rebuild``'s step: give every node that lacked files of it the
+        whole step again (:meth:`fetch`), in a background thread on ``comm`` (the save and load
+        channel: the next save or load waits for it first). None when there is nothing to send."""
+        if not rebuild.transfers:
+            return None
+        return Refill(str(self.path_for(rebuild.step)), lambda: self.fetch(comm, rebuild))
+
+    def fetch(self, comm: Comm, rebuild: Rebuild, receive: bool = True) -> None:
         """Give every node that lacks files of the chosen step a complete, committed directory of
         it: the files it holds and those received from peers (verified), with the manifest of
-        the node they come from. Collective."""
+        the node they come from (``receive=False``: only the files it holds). Collective."""
         if not rebuild.transfers:
             return
         path = self.path_for(rebuild.step)
@@ -251,9 +281,10 @@ class MemoryNodes:
         try:
             comm.agree(prepare)
             mine = comm.all_gather(staging)[self.leader]  # None on a node that receives nothing: never written to
-            comm.agree(lambda: replicate.exchange(
-                comm, spread(rebuild.transfers, self.nodes), manifest, str(path), source=held.map_read,
-                sink=lambda name, nbytes: mine.create_mapped(name, nbytes)))  # type: ignore[union-attr]
+            if receive:
+                comm.agree(lambda: replicate.exchange(
+                    comm, spread(rebuild.transfers, self.nodes), manifest, str(path), source=held.map_read,
+                    sink=lambda name, nbytes: mine.create_mapped(name, nbytes)))  # type: ignore[union-attr]
             comm.agree(commit)
         except BaseException:
             if staging is not None:
@@ -279,3 +310,37 @@ class MemoryNodes:
                                              "in any node's memory") from None
         return share
 
+
+
+class Refill:
+    """A node's re-replication after a restore, running in a background thread; an in-flight
+    operation (:mod:`resurgo.pipeline.inflight`): the next save or load waits for it. A failure
+    is warned about, not raised: the step is restored, and the next save replicates anew."""
+
+    def __init__(self, path: str, work: Callable[[], None]):
+        self.path = path
+        self._thread = threading.Thread(target=self._run, args=(work,), name="resurgo-refill", daemon=True)
+        self._error: BaseException | None = None
+        self._thread.start()
+
+    def _run(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except BaseException as e:  # noqa: BLE001 - reported by _settle, on the caller's thread
+            self._error = e
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Wait for it to end (a failure is warned about)."""
+        self._settle()
+
+    def _settle(self) -> None:
+        self._thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            warnings.warn(f"resurgo: {self.path}: re-replicating the restored step to the nodes that lacked it "
+                          f"failed: {error}; the next save replicates anew", stacklevel=3)
+        else:
+            log.info("%s: every node holds the restored step again", self.path)

@@ -19,6 +19,7 @@ from resurgo.format import checksum
 from resurgo.format.manifest import Manifest
 from resurgo.pipeline import consistent, data_files, inflight
 from resurgo.pipeline.manifest_read import read_manifest_and_bytes, resolve_for
+from resurgo.pipeline.peer_read import PeerFiles, PeerLoad
 from resurgo.pipeline.reader import ReadResult, read_destinations
 from resurgo.pipeline.shared_read import SharedLoad, agree_plan, share_note
 from resurgo.reports import LoadReport
@@ -29,23 +30,27 @@ from resurgo.storage.open import is_url, open_checkpoint
 
 def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool, allow_pickle: bool,
             io_threads: int, storage_options: dict | None = None,
-            ignore_mismatched: bool = False, share_reads: bool | None = None) -> tuple[Any, LoadReport]:
+            ignore_mismatched: bool = False, share_reads: bool | None = None,
+            peers: PeerFiles | None = None) -> tuple[Any, LoadReport]:
     """Plan, check and read everything, then fill the target. In a distributed job every rank reads
     only what its own layout needs; if any rank fails before the target is touched, all raise.
     ``share_reads``: bytes several ranks need are read once and sent (:mod:`resurgo.pipeline.shared_read`);
-    None decides from where the ranks run and what they read, False never."""
+    None decides from where the ranks run and what they read, False never. ``peers``: each rank
+    loads its node's directory of ``path``, and the files it lacks are read from the peers named
+    (:mod:`resurgo.pipeline.peer_read`); every rank passes one (an empty one where its node holds
+    every file); the ranks do not share reads."""
     t_start = time.perf_counter()
     comm = dist_comm.current()
-    sharing = comm.size > 1 and share_reads is not False
+    sharing = comm.size > 1 and share_reads is not False and peers is None
     if comm.size > 1:  # an in-flight save commits with collectives on the same group: let it finish
         inflight.settle(if_busy="wait")
 
     seen: list[bytes] = []  # the manifest this attempt read
     indexes_read: dict[str, int] = {}
 
-    def plan_and_read() -> tuple[tuple[Restorer, Any, ReadResult | SharedLoad, Manifest, float], Any]:
-        """The load planned (and read, unless the ranks may share), and this rank's note for the
-        others: the manifest it read, and what planning shared reads needs (None: not sharing)."""
+    def plan_and_read() -> tuple[tuple[Restorer, Any, ReadResult | SharedLoad | PeerLoad, Manifest, float], Any]:
+        """The load planned (and read, unless the ranks may share or read from peers), and this rank's
+        note for the others: the manifest it read, and what planning shared reads needs (None: not sharing)."""
         ckpt = open_checkpoint(path, storage_options).pinned()  # one version, where the backend can
         keep_open = False
         try:
@@ -57,7 +62,10 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
                     f"{ckpt.path}: holds pickled values; loading them could run code from the file. "
                     "Pass allow_pickle=True only if you trust this checkpoint."
                 )
-            data_files.check_sizes(ckpt, manifest)  # before any allocation
+            if peers is None:
+                data_files.check_sizes(ckpt, manifest)  # before any allocation
+            else:
+                peers.check_sizes(ckpt, {name: f.bytes for name, f in manifest.files.items()})
             restorer = Restorer(manifest, allow_pickle=allow_pickle, strict=strict, rank=comm.rank, world=comm.size,
                                 source=str(ckpt.path), ignore_mismatched=ignore_mismatched)
             result = restorer.restore(target)
@@ -72,10 +80,17 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
                 data_files.check_sizes(ckpt, manifest)
             t_plan = time.perf_counter() - t_start
             version = (str(path), checksum.digest(raw))
-            if sharing:  # read once every rank agreed on the plan: the sharing is collective
-                opened.append(SharedLoad(ckpt, manifest, destinations, verify, io_threads))
+            if peers is not None:  # read once every rank planned: the transfers are collective
+                # a memory tier's node directory: a local one, whose files map (see CheckpointDir)
+                opened.append(PeerLoad(ckpt, manifest, destinations, verify, io_threads, peers,
+                                       ckpt.map_read))  # type: ignore[attr-defined]
                 keep_open = True
-                return (restorer, result, opened[-1], manifest, t_plan), (version, share_note(opened[-1].needs, is_url(path)))
+                return (restorer, result, opened[-1], manifest, t_plan), (version, None)
+            if sharing:  # read once every rank agreed on the plan: the sharing is collective
+                shared = SharedLoad(ckpt, manifest, destinations, verify, io_threads)
+                opened.append(shared)
+                keep_open = True
+                return (restorer, result, shared, manifest, t_plan), (version, share_note(shared.needs, is_url(path)))
             return (restorer, result, read_destinations(ckpt, manifest, destinations, verify=verify, threads=io_threads),
                     manifest, t_plan), (version, None)
         finally:
@@ -83,7 +98,13 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
                 ckpt.close()
 
     shared_info = {"shared": False, "plan_bytes": 0}
-    opened: list[SharedLoad] = []  # loads planned whose checkpoint is still open (read_shared closes it)
+    opened: list[SharedLoad | PeerLoad] = []  # loads planned whose checkpoint is still open (read_shared closes it)
+
+    def read_from_peers(load: PeerLoad) -> ReadResult:
+        try:
+            return comm.agree(lambda: load.transfer(comm))
+        finally:
+            close_opened()
 
     def read_shared(load: SharedLoad, notes: list[Any]) -> ReadResult:
         """Every rank agrees on the share plan, then reads its part (all raise if one fails)."""
@@ -113,9 +134,9 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
             if not _one_version_per_path([v for v, _ in notes]):
                 close_opened()
                 continue
-            if isinstance(read, SharedLoad):
-                shared_load: SharedLoad | None = read
-                read = read_shared(read, notes)
+            if isinstance(read, (SharedLoad, PeerLoad)):
+                shared_load: SharedLoad | PeerLoad | None = read
+                read = read_shared(read, notes) if isinstance(read, SharedLoad) else read_from_peers(read)
             else:
                 shared_load = None
         except CheckpointReplacedError:

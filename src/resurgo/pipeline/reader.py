@@ -150,21 +150,48 @@ def read_destinations(ckpt: Checkpoint, manifest: Manifest, destinations: list[D
     return result
 
 
+def plan_tasks(manifest: Manifest, ops: list[ReadOp], files: set[str] | dict, verify: bool,
+               coalesce_reads: tuple[int, int] = (0, 0)) -> list[ReadTask]:
+    """The requests that read ``ops`` from ``files`` (every file the ops read), each file's
+    header with them when ``verify``; reads less than ``coalesce_reads = (gap, most)`` apart merge."""
+    gap, most = coalesce_reads
+    batches = coalesce(ops, gap, most) if most else [[op] for op in ops]
+    return read_tasks(batches, {name: manifest.file_entry(name).header_bytes for name in files} if verify else {}, gap)
+
+
+def task_extent(task: ReadTask, header_bytes: int) -> tuple[int, tuple[int, ...]]:
+    """Where in its file a task's one request starts, and the lengths of the buffers it fills
+    back to back (as :meth:`_PlanReading.run` lays them out): the header (``header_bytes``, when
+    the task reads it), then each op's parts, a buffer for the bytes between two ops of a batch."""
+    start = end = 0 if task.header else task.ops[0].file_offset
+    lengths = []
+    if task.header:
+        lengths.append(header_bytes)
+        end = header_bytes
+    for op in task.ops:
+        if op.file_offset > end:
+            lengths.append(op.file_offset - end)
+        lengths.extend(part.length for part in op.parts)
+        end = op.file_offset + op.length
+    return start, tuple(lengths)
+
+
 def read_ops(ckpt: Checkpoint, manifest: Manifest, entries: dict[str, TensorEntry], bufs: list[np.ndarray],
              ops: list[ReadOp], verify: bool = True, threads: int = 4,
-             handles: dict[str, ReadHandle] | None = None) -> ReadResult:
+             handles: dict[str, ReadHandle] | None = None, tasks: list[ReadTask] | None = None) -> ReadResult:
     """Run the read ops of a load plan into ``bufs`` (the plan's targets' bytes), verifying each
-    read unless ``verify`` is false. ``handles``: the files to read from (bytes already in memory),
-    else the checkpoint's data files, opened here and closed at the end."""
+    read unless ``verify`` is false. ``handles``: the files to read from (bytes already in memory,
+    or received from peers), else the checkpoint's data files, opened here and closed at the end.
+    ``tasks``: the requests (:func:`plan_tasks` of ``ops``), when the caller planned them already."""
     t_start = time.perf_counter()
     own = handles is None
     if handles is None:
         handles = _open_files(ckpt, manifest, {op.file for op in ops})
     seconds = {"plan": time.perf_counter() - t_start, "read": 0.0, "checksum": 0.0}
-    # Bytes in memory: reads back to back are one task (a pool task costs more than a call).
-    gap, most = ckpt.coalesce_reads if own else (0, MAX_PIECE_BYTES)
-    batches = coalesce(ops, gap, most) if most else [[op] for op in ops]
-    tasks = read_tasks(batches, {name: manifest.file_entry(name).header_bytes for name in handles} if verify else {}, gap)
+    if tasks is None:
+        # Bytes in memory: reads back to back are one task (a pool task costs more than a call).
+        tasks = plan_tasks(manifest, ops, handles, verify, ckpt.coalesce_reads if own else (0, MAX_PIECE_BYTES))
+    batches = [t for t in tasks if t.ops]
     reading = _PlanReading(ckpt, manifest, entries, bufs, handles, verify)
     try:
         # One batch (and its header reads) runs in this thread: run in a pool thread, its buffers
