@@ -87,7 +87,7 @@ class TensorMeta:
     shape: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per chunk, as WriteItem
 class RankWrite:
     """A chunk a rank writes: the item, and which of its local tensors (key, place) holds the bytes."""
 
