@@ -243,7 +243,6 @@ def plan_global(decls: list[RankDecl], block_bytes_for: Callable[[int, int], int
         return _plan_tensors(decls, block_bytes_for, tree, per_rank, regular_from)
 
 
-
 class PlanCache:
     """The last plan's tensor part, reused while nothing it depends on changed.
 
@@ -534,7 +533,7 @@ def regular_chunks(shape: tuple[int, ...], ranks: list[int], held: list[TensorDe
             _int_rows(map(_SHAPE, places), len(places), len(shape))
         extent: tuple[int, ...] = shape
     elif kinds == {FlatRange}:  # a flat range is a 1-d box of the flattened tensor
-        offsets, stops = _int_rows(map(_START1, places), len(places), 1), _int_rows(map(_STOP1, places), len(places), 1)
+        offsets, stops = _int_rows(map(_low, places), len(places), 1), _int_rows(map(_high, places), len(places), 1)
         sizes = None if offsets is None or stops is None else stops - offsets
         extent = (math.prod(shape),)
     else:
@@ -644,23 +643,17 @@ class _Table:
 
 
 def _low(p: Place) -> tuple[int, ...]:
+    """A box's offsets, a flat range's start."""
     return p.offsets if isinstance(p, ChunkBox) else (p.start,)
 
 
 def _high(p: Place) -> tuple[int, ...]:
+    """A box's shape, a flat range's stop."""
     return p.shape if isinstance(p, ChunkBox) else (p.stop,)
 
 
 _PLACES, _FIRST = operator.attrgetter("places"), operator.itemgetter(0)
 _OFFSETS, _SHAPE = operator.attrgetter("offsets"), operator.attrgetter("shape")
-
-
-def _START1(p: FlatRange) -> tuple[int]:
-    return (p.start,)
-
-
-def _STOP1(p: FlatRange) -> tuple[int]:
-    return (p.stop,)
 
 
 def _int_rows(rows: Iterator[tuple[int, ...]], n: int, width: int) -> np.ndarray | None:
