@@ -271,7 +271,8 @@ def _fmt(value: float, unit: str, extrapolated: bool) -> str:
     return text + ("*" if extrapolated else "")
 
 
-COLUMNS = [("ranks", "ranks", "B"), ("uncached s", "plan_seconds", "s"), ("cached s", "cached_plan_seconds", "s"),
+COLUMNS = [("ranks", "ranks", "B"), ("uncached s", "plan_seconds", "s"), ("uncached ms/rank", "plan_seconds_per_rank", "ms"),
+           ("cached s", "cached_plan_seconds", "s"),
            ("summary ms/rank", "summary_seconds_per_rank", "ms"),
            ("sent/rank cached B", "gathered_bytes_per_rank_cached", "B"),
            ("sent/rank uncached B", "gathered_bytes_per_rank_uncached", "B"),
@@ -317,6 +318,10 @@ def main(argv: list[str] | None = None) -> dict:
             elif field in measured:
                 row[field] = extrapolate(measured[field], world, affine=not field.endswith("seconds"))
                 row["extrapolated"].append(field)
+        if "plan_seconds" in row:  # flat while the plan grows linearly
+            row["plan_seconds_per_rank"] = row["plan_seconds"] / world
+            if "plan_seconds" in row["extrapolated"]:
+                row["extrapolated"].append("plan_seconds_per_rank")
         rows.append(row)
         print(" ".join(f"{name}={_fmt(row[f], unit, f in row['extrapolated'])}" for name, f, unit in COLUMNS if f in row),
               file=sys.stderr, flush=True)

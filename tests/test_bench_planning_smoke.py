@@ -23,9 +23,10 @@ def test_bench_planning_runs_and_marks_extrapolations(tmp_path, capsys):
     fields = {f for _, f, _ in bench.COLUMNS}
     assert all(fields <= set(row) for row in doc["rows"])
     assert one["extrapolated"] == two["extrapolated"] == []
-    assert four["extrapolated"] == ["plan_seconds", "broadcast_bytes_uncached"]
+    assert four["extrapolated"] == ["plan_seconds", "broadcast_bytes_uncached", "plan_seconds_per_rank"]
     assert four["broadcast_bytes_uncached"] == 3 * two["broadcast_bytes_uncached"] - 2 * one["broadcast_bytes_uncached"]  # sizes: affine
     assert four["plan_seconds"] == 2 * two["plan_seconds"]  # times: proportional
+    assert four["plan_seconds_per_rank"] == two["plan_seconds_per_rank"] == two["plan_seconds"] / 2
     # The core describes each tensor once: a rank more adds its index's size and digest and its RNG value.
     assert 0 < four["manifest_bytes"] - two["manifest_bytes"] < 2 * 120
     for row in doc["rows"]:

@@ -4,6 +4,7 @@ or leave a hole raise ShardingError naming the tensor and the ranks; per-rank va
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -12,8 +13,10 @@ from hypothesis import strategies as st
 
 from resurgo.errors import ShardingError
 from resurgo.format import checksum
-from resurgo.layout.box import ChunkBox, covers_exactly_once
-from resurgo.plan.global_plan import PlanCache, RankDecl, TensorDecl, layout_fingerprint, merge_trees, plan_global
+from resurgo.layout.box import ChunkBox, FlatRange, covers_exactly_once, place_order
+from resurgo.layout.grid import Grid
+from resurgo.plan.global_plan import (PlanCache, RankDecl, TensorDecl, layout_fingerprint, listed_chunks, merge_trees,
+                                      plan_global, regular_chunks)
 
 
 def _tree(keys):
@@ -162,3 +165,141 @@ def test_layout_fingerprint_ignores_values_but_not_layout():
     assert a.layout == _replicated(1, digest="f" * 32)[0].layout == layout_fingerprint(a.tensors)
     assert a.layout != _replicated(1, shape=(4, 4))[0].layout
     assert a.layout != _replicated(1, digest=None)[0].layout  # compared across ranks or not
+
+
+# -- the fast path (regular_chunks, arrays) against the general path (listed_chunks) ---------------
+NEVER = 1 << 30  # regular_from: no tensor takes the fast path
+
+
+@st.composite
+def mixed_job(draw):  # type: ignore[no-untyped-def]
+    """A job of tensors laid out as DTensor does (torch.chunk over a mesh, uneven, trailing shards
+    empty), cut by hand, as flat ranges (ZeRO), replicated on several ranks, with 0-d and empty
+    tensors; when ``uniform``, every rank declares every tensor, one place each (the column path)."""
+    world = draw(st.integers(1, 8))
+    uniform = draw(st.booleans())
+    holdings: list[dict[str, list]] = [{} for _ in range(world)]
+    shapes, sharded = {}, {}
+    for i in range(draw(st.integers(1, 5))):
+        key = f"t{i}"
+        how = draw(st.sampled_from(["mesh", "mesh", "flat", "replicated", "scalar"] + ([] if uniform else ["cuts"])))
+        shape = tuple(draw(st.lists(st.integers(0 if how != "mesh" else 1, 9), min_size=1, max_size=2)))
+        if how == "scalar":
+            shape = ()
+        shapes[key], sharded[key] = shape, how in ("mesh", "flat", "cuts")
+        if how == "mesh":  # a mesh of world ranks, one box per rank, ranks in any order
+            first = draw(st.sampled_from([d for d in range(1, world + 1) if world % d == 0]))
+            parts = (first, world // first)[:len(shape)] if len(shape) == 2 else (world,)
+            grid = Grid(parts, 0, tuple(math.prod(parts[d + 1:]) for d in range(len(parts))))
+            ranks = draw(st.permutations(range(world)))
+            for cell in itertools.product(*(range(p) for p in parts)):
+                holdings[ranks[grid.writer(cell)]].setdefault(key, []).append(grid.box(shape, cell))
+        elif how == "flat":  # cut anywhere, empty ranges allowed, one range per rank
+            n = math.prod(shape)
+            cuts = [0] + sorted(draw(st.lists(st.integers(0, n), min_size=world - 1, max_size=world - 1))) + [n]
+            for r in range(world):
+                holdings[r].setdefault(key, []).append(FlatRange(cuts[r], cuts[r + 1]))
+        elif how in ("replicated", "scalar"):
+            holders = range(world) if uniform else draw(st.sets(st.integers(0, world - 1), min_size=1))
+            for r in holders:
+                holdings[r].setdefault(key, []).append(ChunkBox.whole(shape))
+        else:  # boxes cut along dimension 0, each held by one or more ranks, a rank holding several
+            cuts = sorted(set(draw(st.lists(st.integers(0, shape[0]), max_size=3))) | {0, shape[0]})
+            for a, b in zip(cuts, cuts[1:]) if len(cuts) > 1 else [(0, 0)]:
+                for r in draw(st.sets(st.integers(0, world - 1), min_size=1, max_size=2)):
+                    holdings[r].setdefault(key, []).append(ChunkBox((a,) + (0,) * (len(shape) - 1), (b - a,) + shape[1:]))
+    decls = [RankDecl(_tree(sorted(shapes)), tuple(
+        TensorDecl(k, "torch", "bfloat16", shapes[k], tuple(mine[k]), sharded[k]) for k in sorted(mine)))
+        for mine in holdings]
+    return world, decls
+
+
+@settings(max_examples=200, deadline=None)
+@given(mixed_job())
+def test_the_fast_path_plans_what_the_general_path_plans(job):
+    _, decls = job
+    fast = plan_global(decls, checksum.block_bytes_for, regular_from=1)
+    assert fast == plan_global(decls, checksum.block_bytes_for, regular_from=NEVER)
+    assert _as_reference(fast) == _reference_plan(decls)
+
+
+def _reference_plan(decls: list[RankDecl]) -> list:
+    """The assignment written out plainly: every distinct place of a tensor named in place order,
+    all sorted by (bytes descending, key, name), each to its least loaded holder, lowest rank first."""
+    owners: dict[str, dict] = {}
+    for r, d in enumerate(decls):
+        for t in d.tensors:
+            for p in t.places:
+                owners.setdefault(t.key, {}).setdefault(p, set()).add(r)
+    items = []
+    for key, places in owners.items():
+        ordered = sorted(places, key=place_order)
+        for i, p in enumerate(ordered):
+            items.append((p.numel * 2, key, key if len(ordered) == 1 else f"{key}#{i}", p, places[p]))
+    load = [0] * len(decls)
+    writes: list[list] = [[] for _ in decls]
+    for nbytes, key, name, p, holders in sorted(items, key=lambda a: (-a[0], a[1], a[2])):
+        r = min(holders, key=lambda h: (load[h], h))
+        load[r] += nbytes
+        writes[r].append((key, name, p, nbytes))
+    return writes
+
+
+def _as_reference(plan) -> list:  # type: ignore[no-untyped-def]
+    return [[(w.item.key, w.item.name, w.item.place, w.item.nbytes) for w in ws] for ws in plan.writes]
+
+
+def test_the_reference_is_compared_write_by_write():
+    decls = [RankDecl(_tree(["x"]), (TensorDecl("x", "torch", "bfloat16", (5, 2), (ChunkBox((0, 0), (3, 2)),), True),)),
+             RankDecl(_tree(["x"]), (TensorDecl("x", "torch", "bfloat16", (5, 2), (ChunkBox((3, 0), (2, 2)),), True),))]
+    assert _as_reference(plan_global(decls, checksum.block_bytes_for, regular_from=1)) == _reference_plan(decls) == [
+        [("x", "x#0", ChunkBox((0, 0), (3, 2)), 12)], [("x", "x#1", ChunkBox((3, 0), (2, 2)), 8)]]
+
+
+def _fsdp(world: int, rows: int, cols: int = 3) -> list[TensorDecl]:
+    """Shard(0) of a (rows, cols) tensor over ``world`` ranks, as DTensor cuts it (trailing shards empty)."""
+    step = -(-rows // world)
+    return [TensorDecl("w", "torch", "bfloat16", (rows, cols),
+                       (ChunkBox((min(r * step, rows), 0), (min(r * step + step, rows) - min(r * step, rows), cols)),), True)
+            for r in range(world)]
+
+
+def test_regular_layouts_take_the_fast_path_and_irregular_ones_do_not():
+    world = 40
+    for held in (_fsdp(world, 37), _fsdp(world, 80), _fsdp(world, 41)):
+        fast = regular_chunks(held[0].shape, list(range(world)), held)
+        assert fast is not None and fast == listed_chunks("w", held[0].shape, list(range(world)), held)
+    empty_tail = regular_chunks((41, 3), list(range(world)), _fsdp(world, 41))  # 2 rows a rank: ranks 21 to 39 hold none
+    assert empty_tail is not None and empty_tail.places[-1] == ChunkBox((41, 0), (0, 3))  # their empty shards: one place
+    assert empty_tail.holders[-1] == tuple(range(21, world)) and len(empty_tail.places) == 22
+    whole = [TensorDecl("w", "torch", "bfloat16", (4, 3), (ChunkBox.whole((4, 3)),), False)] * world
+    assert regular_chunks((4, 3), list(range(world)), whole) is None  # replicated: held by several ranks
+    overlapping = _fsdp(world, 80)
+    overlapping[1] = TensorDecl("w", "torch", "bfloat16", (80, 3), (ChunkBox((1, 0), (2, 3)),), True)
+    assert regular_chunks((80, 3), list(range(world)), overlapping) is None
+
+
+@pytest.mark.parametrize("case", ["overlap", "hole", "outside", "dtype", "shape", "mixed"])
+def test_errors_are_the_same_whichever_path_tried_first(case):
+    world = 20
+    held = _fsdp(world, 40)
+    if case == "overlap":
+        held[3] = TensorDecl("w", "torch", "bfloat16", (40, 3), (ChunkBox((5, 0), (2, 3)),), True)
+    elif case == "hole":
+        held[3] = TensorDecl("w", "torch", "bfloat16", (40, 3), (ChunkBox((6, 0), (1, 3)),), True)
+    elif case == "outside":
+        held[19] = TensorDecl("w", "torch", "bfloat16", (40, 3), (ChunkBox((38, 0), (3, 3)),), True)
+    elif case == "dtype":
+        held[7] = TensorDecl("w", "torch", "float32", (40, 3), held[7].places, True)
+    elif case == "shape":
+        held[7] = TensorDecl("w", "torch", "bfloat16", (41, 3), held[7].places, True)
+    else:
+        held[3] = TensorDecl("w", "torch", "bfloat16", (40, 3), (FlatRange(18, 24),), True)
+    decls = [RankDecl(_tree(["w"]), (t,)) for t in held]
+    messages = set()
+    for regular_from in (1, NEVER):
+        with pytest.raises(ShardingError) as raised:
+            plan_global(decls, checksum.block_bytes_for, regular_from=regular_from)
+        assert type(raised.value) is ShardingError
+        messages.add(str(raised.value))
+    assert len(messages) == 1 and "tensor 'w'" in messages.pop()

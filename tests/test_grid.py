@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
+import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from resurgo.layout.box import ChunkBox, covers_exactly_once
-from resurgo.layout.grid import Grid, describe, part_bounds
+from resurgo.layout.grid import Grid, describe, grid_cells, part_bounds
 
 
 @st.composite
@@ -159,3 +161,34 @@ def test_describe_with_arrays_gives_what_the_per_chunk_rule_gives(case, data):
     assert found == reference
     if found is not None:
         assert all(type(v) is int for v in (found.offset, *found.parts, *found.strides))
+
+
+@settings(max_examples=200)
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple), st.data())
+def test_grid_cells_accepts_exactly_the_boxes_that_tile_once(shape, data):
+    # cuts anywhere along each dimension (not only torch.chunk's), then perhaps one box spoilt
+    cuts = [sorted({0} | set(data.draw(st.lists(st.integers(1, n - 1), max_size=3)) if n > 1 else set())) + [n]
+            for n in shape]
+    boxes = [ChunkBox(tuple(c[i] for c, i in zip(cuts, cell)), tuple(c[i + 1] - c[i] for c, i in zip(cuts, cell)))
+             for cell in itertools.product(*(range(len(c) - 1) for c in cuts))]
+    boxes = data.draw(st.permutations(boxes))
+    how = data.draw(st.sampled_from(["keep", "drop", "twice", "grow", "shrink", "empty"]))
+    i = data.draw(st.integers(0, len(boxes) - 1))
+    b = boxes[i]
+    if how == "drop":
+        del boxes[i]
+    elif how == "twice":
+        boxes.append(b)
+    elif how in ("grow", "shrink"):
+        d = data.draw(st.integers(0, len(shape) - 1))
+        boxes[i] = ChunkBox(b.offsets, tuple(s + (1 if how == "grow" else -1) * (e == d) for e, s in enumerate(b.shape)))
+    elif how == "empty":
+        boxes[i] = ChunkBox(b.offsets, (0,) + b.shape[1:])
+    offsets = np.array([x.offsets for x in boxes], dtype=np.int64).reshape(len(boxes), len(shape))
+    sizes = np.array([x.shape for x in boxes], dtype=np.int64).reshape(len(boxes), len(shape))
+    found = grid_cells(shape, offsets, sizes)
+    assert (found is not None) == (all(x.numel for x in boxes) and covers_exactly_once(list(boxes), shape))
+    if found is not None:
+        starts, cells = found
+        assert [s.tolist() for s in starts] == [c[:-1] for c in cuts]
+        assert [tuple(int(s[k]) for s, k in zip(starts, cell)) for cell in cells] == [x.offsets for x in boxes]

@@ -95,29 +95,17 @@ def describe_arrays(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarr
     at least one dimension; the tensor has elements) and ``writers`` (one per chunk). Array
     operations, no Python object per chunk: a job's plan has one chunk per rank per tensor."""
     n, ndim = offsets.shape
-    if n == 0:
+    found = grid_cells(shape, offsets, sizes)
+    if found is None:
         return None
-    cells = np.empty((n, ndim), dtype=np.int64)
-    parts = []
-    for d, size in enumerate(shape):
-        starts = np.unique(offsets[:, d])
-        p = len(starts)
-        step = -(-size // p)
-        expected = np.minimum(np.arange(p, dtype=np.int64) * step, size)
-        if not np.array_equal(starts, expected):
-            return None
-        at = np.searchsorted(starts, offsets[:, d])
-        if not np.array_equal(sizes[:, d], (np.minimum(expected + step, size) - expected)[at]):
-            return None
-        cells[:, d] = at
-        parts.append(p)
-    if n != math.prod(parts):
-        return None
+    starts, cells = found
+    parts = [len(s) for s in starts]
+    for size, p, s in zip(shape, parts, starts):
+        if not np.array_equal(s, np.minimum(np.arange(p, dtype=np.int64) * -(-size // p), size)):
+            return None  # cut elsewhere than torch.chunk's rule
     flat = np.ravel_multi_index(tuple(cells.T), parts)
-    by_cell = np.full(n, -1, dtype=np.int64)
+    by_cell = np.empty(n, dtype=np.int64)
     by_cell[flat] = np.arange(n)
-    if (by_cell < 0).any():
-        return None  # a cell twice (and so another one missing)
     first = writers[by_cell]  # the writer of each cell, row-major
     unit: list[int] = np.asarray(np.ravel_multi_index(tuple(np.eye(ndim, dtype=np.int64)), parts,
                                                        mode="clip")).tolist()  # cell 1 along each dimension
@@ -126,3 +114,30 @@ def describe_arrays(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarr
     if not np.array_equal(offset + cells @ np.array(strides, dtype=np.int64), writers):
         return None
     return Grid(tuple(parts), offset, strides)
+
+
+def grid_cells(shape: Sequence[int], offsets: np.ndarray, sizes: np.ndarray) -> tuple[list[np.ndarray], np.ndarray] | None:
+    """When the boxes (``offsets`` and ``sizes``: boxes x dimensions, at least one dimension) are
+    the cells of one grid over the whole of ``shape``, cut anywhere along each dimension, each
+    cell exactly once: the cuts (each dimension's ascending cell starts) and each box's cell
+    (boxes x dimensions); else None. Such boxes tile the tensor exactly once (an empty box is no
+    cell: with one, the answer is None)."""
+    n, ndim = offsets.shape
+    if n == 0 or ndim != len(shape):
+        return None
+    cells = np.empty((n, ndim), dtype=np.int64)
+    starts = []
+    for d, size in enumerate(shape):
+        cuts = np.unique(offsets[:, d])
+        if cuts[0] != 0 or cuts[-1] >= size:
+            return None
+        at = np.searchsorted(cuts, offsets[:, d])
+        if not np.array_equal(sizes[:, d], (np.append(cuts[1:], size) - cuts)[at]):
+            return None  # a box ends elsewhere than at the next cut (or past the tensor)
+        cells[:, d] = at
+        starts.append(cuts)
+    if n != math.prod(len(c) for c in starts):
+        return None
+    seen = np.zeros(n, dtype=bool)
+    seen[np.ravel_multi_index(tuple(cells.T), [len(c) for c in starts])] = True
+    return (starts, cells) if seen.all() else None  # else a cell twice, and so another one missing

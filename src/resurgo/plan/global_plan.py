@@ -16,12 +16,16 @@ plan from the summaries alone (:meth:`PlanCache.reuse`) or asks every rank for i
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import math
-from collections.abc import Callable, Hashable
+import operator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import xxhash
 
 from resurgo.errors import ShardingError
@@ -29,6 +33,7 @@ from resurgo.format import dtypes
 from resurgo.format.tree import TENSORS, per_rank_key
 from resurgo.gcpause import collector_paused
 from resurgo.layout.box import ChunkBox, FlatRange, Place, covers_exactly_once, place_order
+from resurgo.layout.grid import grid_cells
 from resurgo.plan.save_plan import WriteItem
 
 
@@ -82,7 +87,7 @@ class TensorMeta:
     shape: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per chunk, as WriteItem
 class RankWrite:
     """A chunk a rank writes: the item, and which of its local tensors (key, place) holds the bytes."""
 
@@ -168,10 +173,8 @@ def merge_trees(trees: list[dict], differing: set[str]) -> tuple[dict, set[str]]
 def _differing_replicas(decls: list[RankDecl]) -> set[str]:
     seen: dict[str, str] = {}
     out = set()
-    for d in decls:
-        for t in d.tensors:
-            if t.digest is None:
-                continue
+    for d in decls:  # most tensors carry no digest: those are skipped in C
+        for t in itertools.compress(d.tensors, map(operator.is_not, map(_DIGEST, d.tensors), itertools.repeat(None))):
             if seen.setdefault(t.key, t.digest) != t.digest:
                 out.add(t.key)
     return out
@@ -218,15 +221,26 @@ def _find_overlap(places: list[Place]) -> tuple[Place, Place] | None:
     return None
 
 
-def plan_global(decls: list[RankDecl], block_bytes_for: Callable[[int, int], int]) -> GlobalPlan:
+# The fewest ranks for which the arrays pay: below, their fixed cost per tensor exceeds the general
+# path's cost per rank.
+REGULAR_FROM = 16
+
+
+def plan_global(decls: list[RankDecl], block_bytes_for: Callable[[int, int], int],
+                regular_from: int = REGULAR_FROM) -> GlobalPlan:
     """Validate every rank's declarations and decide who writes what (see the module docstring).
 
     ``block_bytes_for(global_nbytes, row_bytes)`` gives the checksum block size of a tensor's chunks
     (``row_bytes``: the bytes of one index of its first dimension).
     Raises ShardingError naming the tensor and the ranks when the shards do not fit together.
+
+    From ``regular_from`` ranks on, each tensor's chunks are first looked for as a grid with one
+    holder per chunk, with arrays (:func:`regular_chunks`); the tensors that are not, and smaller
+    jobs, take the general path (:func:`listed_chunks`). Both give the same plan.
     """
     with collector_paused():  # an object per chunk, all kept: see resurgo.gcpause
-        return _plan_global(decls, block_bytes_for)
+        tree, per_rank = merge_trees([d.tree for d in decls], _differing_replicas(decls))
+        return _plan_tensors(decls, block_bytes_for, tree, per_rank, regular_from)
 
 
 class PlanCache:
@@ -405,52 +419,311 @@ def _replacer(paths: tuple[tuple, ...]) -> Callable[[Any, Any], Any]:
     return lambda tree, values: rebuild(tree, trie, values) if paths else tree
 
 
-def _plan_global(decls: list[RankDecl], block_bytes_for: Callable[[int, int], int]) -> GlobalPlan:
-    tree, per_rank = merge_trees([d.tree for d in decls], _differing_replicas(decls))
-    return _plan_tensors(decls, block_bytes_for, tree, per_rank)
-
-
 def _plan_tensors(decls: list[RankDecl], block_bytes_for: Callable[[int, int], int], tree: dict,
-                  per_rank: set[str]) -> GlobalPlan:
-    by_key: dict[str, list[tuple[int, TensorDecl]]] = {}
-    for r, d in enumerate(decls):
-        for t in d.tensors:
-            by_key.setdefault(t.key, []).append((r, t))
+                  per_rank: set[str], regular_from: int = REGULAR_FROM) -> GlobalPlan:
+    regular = len(decls) >= regular_from
     tensors: dict[str, TensorMeta] = {}
     writes: list[list[RankWrite]] = [[] for _ in decls]
-    load = [0] * len(decls)
-    # (nbytes, key, place, holders) of every chunk to assign, replicated ones deduplicated
-    to_assign: list[tuple[int, str, str, Place, list[int], int]] = []
-    for key, holders in by_key.items():
-        meta = _check_consistent(key, holders)
+    to_assign = _Assignment()
+    keys = _same_keys(decls)
+    table = _Table.of(decls, keys) if regular and keys is not None else None
+    for i, (key, ranks, held) in enumerate(_by_key(decls, keys)):
+        meta = table.metas[i] if table is not None else _meta(key, ranks, held)
         itemsize = dtypes.itemsize(meta.dtype)
         row_bytes = math.prod(meta.shape[1:]) * itemsize  # one index of the first dimension
         block = block_bytes_for(math.prod(meta.shape) * itemsize, row_bytes)
         if key in per_rank:
-            for r, t in holders:
+            for r, t in zip(ranks, held):
                 if t.sharded:
                     raise ShardingError(f"tensor {key!r}: sharded, but it sits in a part of the state that differs "
                                         f"between ranks (saved per rank); only plain tensors can be saved per rank")
                 k = per_rank_key(key, r)
                 tensors[k] = meta
                 whole = ChunkBox.whole(meta.shape)
-                item = WriteItem(k, k, meta.dtype, whole, whole.numel * itemsize, block)
-                writes[r].append(RankWrite(item, key, whole))
-                load[r] += item.nbytes
+                writes[r].append(RankWrite(WriteItem(k, k, meta.dtype, whole, whole.numel * itemsize, block), key, whole))
             continue
         tensors[key] = meta
-        owners: dict[Place, list[int]] = {}
-        for r, t in holders:
-            for p in t.places:
-                owners.setdefault(p, []).append(r)
-        _check_tiling(key, meta.shape, owners)
-        ordered = sorted(owners, key=place_order)
-        for i, p in enumerate(ordered):
-            name = key if len(ordered) == 1 else f"{key}#{i}"
-            to_assign.append((p.numel * itemsize, key, name, p, owners[p], block))
-    # Largest first, each to its least loaded holder (LPT): balances bytes written per rank.
-    for nbytes, key, name, place, holders_of, block in sorted(to_assign, key=lambda a: (-a[0], a[1], a[2])):
-        r = min(holders_of, key=lambda h: (load[h], h))
-        load[r] += nbytes
-        writes[r].append(RankWrite(WriteItem(key, name, tensors[key].dtype, place, nbytes, block), key, place))
+        if table is not None:
+            chunks = table.chunks(i)
+        else:
+            chunks = regular_chunks(meta.shape, ranks, held) if regular else None
+        to_assign.add(key, meta.dtype, block, itemsize,
+                      chunks if chunks is not None else listed_chunks(key, meta.shape, ranks, held))
+    load = [sum(w.item.nbytes for w in ws) for ws in writes]
+    to_assign.assign(writes, load)
     return GlobalPlan(tree, tensors, tuple(tuple(w) for w in writes))
+
+
+def _same_keys(decls: list[RankDecl]) -> tuple[str, ...] | None:
+    """The tensor keys when every rank declares the same ones, once each, in the same order (the
+    usual job); else None."""
+    keys = tuple(map(_KEY, decls[0].tensors)) if decls else ()
+    if len(set(keys)) == len(keys) and all(tuple(map(_KEY, d.tensors)) == keys for d in decls[1:]):
+        return keys
+    return None
+
+
+def _by_key(decls: list[RankDecl], keys: tuple[str, ...] | None) -> Iterator[tuple[str, list[int], list[TensorDecl]]]:
+    """Each tensor key in the order first declared, with the ranks holding it and their declarations
+    (by columns when every rank declares the same ``keys``)."""
+    if keys is not None:
+        ranks = list(range(len(decls)))
+        for key, held in zip(keys, zip(*(d.tensors for d in decls))):
+            yield key, ranks, list(held)
+        return
+    by_key: dict[str, tuple[list[int], list[TensorDecl]]] = {}
+    for r, d in enumerate(decls):
+        for t in d.tensors:
+            ranks_of, held_of = by_key.setdefault(t.key, ([], []))
+            ranks_of.append(r)
+            held_of.append(t)
+    for key, (ranks_of, held_of) in by_key.items():
+        yield key, ranks_of, held_of
+
+
+_KEY, _DIGEST = operator.attrgetter("key"), operator.attrgetter("digest")
+_META = operator.attrgetter("kind", "dtype", "shape")
+
+
+def _meta(key: str, ranks: list[int], held: list[TensorDecl]) -> TensorMeta:
+    first = held[0]
+    if all(_all_equal(list(map(operator.attrgetter(a), held))) for a in ("kind", "dtype", "shape")):
+        return TensorMeta(first.kind, first.dtype, first.shape)
+    return _check_consistent(key, list(zip(ranks, held)))
+
+
+def _all_equal(values: list) -> bool:
+    return values.count(values[0]) == len(values)  # compared in C: one pass over the ranks
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """A tensor's distinct places in place order, what each holds and who holds it: the input of
+    the assignment. Plain data, from either :func:`regular_chunks` or :func:`listed_chunks`."""
+
+    places: tuple[Place, ...]
+    numels: tuple[int, ...]
+    holders: tuple[tuple[int, ...], ...]  # ascending, without repeats
+
+
+def listed_chunks(key: str, shape: tuple[int, ...], ranks: list[int], held: list[TensorDecl]) -> Chunks:
+    """The general path: every declared place, any number of holders each, the tiling checked
+    place by place (the error names the tensor, the ranks and what is wrong)."""
+    owners: dict[Place, list[int]] = {}
+    for r, t in zip(ranks, held):
+        for p in t.places:
+            owners.setdefault(p, []).append(r)
+    _check_tiling(key, shape, owners)
+    ordered = sorted(owners, key=place_order)
+    return Chunks(tuple(ordered), tuple(p.numel for p in ordered), tuple(tuple(sorted(set(owners[p]))) for p in ordered))
+
+
+def regular_chunks(shape: tuple[int, ...], ranks: list[int], held: list[TensorDecl]) -> Chunks | None:
+    """The fast path, :func:`listed_chunks` with array operations: when the non-empty places are
+    the cells of a grid (:func:`resurgo.layout.grid.grid_cells`), each held by one rank, and the
+    empty ones lie inside the tensor. None otherwise (overlaps, replicas, holes, mixed kinds, a
+    0-d tensor): the general path decides, and words the error."""
+    declared = list(map(_PLACES, held))
+    if not shape or set(map(len, declared)) != {1}:
+        return None
+    places = list(map(_FIRST, declared))
+    kinds = set(map(type, places))
+    if kinds == {ChunkBox}:
+        offsets, sizes = _int_rows(map(_OFFSETS, places), len(places), len(shape)), \
+            _int_rows(map(_SHAPE, places), len(places), len(shape))
+        extent: tuple[int, ...] = shape
+    elif kinds == {FlatRange}:  # a flat range is a 1-d box of the flattened tensor
+        offsets, stops = _int_rows(map(_low, places), len(places), 1), _int_rows(map(_high, places), len(places), 1)
+        sizes = None if offsets is None or stops is None else stops - offsets
+        extent = (math.prod(shape),)
+    else:
+        return None
+    if offsets is None or sizes is None:
+        return None
+    found = _regular(extent, offsets, sizes, np.asarray(ranks, dtype=np.int64))
+    return None if found is None else Chunks(tuple([places[i] for i in found[0]]), *found[1:])
+
+
+def _regular(extent: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray, holder: np.ndarray
+             ) -> tuple[list[int], tuple[int, ...], tuple[tuple[int, ...], ...]] | None:
+    """:func:`regular_chunks` on arrays (one row per declared place, ``holder`` its rank): a row
+    declaring each distinct place, in place order, the places' element counts and holders."""
+    full = (sizes > 0).all(axis=1)
+    empty = ~full
+    if (sizes < 0).any() or (offsets[empty] < 0).any() or (offsets[empty] + sizes[empty] > np.array(extent)).any():
+        return None
+    if full.any() and grid_cells(extent, offsets[full], sizes[full]) is None:
+        return None
+    if not full.any() and math.prod(extent):
+        return None
+    full_at = np.flatnonzero(full)
+    rows = np.concatenate([offsets, sizes], axis=1)
+    empty_rows, first, inverse = np.unique(rows[empty], axis=0, return_index=True, return_inverse=True)
+    empty_at = np.flatnonzero(empty)
+    distinct = np.concatenate([rows[full_at], empty_rows])  # the full places, then one of each empty place
+    order = np.lexsort(distinct.T[::-1]) if len(distinct) > 1 else np.zeros(1, dtype=np.int64)
+    numel = np.prod(sizes, axis=1)
+    at = np.concatenate([full_at, empty_at[first]])[order]  # a declaration of each place, in place order
+    groups = [tuple(sorted(set(g))) for g in _split_by(holder[empty_at], inverse.reshape(-1), len(empty_rows))]
+    holders_of = [(h,) for h in holder[full_at].tolist()] + groups
+    return at.tolist(), tuple(numel[at].tolist()), tuple([holders_of[i] for i in order.tolist()])
+
+
+class _Table:
+    """Every rank's declarations as arrays, read rank by rank (each rank's objects lie together in
+    memory; reading them tensor by tensor, across ranks, costs a cache miss per value): built when
+    every rank declares the same keys, kinds, dtypes and shapes, one place per tensor, of the
+    same kind on every rank, as Python ints."""
+
+    def __init__(self, metas: list[TensorMeta], places: list[list[Place]], columns: list[tuple[int, int]],
+                 extents: list[tuple[int, ...]], offsets: np.ndarray, sizes: np.ndarray) -> None:
+        self.metas = metas
+        self._places = list(zip(*places))  # per tensor, per rank
+        self._columns = columns  # per tensor: its first column in the arrays, and how many
+        self._extents = extents
+        self._offsets = offsets  # ranks x columns: each place's offsets (a flat range's start)
+        self._sizes = sizes  # its shape (a flat range's length)
+
+    @staticmethod
+    def of(decls: list[RankDecl], keys: tuple[str, ...]) -> _Table | None:
+        if not decls or not keys:
+            return None
+        first = list(map(_META, decls[0].tensors))
+        places = []
+        lows: list[int] = []
+        highs: list[int] = []
+        kinds: list[type] = []
+        widths: list[int] = []
+        for d in decls:
+            if list(map(_META, d.tensors)) != first:
+                return None
+            declared = list(map(_PLACES, d.tensors))
+            if set(map(len, declared)) != {1}:
+                return None
+            mine = list(map(_FIRST, declared))
+            if not kinds:
+                kinds = list(map(type, mine))
+                if not {ChunkBox, FlatRange} >= set(kinds):
+                    return None
+                boxes = kinds.count(ChunkBox) == len(kinds)
+                widths = [len(m[2]) if k is ChunkBox else 1 for m, k in zip(first, kinds)]
+            elif list(map(type, mine)) != kinds:
+                return None
+            places.append(mine)
+            lo, hi = list(map(_OFFSETS if boxes else _low, mine)), list(map(_SHAPE if boxes else _high, mine))
+            if list(map(len, lo)) != widths or list(map(len, hi)) != widths:
+                return None
+            lows.extend(itertools.chain.from_iterable(lo))
+            highs.extend(itertools.chain.from_iterable(hi))
+        width = sum(widths)
+        if not {int} >= set(map(type, lows)) or not {int} >= set(map(type, highs)):
+            return None
+        try:
+            offsets = np.fromiter(lows, dtype=np.int64, count=len(lows)).reshape(len(decls), width)
+            sizes = np.fromiter(highs, dtype=np.int64, count=len(highs)).reshape(len(decls), width)
+        except OverflowError:  # past int64
+            return None
+        if not boxes:
+            flat = np.repeat(np.array([k is FlatRange for k in kinds]), widths)
+            sizes[:, flat] -= offsets[:, flat]  # stop - start
+        starts = np.cumsum([0] + widths).tolist()
+        # the extents of the tensors whose places are boxes of their rank (0-d tensors go the general way)
+        extents = [m[2] if k is ChunkBox else (math.prod(m[2]),) for m, k in zip(first, kinds)]
+        return _Table([TensorMeta(*m) for m in first], places, list(zip(starts, widths)), extents, offsets, sizes)
+
+    def chunks(self, i: int) -> Chunks | None:
+        """:func:`regular_chunks` of tensor ``i``."""
+        start, width = self._columns[i]
+        if not self.metas[i].shape:
+            return None
+        lo, size = self._offsets[:, start:start + width], self._sizes[:, start:start + width]
+        held = self._places[i]
+        found = _regular(self._extents[i], lo, size, np.arange(len(held), dtype=np.int64))
+        return None if found is None else Chunks(tuple(map(held.__getitem__, found[0])), *found[1:])
+
+
+def _low(p: Place) -> tuple[int, ...]:
+    """A box's offsets, a flat range's start."""
+    return p.offsets if isinstance(p, ChunkBox) else (p.start,)
+
+
+def _high(p: Place) -> tuple[int, ...]:
+    """A box's shape, a flat range's stop."""
+    return p.shape if isinstance(p, ChunkBox) else (p.stop,)
+
+
+_PLACES, _FIRST = operator.attrgetter("places"), operator.itemgetter(0)
+_OFFSETS, _SHAPE = operator.attrgetter("offsets"), operator.attrgetter("shape")
+
+
+def _int_rows(rows: Iterator[tuple[int, ...]], n: int, width: int) -> np.ndarray | None:
+    """``n`` tuples of ``width`` Python ints as an int64 array (n x width); None when one is of
+    another length or holds something else."""
+    rows = list(rows)
+    if set(map(len, rows)) != {width} or not {int} >= set(map(type, itertools.chain.from_iterable(rows))):
+        return None
+    try:
+        return np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=n * width).reshape(n, width)
+    except OverflowError:  # past int64
+        return None
+
+
+def _split_by(values: np.ndarray, group: np.ndarray, groups: int) -> list[list[int]]:
+    """``values`` split by their group number (0 to ``groups - 1``), each group in its order."""
+    order = np.argsort(group, kind="stable")
+    bounds = np.searchsorted(group[order], np.arange(groups + 1))
+    ordered = values[order].tolist()
+    return [ordered[a:b] for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
+
+
+class _Assignment:
+    """Every tensor's chunks, assigned largest first (then by key, then by name), each to its least
+    loaded holder (LPT): balances the bytes each rank writes. The order is found with arrays; a
+    chunk with one holder goes to it, so only replicated chunks compare loads."""
+
+    def __init__(self) -> None:
+        self._tensors: list[tuple[str, str, int, Chunks]] = []  # key, dtype, block bytes, chunks
+        self._nbytes: list[np.ndarray] = []
+
+    def add(self, key: str, dtype: str, block: int, itemsize: int, chunks: Chunks) -> None:
+        self._tensors.append((key, dtype, block, chunks))
+        self._nbytes.append(np.asarray(chunks.numels, dtype=np.int64) * itemsize)
+
+    def assign(self, writes: list[list[RankWrite]], load: list[int]) -> None:
+        if not self._tensors:
+            return
+        counts = [len(c.places) for _, _, _, c in self._tensors]
+        key_order = np.empty(len(counts), dtype=np.int64)
+        key_order[sorted(range(len(counts)), key=lambda i: self._tensors[i][0])] = np.arange(len(counts))
+        tensor = np.repeat(np.arange(len(counts)), counts)
+        index = np.concatenate([np.arange(n) for n in counts])  # each chunk's place in its tensor
+        name_order = np.concatenate([_name_order(n) for n in counts])
+        nbytes = np.concatenate(self._nbytes)
+        order = np.lexsort((name_order, key_order[tensor], -nbytes)).tolist()
+        places = list(itertools.chain.from_iterable(c.places for _, _, _, c in self._tensors))
+        holders = list(itertools.chain.from_iterable(c.holders for _, _, _, c in self._tensors))
+        tensor_of, index_of, nbytes_of = tensor.tolist(), index.tolist(), nbytes.tolist()
+        named = [(key, dtype, block, len(c.places) > 1) for key, dtype, block, c in self._tensors]
+        rank_write, write_item = RankWrite, WriteItem
+        for j in order:
+            hs = holders[j]
+            if len(hs) == 1:
+                r = hs[0]
+            else:
+                loads = list(map(load.__getitem__, hs))
+                r = hs[loads.index(min(loads))]  # the least loaded, the lowest rank among equals
+            nb = nbytes_of[j]
+            load[r] += nb
+            key, dtype, block, several = named[tensor_of[j]]
+            place = places[j]
+            writes[r].append(rank_write(write_item(key, f"{key}#{index_of[j]}" if several else key, dtype, place, nb, block),
+                                        key, place))
+
+
+@functools.lru_cache(maxsize=64)
+def _name_order(n: int) -> np.ndarray:
+    """Where each of the names ``key#0`` to ``key#{n-1}`` (or ``key`` alone) sorts among them, as strings."""
+    out = np.empty(n, dtype=np.int64)
+    out[sorted(range(n), key=str)] = np.arange(n)
+    out.flags.writeable = False
+    return out

@@ -16,7 +16,7 @@ from resurgo.layout.box import ChunkBox, Place
 MIN_FILE_BYTES = 32 << 20
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # a job's plan holds one per chunk: slots make them small and quick to build
 class WriteItem:
     """One chunk to write: its tensor key, its place, and how the data file declares it."""
 
