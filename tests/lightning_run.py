@@ -31,7 +31,8 @@ class TinyBody:
     same, its dataset adding noise from the global RNG as it loads each sample, in the main
     process), "stateful" (torchdata's StatefulDataLoader, whose position is its own), "elastic" (torch's
     DataLoader with resurgo's ElasticSampler), "stateful_elastic" (a StatefulDataLoader with
-    an ElasticSampler) or "workers" (torch's DataLoader with one persistent worker process).
+    an ElasticSampler), "workers" (torch's DataLoader with one persistent worker process) or
+    "pairs" (torch's DataLoader, batches of 2).
     ``rank_seed``: each DDP process reseeds with its own seed, so that the processes draw different dropout masks."""
 
     def __init__(self, loader: str = "plain", rank_seed: bool = False) -> None:
@@ -68,7 +69,8 @@ class TinyBody:
 
 
 def train_loader(kind: str = "plain") -> torch.utils.data.DataLoader:
-    """The shuffled loader of 16 samples, BATCHES_PER_EPOCH batches (the same data every time)."""
+    """The shuffled loader of 16 samples, BATCHES_PER_EPOCH batches (the same data every time;
+    "pairs": twice as many)."""
     g = torch.Generator().manual_seed(123)
     data = torch.utils.data.TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g))
     if kind == "augment":
@@ -87,6 +89,8 @@ def train_loader(kind: str = "plain") -> torch.utils.data.DataLoader:
         from resurgo import ElasticSampler
 
         return StatefulDataLoader(data, batch_size=4, sampler=ElasticSampler(data, seed=0))
+    if kind == "pairs":
+        return torch.utils.data.DataLoader(data, batch_size=2, shuffle=True)
     if kind == "workers":
         return torch.utils.data.DataLoader(data, batch_size=4, shuffle=True, num_workers=1, persistent_workers=True)
     return torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)

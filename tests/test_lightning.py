@@ -417,40 +417,45 @@ except ImportError:  # pragma: no cover - the lightning extra brings pytorch_lig
     pass
 
 
-def test_ddp_processes_each_get_their_own_rng_states_back(tmp_path):
+def test_ddp_processes_each_get_their_own_rng_states_back_under_a_batch_limit(tmp_path):
     """Two DDP processes (ddp_spawn, gloo) draw different dropout masks: each process's RNG
-    states go into the checkpoint and come back to that process, and the DistributedSampler's
-    position mid-epoch is restored, so the resumed run ends with the uninterrupted run's weights,
-    bit for bit."""
+    states go into the checkpoint and come back to that process. Under limit_train_batches (3 of
+    each process's 4 batches), a checkpoint at an epoch's last batch, where the DistributedSampler
+    is part way through its pass, resumes at the next epoch, and one saved mid-epoch resumes at
+    its next batch: each process trains on what it trained on in the uninterrupted run, and the
+    resumed run ends with its weights, bit for bit."""
+    limit = 3
+
     def run(root: Path, steps: int, ckpt_path=None, save_every=None) -> Tiny:
         L.seed_everything(0)
-        model = Tiny(rank_seed=True)
+        model = Tiny("pairs", rank_seed=True)  # 16 samples in pairs: 4 batches per process
         callbacks = [ResurgoCallback(), RankProgress(root)]
         if save_every:
             callbacks.append(L.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=save_every, save_top_k=-1))
         L.Trainer(max_steps=steps, deterministic=True, accelerator="cpu", devices=2, strategy="ddp_spawn",
-                  logger=False, enable_progress_bar=False, enable_model_summary=False,
+                  logger=False, enable_progress_bar=False, enable_model_summary=False, limit_train_batches=limit,
                   enable_checkpointing=bool(save_every), default_root_dir=root,
                   plugins=[ResurgoCheckpointIO()], callbacks=callbacks).fit(model, ckpt_path=ckpt_path)
         return model
 
-    steps = BATCHES_PER_EPOCH // 2  # DistributedSampler: each process gets half an epoch
-    stop = steps + 1  # mid-epoch
-    whole = run(tmp_path / "whole", 3 * steps)
-    run(tmp_path / "first", stop, save_every=stop)
-    ckpt = tmp_path / "first" / f"epoch=1-step={stop}.ckpt"
-    per_rank = resurgo.load_dict(ckpt)["callbacks"]["ResurgoCallback"]["rng_per_rank"]
-    assert len(per_rank) == 2 and not torch.equal(per_rank[0]["torch"], per_rank[1]["torch"])
-    resumed = run(tmp_path / "resumed", 3 * steps, ckpt_path=ckpt)
-    for rank in (0, 1):
-        whole_rank, resumed_rank = (RankProgress.read(tmp_path / name, rank) for name in ("whole", "resumed"))
-        assert len(whole_rank["trace"]) == 3 * steps and len(resumed_rank["trace"]) == 3 * steps - stop
-        # The same epochs, steps and batch indices as the uninterrupted run from there on, per process.
-        assert resumed_rank["trace"] == whole_rank["trace"][stop:], rank
-        assert (resumed_rank["current_epoch"], resumed_rank["global_step"]) == \
-            (whole_rank["current_epoch"], whole_rank["global_step"]), rank
-    for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
-        assert bitwise_equal(a, b), name
+    total, stop = 3 * limit, limit + 1
+    whole = run(tmp_path / "whole", total)
+    run(tmp_path / "first", stop, save_every=1)
+    for step in (limit, stop):  # epoch 0's last batch; epoch 1's first
+        ckpt = ckpt_of(tmp_path / "first", step, limit)
+        per_rank = resurgo.load_dict(ckpt)["callbacks"]["ResurgoCallback"]["rng_per_rank"]
+        assert len(per_rank) == 2 and not torch.equal(per_rank[0]["torch"], per_rank[1]["torch"])
+        resumed = run(tmp_path / f"resumed{step}", total, ckpt_path=ckpt)
+        for rank in (0, 1):
+            whole_rank, resumed_rank = (RankProgress.read(tmp_path / name, rank) for name in ("whole", f"resumed{step}"))
+            assert [epoch for epoch, *_ in whole_rank["trace"]] == [e for e in range(3) for _ in range(limit)]
+            assert len(resumed_rank["trace"]) == total - step
+            # The same epochs, steps and batches as the uninterrupted run from there on, per process.
+            assert resumed_rank["trace"] == whole_rank["trace"][step:], (step, rank)
+            assert (resumed_rank["current_epoch"], resumed_rank["global_step"]) == \
+                (whole_rank["current_epoch"], whole_rank["global_step"]), (step, rank)
+        for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
+            assert bitwise_equal(a, b), (step, name)
 
 
 class RankProgress(L.Callback):
