@@ -81,7 +81,8 @@ def train(project_dir, *, resurgo: bool = True, save_every: int | None = None, s
             if counter.step == (stop or STEPS):
                 break
     params = {k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
-    return {"losses": losses, "scaler_trace": scaler_trace, "params": params, "optimizer": optimizer.state_dict(), "accelerator": accelerator}
+    return {"losses": losses, "scaler_trace": scaler_trace, "params": params, "optimizer": optimizer.state_dict(),
+            "accelerator": accelerator}
 
 
 def two_processes(rank: int, world: int, root: str) -> dict:

@@ -78,12 +78,12 @@ class Trace(TrainerCallback):
     trained on, the scheduler's last learning rates, a digest of torch's CPU RNG state (which
     dropout and the sampler draw from), the grad scaler's state or None), appended to ``steps``."""
 
-    def __init__(self, batch_indices: list, steps: list, scaler_of) -> None:
-        self.batch_indices, self.steps, self.scaler_of = batch_indices, steps, scaler_of
+    def __init__(self, batch_indices: list, steps: list) -> None:
+        self.batch_indices, self.steps = batch_indices, steps
 
-    def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
+    def on_step_end(self, args, state, control, lr_scheduler=None, optimizer=None, **kwargs):
         rng = hashlib.sha256(torch.random.get_rng_state().numpy().tobytes()).hexdigest()
-        scaler = self.scaler_of()
+        scaler = getattr(optimizer, "scaler", None)  # Accelerate's optimizer steps through the Accelerator's
         self.steps.append((state.epoch, state.global_step, self.batch_indices[-1], tuple(lr_scheduler.get_last_lr()),
                            rng, None if scaler is None else scaler.state_dict()))
 
@@ -103,7 +103,7 @@ def make_trainer(output_dir, *, resurgo: bool = True, save_steps: int = 3, stop:
     batch_indices: list = []
     trace: list = []  # filled by Trace, before Steps can stop the run
     trainer = cls(model=model, args=args, train_dataset=Tokens(), eval_dataset=eval_dataset,
-                  callbacks=[Trace(batch_indices, trace, lambda: trainer.accelerator.scaler), Steps(stop), *callbacks])
+                  callbacks=[Trace(batch_indices, trace), Steps(stop), *callbacks])
     if scaler:  # before train() prepares the optimizer, which then steps through it
         trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
     trainer.losses, trainer.batch_indices, trainer.trace = [], batch_indices, trace
