@@ -39,8 +39,10 @@ class Counter:
 
 
 def train(project_dir, *, resurgo: bool = True, save_every: int | None = None, stop: int | None = None,
-          resume: bool = False, total_limit: int | None = None, on_step=None) -> dict:
-    """Trains to ``STEPS`` (or ``stop``), resuming first from the latest checkpoint if asked."""
+          resume: bool = False, total_limit: int | None = None, on_step=None, scaler: bool = False) -> dict:
+    """Trains to ``STEPS`` (or ``stop``), resuming first from the latest checkpoint if asked.
+    ``scaler``: the steps go through a grad scaler whose scale doubles every 2 steps (set on the
+    Accelerator before ``prepare``, as Accelerate does for fp16 on a GPU: on CPU it makes none)."""
     set_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -53,12 +55,14 @@ def train(project_dir, *, resurgo: bool = True, save_every: int | None = None, s
                                                                      automatic_checkpoint_naming=True,
                                                                      total_limit=total_limit),
                       dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, use_stateful_dataloader=True))
+    if scaler:
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     counter = Counter()
     accelerator.register_for_checkpointing(counter)
     if resume:
         accelerator.load_state()
-    losses = []
+    losses, scaler_trace = [], []  # the scaler's state after each step (when there is one)
     while counter.step < (stop or STEPS):
         for x, y in loader:
             loss = torch.nn.functional.mse_loss(model(x), y)
@@ -67,6 +71,8 @@ def train(project_dir, *, resurgo: bool = True, save_every: int | None = None, s
             scheduler.step()
             optimizer.zero_grad()
             losses.append(loss.detach().clone())
+            if accelerator.scaler is not None:
+                scaler_trace.append(accelerator.scaler.state_dict())
             counter.step += 1
             if on_step is not None:  # before this step's save
                 on_step(counter.step)
@@ -75,7 +81,8 @@ def train(project_dir, *, resurgo: bool = True, save_every: int | None = None, s
             if counter.step == (stop or STEPS):
                 break
     params = {k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
-    return {"losses": losses, "params": params, "optimizer": optimizer.state_dict(), "accelerator": accelerator}
+    return {"losses": losses, "scaler_trace": scaler_trace, "params": params, "optimizer": optimizer.state_dict(),
+            "accelerator": accelerator}
 
 
 def two_processes(rank: int, world: int, root: str) -> dict:

@@ -10,6 +10,7 @@ printing ``STEP n`` after each step; with ``--hang-at``, it stops there and wait
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 import time
 
@@ -74,19 +75,25 @@ class Steps(TrainerCallback):
 
 class Trace(TrainerCallback):
     """After each optimizer step: (state.epoch, state.global_step, the sample indices the step
-    trained on, the scheduler's last learning rates), appended to ``steps``."""
+    trained on, the scheduler's last learning rates, a digest of torch's CPU RNG state (which
+    dropout and the sampler draw from), the grad scaler's state or None), appended to ``steps``."""
 
     def __init__(self, batch_indices: list, steps: list) -> None:
         self.batch_indices, self.steps = batch_indices, steps
 
-    def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
-        self.steps.append((state.epoch, state.global_step, self.batch_indices[-1], tuple(lr_scheduler.get_last_lr())))
+    def on_step_end(self, args, state, control, lr_scheduler=None, optimizer=None, **kwargs):
+        rng = hashlib.sha256(torch.random.get_rng_state().numpy().tobytes()).hexdigest()
+        scaler = getattr(optimizer, "scaler", None)  # Accelerate's optimizer steps through the Accelerator's
+        self.steps.append((state.epoch, state.global_step, self.batch_indices[-1], tuple(lr_scheduler.get_last_lr()),
+                           rng, None if scaler is None else scaler.state_dict()))
 
 
 def make_trainer(output_dir, *, resurgo: bool = True, save_steps: int = 3, stop: int | None = None,
-                 callbacks: tuple = (), eval_dataset=None, **kwargs) -> Trainer:
+                 callbacks: tuple = (), eval_dataset=None, scaler: bool = False, **kwargs) -> Trainer:
     """Seeded as a fresh job is: the model is rebuilt from the config (no downloads); dropout and
-    the shuffled sampler draw from the RNG every step."""
+    the shuffled sampler draw from the RNG every step. ``scaler``: the steps go through a grad
+    scaler whose scale doubles every 2 steps (set on the Accelerator before training, as
+    Accelerate does for fp16 on a GPU: with ``fp16=True`` on CPU it makes none)."""
     set_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=8))
     args = TrainingArguments(output_dir, max_steps=STEPS, per_device_train_batch_size=4, save_strategy="steps",
@@ -97,6 +104,8 @@ def make_trainer(output_dir, *, resurgo: bool = True, save_steps: int = 3, stop:
     trace: list = []  # filled by Trace, before Steps can stop the run
     trainer = cls(model=model, args=args, train_dataset=Tokens(), eval_dataset=eval_dataset,
                   callbacks=[Trace(batch_indices, trace), Steps(stop), *callbacks])
+    if scaler:  # before train() prepares the optimizer, which then steps through it
+        trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
     trainer.losses, trainer.batch_indices, trainer.trace = [], batch_indices, trace
     return trainer
 

@@ -30,9 +30,10 @@ class TinyBody:
     "plain" (torch's DataLoader, whose position ResurgoCallback makes resumable), "augment" (the
     same, its dataset adding noise from the global RNG as it loads each sample, in the main
     process), "stateful" (torchdata's StatefulDataLoader, whose position is its own), "elastic" (torch's
-    DataLoader with resurgo's ElasticSampler) or "stateful_elastic" (a StatefulDataLoader with
-    an ElasticSampler). ``rank_seed``: each DDP
-    process reseeds with its own seed, so that the processes draw different dropout masks."""
+    DataLoader with resurgo's ElasticSampler), "stateful_elastic" (a StatefulDataLoader with
+    an ElasticSampler), "workers" (torch's DataLoader with one persistent worker process) or
+    "pairs" (torch's DataLoader, batches of 2).
+    ``rank_seed``: each DDP process reseeds with its own seed, so that the processes draw different dropout masks."""
 
     def __init__(self, loader: str = "plain", rank_seed: bool = False) -> None:
         super().__init__()
@@ -40,6 +41,8 @@ class TinyBody:
         self.losses: list[torch.Tensor] = []
         # (current_epoch, global_step, batch_idx, the batch's inputs as floats) of each step
         self.trace: list[tuple[int, int, int, tuple[float, ...]]] = []
+        # the grad scaler's state each step trains with (under a precision plugin that has one)
+        self.scaler_trace: list[dict] = []
         self.loader = loader
         self.rank_seed = rank_seed
 
@@ -52,6 +55,9 @@ class TinyBody:
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.losses.append(loss.detach().clone())
         self.trace.append((self.current_epoch, self.global_step, batch_idx, tuple(x.flatten().tolist())))
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            self.scaler_trace.append(scaler.state_dict())
         self.log("train_loss", loss)
         return loss
 
@@ -63,7 +69,8 @@ class TinyBody:
 
 
 def train_loader(kind: str = "plain") -> torch.utils.data.DataLoader:
-    """The shuffled loader of 16 samples, BATCHES_PER_EPOCH batches (the same data every time)."""
+    """The shuffled loader of 16 samples, BATCHES_PER_EPOCH batches (the same data every time;
+    "pairs": twice as many)."""
     g = torch.Generator().manual_seed(123)
     data = torch.utils.data.TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g))
     if kind == "augment":
@@ -82,6 +89,10 @@ def train_loader(kind: str = "plain") -> torch.utils.data.DataLoader:
         from resurgo import ElasticSampler
 
         return StatefulDataLoader(data, batch_size=4, sampler=ElasticSampler(data, seed=0))
+    if kind == "pairs":
+        return torch.utils.data.DataLoader(data, batch_size=2, shuffle=True)
+    if kind == "workers":
+        return torch.utils.data.DataLoader(data, batch_size=4, shuffle=True, num_workers=1, persistent_workers=True)
     return torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
 
 

@@ -1,5 +1,6 @@
 """Accelerate with ResurgoAccelerator: save_state/load_state through one resurgo checkpoint, an
-exact resume (at an epoch's end and mid-epoch, one process and two gloo processes), a resume on
+exact resume (at an epoch's end and mid-epoch, one process and two gloo processes, with and without
+a grad scaler), a resume on
 another number of processes, total_limit deleting only after a commit, and a folder Accelerate
 wrote before resurgo was added."""
 
@@ -67,6 +68,21 @@ def test_resume_is_bit_identical_and_total_limit_deletes_after_the_commit(tmp_pa
         manifest = resurgo.read_manifest(checkpoints / name)
         assert manifest.pickled is False and manifest.step == 0  # accelerator.step: gradient accumulation's count
     assert resurgo.load_dict(checkpoints / names[-1])["custom"] == [{"step": STEPS}]
+
+
+@pytest.mark.parametrize("stop", [8, 6])  # an epoch's end, mid-epoch
+def test_a_grad_scalers_state_resumes_exactly(tmp_path, stop):
+    whole = train(tmp_path / "whole", scaler=True)
+    scales = [state["scale"] for state in whole["scaler_trace"]]
+    assert scales == [2.0**8 * 2 ** (s // 2) for s in range(1, STEPS + 1)], scales  # each step went through it
+    first = train(tmp_path, save_every=stop, stop=stop, scaler=True)
+    saved = resurgo.load_dict(tmp_path / "checkpoints" / "checkpoint_0")["scaler"]
+    assert (saved["scale"], saved["_growth_tracker"]) == (2.0**8 * 2 ** (stop // 2), 0)
+    resumed = train(tmp_path, resume=True, scaler=True)
+    assert len(resumed["scaler_trace"]) == STEPS - stop
+    assert first["scaler_trace"] + resumed["scaler_trace"] == whole["scaler_trace"]
+    assert same(whole["losses"], first["losses"] + resumed["losses"])
+    assert same_params(whole["params"], resumed["params"])
 
 
 class Opaque:

@@ -19,10 +19,10 @@ from lightning_run import BATCHES_PER_EPOCH, Tiny, TinyBody, train_loader  # noq
 from resurgo.integrations.lightning import ResurgoCallback, ResurgoCheckpointIO  # noqa: E402
 
 
-def trainer(root: Path, max_steps: int, callbacks: list, **kw) -> L.Trainer:
+def trainer(root: Path, max_steps: int, callbacks: list, plugins: tuple = (), **kw) -> L.Trainer:
     return L.Trainer(max_steps=max_steps, deterministic=True, accelerator="cpu", devices=1, logger=False,
                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-                     plugins=[ResurgoCheckpointIO()], callbacks=callbacks, **kw)
+                     plugins=[ResurgoCheckpointIO(), *plugins], callbacks=callbacks, **kw)
 
 
 class TinyData(L.LightningDataModule):
@@ -35,7 +35,7 @@ class TinyData(L.LightningDataModule):
 
 
 def fit(root: Path, max_steps: int, *, callback: bool, ckpt_path=None, save_every=None, loader="plain",
-        source="module", **kw) -> Tiny:
+        source="module", plugins: tuple = (), **kw) -> Tiny:
     """A fresh seeded run; with ``save_every``, ModelCheckpoint saves every that many steps, in
     the middle of training as a preempted job's last checkpoint was. ``source``: where Lightning
     gets the (same) train loader: the module's train_dataloader, a datamodule's, or fit's argument."""
@@ -44,7 +44,7 @@ def fit(root: Path, max_steps: int, *, callback: bool, ckpt_path=None, save_ever
     callbacks = [ResurgoCallback()] if callback else []
     if save_every is not None:
         callbacks.append(L.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=save_every, save_top_k=-1))
-    t = trainer(root, max_steps, callbacks, enable_checkpointing=save_every is not None, **kw)
+    t = trainer(root, max_steps, callbacks, plugins, enable_checkpointing=save_every is not None, **kw)
     data = {"module": {}, "datamodule": {"datamodule": TinyData(loader)},
             "fit": {"train_dataloaders": train_loader(loader)}}[source]
     t.fit(model, ckpt_path=ckpt_path, **data)
@@ -65,6 +65,7 @@ def assert_follows(whole: Tiny, resumed: Tiny, step: int) -> None:
     epochs, steps, batch indices and batches, the same losses, weights and optimizer state, bit for bit."""
     assert len(resumed.losses) == len(whole.losses) - step, step
     assert resumed.trace == whole.trace[step:], step
+    assert resumed.scaler_trace == whole.scaler_trace[step:], step
     assert (resumed.trainer.current_epoch, resumed.trainer.global_step) == \
         (whole.trainer.current_epoch, whole.trainer.global_step)
     assert all(bitwise_equal(a, b) for a, b in zip(whole.losses[step:], resumed.losses)), step
@@ -112,7 +113,7 @@ def test_resumed_fit_is_bit_identical_and_not_without_the_callback(tmp_path, loa
     assert not all(bitwise_equal(a, b) for a, b in zip(whole.losses[stop:], blind.losses))
 
 
-@pytest.mark.parametrize("loader", ["plain", "stateful", "elastic", "stateful_elastic"])
+@pytest.mark.parametrize("loader", ["plain", "stateful", "elastic", "stateful_elastic", "workers"])
 def test_a_limited_epoch_resumes_exactly_from_its_last_batch_and_mid_epoch(tmp_path, loader):
     """limit_train_batches below the loader's length (3 of its 4 batches): a checkpoint at a limited
     epoch's last batch, where the loader itself is mid-epoch, resumes at the next epoch, and one
@@ -121,11 +122,42 @@ def test_a_limited_epoch_resumes_exactly_from_its_last_batch_and_mid_epoch(tmp_p
     total, stop = 3 * limit, 2 * limit
     whole = fit(tmp_path / "whole", total, callback=True, loader=loader, limit_train_batches=limit)
     assert [epoch for epoch, *_ in whole.trace] == [e for e in range(3) for _ in range(limit)]
+    if loader == "workers":  # the loader Lightning trained on still has its persistent worker
+        trained_on = whole.trainer.train_dataloader
+        assert (trained_on.num_workers, trained_on.persistent_workers) == (1, True)
     fit(tmp_path / "first", stop, callback=True, save_every=2, loader=loader, limit_train_batches=limit)
     for step in (stop, 4):  # epoch 1's last batch; its first
         resumed = fit(tmp_path / f"resumed{step}", total, callback=True, ckpt_path=ckpt_of(tmp_path / "first", step, limit),
                       loader=loader, limit_train_batches=limit)
         assert_follows(whole, resumed, step)
+
+
+def fp16_on_cpu():
+    """Lightning's 16-mixed precision on CPU, with a grad scaler (Trainer(precision="16-mixed")
+    falls back to bf16-mixed on CPU, which has none): fp16 autocast, and a scale that doubles every
+    2 steps, so that each step trains with another scaler state."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2))
+
+
+def test_a_grad_scalers_state_resumes_exactly_at_an_epochs_end_and_mid_epoch(tmp_path):
+    total, stop = 2 * BATCHES_PER_EPOCH, BATCHES_PER_EPOCH + 1
+    whole = fit(tmp_path / "whole", total, callback=True, plugins=(fp16_on_cpu(),))
+    scales = [state["scale"] for state in whole.scaler_trace]
+    assert scales == [2.0**8 * 2 ** (s // 2) for s in range(total)], scales  # no overflow: every step grew it
+    assert {state["_growth_tracker"] for state in whole.scaler_trace} == {0, 1}
+    fit(tmp_path / "first", stop, callback=True, save_every=1, plugins=(fp16_on_cpu(),))
+    assert resurgo.load_dict(ckpt_of(tmp_path / "first", stop))["MixedPrecision"] == {
+        "scale": 2.0**8 * 2 ** (stop // 2), "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2,
+        "_growth_tracker": stop % 2}
+    for step in (BATCHES_PER_EPOCH, stop):  # the epoch's last batch; the next epoch's first
+        resumed = fit(tmp_path / f"resumed{step}", total, callback=True, ckpt_path=ckpt_of(tmp_path / "first", step),
+                      plugins=(fp16_on_cpu(),))
+        assert len(resumed.scaler_trace) == total - step
+        assert_follows(whole, resumed, step)
+        final = resumed.trainer.precision_plugin.scaler.state_dict()
+        assert final == whole.trainer.precision_plugin.scaler.state_dict()
 
 
 def test_an_elastic_sampler_resumed_mid_epoch_on_another_world_size_is_refused_naming_the_counts():
@@ -385,40 +417,45 @@ except ImportError:  # pragma: no cover - the lightning extra brings pytorch_lig
     pass
 
 
-def test_ddp_processes_each_get_their_own_rng_states_back(tmp_path):
+def test_ddp_processes_each_get_their_own_rng_states_back_under_a_batch_limit(tmp_path):
     """Two DDP processes (ddp_spawn, gloo) draw different dropout masks: each process's RNG
-    states go into the checkpoint and come back to that process, and the DistributedSampler's
-    position mid-epoch is restored, so the resumed run ends with the uninterrupted run's weights,
-    bit for bit."""
+    states go into the checkpoint and come back to that process. Under limit_train_batches (3 of
+    each process's 4 batches), a checkpoint at an epoch's last batch, where the DistributedSampler
+    is part way through its pass, resumes at the next epoch, and one saved mid-epoch resumes at
+    its next batch: each process trains on what it trained on in the uninterrupted run, and the
+    resumed run ends with its weights, bit for bit."""
+    limit = 3
+
     def run(root: Path, steps: int, ckpt_path=None, save_every=None) -> Tiny:
         L.seed_everything(0)
-        model = Tiny(rank_seed=True)
+        model = Tiny("pairs", rank_seed=True)  # 16 samples in pairs: 4 batches per process
         callbacks = [ResurgoCallback(), RankProgress(root)]
         if save_every:
             callbacks.append(L.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=save_every, save_top_k=-1))
         L.Trainer(max_steps=steps, deterministic=True, accelerator="cpu", devices=2, strategy="ddp_spawn",
-                  logger=False, enable_progress_bar=False, enable_model_summary=False,
+                  logger=False, enable_progress_bar=False, enable_model_summary=False, limit_train_batches=limit,
                   enable_checkpointing=bool(save_every), default_root_dir=root,
                   plugins=[ResurgoCheckpointIO()], callbacks=callbacks).fit(model, ckpt_path=ckpt_path)
         return model
 
-    steps = BATCHES_PER_EPOCH // 2  # DistributedSampler: each process gets half an epoch
-    stop = steps + 1  # mid-epoch
-    whole = run(tmp_path / "whole", 3 * steps)
-    run(tmp_path / "first", stop, save_every=stop)
-    ckpt = tmp_path / "first" / f"epoch=1-step={stop}.ckpt"
-    per_rank = resurgo.load_dict(ckpt)["callbacks"]["ResurgoCallback"]["rng_per_rank"]
-    assert len(per_rank) == 2 and not torch.equal(per_rank[0]["torch"], per_rank[1]["torch"])
-    resumed = run(tmp_path / "resumed", 3 * steps, ckpt_path=ckpt)
-    for rank in (0, 1):
-        whole_rank, resumed_rank = (RankProgress.read(tmp_path / name, rank) for name in ("whole", "resumed"))
-        assert len(whole_rank["trace"]) == 3 * steps and len(resumed_rank["trace"]) == 3 * steps - stop
-        # The same epochs, steps and batch indices as the uninterrupted run from there on, per process.
-        assert resumed_rank["trace"] == whole_rank["trace"][stop:], rank
-        assert (resumed_rank["current_epoch"], resumed_rank["global_step"]) == \
-            (whole_rank["current_epoch"], whole_rank["global_step"]), rank
-    for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
-        assert bitwise_equal(a, b), name
+    total, stop = 3 * limit, limit + 1
+    whole = run(tmp_path / "whole", total)
+    run(tmp_path / "first", stop, save_every=1)
+    for step in (limit, stop):  # epoch 0's last batch; epoch 1's first
+        ckpt = ckpt_of(tmp_path / "first", step, limit)
+        per_rank = resurgo.load_dict(ckpt)["callbacks"]["ResurgoCallback"]["rng_per_rank"]
+        assert len(per_rank) == 2 and not torch.equal(per_rank[0]["torch"], per_rank[1]["torch"])
+        resumed = run(tmp_path / f"resumed{step}", total, ckpt_path=ckpt)
+        for rank in (0, 1):
+            whole_rank, resumed_rank = (RankProgress.read(tmp_path / name, rank) for name in ("whole", f"resumed{step}"))
+            assert [epoch for epoch, *_ in whole_rank["trace"]] == [e for e in range(3) for _ in range(limit)]
+            assert len(resumed_rank["trace"]) == total - step
+            # The same epochs, steps and batches as the uninterrupted run from there on, per process.
+            assert resumed_rank["trace"] == whole_rank["trace"][step:], (step, rank)
+            assert (resumed_rank["current_epoch"], resumed_rank["global_step"]) == \
+                (whole_rank["current_epoch"], whole_rank["global_step"]), (step, rank)
+        for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
+            assert bitwise_equal(a, b), (step, name)
 
 
 class RankProgress(L.Callback):

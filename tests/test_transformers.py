@@ -35,13 +35,25 @@ def whole(tmp_path_factory):
     return trainer
 
 
+@pytest.fixture(scope="module")
+def whole_scaled(tmp_path_factory):
+    """The uninterrupted run through a grad scaler."""
+    trainer = make_trainer(tmp_path_factory.mktemp("whole_scaled"), save_steps=STEPS + 1, scaler=True)
+    trainer.train()
+    scales = [scaler["scale"] for *_, scaler in trainer.trace]
+    assert scales == [2.0**8 * 2 ** (s // 2) for s in range(1, STEPS + 1)], scales  # each step went through it
+    return trainer
+
+
 def assert_same_run(whole, losses: list, trace: list, resumed) -> None:
     """``losses`` and ``trace`` are those of every step, across the interrupted and resumed runs."""
     # Each step's (epoch, global_step, sample indices, last learning rates): the same batches in
     # the same order, counted the same, however the run was cut (checked first: a divergence shows its step).
-    assert [(epoch, step) for epoch, step, _, _ in whole.trace] == [(s / 4, s) for s in range(1, STEPS + 1)]
+    assert [(epoch, step) for epoch, step, *_ in whole.trace] == [(s / 4, s) for s in range(1, STEPS + 1)]
     for e in range(STEPS // 4):  # each epoch trains on every sample once
-        assert sorted(i for _, _, batch, _ in whole.trace[4 * e:4 * e + 4] for i in batch) == list(range(16))
+        assert sorted(i for _, _, batch, *_ in whole.trace[4 * e:4 * e + 4] for i in batch) == list(range(16))
+    # Every step draws from the RNG (dropout), so each step ends in another RNG state.
+    assert len({rng for *_, rng, _ in whole.trace}) == STEPS
     assert trace == whole.trace
     assert (resumed.state.epoch, resumed.state.global_step) == (whole.state.epoch, whole.state.global_step)
     assert resumed.lr_scheduler.get_last_lr() == whole.lr_scheduler.get_last_lr()
@@ -58,8 +70,10 @@ def assert_same_run(whole, losses: list, trace: list, resumed) -> None:
 
 
 @pytest.mark.parametrize("stop", [4, 6])  # an epoch's end (4 steps each), and mid-epoch
-def test_resume_from_true_is_bit_identical_and_every_checkpoint_verifies(tmp_path, whole, stop):
-    first = make_trainer(tmp_path, save_steps=stop // 2, stop=stop)
+def test_resume_from_true_is_bit_identical_with_the_grad_scaler_and_every_checkpoint_verifies(tmp_path, whole_scaled,
+                                                                                             stop):
+    whole = whole_scaled
+    first = make_trainer(tmp_path, save_steps=stop // 2, stop=stop, scaler=True)
     first.train()
     assert sorted(os.listdir(tmp_path)) == [f"checkpoint-{stop // 2}", f"checkpoint-{stop}"]
     for name in os.listdir(tmp_path):
@@ -67,12 +81,15 @@ def test_resume_from_true_is_bit_identical_and_every_checkpoint_verifies(tmp_pat
         assert verify_checkpoint(tmp_path / name).ok
         manifest = resurgo.read_manifest(tmp_path / name)
         assert manifest.pickled is False and manifest.step == int(name.split("-")[1])
-        assert manifest.metadata[hf_integration.PARTS_KEY] == ["model", "optimizer", "rng", "scheduler",
+        assert manifest.metadata[hf_integration.PARTS_KEY] == ["model", "optimizer", "rng", "scaler", "scheduler",
                                                                "trainer_state"]
+    saved = resurgo.load_dict(tmp_path / f"checkpoint-{stop}")["scaler"]
+    assert (saved["scale"], saved["_growth_tracker"]) == (2.0**8 * 2 ** (stop // 2), 0)
 
-    resumed = make_trainer(tmp_path, save_steps=stop // 2)
+    resumed = make_trainer(tmp_path, save_steps=stop // 2, scaler=True)
     resumed.train(resume_from_checkpoint=True)  # the latest: checkpoint-<stop>
     assert_same_run(whole, first.losses + resumed.losses, first.trace + resumed.trace, resumed)
+    assert resumed.accelerator.scaler.state_dict() == whole.accelerator.scaler.state_dict()
     assert resurgo.read_manifest(tmp_path / f"checkpoint-{STEPS}").step == STEPS
 
 
@@ -115,10 +132,12 @@ def test_load_best_model_at_end_loads_the_best_resurgo_checkpoint_which_retentio
         assert bitwise_equal(tensor, saved[name]), name
 
 
-def test_a_folder_of_the_plain_trainer_resumes_exactly_and_the_next_saves_are_resurgo(tmp_path, whole):
-    plain = make_trainer(tmp_path, resurgo=False, stop=6)
+def test_a_folder_of_the_plain_trainer_resumes_exactly_and_the_next_saves_are_resurgo(tmp_path, whole_scaled):
+    whole = whole_scaled
+    plain = make_trainer(tmp_path, resurgo=False, stop=6, scaler=True)
     plain.train()
-    assert (tmp_path / "checkpoint-6" / "optimizer.pt").is_file()  # the Trainer's own files
+    for name in ("optimizer.pt", "scaler.pt"):  # the Trainer's own files
+        assert (tmp_path / "checkpoint-6" / name).is_file()
 
     # A file that weights_only loading refuses: named, with the way out; nothing is changed.
     bad = tmp_path / "bad"
@@ -130,9 +149,10 @@ def test_a_folder_of_the_plain_trainer_resumes_exactly_and_the_next_saves_are_re
         make_trainer(bad, save_steps=3).train(resume_from_checkpoint=True)
     assert sorted(os.listdir(bad)) == ["checkpoint-6"]
 
-    resumed = make_trainer(tmp_path, save_steps=3, save_total_limit=2)
+    resumed = make_trainer(tmp_path, save_steps=3, save_total_limit=2, scaler=True)
     resumed.train(resume_from_checkpoint=True)
     assert_same_run(whole, plain.losses + resumed.losses, plain.trace + resumed.trace, resumed)
+    assert resumed.accelerator.scaler.state_dict() == whole.accelerator.scaler.state_dict()
     # The Trainer's retention removed its own old folders once resurgo's were committed.
     assert sorted(os.listdir(tmp_path)) == ["bad", "checkpoint-12", "checkpoint-9"]
     assert sorted(os.listdir(tmp_path / "checkpoint-12")) == ["data", "manifest.json"]
