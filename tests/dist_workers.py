@@ -354,3 +354,33 @@ def shared_reads(rank: int, world: int, root: str) -> dict:
     except resurgo.CorruptCheckpointError as e:
         out["damaged"] = f"CorruptCheckpointError: {e}"
     return out
+
+
+def mixed_share_reads(rank: int, world: int, root: str, pairs: list[tuple]) -> dict:
+    """Load with each rank passing its own share_reads of each pair (what each rank raised), then
+    with the same value everywhere (compared bitwise): the refused loads left no collective behind."""
+    ref = reference()
+    path = f"{root}/replicated"
+    resurgo.save({k: v.clone() for k, v in ref.items()}, path)
+    out: dict = {"refused": []}
+    for choices in pairs:
+        try:
+            resurgo.load({k: torch.zeros_like(v) for k, v in ref.items()}, path, share_reads=choices[rank])
+            out["refused"].append("loaded")
+        except resurgo.ResurgoError as e:
+            out["refused"].append(f"{type(e).__name__}: {e}")
+    after = {k: torch.zeros_like(v) for k, v in ref.items()}
+    out["after"] = resurgo.load(after, path, share_reads=True).shared
+    out["equal"] = all(bits(after[k]) == bits(ref[k]) for k in ref)
+    return out
+
+
+def shared_reads_object_store(rank: int, world: int, url: str, options: dict) -> dict:
+    """Save the reference state replicated to an object store, load it with the default
+    share_reads (None): what the load read, received, and whether it is bit-exact."""
+    ref = reference()
+    resurgo.save({k: v.clone() for k, v in ref.items()}, url, storage_options=options)
+    got = {k: torch.zeros_like(v) for k, v in ref.items()}
+    report = resurgo.load(got, url, storage_options=options)
+    return {"shared": report.shared, "bytes_read": report.bytes_read, "bytes_received": report.bytes_received,
+            "equal": all(bits(got[k]) == bits(ref[k]) for k in ref)}

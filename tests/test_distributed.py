@@ -191,3 +191,27 @@ def test_shared_reads_read_each_replicated_byte_once(tmp_path):
     assert len(damaged) == 1, damaged
     message = damaged.pop()
     assert message.startswith("CorruptCheckpointError: rank ") and "'d'" in message and ".safetensors" in message
+
+
+def test_ranks_passing_different_share_reads_all_refuse_the_load(tmp_path):
+    pairs = [(False, None), (True, False), (None, True)]
+    results = run_ranks(2, "dist_workers:mixed_share_reads", str(tmp_path), pairs)
+    for i, (first, second) in enumerate(pairs):
+        refused = {r["refused"][i] for r in results}
+        assert len(refused) == 1, refused  # the same error on every rank
+        message = refused.pop()
+        assert message.startswith(f"UnsupportedValueError: {tmp_path / 'replicated'}: the ranks of one load passed "
+                                  f"different share_reads ({first!r} on rank 0; {second!r} on rank 1)"), message
+        assert message.endswith("pass the same value on every rank")
+    assert all(r["after"] and r["equal"] for r in results)  # no collective was left unpaired
+
+
+def test_shared_reads_are_on_by_default_for_an_object_store(s3_bucket):
+    url, options = s3_bucket
+    results = run_ranks(2, "dist_workers:shared_reads_object_store", f"{url}/replicated", options)
+    ref = reference()
+    state_bytes = sum(v.numel() * v.element_size() for v in ref.values())
+    assert all(r["shared"] and r["equal"] for r in results)
+    assert sum(r["bytes_read"] for r in results) == state_bytes  # each replicated byte read from storage once
+    for r in results:
+        assert r["bytes_received"] > 0 and r["bytes_read"] + r["bytes_received"] == state_bytes

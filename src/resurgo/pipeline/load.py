@@ -21,7 +21,7 @@ from resurgo.pipeline import consistent, data_files, inflight
 from resurgo.pipeline.manifest_read import read_manifest_and_bytes, resolve_for
 from resurgo.pipeline.peer_read import PeerFiles, PeerLoad
 from resurgo.pipeline.reader import ReadResult, read_destinations
-from resurgo.pipeline.shared_read import SharedLoad, agree_plan, share_note
+from resurgo.pipeline.shared_read import SharedLoad, agree_plan, mixed_share_reads, share_note
 from resurgo.reports import LoadReport
 from resurgo.state.unflatten import Restorer
 from resurgo.storage.base import Checkpoint
@@ -50,7 +50,8 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
 
     def plan_and_read() -> tuple[tuple[Restorer, Any, ReadResult | SharedLoad | PeerLoad, Manifest, float], Any]:
         """The load planned (and read, unless the ranks may share or read from peers), and this rank's
-        note for the others: the manifest it read, and what planning shared reads needs (None: not sharing)."""
+        note for the others: the manifest it read, its ``share_reads``, and what planning shared
+        reads needs (None: not sharing)."""
         ckpt = open_checkpoint(path, storage_options).pinned()  # one version, where the backend can
         keep_open = False
         try:
@@ -85,14 +86,15 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
                 opened.append(PeerLoad(ckpt, manifest, destinations, verify, io_threads, peers,
                                        ckpt.map_read))  # type: ignore[attr-defined]
                 keep_open = True
-                return (restorer, result, opened[-1], manifest, t_plan), (version, None)
+                return (restorer, result, opened[-1], manifest, t_plan), (version, share_reads, None)
             if sharing:  # read once every rank agreed on the plan: the sharing is collective
                 shared = SharedLoad(ckpt, manifest, destinations, verify, io_threads)
                 opened.append(shared)
                 keep_open = True
-                return (restorer, result, shared, manifest, t_plan), (version, share_note(shared.needs, is_url(path)))
+                return ((restorer, result, shared, manifest, t_plan),
+                        (version, share_reads, share_note(shared.needs, is_url(path))))
             return (restorer, result, read_destinations(ckpt, manifest, destinations, verify=verify, threads=io_threads),
-                    manifest, t_plan), (version, None)
+                    manifest, t_plan), (version, share_reads, None)
         finally:
             if not keep_open:
                 ckpt.close()
@@ -109,7 +111,7 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
     def read_shared(load: SharedLoad, notes: list[Any]) -> ReadResult:
         """Every rank agrees on the share plan, then reads its part (all raise if one fails)."""
         try:
-            plan, shared_info["plan_bytes"] = agree_plan(comm, [v for v, _ in notes], [n for _, n in notes],
+            plan, shared_info["plan_bytes"] = agree_plan(comm, [v for v, _, _ in notes], [n for _, _, n in notes],
                                                          load.needs, share_reads)
             shared_info["shared"] = plan is not None
             return comm.agree(load.read_alone if plan is None else lambda: load.transfer(comm, plan))
@@ -123,6 +125,7 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
 
     # A save replacing the checkpoint meanwhile is not corruption: read the new version instead. Every
     # decision is collective, so all ranks retry together and end on the same version.
+    choices: list[bool | None] = []  # every rank's share_reads, when they differ
     for _ in range(consistent.ATTEMPTS):
         seen.clear()
         try:
@@ -131,7 +134,11 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
             except BaseException:  # another rank failed: this rank's planned load is not read
                 close_opened()
                 raise
-            if not _one_version_per_path([v for v, _ in notes]):
+            if len({c for _, c, _ in notes}) > 1:  # the ranks would decide apart: every rank refuses
+                close_opened()
+                choices = [c for _, c, _ in notes]
+                break
+            if not _one_version_per_path([v for v, _, _ in notes]):
                 close_opened()
                 continue
             if isinstance(read, (SharedLoad, PeerLoad)):
@@ -149,6 +156,8 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
         break
     else:
         raise consistent.replaced_too_often(path)
+    if choices:
+        raise mixed_share_reads(str(path), choices)
     seconds = dict(read.seconds)
     if shared_load is not None:
         seconds["assemble"] = seconds.get("assemble", 0.0) + shared_load.finish()

@@ -9,7 +9,9 @@
    group that needs no further exchange; only when there are several groups does the lowest rank
    of each send its group's need list. It also decides whether to share at all:
    ``share_reads=None`` shares when the page cache cannot make repeated reads free (an object
-   store, or ranks on several hosts); every rank must load the same version of the same checkpoint.
+   store, or ranks on several hosts); every rank must load the same version of the same checkpoint,
+   and pass the same ``share_reads`` (each rank's travels in the same note: see
+   :func:`mixed_share_reads`).
 2. transfers (:meth:`SharedLoad.transfer`): every rank posts the receives of the messages it
    gets, a piece that lands as one contiguous run of a target straight into it; it reads and
    verifies its own messages in parallel, the same way, each sent as soon as it is verified
@@ -36,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from resurgo.dist.comm import Comm, sent_bytes
-from resurgo.errors import CorruptCheckpointError
+from resurgo.errors import CorruptCheckpointError, UnsupportedValueError
 from resurgo.format.manifest import Manifest, TensorEntry
 from resurgo.pipeline.reader import ReadResult, copy_back, place_destinations, read_ops
 from resurgo.plan.load_plan import MAX_PIECE_BYTES, ReadOp, ReadPart, plan_reads
@@ -105,6 +107,18 @@ def share_note(needs: dict[ChunkId, int], object_store: bool) -> tuple[str, bool
     in no collective of its own): its host, whether it reads an object store, a fingerprint of
     its needs."""
     return socket.gethostname(), object_store, fingerprint(needs)
+
+
+def mixed_share_reads(path: str, choices: list[bool | None]) -> UnsupportedValueError:
+    """The error every rank raises when the ranks of one load passed different ``share_reads``
+    (``choices``, in rank order, gathered with the load plan's outcome): ranks deciding apart
+    would pair up mismatched collectives."""
+    ranks: dict[bool | None, list[int]] = {}
+    for rank, choice in enumerate(choices):
+        ranks.setdefault(choice, []).append(rank)
+    passed = "; ".join(f"{choice!r} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}" for choice, rs in ranks.items())
+    return UnsupportedValueError(f"{path}: the ranks of one load passed different share_reads ({passed}); "
+                                 "pass the same value on every rank")
 
 
 def agree_plan(comm: Comm, checkpoints: list[tuple[str, str]], notes: list[tuple[str, bool, str]],
