@@ -1,7 +1,8 @@
 """Where a shared load's messages land (resurgo.pipeline.shared_read), one process: a piece sent
 alone that lands as one contiguous run of a target goes straight into the target's memory, and
 the parts it covers are not read again; small pieces packed together, and pieces a target needs
-only part of, land in memory that the ordinary read ops scatter from."""
+only part of, land in memory that the ordinary read ops scatter from. Ranks passing different
+share_reads are refused with every rank's value named."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 
 import resurgo
 from resurgo.pipeline.manifest_read import read_manifest_and_bytes, resolve_for
-from resurgo.pipeline.shared_read import SharedLoad, _whole_chunks
+from resurgo.errors import UnsupportedValueError
+from resurgo.pipeline.shared_read import SharedLoad, _whole_chunks, mixed_share_reads
 from resurgo.plan.load_plan import ReadOp, ReadPart
 from resurgo.plan.share_plan import plan_shares
 from resurgo.state.unflatten import Restorer
@@ -77,3 +79,10 @@ def test_only_chunks_read_straight_into_one_target_count_as_whole():
         op(ReadPart("d", 1, 100, 0, None)),
     ]
     assert _whole_chunks(ops) == {("a", 0): (2, 300)}
+
+
+def test_different_share_reads_name_each_rank_by_value():
+    error = mixed_share_reads("s3://b/ckpt", [None, False, None, True])
+    assert isinstance(error, UnsupportedValueError)
+    assert str(error) == ("s3://b/ckpt: the ranks of one load passed different share_reads (None on ranks 0, 2; "
+                          "False on rank 1; True on rank 3); pass the same value on every rank")
