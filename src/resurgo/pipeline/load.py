@@ -125,7 +125,7 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
 
     # A save replacing the checkpoint meanwhile is not corruption: read the new version instead. Every
     # decision is collective, so all ranks retry together and end on the same version.
-    choices: list[bool | None] = []  # every rank's share_reads, when they differ
+    choices: list[bool | None] = []  # every rank's share_reads, when they differ (the load is refused)
     for _ in range(consistent.ATTEMPTS):
         seen.clear()
         try:
@@ -137,7 +137,7 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
             if len({c for _, c, _ in notes}) > 1:  # the ranks would decide apart: every rank refuses
                 close_opened()
                 choices = [c for _, c, _ in notes]
-                break
+                raise mixed_share_reads(str(path), choices)
             if not _one_version_per_path([v for v, _, _ in notes]):
                 close_opened()
                 continue
@@ -149,6 +149,8 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
         except CheckpointReplacedError:
             continue  # raised on every rank by agree()
         except ResurgoError:
+            if choices:  # every rank raises it, from the same notes: nothing to agree on or retry
+                raise
             changed = consistent.manifest_changed(path, storage_options, seen[0] if seen else None)
             if any(comm.all_gather(changed)):
                 continue
@@ -156,8 +158,6 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
         break
     else:
         raise consistent.replaced_too_often(path)
-    if choices:
-        raise mixed_share_reads(str(path), choices)
     seconds = dict(read.seconds)
     if shared_load is not None:
         seconds["assemble"] = seconds.get("assemble", 0.0) + shared_load.finish()
