@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import pickle
 
 import pytest
 from hypothesis import given, settings
@@ -15,8 +16,10 @@ from resurgo.errors import ShardingError
 from resurgo.format import checksum
 from resurgo.layout.box import ChunkBox, FlatRange, covers_exactly_once, place_order
 from resurgo.layout.grid import Grid
-from resurgo.plan.global_plan import (PlanCache, RankDecl, TensorDecl, layout_fingerprint, listed_chunks, merge_trees,
-                                      plan_global, regular_chunks)
+from resurgo.plan import core_plan
+from resurgo.plan.global_plan import (GlobalPlan, PlanCache, PlanWrites, RankDecl, RankWrite, TensorDecl, layout_fingerprint,
+                                      listed_chunks, merge_trees, plan_global, regular_chunks)
+from resurgo.plan.save_plan import WriteItem
 
 
 def _tree(keys):
@@ -221,6 +224,29 @@ def test_the_fast_path_plans_what_the_general_path_plans(job):
     fast = plan_global(decls, checksum.block_bytes_for, regular_from=1)
     assert fast == plan_global(decls, checksum.block_bytes_for, regular_from=NEVER)
     assert _as_reference(fast) == _reference_plan(decls)
+
+
+@settings(max_examples=100, deadline=None)
+@given(mixed_job())
+def test_the_writes_kept_as_arrays_read_as_the_plan_written_out(job):
+    """plan.writes[rank], built when read, is the tuple of RankWrites the reference assignment
+    gives (item, name, block size, local key and place), and behaves as a tuple of them."""
+    world, decls = job
+    plan = plan_global(decls, checksum.block_bytes_for, regular_from=1)
+    shapes = {t.key: t.shape for d in decls for t in d.tensors}
+    eager = tuple(tuple(RankWrite(WriteItem(key, name, "bfloat16", p, nbytes, checksum.block_bytes_for(
+        math.prod(shapes[key]) * 2, math.prod(shapes[key][1:]) * 2)), key, p) for key, name, p, nbytes in ws)
+        for ws in _reference_plan(decls))
+    assert isinstance(plan.writes, PlanWrites) and len(plan.writes) == world
+    assert tuple(plan.writes[r] for r in range(world)) == eager and plan.writes == eager
+    assert plan.writes[-1] == eager[-1] and plan.writes[1:] == eager[1:] and repr(plan.writes) == f"PlanWrites({eager!r})"
+    with pytest.raises(IndexError):
+        plan.writes[world]
+    assert plan.bytes_per_rank() == [sum(w.item.nbytes for w in ws) for ws in eager]
+    assert pickle.loads(pickle.dumps(plan)) == plan
+    # the layouts described from the planner's arrays are those of the writes listed rank by rank
+    listed = GlobalPlan(plan.tree, plan.tensors, tuple(plan.writes))
+    assert core_plan.describe_layouts(plan) == core_plan.describe_layouts(listed)
 
 
 def _reference_plan(decls: list[RankDecl]) -> list:
