@@ -4,6 +4,7 @@ or leave a hole raise ShardingError naming the tensor and the ranks; per-rank va
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 import pickle
@@ -329,3 +330,20 @@ def test_errors_are_the_same_whichever_path_tried_first(case):
         assert type(raised.value) is ShardingError
         messages.add(str(raised.value))
     assert len(messages) == 1 and "tensor 'w'" in messages.pop()
+
+
+def test_repeated_plans_keep_no_objects_alive():
+    """A plan leaves nothing behind once dropped: the tracked objects after the fourth plan are
+    those after the first (no cache, nothing frozen away from the collector)."""
+    world = 64
+    decls = [RankDecl(_tree(["w", "v"]), (_fsdp(world, 100)[r], TensorDecl("v", "torch", "bfloat16", (8,),
+                                                                          (ChunkBox.whole((8,)),), False)))
+             for r in range(world)]
+    counts = []
+    for _ in range(4):
+        plan = plan_global(decls, checksum.block_bytes_for)
+        assert len(plan.writes[0]) >= 1
+        del plan
+        gc.collect()
+        counts.append(len(gc.get_objects()))
+    assert counts[3] == counts[0], counts

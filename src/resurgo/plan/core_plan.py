@@ -12,7 +12,7 @@ import numpy as np
 from resurgo.format.manifest import BoxPlace, FlatPlace, GridEntry, PieceEntry
 from resurgo.layout.box import ChunkBox, Place, place_order
 from resurgo.layout.grid import describe, describe_arrays
-from resurgo.plan.global_plan import Chunks, GlobalPlan, PlanWrites
+from resurgo.plan.global_plan import GlobalPlan, PlanWrites
 
 Layout = GridEntry | list[PieceEntry]
 
@@ -37,23 +37,23 @@ def describe_layouts(plan: GlobalPlan) -> dict[str, Layout]:
     out: dict[str, Layout] = {}
     for key, meta in plan.tensors.items():
         if key in assigned:
-            chunks, ranks = assigned[key]
-            out[key] = _layout_of_chunks(meta.shape, chunks, ranks)
+            out[key] = _layout_of_chunks(meta.shape, *assigned[key])
         else:
             out[key] = layout_of(meta.shape, placed[key])
     return out
 
 
-def _layout_of_chunks(shape: tuple[int, ...], chunks: Chunks, ranks: np.ndarray) -> Layout:
-    """:func:`layout_of` of a tensor's planned chunks, on the fast path's arrays when it has them."""
-    if chunks.boxes is not None and shape and 0 not in shape:
-        offsets, sizes = chunks.boxes
+def _layout_of_chunks(shape: tuple[int, ...], places: tuple[Place, ...], boxes: tuple[np.ndarray, np.ndarray] | None,
+                      ranks: np.ndarray) -> Layout:
+    """:func:`layout_of` of a tensor's planned places, on the fast path's arrays when it has them."""
+    if boxes is not None and shape and 0 not in shape:
+        offsets, sizes = boxes
         full = (sizes > 0).all(axis=1)
         if full.any():
             grid = describe_arrays(shape, offsets[full], sizes[full], ranks[full])
             if grid is not None:
                 return GridEntry(parts=list(grid.parts), offset=grid.offset, strides=list(grid.strides))
-    return layout_of(shape, [(p, r) for p, r in zip(chunks.places, ranks.tolist()) if p.numel])
+    return layout_of(shape, [(p, r) for p, r in zip(places, ranks.tolist()) if p.numel])
 
 
 def layout_of(shape: tuple[int, ...], chunks: list[tuple[Place, int]]) -> Layout:

@@ -730,7 +730,12 @@ class _Assignment:
             done = at + 1
         by_rank = order[np.argsort(rank[order], kind="stable")]  # each rank's chunks, in LPT order
         bounds = np.searchsorted(rank[by_rank], np.arange(world + 1))
-        return PlanWrites(fixed, self._tensors, tensor, index, nbytes, by_rank, bounds)
+        kept = [(key, dtype, block, c.places, c.boxes) for key, dtype, block, c in self._tensors]  # not the holders
+        return PlanWrites(fixed, kept, tensor, index, nbytes, by_rank, bounds)
+
+
+# An assigned tensor as the plan keeps it: key, dtype, block bytes, places in place order, boxes as arrays
+_Assigned = tuple[str, str, int, tuple[Place, ...], "tuple[np.ndarray, np.ndarray] | None"]
 
 
 class PlanWrites(Sequence[tuple[RankWrite, ...]]):
@@ -739,11 +744,11 @@ class PlanWrites(Sequence[tuple[RankWrite, ...]]):
     tensor, and each rank reads only its own. Plain data: equal to, and printed as, the tuple of
     every rank's writes."""
 
-    def __init__(self, fixed: tuple[tuple[RankWrite, ...], ...], tensors: list[tuple[str, str, int, Chunks]],
+    def __init__(self, fixed: tuple[tuple[RankWrite, ...], ...], tensors: list[_Assigned],
                  tensor: np.ndarray, index: np.ndarray, nbytes: np.ndarray, by_rank: np.ndarray,
                  bounds: np.ndarray) -> None:
         self._fixed = fixed  # per rank: the writes decided before the assignment, first in its list
-        self._tensors = tensors  # key, dtype, block bytes, chunks
+        self._tensors = tensors
         self._tensor, self._index, self._nbytes = tensor, index, nbytes  # per chunk: its tensor, place, bytes
         self._by_rank = by_rank  # the chunks grouped by the rank writing them, each group in LPT order
         self._bounds = bounds  # rank r writes by_rank[bounds[r]:bounds[r + 1]]
@@ -758,9 +763,9 @@ class PlanWrites(Sequence[tuple[RankWrite, ...]]):
         chunks = self._by_rank[self._bounds[rank]:self._bounds[rank + 1]]
         built = []
         for t, i, nb in zip(self._tensor[chunks].tolist(), self._index[chunks].tolist(), self._nbytes[chunks].tolist()):
-            key, dtype, block, c = self._tensors[t]
-            place = c.places[i]
-            built.append(RankWrite(WriteItem(key, f"{key}#{i}" if len(c.places) > 1 else key, dtype, place, nb, block),
+            key, dtype, block, places, _ = self._tensors[t]
+            place = places[i]
+            built.append(RankWrite(WriteItem(key, f"{key}#{i}" if len(places) > 1 else key, dtype, place, nb, block),
                                    key, place))
         return self._fixed[rank] + tuple(built)
 
@@ -786,12 +791,14 @@ class PlanWrites(Sequence[tuple[RankWrite, ...]]):
         """Each rank's writes of its per-rank tensors (the first of its writes)."""
         return self._fixed
 
-    def placed(self) -> dict[str, tuple[Chunks, np.ndarray]]:
-        """Each assigned tensor's chunks and the rank writing each of them."""
+    def placed(self) -> dict[str, tuple[tuple[Place, ...], tuple[np.ndarray, np.ndarray] | None, np.ndarray]]:
+        """Each assigned tensor's places (in place order), their boxes as arrays (as
+        :attr:`Chunks.boxes`) and the rank writing each place."""
         rank = np.empty(len(self._tensor), dtype=np.int64)
         rank[self._by_rank] = np.repeat(np.arange(len(self)), np.diff(self._bounds))
-        starts = np.cumsum([0] + [len(c.places) for _, _, _, c in self._tensors]).tolist()
-        return {key: (c, rank[a:b]) for (key, _, _, c), a, b in zip(self._tensors, starts, starts[1:])}
+        starts = np.cumsum([0] + [len(t[3]) for t in self._tensors]).tolist()
+        return {key: (places, boxes, rank[a:b])
+                for (key, _, _, places, boxes), a, b in zip(self._tensors, starts, starts[1:])}
 
 
 @functools.lru_cache(maxsize=64)
