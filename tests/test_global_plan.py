@@ -244,10 +244,12 @@ def test_the_writes_kept_as_arrays_read_as_the_plan_written_out(job):
     with pytest.raises(IndexError):
         plan.writes[world]
     assert plan.bytes_per_rank() == [sum(w.item.nbytes for w in ws) for ws in eager]
-    assert pickle.loads(pickle.dumps(plan)) == plan
-    # the layouts described from the planner's arrays are those of the writes listed rank by rank
+    received = pickle.loads(pickle.dumps(plan))
+    assert received == plan
+    # the layouts described from the planner's arrays are those of the writes listed rank by rank,
+    # and those of a received plan (its places alone)
     listed = GlobalPlan(plan.tree, plan.tensors, tuple(plan.writes))
-    assert core_plan.describe_layouts(plan) == core_plan.describe_layouts(listed)
+    assert core_plan.describe_layouts(plan) == core_plan.describe_layouts(listed) == core_plan.describe_layouts(received)
 
 
 def _reference_plan(decls: list[RankDecl]) -> list:

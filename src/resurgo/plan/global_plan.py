@@ -756,6 +756,12 @@ class PlanWrites(Sequence[tuple[RankWrite, ...]]):
     def __len__(self) -> int:
         return len(self._fixed)
 
+    def __getstate__(self) -> dict:
+        # the boxes serve the coordinator's layout description, which it makes from its own plan:
+        # the ranks receiving the plan get the places alone
+        return {**self.__dict__, "_tensors": [(key, dtype, block, places, None)
+                                              for key, dtype, block, places, _ in self._tensors]}
+
     def __getitem__(self, rank):  # type: ignore[no-untyped-def, override]
         if isinstance(rank, slice):
             return tuple(self[r] for r in range(len(self))[rank])
