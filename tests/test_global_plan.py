@@ -4,8 +4,10 @@ or leave a hole raise ShardingError naming the tensor and the ranks; per-rank va
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
+import pickle
 
 import pytest
 from hypothesis import given, settings
@@ -15,8 +17,10 @@ from resurgo.errors import ShardingError
 from resurgo.format import checksum
 from resurgo.layout.box import ChunkBox, FlatRange, covers_exactly_once, place_order
 from resurgo.layout.grid import Grid
-from resurgo.plan.global_plan import (PlanCache, RankDecl, TensorDecl, layout_fingerprint, listed_chunks, merge_trees,
-                                      plan_global, regular_chunks)
+from resurgo.plan import core_plan
+from resurgo.plan.global_plan import (GlobalPlan, PlanCache, PlanWrites, RankDecl, RankWrite, TensorDecl, layout_fingerprint,
+                                      listed_chunks, merge_trees, plan_global, regular_chunks)
+from resurgo.plan.save_plan import WriteItem
 
 
 def _tree(keys):
@@ -223,6 +227,31 @@ def test_the_fast_path_plans_what_the_general_path_plans(job):
     assert _as_reference(fast) == _reference_plan(decls)
 
 
+@settings(max_examples=100, deadline=None)
+@given(mixed_job())
+def test_the_writes_kept_as_arrays_read_as_the_plan_written_out(job):
+    """plan.writes[rank], built when read, is the tuple of RankWrites the reference assignment
+    gives (item, name, block size, local key and place), and behaves as a tuple of them."""
+    world, decls = job
+    plan = plan_global(decls, checksum.block_bytes_for, regular_from=1)
+    shapes = {t.key: t.shape for d in decls for t in d.tensors}
+    eager = tuple(tuple(RankWrite(WriteItem(key, name, "bfloat16", p, nbytes, checksum.block_bytes_for(
+        math.prod(shapes[key]) * 2, math.prod(shapes[key][1:]) * 2)), key, p) for key, name, p, nbytes in ws)
+        for ws in _reference_plan(decls))
+    assert isinstance(plan.writes, PlanWrites) and len(plan.writes) == world
+    assert tuple(plan.writes[r] for r in range(world)) == eager and plan.writes == eager
+    assert plan.writes[-1] == eager[-1] and plan.writes[1:] == eager[1:] and repr(plan.writes) == f"PlanWrites({eager!r})"
+    with pytest.raises(IndexError):
+        plan.writes[world]
+    assert plan.bytes_per_rank() == [sum(w.item.nbytes for w in ws) for ws in eager]
+    received = pickle.loads(pickle.dumps(plan))
+    assert received == plan
+    # the layouts described from the planner's arrays are those of the writes listed rank by rank,
+    # and those of a received plan (its places alone)
+    listed = GlobalPlan(plan.tree, plan.tensors, tuple(plan.writes))
+    assert core_plan.describe_layouts(plan) == core_plan.describe_layouts(listed) == core_plan.describe_layouts(received)
+
+
 def _reference_plan(decls: list[RankDecl]) -> list:
     """The assignment written out plainly: every distinct place of a tensor named in place order,
     all sorted by (bytes descending, key, name), each to its least loaded holder, lowest rank first."""
@@ -303,3 +332,20 @@ def test_errors_are_the_same_whichever_path_tried_first(case):
         assert type(raised.value) is ShardingError
         messages.add(str(raised.value))
     assert len(messages) == 1 and "tensor 'w'" in messages.pop()
+
+
+def test_repeated_plans_keep_no_objects_alive():
+    """A plan leaves nothing behind once dropped: the tracked objects after the fourth plan are
+    those after the first (no cache, nothing frozen away from the collector)."""
+    world = 64
+    decls = [RankDecl(_tree(["w", "v"]), (_fsdp(world, 100)[r], TensorDecl("v", "torch", "bfloat16", (8,),
+                                                                          (ChunkBox.whole((8,)),), False)))
+             for r in range(world)]
+    counts = []
+    for _ in range(4):
+        plan = plan_global(decls, checksum.block_bytes_for)
+        assert len(plan.writes[0]) >= 1
+        del plan
+        gc.collect()
+        counts.append(len(gc.get_objects()))
+    assert counts[3] == counts[0], counts

@@ -7,10 +7,12 @@ this description (:func:`layouts_of` keeps the last one).
 
 from __future__ import annotations
 
+import numpy as np
+
 from resurgo.format.manifest import BoxPlace, FlatPlace, GridEntry, PieceEntry
 from resurgo.layout.box import ChunkBox, Place, place_order
-from resurgo.layout.grid import describe
-from resurgo.plan.global_plan import GlobalPlan
+from resurgo.layout.grid import describe, describe_arrays
+from resurgo.plan.global_plan import GlobalPlan, PlanWrites
 
 Layout = GridEntry | list[PieceEntry]
 
@@ -23,13 +25,35 @@ def piece(place: Place, rank: int) -> PieceEntry:
 
 def describe_layouts(plan: GlobalPlan) -> dict[str, Layout]:
     """Each tensor's grid (:func:`resurgo.layout.grid.describe`) or, when it has none, its
-    non-empty pieces in place order with the ranks that write them."""
-    placed: dict[str, list[tuple[Place, int]]] = {key: [] for key in plan.tensors}
-    for rank, writes in enumerate(plan.writes):
-        for w in writes:
+    non-empty pieces in place order with the ranks that write them. From the planner's arrays
+    when the plan keeps them (:class:`PlanWrites`): no write is built."""
+    writes = plan.writes
+    assigned = writes.placed() if isinstance(writes, PlanWrites) else {}
+    placed: dict[str, list[tuple[Place, int]]] = {key: [] for key in plan.tensors if key not in assigned}
+    for rank, ws in enumerate(writes.fixed if isinstance(writes, PlanWrites) else writes):
+        for w in ws:
             if w.item.place.numel:  # an empty chunk holds nothing and is listed nowhere
                 placed[w.item.key].append((w.item.place, rank))
-    return {key: layout_of(plan.tensors[key].shape, chunks) for key, chunks in placed.items()}
+    out: dict[str, Layout] = {}
+    for key, meta in plan.tensors.items():
+        if key in assigned:
+            out[key] = _layout_of_chunks(meta.shape, *assigned[key])
+        else:
+            out[key] = layout_of(meta.shape, placed[key])
+    return out
+
+
+def _layout_of_chunks(shape: tuple[int, ...], places: tuple[Place, ...], boxes: tuple[np.ndarray, np.ndarray] | None,
+                      ranks: np.ndarray) -> Layout:
+    """:func:`layout_of` of a tensor's planned places, on the fast path's arrays when it has them."""
+    if boxes is not None and shape and 0 not in shape:
+        offsets, sizes = boxes
+        full = (sizes > 0).all(axis=1)
+        if full.any():
+            grid = describe_arrays(shape, offsets[full], sizes[full], ranks[full])
+            if grid is not None:
+                return GridEntry(parts=list(grid.parts), offset=grid.offset, strides=list(grid.strides))
+    return layout_of(shape, [(p, r) for p, r in zip(places, ranks.tolist()) if p.numel])
 
 
 def layout_of(shape: tuple[int, ...], chunks: list[tuple[Place, int]]) -> Layout:

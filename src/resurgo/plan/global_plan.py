@@ -21,8 +21,8 @@ import itertools
 import json
 import math
 import operator
-from collections.abc import Callable, Hashable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -100,9 +100,11 @@ class RankWrite:
 class GlobalPlan:
     tree: dict
     tensors: dict[str, TensorMeta]  # manifest keys (per-rank tensors as key@rankN)
-    writes: tuple[tuple[RankWrite, ...], ...]  # per rank
+    writes: Sequence[tuple[RankWrite, ...]]  # per rank: a tuple, or the planner's PlanWrites
 
     def bytes_per_rank(self) -> list[int]:
+        if isinstance(self.writes, PlanWrites):
+            return self.writes.bytes_per_rank()
         return [sum(w.item.nbytes for w in ws) for ws in self.writes]
 
 
@@ -171,7 +173,7 @@ def merge_trees(trees: list[dict], differing: set[str]) -> tuple[dict, set[str]]
 
 # -- tensors -------------------------------------------------------------------------------------
 def _differing_replicas(decls: list[RankDecl]) -> set[str]:
-    seen: dict[str, str] = {}
+    seen: dict[str, str | None] = {}
     out = set()
     for d in decls:  # most tensors carry no digest: those are skipped in C
         for t in itertools.compress(d.tensors, map(operator.is_not, map(_DIGEST, d.tensors), itertools.repeat(None))):
@@ -449,9 +451,7 @@ def _plan_tensors(decls: list[RankDecl], block_bytes_for: Callable[[int, int], i
             chunks = regular_chunks(meta.shape, ranks, held) if regular else None
         to_assign.add(key, meta.dtype, block, itemsize,
                       chunks if chunks is not None else listed_chunks(key, meta.shape, ranks, held))
-    load = [sum(w.item.nbytes for w in ws) for ws in writes]
-    to_assign.assign(writes, load)
-    return GlobalPlan(tree, tensors, tuple(tuple(w) for w in writes))
+    return GlobalPlan(tree, tensors, to_assign.assign(tuple(tuple(w) for w in writes)))
 
 
 def _same_keys(decls: list[RankDecl]) -> tuple[str, ...] | None:
@@ -504,6 +504,8 @@ class Chunks:
     places: tuple[Place, ...]
     numels: tuple[int, ...]
     holders: tuple[tuple[int, ...], ...]  # ascending, without repeats
+    # the fast path's boxes as arrays (offsets, sizes: places x dimensions), for the grid description
+    boxes: tuple[np.ndarray, np.ndarray] | None = field(default=None, compare=False, repr=False)
 
 
 def listed_chunks(key: str, shape: tuple[int, ...], ranks: list[int], held: list[TensorDecl]) -> Chunks:
@@ -541,7 +543,10 @@ def regular_chunks(shape: tuple[int, ...], ranks: list[int], held: list[TensorDe
     if offsets is None or sizes is None:
         return None
     found = _regular(extent, offsets, sizes, np.asarray(ranks, dtype=np.int64))
-    return None if found is None else Chunks(tuple([places[i] for i in found[0]]), *found[1:])
+    if found is None:
+        return None
+    at = found[0]
+    return Chunks(tuple([places[i] for i in at]), *found[1:], boxes=(offsets[at], sizes[at]) if kinds == {ChunkBox} else None)
 
 
 def _regular(extent: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray, holder: np.ndarray
@@ -554,7 +559,7 @@ def _regular(extent: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray, ho
         return None
     if full.any() and grid_cells(extent, offsets[full], sizes[full]) is None:
         return None
-    if not full.any() and math.prod(extent):
+    if not full.any() and 0 not in extent:  # elements, and no place holding any
         return None
     full_at = np.flatnonzero(full)
     rows = np.concatenate([offsets, sizes], axis=1)
@@ -639,7 +644,11 @@ class _Table:
         lo, size = self._offsets[:, start:start + width], self._sizes[:, start:start + width]
         held = self._places[i]
         found = _regular(self._extents[i], lo, size, np.arange(len(held), dtype=np.int64))
-        return None if found is None else Chunks(tuple(map(held.__getitem__, found[0])), *found[1:])
+        if found is None:
+            return None
+        at = found[0]
+        return Chunks(tuple(map(held.__getitem__, at)), *found[1:],
+                      boxes=(lo[at], size[at]) if isinstance(held[0], ChunkBox) else None)
 
 
 def _low(p: Place) -> tuple[int, ...]:
@@ -659,11 +668,11 @@ _OFFSETS, _SHAPE = operator.attrgetter("offsets"), operator.attrgetter("shape")
 def _int_rows(rows: Iterator[tuple[int, ...]], n: int, width: int) -> np.ndarray | None:
     """``n`` tuples of ``width`` Python ints as an int64 array (n x width); None when one is of
     another length or holds something else."""
-    rows = list(rows)
-    if set(map(len, rows)) != {width} or not {int} >= set(map(type, itertools.chain.from_iterable(rows))):
+    listed = list(rows)
+    if set(map(len, listed)) != {width} or not {int} >= set(map(type, itertools.chain.from_iterable(listed))):
         return None
     try:
-        return np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=n * width).reshape(n, width)
+        return np.fromiter(itertools.chain.from_iterable(listed), dtype=np.int64, count=n * width).reshape(n, width)
     except OverflowError:  # past int64
         return None
 
@@ -679,7 +688,8 @@ def _split_by(values: np.ndarray, group: np.ndarray, groups: int) -> list[list[i
 class _Assignment:
     """Every tensor's chunks, assigned largest first (then by key, then by name), each to its least
     loaded holder (LPT): balances the bytes each rank writes. The order is found with arrays; a
-    chunk with one holder goes to it, so only replicated chunks compare loads."""
+    chunk with one holder goes to it, so only replicated chunks compare loads, and no write is
+    built: the result is a :class:`PlanWrites`."""
 
     def __init__(self) -> None:
         self._tensors: list[tuple[str, str, int, Chunks]] = []  # key, dtype, block bytes, chunks
@@ -689,35 +699,112 @@ class _Assignment:
         self._tensors.append((key, dtype, block, chunks))
         self._nbytes.append(np.asarray(chunks.numels, dtype=np.int64) * itemsize)
 
-    def assign(self, writes: list[list[RankWrite]], load: list[int]) -> None:
-        if not self._tensors:
-            return
+    def assign(self, fixed: tuple[tuple[RankWrite, ...], ...]) -> PlanWrites:
+        """``fixed``: each rank's writes decided already (its per-rank tensors), first in its list."""
+        world = len(fixed)
         counts = [len(c.places) for _, _, _, c in self._tensors]
+        empty = np.zeros(0, dtype=np.int64)
+        if not counts:
+            return PlanWrites(fixed, [], empty, empty, empty, empty, np.zeros(world + 1, dtype=np.int64))
         key_order = np.empty(len(counts), dtype=np.int64)
         key_order[sorted(range(len(counts)), key=lambda i: self._tensors[i][0])] = np.arange(len(counts))
         tensor = np.repeat(np.arange(len(counts)), counts)
         index = np.concatenate([np.arange(n) for n in counts])  # each chunk's place in its tensor
         name_order = np.concatenate([_name_order(n) for n in counts])
         nbytes = np.concatenate(self._nbytes)
-        order = np.lexsort((name_order, key_order[tensor], -nbytes)).tolist()
-        places = list(itertools.chain.from_iterable(c.places for _, _, _, c in self._tensors))
+        order = np.lexsort((name_order, key_order[tensor], -nbytes))
         holders = list(itertools.chain.from_iterable(c.holders for _, _, _, c in self._tensors))
-        tensor_of, index_of, nbytes_of = tensor.tolist(), index.tolist(), nbytes.tolist()
-        named = [(key, dtype, block, len(c.places) > 1) for key, dtype, block, c in self._tensors]
-        rank_write, write_item = RankWrite, WriteItem
-        for j in order:
+        single = np.fromiter(map(len, holders), dtype=np.int64, count=len(holders)) == 1
+        rank = np.full(len(holders), -1, dtype=np.int64)
+        rank[single] = [h[0] for h, one in zip(holders, single.tolist()) if one]
+        load = np.array([sum(w.item.nbytes for w in ws) for ws in fixed], dtype=np.int64)
+        done = 0  # the chunks before order[done] are counted in load
+        for at in np.flatnonzero(~single[order]).tolist():  # replicated chunks, in LPT order
+            before = order[done:at]  # each with one holder
+            np.add.at(load, rank[before], nbytes[before])
+            j = int(order[at])
             hs = holders[j]
-            if len(hs) == 1:
-                r = hs[0]
-            else:
-                loads = list(map(load.__getitem__, hs))
-                r = hs[loads.index(min(loads))]  # the least loaded, the lowest rank among equals
-            nb = nbytes_of[j]
-            load[r] += nb
-            key, dtype, block, several = named[tensor_of[j]]
-            place = places[j]
-            writes[r].append(rank_write(write_item(key, f"{key}#{index_of[j]}" if several else key, dtype, place, nb, block),
-                                        key, place))
+            r = hs[int(np.argmin(load[list(hs)]))]  # the least loaded, the lowest rank among equals
+            rank[j] = r
+            load[r] += nbytes[j]
+            done = at + 1
+        by_rank = order[np.argsort(rank[order], kind="stable")]  # each rank's chunks, in LPT order
+        bounds = np.searchsorted(rank[by_rank], np.arange(world + 1))
+        kept = [(key, dtype, block, c.places, c.boxes) for key, dtype, block, c in self._tensors]  # not the holders
+        return PlanWrites(fixed, kept, tensor, index, nbytes, by_rank, bounds)
+
+
+# An assigned tensor as the plan keeps it: key, dtype, block bytes, places in place order, boxes as arrays
+_Assigned = tuple[str, str, int, tuple[Place, ...], "tuple[np.ndarray, np.ndarray] | None"]
+
+
+class PlanWrites(Sequence[tuple[RankWrite, ...]]):
+    """Every rank's writes (``writes[rank]``: a tuple of :class:`RankWrite`), kept as arrays of
+    the chunks and built for a rank only when read: a job's plan holds a chunk per rank per
+    tensor, and each rank reads only its own. Plain data: equal to, and printed as, the tuple of
+    every rank's writes."""
+
+    def __init__(self, fixed: tuple[tuple[RankWrite, ...], ...], tensors: list[_Assigned],
+                 tensor: np.ndarray, index: np.ndarray, nbytes: np.ndarray, by_rank: np.ndarray,
+                 bounds: np.ndarray) -> None:
+        self._fixed = fixed  # per rank: the writes decided before the assignment, first in its list
+        self._tensors = tensors
+        self._tensor, self._index, self._nbytes = tensor, index, nbytes  # per chunk: its tensor, place, bytes
+        self._by_rank = by_rank  # the chunks grouped by the rank writing them, each group in LPT order
+        self._bounds = bounds  # rank r writes by_rank[bounds[r]:bounds[r + 1]]
+
+    def __len__(self) -> int:
+        return len(self._fixed)
+
+    def __getstate__(self) -> dict:
+        # the boxes serve the coordinator's layout description, which it makes from its own plan:
+        # the ranks receiving the plan get the places alone
+        return {**self.__dict__, "_tensors": [(key, dtype, block, places, None)
+                                              for key, dtype, block, places, _ in self._tensors]}
+
+    def __getitem__(self, rank):  # type: ignore[no-untyped-def, override]
+        if isinstance(rank, slice):
+            return tuple(self[r] for r in range(len(self))[rank])
+        rank = range(len(self))[rank]  # IndexError past the world, as a tuple's
+        chunks = self._by_rank[self._bounds[rank]:self._bounds[rank + 1]]
+        built = []
+        for t, i, nb in zip(self._tensor[chunks].tolist(), self._index[chunks].tolist(), self._nbytes[chunks].tolist()):
+            key, dtype, block, places, _ = self._tensors[t]
+            place = places[i]
+            built.append(RankWrite(WriteItem(key, f"{key}#{i}" if len(places) > 1 else key, dtype, place, nb, block),
+                                   key, place))
+        return self._fixed[rank] + tuple(built)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"PlanWrites({tuple(self)!r})"
+
+    def bytes_per_rank(self) -> list[int]:
+        """The bytes each rank writes, from the arrays."""
+        fixed = [sum(w.item.nbytes for w in ws) for ws in self._fixed]
+        assigned = np.zeros(len(self), dtype=np.int64)
+        np.add.at(assigned, np.repeat(np.arange(len(self)), np.diff(self._bounds)), self._nbytes[self._by_rank])
+        return [a + b for a, b in zip(fixed, assigned.tolist())]
+
+    @property
+    def fixed(self) -> tuple[tuple[RankWrite, ...], ...]:
+        """Each rank's writes of its per-rank tensors (the first of its writes)."""
+        return self._fixed
+
+    def placed(self) -> dict[str, tuple[tuple[Place, ...], tuple[np.ndarray, np.ndarray] | None, np.ndarray]]:
+        """Each assigned tensor's places (in place order), their boxes as arrays (as
+        :attr:`Chunks.boxes`) and the rank writing each place."""
+        rank = np.empty(len(self._tensor), dtype=np.int64)
+        rank[self._by_rank] = np.repeat(np.arange(len(self)), np.diff(self._bounds))
+        starts = np.cumsum([0] + [len(t[3]) for t in self._tensors]).tolist()
+        return {key: (places, boxes, rank[a:b])
+                for (key, _, _, places, boxes), a, b in zip(self._tensors, starts, starts[1:])}
 
 
 @functools.lru_cache(maxsize=64)
