@@ -4,11 +4,12 @@ other nodes' memory, restored from a peer when a node is lost.
 Gemini (SOSP'23), REFT and Orbax's emergency checkpointing keep checkpoints in CPU memory, locally
 and on peers, so that a job can save every few steps and restore in seconds; durable storage is
 the last resort. Here each node has its own root (``/dev/shm`` by default: it survives the
-training process, not the machine). A save writes every rank's data files into its node's root;
-once all are written each rank sends them to ``replicas`` ranks on other nodes
-(:func:`resurgo.plan.memory_plan.replica_targets`), which receive them into their node's
-staging and verify every checksum before keeping them; only once that succeeded on every rank does each node's lowest rank commit its node's
-directory (the coordinator's manifest, the same bytes on every node). A committed node directory
+training process, not the machine). A save writes every rank's data files into its node's root
+and, from the same bytes while it writes them, sends them to ``replicas`` ranks on other nodes
+(:func:`resurgo.plan.memory_plan.replica_targets`), which receive them into their node's staging
+(:mod:`resurgo.pipeline.replicate`); once every rank's files are written, they verify every
+checksum of the replicas before keeping them; only once that succeeded on every rank does each
+node's lowest rank commit its node's directory (the coordinator's manifest, the same bytes on every node). A committed node directory
 therefore always belongs to a step that was complete, with its replicas, everywhere.
 
 Restore: the nodes' leaders report what their roots hold; every rank agrees on the newest step
