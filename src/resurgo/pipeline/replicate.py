@@ -208,14 +208,17 @@ class Exchange:
             except Exception as e:  # noqa: BLE001 - raised at the end: the peers must not wait forever
                 self._errors.append(e)
         pieces = self._pieces[(transfers[0].src, name)]
-        zeros = None
+        tensors = None
+        if out is not None:
+            try:
+                tensors = [_tensor(out.view(piece)) for piece in pieces]
+            except Exception as e:  # noqa: BLE001 - raised at the end, as above
+                self._errors.append(e)
+        if tensors is None:  # the peers still wait for these bytes; they will not verify them
+            zeros = _zeros(max(p.stop - p.start for p in pieces))
+            tensors = [zeros[: p.stop - p.start] for p in pieces]
         for t in transfers:
-            for i, piece in enumerate(pieces):
-                if out is not None:
-                    tensor = _tensor(out.view(piece))
-                else:
-                    zeros = _zeros(max(p.stop - p.start for p in pieces)) if zeros is None else zeros
-                    tensor = zeros[: piece.stop - piece.start]
+            for i, tensor in enumerate(tensors):
                 self._post(tensor, t, i, send=True)
 
     def unsent(self) -> list[str]:
@@ -233,6 +236,12 @@ class Exchange:
 
     # -- receiving (its own thread) -------------------------------------------------------------
     def _receive(self, mine: list[Transfer], sink: Callable[[str, int], Mapped]) -> None:
+        try:
+            self._receive_all(mine, sink)
+        except BaseException as e:  # noqa: BLE001 - a receive that did not end: finish raises, nothing is kept
+            self._receive_errors.append(CorruptCheckpointError(f"{self.where}: receiving the replicas failed: {e!r}"))
+
+    def _receive_all(self, mine: list[Transfer], sink: Callable[[str, int], Mapped]) -> None:
         import torch
 
         for t in mine:  # every receive posted first: the next file's mapping is made while this one arrives
@@ -255,19 +264,19 @@ class Exchange:
             self._incoming.append(_Incoming(t, into, requests, {}))
         for entry in self._incoming:
             pieces = self._pieces[(entry.transfer.src, entry.transfer.name)]
-            for i, request in enumerate(entry.requests):
+            for i, request in enumerate(entry.requests):  # every one waited for: none may land in a closed file
                 try:
                     request.wait()
-                except Exception as e:  # noqa: BLE001 - raised at the end
+                    piece = pieces[i]
+                    if entry.into is None or not piece.block_bytes:
+                        continue
+                    view = entry.into.view[piece.start:piece.stop]
+                    if on_piece is not None:
+                        on_piece(entry.transfer, piece, view)
+                    entry.hashed.update(_hash_blocks(view, piece))
+                    del view
+                except Exception as e:  # noqa: BLE001 - raised at the end (a block not hashed here is hashed then)
                     self._receive_errors.append(e)
-                    continue
-                if entry.into is None or not pieces[i].block_bytes:
-                    continue
-                piece = pieces[i]
-                view = entry.into.view[piece.start:piece.stop]
-                if on_piece is not None:
-                    on_piece(entry.transfer, piece, view)
-                entry.hashed.update(_hash_blocks(view, piece))
             entry.requests = []
 
     # -- ending -----------------------------------------------------------------------------------
