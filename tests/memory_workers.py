@@ -182,12 +182,17 @@ def flip_what_is_sent(cls) -> None:
 def corrupt_in_transit(rank: int, world: int, tmp: str) -> dict:
     """Save step 1; then save step 2 with one byte of rank 0's data flipped on its way to its
     replica holder (rank 2): the save fails on every rank, and step 1 is what memory restores."""
-    from resurgo.storage.local import LocalStaging
+    from resurgo.pipeline import replicate
 
     mgr = manager(tmp, rank, async_save=False)
     mgr.save(1, rank_state(1, rank, world))
-    if rank == 0:
-        flip_what_is_sent(LocalStaging)
+
+    def flip(transfer, piece, view) -> None:  # rank 0's last piece to rank 2: a byte flipped on arrival
+        if transfer.src == 0 and piece.stop == transfer.nbytes:
+            view[len(view) - 9] ^= 1
+
+    if rank == 2:
+        replicate.on_piece = flip
     out: dict = {}
     try:
         mgr.save(2, rank_state(2, rank, world))

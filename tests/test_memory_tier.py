@@ -359,3 +359,55 @@ def test_bytes_read_from_a_peer_that_do_not_verify_are_never_loaded(tmp_path: Pa
         (warned,) = [w for w in out[rank]["warnings"] if "from memory" in w]
         assert "does not match its xxh3-128 checksum" in warned and "trying the durable tiers" in warned
     assert out[2]["node1"] == ["manifest.json"]  # node 1 holds the step's manifest, and no unverified byte
+
+
+def test_digests_hashed_as_a_replica_arrived_are_compared_not_trusted_blindly(tmp_path: Path):
+    resurgo.save({"w": torch.arange(1 << 18, dtype=torch.float32)}, tmp_path / "c")  # 1 MiB: 4 KiB blocks
+    manifest = resurgo.read_manifest(tmp_path / "c")
+    (name,) = manifest.files
+    chunk = manifest.tensors["w"].chunks[0]
+    start, bb = chunk.byte_range[0], chunk.block_bytes
+    data = np.fromfile(tmp_path / "c" / name, dtype=np.uint8)
+    good = {(start + i * bb, start + (i + 1) * bb): d for i, d in enumerate(chunk.checksums)}
+    assert verify_file_bytes(manifest, name, data, "peer", good) == []
+    # a block's digest taken as it arrived is what is compared: one that differs is found
+    bad = dict(good)
+    bad[(start + 3 * bb, start + 4 * bb)] = "0" * 32
+    problems = verify_file_bytes(manifest, name, data, "peer", bad)
+    assert len(problems) == 1 and "block 3 does not match its checksum" in problems[0]
+    # bytes with no digest of exactly their block are hashed: a flipped byte there is found
+    data[start + 5 * bb + 1] ^= 1
+    partial = {k: v for k, v in good.items() if k != (start + 5 * bb, start + 6 * bb)}
+    partial[(start + 5 * bb, start + 5 * bb + 8)] = "f" * 32  # not a block: ignored
+    problems = verify_file_bytes(manifest, name, data, "peer", partial)
+    assert len(problems) == 1 and "block 5 does not match its checksum" in problems[0]
+
+
+def test_a_file_is_sent_from_its_sources_as_the_bytes_it_is_written_as(tmp_path: Path, monkeypatch):
+    from resurgo.pipeline import replicate
+    from resurgo.pipeline.buffers import TensorStream
+    from resurgo.pipeline.save import LazySources, prepare_save, write_and_commit
+
+    monkeypatch.setattr(replicate, "PIECE_BYTES", 64 << 10)  # several pieces per chunk
+    state = {"a": torch.arange(1 << 16, dtype=torch.float32), "b": torch.arange(300, dtype=torch.int16), "s": 7}
+    prep = prepare_save(state, tmp_path / "c", overwrite=False, allow_pickle=False, step=None, metadata=None,
+                        io_threads=1, block_bytes=None)
+    sources = LazySources(prep.leaves)
+    (plan,) = prep.plan.files
+    staged = replicate.StagedFile(plan, sources)
+    pieces = staged.pieces
+    assert staged.sendable and pieces[0].start == 0 and pieces[-1].stop == staged.nbytes
+    assert all(p.stop == q.start for p, q in zip(pieces, pieces[1:]))  # back to back, every byte once
+    sent = b"".join(bytes(staged.view(p)) for p in pieces)
+    write_and_commit(prep, sources)
+    assert sent == (tmp_path / "c" / plan.path).read_bytes()
+    manifest = resurgo.read_manifest(tmp_path / "c")
+    # each chunk's pieces hold whole checksum blocks from the chunk's start: hashed on arrival
+    for key in ("a", "b"):
+        c = manifest.tensors[key].chunks[0]
+        mine = [p for p in pieces if c.byte_range[0] <= p.start < c.byte_range[1]]
+        assert {p.block_bytes for p in mine} == {c.block_bytes} and len(mine) > (key == "a")
+        assert all((p.start - c.byte_range[0]) % c.block_bytes == 0 for p in mine)
+    # a chunk whose bytes are not in host memory as one buffer: the file is sent once written
+    streamed = {k: (TensorStream(torch.as_tensor(v)) if k == "a" else v) for k, v in sources.items()}
+    assert not replicate.StagedFile(plan, streamed).sendable

@@ -4,11 +4,12 @@ other nodes' memory, restored from a peer when a node is lost.
 Gemini (SOSP'23), REFT and Orbax's emergency checkpointing keep checkpoints in CPU memory, locally
 and on peers, so that a job can save every few steps and restore in seconds; durable storage is
 the last resort. Here each node has its own root (``/dev/shm`` by default: it survives the
-training process, not the machine). A save writes every rank's data files into its node's root;
-once all are written each rank sends them to ``replicas`` ranks on other nodes
-(:func:`resurgo.plan.memory_plan.replica_targets`), which receive them into their node's
-staging and verify every checksum before keeping them; only once that succeeded on every rank does each node's lowest rank commit its node's
-directory (the coordinator's manifest, the same bytes on every node). A committed node directory
+training process, not the machine). A save writes every rank's data files into its node's root
+and, from the same bytes while it writes them, sends them to ``replicas`` ranks on other nodes
+(:func:`resurgo.plan.memory_plan.replica_targets`), which receive them into their node's staging
+(:mod:`resurgo.pipeline.replicate`); once every rank's files are written, they verify every
+checksum of the replicas before keeping them; only once that succeeded on every rank does each
+node's lowest rank commit its node's directory (the coordinator's manifest, the same bytes on every node). A committed node directory
 therefore always belongs to a step that was complete, with its replicas, everywhere.
 
 Restore: the nodes' leaders report what their roots hold; every rank agrees on the newest step
@@ -29,7 +30,7 @@ import os
 import socket
 import threading
 import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ from resurgo.pipeline import replicate
 from resurgo.pipeline.collective import NodeLocal
 from resurgo.pipeline.peer_read import PeerFiles
 from resurgo.plan.global_plan import GlobalPlan
+from resurgo.plan.save_plan import FilePlan
 from resurgo.plan.memory_plan import (Holding, Nodes, Rebuild, assign_held, choose_rebuild, node_bytes,
                                       replica_targets, replication, spread)
 from resurgo.storage.base import Staging
@@ -180,7 +182,7 @@ class MemoryNodes:
         """How the save of ``step`` writes into this node's root and replicates (``comm()``: the
         save's channel, asked for in the thread that writes)."""
         return NodeLocal(self.leader, lambda plan: self.check_budget(step, plan),
-                         lambda staging, raw, mine: self.replicate(comm(), staging, raw, mine))
+                         lambda staging, files, sources: self.replicate(comm(), staging, files, sources))
 
     def used_bytes(self) -> int:
         """The bytes of the checkpoints (and leftovers of saves) in this node's root."""
@@ -209,17 +211,21 @@ class MemoryNodes:
                 "written. Raise memory_budget (it must hold keep_last + 1 steps: the old ones go only once the new "
                 "one is complete everywhere), or lower keep_last or replicas")
 
-    def replicate(self, comm: Comm, staging: Staging, raw: bytes, mine: list[str]) -> None:
-        """Send this rank's data files to its replica targets and receive the replicas this node
-        holds, verified, into the node's staging (every rank; collective)."""
-        manifest = parse_manifest(raw, "the manifest being saved")
-        everyone = comm.all_gather([(name, manifest.files[name].bytes) for name in sorted(mine)])
-        transfers = replication(everyone, self.targets)
-        # A memory root is a local directory: its staging (LocalStaging) maps what it wrote, and
-        # the replicas it receives, so no file is copied beside its bytes in the node's memory.
+    def replicate(self, comm: Comm, staging: Staging, files: Sequence[FilePlan],
+                  sources: Mapping[str, Any]) -> replicate.SaveExchange:
+        """Start sending this rank's data files (``files``, written from ``sources``) to its replica
+        targets and receiving the replicas this node holds into the node's staging, before the
+        files are written; verified once the manifest is known (every rank; collective)."""
+        # A memory root is a local directory: its staging (LocalStaging) maps the replicas it
+        # receives (and, for a file not sent from its sources, what it wrote), so no file is
+        # copied beside its bytes in the node's memory.
         assert isinstance(staging, LocalStaging)
-        replicate.exchange(comm, transfers, manifest, str(self.root), source=staging.map_read,
-                           sink=staging.create_mapped)
+        staged = [replicate.StagedFile(f, sources) for f in files]
+        _, everyone = comm.agree_noting(lambda: (None, [(f.path, f.nbytes, f.pieces) for f in staged]))
+        transfers = replication([[(name, size) for name, size, _ in own] for own in everyone], self.targets)
+        pieces = {(r, name): p for r, own in enumerate(everyone) for name, _, p in own}
+        return replicate.SaveExchange(comm, transfers, pieces, str(self.root), staged,
+                                      sink=staging.create_mapped, written=staging.map_read)
 
     # -- restoring --------------------------------------------------------------------------------
     def rebuild(self, comm: Comm, only: int | None = None) -> Rebuild | None:
@@ -309,7 +315,6 @@ class MemoryNodes:
                 raise CorruptCheckpointError(f"{self.path_for(step)}: cannot copy step {step} from memory: {e} "
                                              "in any node's memory") from None
         return share
-
 
 
 class Refill:

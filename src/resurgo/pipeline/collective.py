@@ -9,8 +9,9 @@ aborts the staging, nothing is committed, and every rank raises the same error
 Node-local saves (a memory tier, :class:`NodeLocal`) have one directory per node instead of one
 shared by all: each node's lowest rank opens its node's staging, every rank writes into its own
 node's, a hook runs on every rank with the coordinator's manifest bytes once every rank's files
-are written (the replication to other nodes), and only once that succeeded everywhere does each
-node's lowest rank commit its directory with those same manifest bytes.
+are written (the end of the replication to other nodes, started before the writes), and only once
+that succeeded everywhere does each node's lowest rank commit its directory with those same
+manifest bytes.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from resurgo.dist.comm import Comm
 from resurgo.storage.base import Staging
@@ -40,12 +41,22 @@ class NodeLocal:
 
     ``leader``: the rank that opens and commits this rank's node directory (its node's lowest).
     ``before_stage(plan)``: run by each leader once the plan is known, before anything is written
-    (a memory budget check). ``before_commit(staging, manifest bytes, this rank's data files)``: run
-    by every rank once every rank's files are written, before any commit (the replication)."""
+    (a memory budget check). ``replicate(staging, this rank's file plans, their sources)``: run by
+    every rank before it writes (collective), it starts the replication and returns it; its
+    ``finish(manifest bytes)`` runs on every rank once every rank's files are written, before any
+    commit; its ``drain()`` always runs last (it ends what a failed save left in flight)."""
 
     leader: int
     before_stage: Callable[[Any], None]
-    before_commit: Callable[[Staging, bytes, list[str]], None]
+    replicate: Callable[[Staging, Any, Any], "Replication"]
+
+
+class Replication(Protocol):
+    """A node-local save's replication in flight (:class:`NodeLocal`)."""
+
+    def finish(self, manifest: bytes) -> Any: ...
+
+    def drain(self) -> None: ...
 
 
 def open_node_staging(comm: Comm, leader: int, open_it: Callable[[], Staging]) -> Staging:

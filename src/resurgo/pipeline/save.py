@@ -381,9 +381,20 @@ def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | Ten
         return raw
 
     node = prep.node_local
-    hook = None if node is None else (
-        node.leader, lambda raw, mine: node.before_commit(prep.staging, raw, [w.path for w in mine[0]]))
-    _, manifest_bytes, t_commit = write_then_commit(comm, prep.staging, write, manifest, hook)
+    # A node-local save's replication starts before its files are written (it sends from their
+    # sources) and ends, verified, once the manifest is known.
+    replication = None if node is None else node.replicate(prep.staging, prep.plan.files, sources)
+
+    def replicated(raw: bytes, _: Any) -> None:
+        assert replication is not None
+        replication.finish(raw)
+
+    try:
+        hook = None if node is None else (node.leader, replicated)
+        _, manifest_bytes, t_commit = write_then_commit(comm, prep.staging, write, manifest, hook)
+    finally:
+        if replication is not None:
+            replication.drain()
     written = mine
     seconds = dict(prep.seconds)
     seconds["commit"] = t_commit

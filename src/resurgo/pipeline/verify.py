@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -120,8 +120,9 @@ def _check_file(ckpt: Checkpoint, manifest: Manifest, name: str, handle, by_file
 class _BytesHandle:
     """A data file held in memory, read like an open file (:class:`resurgo.storage.base.ReadHandle`)."""
 
-    def __init__(self, rel: str, data: np.ndarray):
+    def __init__(self, rel: str, data: np.ndarray, hashed: Mapping[tuple[int, int], str] | None = None):
         self.rel, self._data, self.size = rel, data.reshape(-1).view(np.uint8), data.nbytes
+        self.hashed = hashed or {}  # digests of its blocks already computed, by (start, stop) in the file
 
     def read_into(self, offset: int, buf: memoryview) -> None:
         n = len(memoryview(buf).cast("B"))
@@ -146,15 +147,18 @@ class _Named:
         self.path = path
 
 
-def verify_file_bytes(manifest: Manifest, name: str, data: np.ndarray, where: str) -> list[str]:
+def verify_file_bytes(manifest: Manifest, name: str, data: np.ndarray, where: str,
+                      hashed: Mapping[tuple[int, int], str] | None = None) -> list[str]:
     """The problems of the data file ``name`` of ``manifest`` received as ``data`` (bytes in
     memory, e.g. a replica sent by another rank): size, header and every block checksum, before it
-    is written anywhere. ``where`` names its origin in the messages."""
+    is written anywhere. ``where`` names its origin in the messages. ``hashed``: the digests of
+    some of its bytes, computed from ``data`` as they arrived (by ``(start, stop)`` in the file):
+    a checksum block of exactly such bytes is compared with that digest, not hashed again."""
     if name not in manifest.files:
         return [f"{where}: {name} is not a data file of the manifest"]
     report = VerifyReport(where)
     by_file = {name: _spans_by_file(manifest).get(name, [])}
-    _check_file(_Named(where), manifest, name, _BytesHandle(name, data), by_file,  # type: ignore[arg-type]
+    _check_file(_Named(where), manifest, name, _BytesHandle(name, data, hashed), by_file,  # type: ignore[arg-type]
                 np.empty(0, dtype=np.uint8), report, None)
     return report.problems
 
@@ -179,12 +183,29 @@ def _check_span(handle, manifest: Manifest, key: str, ci: int, offset: int, star
                 handle.read_into(start + off, view)
         except CorruptCheckpointError as e:
             return f"tensor {key!r}: {e}"
-        bad = checksum.first_bad_block(view, c.block_bytes, c.checksums, (offset + off) // c.block_bytes)
+        hashed = getattr(handle, "hashed", None)
+        first = (offset + off) // c.block_bytes
+        if hashed:
+            bad = _first_bad_hashed(view, start + off, c.block_bytes, c.checksums, first, hashed)
+        else:
+            bad = checksum.first_bad_block(view, c.block_bytes, c.checksums, first)
         report.bytes_checked += n
         if progress:
             progress(n)
         if bad is not None:
             return f"tensor {key!r} chunk {ci} in {handle.rel}: block {bad} does not match its checksum"
+    return None
+
+
+def _first_bad_hashed(view: memoryview, at: int, block_bytes: int, expected: list[str], first_block: int,
+                      hashed: Mapping[tuple[int, int], str]) -> int | None:
+    """:func:`resurgo.format.checksum.first_bad_block` of ``view`` (file bytes from ``at``), taking
+    the digest of each block from ``hashed`` where it holds that block's bytes."""
+    for j, a in enumerate(range(0, len(view), block_bytes)):
+        b = min(a + block_bytes, len(view))
+        known = hashed.get((at + a, at + b))
+        if (known if known is not None else checksum.digest(view[a:b])) != expected[first_block + j]:
+            return first_block + j
     return None
 
 
