@@ -32,7 +32,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import xxhash
 
 from resurgo.dist.comm import Comm
@@ -137,20 +139,27 @@ def cached_path(world: int, tensors: int, repeats: int) -> dict:
 def core_and_indexes(world: int, tensors: int, ranks: set[int]) -> tuple[bytes, dict[int, bytes], float]:
     """The format version 4 metadata of the FSDP-style state on ``world`` ranks, built by the
     writer's own code: the core manifest (each tensor's layout found by
-    :func:`resurgo.layout.grid.describe` from its ``world`` chunks, every rank's index size and
+    :func:`resurgo.plan.core_plan.grid_of_arrays` from its ``world`` boxes as the planner's
+    arrays, as the writer's :func:`~resurgo.plan.core_plan.describe_layouts` does; every rank's index size and
     digest) and the indexes of ``ranks`` (their chunks, one checksum per block); and the seconds
     the layouts took. Other ranks' indexes are not built: the core gives them the size of the
     first built one and a digest of 32 hex digits."""
-    t0 = time.perf_counter()
     tensors_core: dict[str, TensorEntry] = {}
+    layouts_s = 0.0
     for i in range(tensors):
         rows = _rows(i)
-        chunks = [(ChunkBox((a, 0), (n, COLS)), r) for r in range(world) for a, n in [_bounds(rows, world, r)] if n]
-        layout = core_plan.layout_of((rows, COLS), chunks)  # type: ignore[arg-type]
+        bounds = np.array([_bounds(rows, world, r) for r in range(world)], dtype=np.int64)
+        offsets = np.stack([bounds[:, 0], np.zeros(world, np.int64)], axis=1)
+        sizes = np.stack([bounds[:, 1], np.full(world, COLS, np.int64)], axis=1)
+        t0 = time.perf_counter()  # the writer's work: the planner's arrays in, the layout out
+        layout: Any = core_plan.grid_of_arrays((rows, COLS), offsets, sizes, np.arange(world, dtype=np.int64))
+        if layout is None:
+            layout = core_plan.layout_of((rows, COLS), [(ChunkBox((int(a), 0), (int(n), COLS)), r)
+                                                        for r, (a, n) in enumerate(bounds.tolist()) if n])
+        layouts_s += time.perf_counter() - t0
         tensors_core[f"model.layers.{i}.weight"] = TensorEntry(
             kind="torch", dtype="bfloat16", shape=[rows, COLS],
             **({"grid": layout} if isinstance(layout, GridEntry) else {"pieces": layout}))
-    layouts_s = time.perf_counter() - t0
     for i in range(4):  # replicated: written by one rank each, as the plan balances them
         tensors_core[f"norm.{i}"] = TensorEntry(kind="torch", dtype="float32", shape=[1024],
                                                 grid=GridEntry(parts=[1], offset=i % world, strides=[0]))

@@ -46,14 +46,23 @@ def describe_layouts(plan: GlobalPlan) -> dict[str, Layout]:
 def _layout_of_chunks(shape: tuple[int, ...], places: tuple[Place, ...], boxes: tuple[np.ndarray, np.ndarray] | None,
                       ranks: np.ndarray) -> Layout:
     """:func:`layout_of` of a tensor's planned places, on the fast path's arrays when it has them."""
-    if boxes is not None and shape and 0 not in shape:
-        offsets, sizes = boxes
-        full = (sizes > 0).all(axis=1)
-        if full.any():
-            grid = describe_arrays(shape, offsets[full], sizes[full], ranks[full])
-            if grid is not None:
-                return GridEntry(parts=list(grid.parts), offset=grid.offset, strides=list(grid.strides))
+    if boxes is not None:
+        grid = grid_of_arrays(shape, *boxes, ranks)
+        if grid is not None:
+            return grid
     return layout_of(shape, [(p, r) for p, r in zip(places, ranks.tolist()) if p.numel])
+
+
+def grid_of_arrays(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray, ranks: np.ndarray) -> GridEntry | None:
+    """The grid of a tensor's boxes given as arrays (one row per box: offsets, sizes, writer rank;
+    empty boxes are ignored), or None when its non-empty boxes form none."""
+    if not shape or 0 in shape:
+        return None
+    full = (sizes > 0).all(axis=1)
+    if not full.any():
+        return None
+    grid = describe_arrays(shape, offsets[full], sizes[full], ranks[full])
+    return None if grid is None else GridEntry(parts=list(grid.parts), offset=grid.offset, strides=list(grid.strides))
 
 
 def layout_of(shape: tuple[int, ...], chunks: list[tuple[Place, int]]) -> Layout:
