@@ -43,6 +43,7 @@ from resurgo import (
     ManifestError,
     PickleNotAllowedError,
     ResurgoError,
+    TypeMismatchError,
 )
 from resurgo.format import dtypes as _dtypes
 from resurgo.format.manifest import SEAL_FIELD, parse_manifest, seal
@@ -1300,3 +1301,21 @@ def test_error_messages_name_the_manifest(bench: Bench):
 def test_checksum_list_check_is_exactly_32_lowercase_hex_digits_each(digests):
     from resurgo.format.manifest import _all_hex128
     assert _all_hex128(digests) == all(re.fullmatch(r"[0-9a-f]{32}", d) is not None for d in digests)
+
+
+@pytest.mark.parametrize("where", ["root", "model"])
+def test_a_size_in_place_of_a_container_loads_into_no_target(bench: Bench, where: str):
+    # A torch_size node where the target holds a dict: the load must refuse, not report success
+    # with the target's tensors never filled (found by test_mutated_manifest_slow[tree]).
+    size = {"type": "torch_size", "items": [2, 3]}
+    def edit(d):
+        if where == "root":
+            d["tree"] = size
+        else:
+            _tree_value(d, "model")[1] = size
+    bench.write(resealed(serialize(edited(bench, edit))))
+    target = make_state(target=True)
+    with pytest.raises(TypeMismatchError, match="holds a torch_size value, the target a dict"):
+        resurgo.load(target, bench.path)
+    assert raw_bytes(target["model"]["w"]) == b"\xa5" * 48
+    bench.write(bench.raw)

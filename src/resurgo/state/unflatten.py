@@ -131,15 +131,18 @@ class Restorer:
             return self._mapping(node, target, path, depth)
         if t in ("list", "tuple"):
             return self._sequence(node, target, path, depth)
+        # A value (a size, a scalar) replaces no container: a target that is one keeps its contents,
+        # which a load reporting success would leave unloaded.
+        if (isinstance(target, (torch.Tensor, np.ndarray, Mapping, list, tuple)) or is_stateful(target)) \
+                and not (t == "torch_size" and isinstance(target, torch.Size)):
+            raise TypeMismatchError(
+                f"{self._at(path)}: the checkpoint holds a {t} value, the target a {type(target).__name__}"
+            )
         if t == "torch_size":
             items = node.get("items")
             if not isinstance(items, list) or not all(type(d) is int for d in items):
                 raise ManifestError(f"{where}: torch_size needs a list of ints")
             return torch.Size(items)
-        if isinstance(target, (torch.Tensor, np.ndarray, Mapping, list, tuple)) or is_stateful(target):
-            raise TypeMismatchError(
-                f"{self._at(path)}: the checkpoint holds a {t} value, the target a {type(target).__name__}"
-            )
         return values.decode_scalar(node, where, self.allow_pickle)
 
     def _items(self, node: dict, path: tuple) -> list:
