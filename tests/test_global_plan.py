@@ -8,6 +8,7 @@ import gc
 import itertools
 import math
 import pickle
+import weakref
 
 import pytest
 from hypothesis import given, settings
@@ -335,17 +336,18 @@ def test_errors_are_the_same_whichever_path_tried_first(case):
 
 
 def test_repeated_plans_keep_no_objects_alive():
-    """A plan leaves nothing behind once dropped: the tracked objects after the fourth plan are
-    those after the first (no cache, nothing frozen away from the collector)."""
+    """A plan leaves nothing behind once dropped: each one and its writes are collected (no cache
+    holds them) and nothing is frozen away from the collector."""
     world = 64
     decls = [RankDecl(_tree(["w", "v"]), (_fsdp(world, 100)[r], TensorDecl("v", "torch", "bfloat16", (8,),
                                                                           (ChunkBox.whole((8,)),), False)))
              for r in range(world)]
-    counts = []
+    frozen = gc.get_freeze_count()
     for _ in range(4):
         plan = plan_global(decls, checksum.block_bytes_for)
         assert len(plan.writes[0]) >= 1
+        refs = [weakref.ref(plan), weakref.ref(plan.writes)]
         del plan
         gc.collect()
-        counts.append(len(gc.get_objects()))
-    assert counts[3] == counts[0], counts
+        assert [r() for r in refs] == [None, None]  # nothing (no cache) keeps the plan or its writes
+    assert gc.get_freeze_count() == frozen  # nothing was frozen away from the collector
