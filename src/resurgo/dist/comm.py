@@ -80,6 +80,10 @@ class Comm:
         dist.broadcast_object_list(box, src=_global_rank(self.group, 0), group=self.group)
         return obj if self.rank == 0 else pickle.loads(box[0])
 
+    def global_rank(self, rank: int) -> int:
+        """The default group's rank of this group's ``rank`` (what point-to-point calls take)."""
+        return _global_rank(self.group, rank)
+
     def agree(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` here; if it failed on any rank, every rank raises the same error (the first
         failing rank's, naming that rank). Collective: every rank must call it."""

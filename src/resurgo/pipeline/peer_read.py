@@ -133,11 +133,6 @@ def _tags(requests: list[list[Request]]) -> list[list[int]]:
     return out
 
 
-def _global(comm: Comm, rank: int) -> int:
-    import torch.distributed as dist
-
-    return dist.get_global_rank(comm.group, rank) if comm.group is not None else rank
-
 
 class _Sends:
     """The requests this rank serves, sent from its files' mappings (opened once each)."""
@@ -176,7 +171,7 @@ class _Sends:
             if n:
                 out = torch.frombuffer(view[at:at + n], dtype=torch.uint8) if view is not None else torch.zeros(
                     n, dtype=torch.uint8)  # the peer still waits for these bytes; it will not verify them
-                self.pending.append((out, dist.isend(out, dst=_global(self.comm, dst), group=self.comm.group,
+                self.pending.append((out, dist.isend(out, dst=self.comm.global_rank(dst), group=self.comm.group,
                                                      tag=tag + i)))
             at += n
 
@@ -224,7 +219,7 @@ class _Received:
     def _receive(self, tensors: list[Any], tag: int) -> None:
         import torch.distributed as dist
 
-        src = _global(self.comm, self.sender)
+        src = self.comm.global_rank(self.sender)
         requests: list[Any] = [dist.irecv(t, src=src, group=self.comm.group, tag=tag + i)
                                for i, t in enumerate(tensors) if t is not None]
         for r in requests:

@@ -230,9 +230,9 @@ class Exchange:
 
         tag = self._first_tag[t] + i
         if send:
-            self._sends.append([tensor, dist.isend(tensor, dst=_global(self.comm, t.dst), group=self.comm.group, tag=tag)])
+            self._sends.append([tensor, dist.isend(tensor, dst=self.comm.global_rank(t.dst), group=self.comm.group, tag=tag)])
             return None
-        return dist.irecv(tensor, src=_global(self.comm, t.src), group=self.comm.group, tag=tag)
+        return dist.irecv(tensor, src=self.comm.global_rank(t.src), group=self.comm.group, tag=tag)
 
     # -- receiving (its own thread) -------------------------------------------------------------
     def _receive(self, mine: list[Transfer], sink: Callable[[str, int], Mapped]) -> None:
@@ -379,8 +379,3 @@ def _tensor(view: memoryview) -> Any:
         return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(view, dtype=torch.uint8)
 
-
-def _global(comm: Comm, rank: int) -> int:
-    import torch.distributed as dist
-
-    return dist.get_global_rank(comm.group, rank) if comm.group is not None else rank

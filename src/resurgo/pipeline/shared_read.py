@@ -204,10 +204,7 @@ class SharedLoad:
         import torch.distributed as dist
 
         t_start = time.perf_counter()
-        group_rank = dist.get_global_rank if comm.group is not None else None
-
-        def peer(rank: int) -> int:
-            return group_rank(comm.group, rank) if group_rank is not None else rank
+        peer = comm.global_rank
 
         errors: list[BaseException] = []
         pending: list[Any] = []  # (request, buffer): buffers kept alive until their transfer is done
