@@ -16,7 +16,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "resurgo"
 
 # Lowest first. A package or top-level module may import its own package and anything in a lower layer.
 LAYERS: list[set[str]] = [
-    {"errors", "gcpause", "version", "reports", "wording"},
+    {"errors", "faults", "gcpause", "version", "reports", "wording"},
     {"layout"},  # geometry
     {"format"},  # manifest, data files, checksums, tree nodes
     {"plan", "dist"},  # pure plans; collectives
