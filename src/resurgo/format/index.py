@@ -24,7 +24,7 @@ from typing import Final, Literal, Optional
 from pydantic import ValidationError
 
 from resurgo.errors import CorruptCheckpointError, ManifestError
-from resurgo.format import checksum
+from resurgo.format import checksum, strict_json
 from resurgo.format.manifest import (
     INDEXED_VERSION,
     ChunkEntry,
@@ -98,7 +98,7 @@ def parse_index(raw: bytes, core: Manifest, rank: int, source: str) -> RankIndex
         header = read_header(raw[:8], lambda n: raw[8:8 + n])
         start, stop = header.entries[INDEX_TENSOR]
         with collector_paused():
-            doc = json.loads(raw[header.data_start + start:header.data_start + stop])
+            doc = strict_json.loads(raw[header.data_start + start:header.data_start + stop])
             marker = doc.get("format") if isinstance(doc, dict) else None
             if marker != INDEX_FORMAT:
                 raise CorruptCheckpointError(f"{source}: is not a resurgo index: its 'format' is "

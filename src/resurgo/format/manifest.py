@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from resurgo.errors import CorruptCheckpointError, ManifestError
-from resurgo.format import checksum, dtypes
+from resurgo.format import checksum, dtypes, strict_json
 from resurgo.format.tree import validate_tree
 from resurgo.gcpause import collector_paused
 from resurgo.layout.box import ChunkBox, FlatRange, Place, covers_exactly_once
@@ -330,7 +330,10 @@ def _parse_manifest(raw: bytes, source: str) -> Manifest:
     if len(raw) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{source}: manifest is {len(raw)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
     try:
-        doc = json.loads(raw)
+        doc = strict_json.loads(raw)
+    except strict_json.DuplicateKeyError as e:
+        raise ManifestError(f"{source}: the key {e.key[:200]!r} appears twice in one JSON object; a manifest "
+                            f"names each member once (readers would disagree on which one holds)") from None
     except (ValueError, RecursionError, UnicodeDecodeError) as e:
         raise ManifestError(f"{source}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(doc, dict):

@@ -13,7 +13,7 @@ import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from resurgo.format import dtypes
+from resurgo.format import dtypes, strict_json
 
 METADATA = {"format": "pt", "producer": "resurgo"}
 
@@ -93,7 +93,7 @@ def read_header(prefix: bytes, read_body: Callable[[int], bytes]) -> Safetensors
     body = read_body(n)
     if len(body) != n:
         raise ValueError("file ends inside the header")
-    doc = json.loads(body)
+    doc = strict_json.loads(body)  # DuplicateKeyError is a ValueError
     if not isinstance(doc, dict):
         raise ValueError("header is not a JSON object")
     entries = {}

@@ -8,6 +8,7 @@ Both are plain immutable data; everything here is pure and has no I/O.
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 from typing import Union
 
@@ -82,7 +83,8 @@ def place_order(p: Place) -> tuple:
 def covers_exactly_once(places: list[Place], global_shape: tuple[int, ...]) -> bool:
     """True when the places tile the global tensor: inside it, disjoint, and summing to its size.
 
-    All places must be of one kind (all boxes or all flat ranges).
+    All places must be of one kind (all boxes or all flat ranges). The cost is O(n log n) for n
+    flat ranges and O(n * ndim) for n boxes (an untrusted manifest may hold many chunks).
     """
     if not all(p.fits_in(global_shape) for p in places):
         return False
@@ -95,28 +97,42 @@ def covers_exactly_once(places: list[Place], global_shape: tuple[int, ...]) -> b
         ranges = sorted(flats, key=lambda r: r.start)
         return all(a.stop <= b.start for a, b in zip(ranges, ranges[1:]))
     if len(boxes) == len(nonempty):
-        return _boxes_disjoint(boxes)
+        return _boxes_tile(boxes, tuple(global_shape))
     return False
 
 
-def _boxes_disjoint(boxes: list[ChunkBox]) -> bool:
-    """No two (non-empty) boxes share an element.
+_PRIME = (1 << 61) - 1
 
-    A sweep along the axis where the boxes have the most distinct offsets: each box is compared
-    only with the boxes whose extent on that axis reaches it, so a grid tiling of n boxes costs
-    about n times one row of the grid, not n**2 (an untrusted manifest may hold many chunks).
+
+def _boxes_tile(boxes: list[ChunkBox], shape: tuple[int, ...]) -> bool:
+    """Whether boxes inside ``shape`` cover each of its elements exactly once, in O(boxes x ndim).
+
+    Along dimension ``d`` write ``u_d(c)`` for the indicator of ``x_d >= c``; a box is the product
+    over its dimensions of ``u_d(offset) - u_d(offset + size)``. Products of such indicators at
+    distinct corners are linearly independent functions, so the boxes tile the tensor exactly
+    when the polynomial ``sum over boxes - the whole tensor's box`` in the variables ``u_d(c)`` is
+    zero. That is tested by evaluating it at random points modulo a 61-bit prime (Schwartz-Zippel):
+    a polynomial of degree ``ndim`` that is not zero vanishes there with probability at most
+    ``ndim / 2**61``, and the points are drawn afresh for every call, so no input can aim at them.
+    A sweep over the boxes compares each with the others its extent reaches: quadratic for n tall
+    columns beside n wide rows.
     """
-    if len(boxes) < 2:
-        return True
-    ndim = len(boxes[0].offsets)
-    if ndim == 0:
-        return False  # two non-empty 0-d boxes are the same element
-    axis = max(range(ndim), key=lambda d: len({b.offsets[d] for b in boxes}))
-    active: list[ChunkBox] = []
-    for b in sorted(boxes, key=lambda b: b.offsets[axis]):
-        lo = b.offsets[axis]
-        active = [a for a in active if a.offsets[axis] + a.shape[axis] > lo]
-        if any(a.intersect(b) is not None for a in active):
-            return False
-        active.append(b)
-    return True
+    rng = random.Random(random.SystemRandom().getrandbits(128))
+    values: list[dict[int, int]] = [{} for _ in shape]
+
+    def u(d: int, c: int) -> int:
+        v = values[d].get(c)
+        if v is None:
+            v = values[d][c] = rng.randrange(1, _PRIME)
+        return v
+
+    total = 0
+    for b in boxes:
+        term = 1
+        for d, (o, n) in enumerate(zip(b.offsets, b.shape)):
+            term = term * (u(d, o) - u(d, o + n)) % _PRIME
+        total += term
+    whole = 1
+    for d, n in enumerate(shape):
+        whole = whole * (u(d, 0) - u(d, n)) % _PRIME
+    return (total - whole) % _PRIME == 0

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from resurgo.errors import CheckpointReplacedError, CorruptCheckpointError, ResurgoError
-from resurgo.format import checksum
-from resurgo.format.manifest import Manifest
+from resurgo.format import checksum, dtypes
+from resurgo.format.manifest import ChunkEntry, Manifest, TensorEntry
 from resurgo.format.safetensors_file import read_header
+from resurgo.layout.box import ChunkBox
 from resurgo.pipeline import consistent
 from resurgo.pipeline.data_files import open_data_file
 from resurgo.pipeline.manifest_read import read_manifest_and_bytes
@@ -225,4 +226,31 @@ def _check_header(handle, name: str, manifest: Manifest, chunks: list[tuple[str,
             problems.append(f"{name}: safetensors header lacks tensor {c.name_in_file(key)!r} (key {key!r})")
         elif (header.data_start + entry[0], header.data_start + entry[1]) != (offsets[0], offsets[-1]):
             problems.append(f"{name}: safetensors header places {c.name_in_file(key)!r} at other bytes than the manifest")
+        else:
+            problem = _declaration_problem(name, key, manifest.tensors[key], c, offsets, header.raw[c.name_in_file(key)])
+            if problem:
+                problems.append(problem)
     return problems
+
+
+def _declaration_problem(name: str, key: str, t: TensorEntry, c: ChunkEntry, offsets: list[int],
+                         declared: object) -> str | None:
+    """Whether the safetensors header of ``name`` declares the chunk ``c`` of tensor ``key`` as
+    the manifest does (format.md 4.2): its dtype's code and its place's shape, raw bytes (``U8``,
+    ``[nbytes]``) for a dtype safetensors lacks and for the bytes of a chunk that also reuses another
+    checkpoint's (fewer than the chunk's: a copy made self-contained holds all of them, declared as
+    the tensor). Otherwise a reader of the file without resurgo would see another tensor."""
+    own = offsets[-1] - offsets[0]  # the bytes the header's entry spans
+    if own != c.nbytes or t.dtype not in dtypes.SAFETENSORS_CODES:
+        expected: dict[str, object] = {"dtype": "U8", "shape": [own]}
+    else:
+        place = c.place
+        expected = {"dtype": dtypes.SAFETENSORS_CODES[t.dtype],
+                    "shape": list(place.shape) if isinstance(place, ChunkBox) else [place.numel]}
+    got = {f: declared.get(f) for f in expected} if isinstance(declared, dict) else {"dtype": None, "shape": None}
+    if got == expected and all(type(d) is int for d in got["shape"]):  # type: ignore[union-attr]
+        return None
+    what = "raw bytes of " if expected["dtype"] == "U8" and t.dtype != "uint8" else ""
+    return (f"{name}: safetensors header declares tensor {c.name_in_file(key)!r} (key {key!r}) as dtype "
+            f"{str(got['dtype'])[:40]} shape {str(got['shape'])[:200]}, the manifest as {what}{t.dtype} "
+            f"({expected['dtype']}) shape {expected['shape']}: a reader of the file would see another tensor")
