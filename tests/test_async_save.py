@@ -88,11 +88,11 @@ def slow_writes(monkeypatch):
 def _with_writer(write_file):
     from resurgo.pipeline import save as save_mod
 
-    def write_and_commit(prep, sources, digests=None):
+    def write_and_commit(prep, sources, digests=None, **options):
         original = save_mod.write_data_file
         save_mod.write_data_file = write_file
         try:
-            return save_mod.write_and_commit(prep, sources, digests)
+            return save_mod.write_and_commit(prep, sources, digests, **options)
         finally:
             save_mod.write_data_file = original
     return write_and_commit

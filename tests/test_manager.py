@@ -172,9 +172,9 @@ def gated_writes(monkeypatch):
     gate = threading.Event()
     original = async_mod.write_and_commit
 
-    def gated(prep, sources, digests=None):
+    def gated(prep, sources, digests=None, **options):
         assert gate.wait(30)
-        return original(prep, sources, digests)
+        return original(prep, sources, digests, **options)
 
     monkeypatch.setattr(async_mod, "write_and_commit", gated)
     return gate
@@ -399,9 +399,9 @@ def test_the_cost_is_the_whole_save_when_sync_and_the_stall_when_async(tmp_path,
     delay = 0.5
     original = async_mod.write_and_commit
 
-    def slow(prep, sources, digests=None):
+    def slow(prep, sources, digests=None, **options):
         time.sleep(delay)
-        return original(prep, sources, digests)
+        return original(prep, sources, digests, **options)
 
     monkeypatch.setattr(async_mod, "write_and_commit", slow)
     import resurgo.api as api_mod

@@ -208,12 +208,13 @@ def test_tier_copy_does_not_replace_a_destination_holding_a_foreign_file(tmp_pat
     (dest / "data").mkdir(parents=True)  # an interrupted copy... with someone's file in it
     (dest / "notes.txt").write_text("mine")
     before = tree(durable)
-    with pytest.warns(UserWarning, match=r"step_000000002: holds 'notes.txt', which resurgo did not write; refusing "
-                                         r"to delete it"):
-        with CheckpointManager(tiers=[Tier(fast), Tier(durable)], async_save=False) as mgr:
-            mgr.save(2, state(2))
-            mgr.wait()
-            mgr.save(3, state(3))
+    with CheckpointManager(tiers=[Tier(fast), Tier(durable)], async_save=False) as mgr:
+        mgr.save(2, state(2))
+        with pytest.raises(ForeignFilesError, match=r"step_000000002: holds 'notes.txt', which resurgo did not write; "
+                                                    r"refusing to delete it"):
+            mgr.wait()  # the copy's refusal is raised, and tells the job to stop
+        assert mgr.should_stop
+        mgr.save(3, state(3))
     assert {k: v for k, v in tree(durable).items() if k.split("/")[0] == checkpoint_name(2)} == before
     assert resurgo.load_dict(durable / checkpoint_name(3))["w"][0, 0].item() == 3.0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import re
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -120,7 +121,8 @@ def _global_rank(group: Any, group_rank: int) -> int:
 
 def _rebuild(name: str, message: str, rank: int) -> BaseException:
     """The same error class on every rank when it is one of ours, else RankFailedError."""
-    text = f"rank {rank} failed: {message}"
+    # An error agreed before (a background save's, raised again by the next call) names its rank already.
+    text = message if re.match(r"rank \d+ failed: ", message) else f"rank {rank} failed: {message}"
     cls = getattr(errors, name, None)
     if isinstance(cls, type) and issubclass(cls, ResurgoError):
         try:

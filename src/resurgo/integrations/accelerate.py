@@ -30,6 +30,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from resurgo.api import load, save
+from resurgo.dist import comm as dist_comm
 from resurgo.errors import CheckpointNotFoundError, UnsupportedValueError
 from resurgo.integrations._retention import is_resurgo_checkpoint, prune
 from resurgo.integrations._rng import ReplayableRng, replay_before_forward
@@ -69,8 +70,11 @@ class ResurgoAccelerator(Accelerator):
         # Every process calls (a collective save): replicated tensors are written once, each
         # process's RNG states apart. An existing folder is refused (CheckpointExistsError).
         save(state, output_dir, allow_pickle=self.resurgo_allow_pickle, step=self.step)
-        if auto and self.project_configuration.total_limit is not None and self.is_main_process:
-            self._resurgo_prune(Path(output_dir))
+        if auto and self.project_configuration.total_limit is not None:
+            # The main process prunes; a refusal there (ForeignFilesError) is raised on every
+            # process, which would otherwise wait at the barrier below for it forever.
+            prune = lambda: self._resurgo_prune(Path(output_dir)) if self.is_main_process else None  # noqa: E731
+            dist_comm.current("control").agree(prune)
         self.wait_for_everyone()
         self.project_configuration.iteration += 1
         return Path(output_dir)

@@ -271,6 +271,7 @@ class CheckpointManager:
         # until the copy has read them (a later step's retention may run before the copy does).
         self._copies_pending: dict[int, int] = {}
         self._copies_lock = threading.Lock()
+        self._copy_errors: list[BaseException] = []  # raised by the next call, agreed (_agree_on_background)
         self._closed = False
         self._previous_handlers: dict[int, Any] = {}
         self._install_signal_handlers(tuple(signals))
@@ -343,7 +344,9 @@ class CheckpointManager:
     # -- public state -----------------------------------------------------------------------------
     @property
     def should_stop(self) -> bool:
-        """True once a preemption was handled: its checkpoint is committed; end the loop."""
+        """True once a preemption was handled (its checkpoint is committed), or once background
+        work failed (an asynchronous save's write or commit, a tier copy: raised on every rank by
+        the next call): end the loop."""
         return self._should_stop
 
     @property
@@ -527,7 +530,7 @@ class CheckpointManager:
                           last_save_time=self._last_save_time, preempted=self._preempt_requested,
                           save_cost=self._save_cost)
         wanted = self.save_policy.should_save(ctx) if self.save_policy is not None else False
-        preempted, wanted = agreement.any_rank([ctx.preempted, wanted])
+        preempted, wanted = self._agree_on_background([ctx.preempted, wanted])
         fresh = step != self._last_save_step  # never the same step twice (e.g. right after a restore)
         if preempted:
             self._preempt_requested = False
@@ -546,6 +549,7 @@ class CheckpointManager:
         """Save now, whatever the policy (asynchronously unless ``async_save=False``)."""
         self._check_open()
         self._reap()
+        self._agree_on_background([])
         self._save(step, state, metrics)
 
     def _save(self, step: int, state: Any, metrics: Mapping[str, Any] | None) -> None:
@@ -662,18 +666,65 @@ class CheckpointManager:
                           RuntimeWarning, stacklevel=2)
 
     def _reap(self) -> None:
-        """Finish a background save that has ended (raising its error) and report deletion errors."""
-        if self._pending is not None and self._pending.done():
-            self._wait_commit()
+        """Warn about deletion errors (rank-local: retention runs on one rank per root)."""
         for e in self._janitor.take_errors():
-            warnings.warn(f"resurgo: background work (a tier copy or a deletion) failed: {e}", stacklevel=3)
+            warnings.warn(f"resurgo: background work (a deletion) failed: {e}", stacklevel=3)
+
+    def _background_failure(self) -> BaseException | None:
+        """This rank's background failure known now: a finished asynchronous save's error, or a
+        tier copy's. Each is already agreed by the ranks of its own collectives, but each rank
+        learns of it at its own moment."""
+        if self._pending is not None and self._pending.done():
+            try:
+                self._wait_commit()
+            except BaseException as e:  # noqa: BLE001 - agreed with the other ranks, then raised
+                return e
+        with self._copies_lock:
+            if self._copy_errors:
+                return self._copy_errors.pop(0)
+        return None
+
+    def _agree_on_background(self, flags: list[bool]) -> list[bool]:
+        """``flags`` OR-ed over the ranks, in the same collective that agrees on background
+        failures: if one rank's save, commit or tier copy failed, every rank raises that error
+        (naming the rank) and ``should_stop`` turns true."""
+        def check() -> tuple[None, list[bool]]:
+            failure = self._background_failure()
+            if failure is not None:
+                raise failure
+            return None, [bool(f) for f in flags]
+
+        try:
+            _, notes = dist_comm.current("control").agree_noting(check)
+        except BaseException:
+            self._should_stop = True
+            self._forget_background()
+            raise
+        return [any(column) for column in zip(*notes)] if flags else []
+
+    def _forget_background(self) -> None:
+        """After an agreed background failure: this rank's own share of it (its save still
+        failing, its copy's error) ends here and is not raised again."""
+        handle, self._pending, self._pending_step = self._pending, None, None
+        if handle is not None:
+            try:
+                handle.wait()
+            except BaseException:  # noqa: BLE001 - the same failure, raised already
+                pass
+        self._janitor.join()
+        with self._copies_lock:
+            self._copy_errors.clear()
 
     def _wait_commit(self) -> None:
         handle, step = self._pending, self._pending_step
         if handle is None or step is None:
             return
         self._pending, self._pending_step = None, None
-        handle.wait()  # raises the save's error, once
+        try:
+            handle.wait()  # raises the save's error, once (every rank's save fails alike)
+        except BaseException:
+            self._should_stop = True
+            raise
         self._committed(step)
 
     def _committed(self, step: int) -> None:
@@ -732,6 +783,9 @@ class CheckpointManager:
         checksum, read back from that tier), then apply that tier's retention."""
         try:
             self._copy_to_tier_now(step, tier)
+        except Exception as e:  # noqa: BLE001 - raised by the next call, on every rank
+            with self._copies_lock:
+                self._copy_errors.append(e)
         finally:
             with self._copies_lock:
                 left = self._copies_pending.get(step, 1) - 1
@@ -824,9 +878,20 @@ class CheckpointManager:
         if self._refill is not None:
             self._refill.wait()
             self._refill = None
-        self._wait_commit()
-        self._janitor.join()
+        try:
+            self._wait_commit()
+            self._janitor.join()
+        except BaseException:
+            self._should_stop = True
+            raise
         self._reap()
+        # Every rank's copies ended (each failed on every rank, agreed): raised here without a collective.
+        with self._copies_lock:
+            failure = self._copy_errors.pop(0) if self._copy_errors else None
+            self._copy_errors.clear()
+        if failure is not None:
+            self._should_stop = True
+            raise failure
 
     def close(self) -> None:
         """Wait for everything in flight, then restore the previous signal handlers."""

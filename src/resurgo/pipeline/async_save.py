@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from resurgo import faults
+from resurgo.dist import comm as dist_comm
 from resurgo.errors import MemoryBudgetError
 from resurgo.pipeline import inflight
 from resurgo.pipeline.host_copy import CopyBatch
@@ -182,29 +184,31 @@ def start_async_save(state: Any, path: str | os.PathLike, *, overwrite: bool, al
     t_start = time.perf_counter()
     if fallback not in ("raise", "sync"):
         raise ValueError(f"fallback must be 'raise' or 'sync', not {fallback!r}")
-    inflight.settle(if_busy)
+    inflight.settle(if_busy, dist_comm.current("control"), str(path))
     prep = prepare_save(state, path, overwrite=overwrite, allow_pickle=allow_pickle, step=step,
                         metadata=metadata, io_threads=io_threads, block_bytes=block_bytes,
                         storage_options=storage_options, save_info=save_info, base=base, incremental=incremental,
-                        node_local=node_local)
+                        node_local=node_local, call=(("call", "async_save"), ("fallback", fallback)))
     handle = AsyncSaveHandle(str(path))
-    needed = sum(staging_bytes(leaf.nbytes) for leaf in prep.leaves.values())
-    if memory_budget is not None and needed > memory_budget:
-        if fallback == "raise":
-            prep.staging.abort()
-            raise MemoryBudgetError(
-                f"{path}: the snapshot needs {needed} bytes of staging memory, the budget is "
-                f"{memory_budget}; raise memory_budget, or pass fallback='sync' to save synchronously"
-            )
-        return _finish_synchronously(handle, prep, t_start, on_commit)
-    try:
+    comm = prep.comm
+    sources: dict[str, np.ndarray] = {}
+    digests: dict[str, list[str]] = {}
+
+    def stage() -> tuple[tuple[list[str], list[str], CopyBatch | None, DeviceOrder | None], bool]:
+        """This rank's budget check and snapshot; its note: whether it is over its budget."""
+        needed = sum(staging_bytes(leaf.nbytes) for leaf in prep.leaves.values())
+        if memory_budget is not None and needed > memory_budget:
+            if fallback == "raise":
+                raise MemoryBudgetError(
+                    f"{path}: the snapshot needs {needed} bytes of staging memory on rank {comm.rank}, the budget "
+                    f"is {memory_budget}; raise memory_budget, or pass fallback='sync' to save synchronously")
+            return ([], [], None, None), True
+        faults.point("async.stage")
         eager, deferred = _split(prep, guard)
         t0 = time.perf_counter()
         _pool.retain_only(prep.leaves)
         layout = chunk_file_offsets(prep.plan)
         order = DeviceOrder(_pool)
-        sources: dict[str, np.ndarray] = {}
-        digests: dict[str, list[str]] = {}
 
         def batch(keys: list[str], hashed: bool) -> CopyBatch:
             tasks = []
@@ -223,9 +227,20 @@ def start_async_save(state: Any, path: str | os.PathLike, *, overwrite: bool, al
         batch(eager, hashed=False).finish()
         order.training_waits()  # kernels queued after the call wait for its device copies
         prep.seconds["stage"] = time.perf_counter() - t0
+        return (eager, deferred, background, order), False
+
+    # Every rank's budget check and snapshot are agreed: one rank over its budget, or failing to
+    # stage, makes every rank raise its error (or, over a budget with fallback="sync", every rank
+    # save synchronously); only the staging's owner removes it.
+    try:
+        (eager, deferred, background, order), over = comm.agree_noting(stage)
     except BaseException:
-        prep.staging.abort()
+        if prep.owns_staging:
+            prep.staging.abort()
         raise
+    if any(over):
+        return _finish_synchronously(handle, prep, t_start, on_commit)
+    assert background is not None and order is not None
     if deferred:
         hook = _guard_hook(guard)
 
@@ -246,12 +261,14 @@ def start_async_save(state: Any, path: str | os.PathLike, *, overwrite: bool, al
         handle.mark_staged()
 
     def run() -> None:
+        staging_failed: BaseException | None = None  # given to every rank by the write's agreement
         try:
             if deferred:
                 # At the caller's priority: step() needs this copy soon, and at a lower one it
                 # ran only once step() took it over (on a CPU-bound 2-core loop, measured).
                 t1 = time.perf_counter()
                 try:
+                    faults.point("async.copy")  # the guard's copy, beside training
                     background.run()
                     background.wait()
                     _pool.synchronize()  # staged() means landed: step() then waits for nothing
@@ -260,12 +277,16 @@ def start_async_save(state: Any, path: str | os.PathLike, *, overwrite: bool, al
                     handle.mark_staged()  # even on failure: never leave the optimizer waiting
             _lower_priority()  # writing and hashing yield to training
             _pool.synchronize()
-            report = write_and_commit(prep, sources, digests)
+        except BaseException as e:  # noqa: BLE001 - raised in the write phase, agreed by every rank
+            staging_failed = e
+        try:
+            report = write_and_commit(prep, sources, digests, failed_before=staging_failed)
             report.seconds["stall"] = handle.stall_seconds
             report.seconds["total"] = time.perf_counter() - t_start
         except BaseException as e:  # reported by wait(), the next save, or at exit
             try:
-                prep.staging.abort()
+                if prep.owns_staging:
+                    prep.staging.abort()
             finally:
                 handle.failed(e)
         else:

@@ -21,6 +21,7 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from resurgo import faults
 from resurgo.dist.comm import Comm
 from resurgo.format.manifest import Manifest
 from resurgo.pipeline.collective import open_staging, write_then_commit
@@ -112,6 +113,7 @@ def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, src_optio
             reader.close()
 
     def copy_mine() -> None:
+        faults.point("tier.copy")
         workers = max(1, min(threads, len(mine)))
         if workers == 1:
             for name in mine:

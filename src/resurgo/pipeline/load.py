@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from resurgo.dist import comm as dist_comm
+from resurgo.dist.call import call_note, check_same
 from resurgo.errors import CheckpointReplacedError, KeyMismatchError, PickleNotAllowedError, ResurgoError
 from resurgo.format import checksum
 from resurgo.format.manifest import Manifest
@@ -45,13 +46,16 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
     if comm.size > 1:  # an in-flight save commits with collectives on the same group: let it finish
         inflight.settle(if_busy="wait")
 
+    # Ranks may load their own copies (a root per node): the checkpoint's name must match, not its path.
+    call = call_note(share_reads=share_reads, checkpoint=os.path.basename(os.fspath(path).rstrip("/")),
+                     strict=strict, allow_pickle=allow_pickle, ignore_mismatched=ignore_mismatched)
     seen: list[bytes] = []  # the manifest this attempt read
     indexes_read: dict[str, int] = {}
 
     def plan_and_read() -> tuple[tuple[Restorer, Any, ReadResult | SharedLoad | PeerLoad, Manifest, float], Any]:
         """The load planned (and read, unless the ranks may share or read from peers), and this rank's
-        note for the others: the manifest it read, its ``share_reads``, and what planning shared
-        reads needs (None: not sharing)."""
+        note for the others: the manifest it read, the arguments every rank must pass alike, and
+        what planning shared reads needs (None: not sharing)."""
         ckpt = open_checkpoint(path, storage_options).pinned()  # one version, where the backend can
         keep_open = False
         try:
@@ -86,15 +90,15 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
                 opened.append(PeerLoad(ckpt, manifest, destinations, verify, io_threads, peers,
                                        ckpt.map_read))  # type: ignore[attr-defined]
                 keep_open = True
-                return (restorer, result, opened[-1], manifest, t_plan), (version, share_reads, None)
+                return (restorer, result, opened[-1], manifest, t_plan), (version, call, None)
             if sharing:  # read once every rank agreed on the plan: the sharing is collective
                 shared = SharedLoad(ckpt, manifest, destinations, verify, io_threads)
                 opened.append(shared)
                 keep_open = True
                 return ((restorer, result, shared, manifest, t_plan),
-                        (version, share_reads, share_note(shared.needs, is_url(path))))
+                        (version, call, share_note(shared.needs, is_url(path))))
             return (restorer, result, read_destinations(ckpt, manifest, destinations, verify=verify, threads=io_threads),
-                    manifest, t_plan), (version, share_reads, None)
+                    manifest, t_plan), (version, call, None)
         finally:
             if not keep_open:
                 ckpt.close()
@@ -125,7 +129,7 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
 
     # A save replacing the checkpoint meanwhile is not corruption: read the new version instead. Every
     # decision is collective, so all ranks retry together and end on the same version.
-    choices: list[bool | None] = []  # every rank's share_reads, when they differ (the load is refused)
+    choices: list[Any] = []  # every rank's arguments, when they differ (the load is refused)
     for _ in range(consistent.ATTEMPTS):
         seen.clear()
         try:
@@ -137,7 +141,12 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
             if len({c for _, c, _ in notes}) > 1:  # the ranks would decide apart: every rank refuses
                 close_opened()
                 choices = [c for _, c, _ in notes]
-                raise mixed_share_reads(str(path), choices)
+                shares = [dict(c)["share_reads"] for c in choices]
+                if len(set(shares)) > 1:
+                    raise mixed_share_reads(str(path), shares)
+                # Each rank's own path would start the message: name none when the checkpoints differ.
+                names = {dict(c)["checkpoint"] for c in choices}
+                check_same("load", str(path) if len(names) == 1 else "resurgo.load", choices)
             if not _one_version_per_path([v for v, _, _ in notes]):
                 close_opened()
                 continue
@@ -161,7 +170,8 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
     seconds = dict(read.seconds)
     if shared_load is not None:
         seconds["assemble"] = seconds.get("assemble", 0.0) + shared_load.finish()
-    restorer.run_actions()
+    # A Stateful's load_state_dict may refuse on one rank only: every rank raises its error.
+    comm.agree(restorer.run_actions)
     seconds["plan"] = t_plan + seconds.get("plan", 0.0)
     seconds["total"] = time.perf_counter() - t_start
     return result, LoadReport(

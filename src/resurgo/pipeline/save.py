@@ -25,6 +25,7 @@ from resurgo.format import checksum
 from resurgo.format.tree import top_level_step
 from resurgo.gcpause import collector_paused
 from resurgo.dist import comm as dist_comm
+from resurgo.dist.call import call_note, check_same
 from resurgo.dist.comm import Comm
 from resurgo.format.index import INDEX_FORMAT, RankIndex, data_file_name, index_file_name
 from resurgo.format.manifest import (
@@ -91,6 +92,12 @@ class PreparedSave:
     def indexed(self) -> bool:
         """Written as format version 4: a core manifest, and an index per rank."""
         return self.job_plan is not None
+
+    @property
+    def owns_staging(self) -> bool:
+        """Whether this rank opened the staging, and so is the one to remove it on a failure:
+        rank 0, or the node's leader for a node-local save."""
+        return self.comm.rank == (0 if self.node_local is None else self.node_local.leader)
 
     @property
     def tensor_bytes(self) -> int:
@@ -225,7 +232,8 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
                  step: int | None, metadata: dict | None, io_threads: int, block_bytes: int | None,
                  comm: Comm | None = None, storage_options: dict | None = None,
                  save_info: dict | None = None, base: str | os.PathLike | None = None,
-                 incremental: bool = False, node_local: NodeLocal | None = None) -> PreparedSave:
+                 incremental: bool = False, node_local: NodeLocal | None = None,
+                 call: tuple[tuple[str, Any], ...] = (("call", "save"),)) -> PreparedSave:
     """Flatten and check the state (plain values are encoded now: a snapshot), plan the files and
     open the staging directory. Raises before anything is written when the state or path is bad.
 
@@ -241,12 +249,21 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
     (:func:`resurgo.format.checksum.incremental_block_bytes_for`).
 
     ``node_local``: ``path`` is this rank's node's directory; each node's leader opens its staging
-    there (:class:`resurgo.pipeline.collective.NodeLocal`), after ``before_stage(plan)``."""
+    there (:class:`resurgo.pipeline.collective.NodeLocal`), after ``before_stage(plan)``.
+
+    Every rank's path (its name, for a node-local save), step, overwrite, base, incremental and
+    allow_pickle, and the pairs of ``call`` (which call, and its own options), travel with the
+    first plan gather; ranks that passed different ones all raise UnsupportedValueError naming
+    each rank's value, before anything is opened or written (:mod:`resurgo.dist.call`)."""
     if node_local is not None and base is not None:
         raise UnsupportedValueError(f"{path}: a node-local save (memory tier) cannot reference a base checkpoint; "
                                     "save it in full")
     t0 = time.perf_counter()
     comm = comm or dist_comm.current()
+    # Node-local saves name one directory per node, each in its node's own root: only the name must match.
+    where = os.path.basename(os.fspath(path).rstrip("/")) if node_local is not None else os.fspath(path)
+    note = call_note(path=where, step=step, overwrite=bool(overwrite), base=None if base is None else os.fspath(base),
+                     incremental=bool(incremental), allow_pickle=bool(allow_pickle), **dict(call))
 
     def local() -> tuple[dict, dict[str, TensorLeaf], RankDecl, RankSummary | None, bool]:
         check_metadata(metadata, step)
@@ -264,27 +281,29 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
     else:
         block_fn = checksum.block_bytes_for
 
-    def coordinate(gathered: list[tuple[Any, bool]] | None) -> _Decided | None:
+    def coordinate(gathered: list[tuple[Any, ...]] | None) -> _Decided | None:
         """Rank 0: the plan (or, from summaries, the merged tree of the plan every rank holds), then
         the base and the staging; None when the summaries do not suffice."""
         if not comm.is_coordinator:
             return None
         assert gathered is not None
+        if len(gathered[0]) > 2:  # the first gather: every rank's arguments, checked before anything opens
+            check_same("save", os.fspath(path), [n for _, _, n in gathered])
         if isinstance(gathered[0][0], RankSummary):
-            merged = _plans.reuse(tree, [s for s, _ in gathered], block_rule)
+            merged = _plans.reuse(tree, [s for s, *_ in gathered], block_rule)
             if merged is None:
                 return None
             plan, plan_id, per_rank = None, "", frozenset[str]()
         else:
-            plan, merged = _plans.plan([d for d, _ in gathered], block_fn, block_rule), None
+            plan, merged = _plans.plan([d for d, *_ in gathered], block_fn, block_rule), None
             plan_id, per_rank = _plans.ticket()
         index = open_base(path, base, storage_options) if base is not None else None
         staging = None if node_local else open_checkpoint(path, storage_options).stage(overwrite, declared_files)
-        return _Decided(plan, merged, plan_id, per_rank, any(p for _, p in gathered), staging, index)
+        return _Decided(plan, merged, plan_id, per_rank, any(p for _, p, *_ in gathered), staging, index)
 
     decided = None
     if summary is not None:  # a summary first: the plan every rank holds may still do
-        summaries = comm.gather((summary, pickled))
+        summaries = comm.gather((summary, pickled, note))
         decided = comm.broadcast(comm.agree(lambda: coordinate(summaries)))
     if decided is None:  # no plan held, or it changed: every rank sends its declarations
         full = comm.gather((decl, pickled))
@@ -340,10 +359,13 @@ class LazySources(Mapping):
 
 
 def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | TensorStream"],
-                     digests: Mapping[str, list[str]] | None = None) -> SaveReport:
+                     digests: Mapping[str, list[str]] | None = None,
+                     failed_before: BaseException | None = None) -> SaveReport:
     """Write this rank's data files (one thread per file); once every rank's are durable, rank 0
     writes the manifest and commits (:mod:`resurgo.pipeline.collective`). On any failure, on any
-    rank, the staging is removed, nothing is committed, and every rank raises the same error."""
+    rank, the staging is removed, nothing is committed, and every rank raises the same error.
+    ``failed_before``: this rank's snapshot failed in the background; it is raised in the write
+    phase, so that every rank raises it rather than wait for this one."""
     t_start = time.perf_counter()
     comm = prep.comm
 
@@ -355,6 +377,8 @@ def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | Ten
     mine: list[WrittenFile] = []
 
     def write() -> Any:
+        if failed_before is not None:
+            raise failed_before
         files = prep.plan.files
         if len(files) == 1:
             results = [write_file(files[0])]

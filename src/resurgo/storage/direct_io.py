@@ -26,6 +26,7 @@ from typing import Literal
 
 import numpy as np
 
+from resurgo import faults
 from resurgo.errors import StorageError
 
 ALIGN = 4096
@@ -134,6 +135,7 @@ class DirectWriteHandle:
     def write(self, data: memoryview) -> None:
         view = memoryview(data).cast("B")
         try:
+            faults.point("save.write")
             done = 0  # bytes of view staged or written
             steps = plan_direct_write(self._pending, _address(view), len(view)) if self.direct else []
             for s in steps:
