@@ -59,7 +59,11 @@ def save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_
     and each writes its share; ``collective=False`` saves as a job of one process, the others not
     calling (``if rank == 0: resurgo.save(state, path, collective=False)``, the torch.save habit):
     the checkpoint holds this process's state, and a sharded value (DTensor, Shard) raises, since
-    this process holds only its own part of it.
+    this process holds only its own part of it. Every rank must pass the same ``path``, ``step``,
+    ``overwrite``, ``allow_pickle``, ``base`` and ``incremental``: ranks that differ all raise
+    UnsupportedValueError naming each rank's value, before anything is written. A check that
+    fails on one rank only (its disk full, its state's ``state_dict()`` raising) makes every rank
+    raise the same error, naming that rank.
     """
     t_start = time.perf_counter()
     with _scope(collective):
@@ -92,7 +96,9 @@ def async_save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, 
 
     The arguments of :func:`save` (``base``, ``incremental`` and ``collective`` included), and: ``guard``, an optimizer whose parameters and state may be
     copied after the call returns (the next ``guard.step()`` waits for the copy); ``if_busy``,
-    "wait" (default) for a save still in flight or "raise" SaveInFlightError; ``memory_budget``,
+    "wait" (default) for a save still in flight or "raise" SaveInFlightError (in a job of several
+    ranks, on every rank as soon as one of them is still saving, so that all skip this save);
+    ``memory_budget``,
     the most staging bytes allowed (a larger snapshot raises MemoryBudgetError, or with
     ``fallback="sync"`` is saved synchronously before the call returns); ``on_commit(report)``,
     called once the checkpoint is committed, in the thread that committed it (the background
@@ -133,6 +139,9 @@ def load(state: Any, path: str | os.PathLike, *, strict: bool = True, verify: bo
     (``LoadReport.bytes_received``); every rank must load the same checkpoint. None (default)
     shares when it saves storage traffic the page cache cannot: a URL (``s3://...``) or ranks on
     several hosts; local files on one host are read by each rank. True always, False never.
+    Every rank must pass the same ``strict``, ``allow_pickle``, ``ignore_mismatched`` and
+    ``share_reads``, and load a checkpoint of the same name (each rank may read its own copy):
+    ranks that differ all raise UnsupportedValueError naming each rank's value.
     """
     with _scope(collective):
         _, report = restore(state, path, strict=strict, verify=verify, allow_pickle=allow_pickle,
