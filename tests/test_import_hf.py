@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 import resurgo
 from dist_harness import run_ranks
 from resurgo.cli import app
-from resurgo.errors import CorruptCheckpointError
+from resurgo.errors import CorruptCheckpointError, ImportSpecError
 
 runner = CliRunner()
 
@@ -110,7 +110,7 @@ def test_sharded_bin_index_must_match_its_shards(tmp_path):
         resurgo.import_checkpoint(tmp_path, tmp_path / "out", source="hf")
     index["weight_map"]["model.extra.weight"] = "../elsewhere.bin"
     (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps(index))
-    with pytest.raises(CorruptCheckpointError, match=r"names the shard '\.\./elsewhere\.bin', which is not a file name"):
+    with pytest.raises(ImportSpecError, match=r"names the shard '\.\./elsewhere\.bin', which is not a file name"):
         resurgo.import_checkpoint(tmp_path, tmp_path / "out", source="hf")
     assert not (tmp_path / "out").exists()
 

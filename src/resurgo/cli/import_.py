@@ -33,6 +33,9 @@ def import_(
     only: Optional[list[str]] = typer.Option(
         None, "--only", metavar="PATTERN", help="Import only the keys matching PATTERN: a glob ('model.*') or a key "
                                                 "prefix ('model'); repeat for several. A pattern matching nothing is refused."),
+    allow_expansion: bool = typer.Option(
+        False, "--allow-expansion", help="Write tensors larger than 4 times the source files they are read from "
+                                         "(stride-0 tensors); refused otherwise."),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable report."),
 ) -> None:
     """Import a foreign checkpoint (DCP, DeepSpeed ZeRO, Hugging Face, torch.save, or any files a spec describes).
@@ -67,7 +70,7 @@ def import_(
             return
         assert dst is not None
         report = import_checkpoint(src, dst, source=source, spec=spec, memory_budget=budget, allow_pickle=allow_pickle,
-                                    only=only or None)
+                                    only=only or None, allow_expansion=allow_expansion)
     if as_json:
         print_json(asdict(report))
         return

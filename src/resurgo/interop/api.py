@@ -12,8 +12,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from resurgo.conversion import parse_size
 from resurgo.errors import ImportSpecError, KeyMismatchError, UnsupportedValueError
+from resurgo.interop import source_files
 from resurgo.interop import spec as spec_lang
 from resurgo.interop.dcp import spec_from_dcp
 from resurgo.interop.deepspeed import spec_from_deepspeed
@@ -27,19 +30,27 @@ SOURCES = ("dcp", "deepspeed", "hf", "torch", "spec")
 
 
 def spec_of(src: str | os.PathLike, source: str) -> tuple[ImportSpec, Path]:
-    """(the spec an importer emits for ``src``, the directory its file names are relative to)."""
+    """(the spec an importer emits for ``src``, validated as a user's spec is; the directory its
+    file names are relative to)."""
     path = Path(src)
-    if source == "dcp":
-        return spec_from_dcp(path), path
-    if source == "deepspeed":
-        return spec_from_deepspeed(path), path
-    if source == "hf":
-        return spec_from_hf(path), path
-    if source == "torch":
-        return spec_from_torch_file(path), path.parent
     if source == "spec":
         raise ImportSpecError(f"{src}: source='spec' needs spec= (an ImportSpec, or the path of a spec JSON file)")
-    raise UnsupportedValueError(f"source must be one of {', '.join(map(repr, SOURCES))}, not {source!r}")
+    if source not in SOURCES:
+        raise UnsupportedValueError(f"source must be one of {', '.join(map(repr, SOURCES))}, not {source!r}")
+    emit = {"dcp": spec_from_dcp, "deepspeed": spec_from_deepspeed, "hf": spec_from_hf}.get(source)
+    try:
+        if emit is not None:
+            spec, root = emit(path), path
+        else:  # torch: the file the caller names is trusted as named; its folder is the root
+            real = source_files.real_root(path)
+            spec, root = spec_from_torch_file(real), real.parent
+    except ValidationError as e:  # a field of the foreign file of a type the spec does not take
+        first = e.errors()[0]
+        at = ".".join(str(x) for x in first["loc"])
+        raise ImportSpecError(f"{src}: the {source} importer found a value it cannot describe: {at}: "
+                              f"{first['msg']} (input {first.get('input')!r:.100})") from None
+    spec_lang.validate(spec, f"{src} ({source})")
+    return spec, root
 
 
 def load_spec(spec: ImportSpec | str | os.PathLike) -> ImportSpec:
@@ -86,7 +97,7 @@ def select(spec: ImportSpec, only: str | Sequence[str]) -> ImportSpec:
 def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source: str,
                       spec: ImportSpec | str | os.PathLike | None = None, memory_budget: int | str | None = None,
                       allow_pickle: bool = False, storage_options: dict | None = None,
-                      only: str | Sequence[str] | None = None) -> ImportReport:
+                      only: str | Sequence[str] | None = None, allow_expansion: bool = False) -> ImportReport:
     """Import the foreign checkpoint at ``src`` as a resurgo checkpoint at ``dst``; returns an
     :class:`ImportReport`.
 
@@ -101,13 +112,15 @@ def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source:
     plain values) raise PickleNotAllowedError unless ``allow_pickle=True``, which unpickles them
     fully (only for a trusted source). ``storage_options`` go to fsspec for a URL ``dst``.
     ``only``: a pattern or list of patterns (:func:`select`); only the tensors and values whose
-    keys match are read and written.
+    keys match are read and written. ``allow_expansion``: write tensors that take more than
+    ``MAX_EXPANSION`` (4) times the bytes of the source files they are read from (a stride-0 tensor
+    such as ``torch.ones(1).expand(n)``); refused with ImportSpecError otherwise.
     """
     t0 = time.perf_counter()
     budget = None if memory_budget is None else parse_size(memory_budget, "memory_budget")
     if spec is not None:
         chosen = load_spec(spec)
-        root = Path(src) if source != "torch" else Path(src).parent
+        root = Path(src) if source != "torch" else source_files.real_root(src).parent
         if source not in SOURCES:
             spec_of(src, source)  # the same refusal
     else:
@@ -116,7 +129,7 @@ def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source:
         chosen = select(chosen, only)
     t_spec = time.perf_counter() - t0
     report = execute(chosen, root, dst, source=source, memory_budget=budget, storage_options=storage_options,
-                     allow_pickle=allow_pickle)
+                     allow_pickle=allow_pickle, allow_expansion=allow_expansion)
     report.seconds = {"spec": t_spec, **report.seconds, "total": time.perf_counter() - t0}
     report.src = str(src)
     return report

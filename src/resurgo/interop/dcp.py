@@ -17,23 +17,29 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import zipfile
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from resurgo.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    ImportSpecError,
     NotACheckpointError,
     PickleNotAllowedError,
     UnsupportedValueError,
 )
 from resurgo.format import dtypes
+from resurgo.interop.source_files import check_relative, resolve_inside
 from resurgo.interop.spec import Box, ImportSpec, Piece, PickledObject, TensorSpec, row_major_strides
 from resurgo.interop.torch_file import MAX_PICKLE_BYTES, ZipSlice, member_start, read_archive
 from resurgo.interop.unpickle import TensorRef, dcp_metadata_allowed, restricted_load
 
 METADATA = ".metadata"
+MAX_NDIM = 64
 ZIP_MAGIC = b"PK\x03\x04"
 
 
@@ -46,13 +52,78 @@ def read_metadata(root: Path) -> Any:
     path = root / METADATA
     if not path.is_file():
         raise NotACheckpointError(f"{root}: not a DCP checkpoint (no {METADATA} file; dcp.save writes it last)")
-    data = path.read_bytes()
+    data = resolve_inside(root, METADATA, "the DCP metadata").read_bytes()
     md = restricted_load(data, str(path), dcp_metadata_allowed(), "a torch.distributed.checkpoint .metadata")
-    if not (isinstance(md, Metadata) and isinstance(md.state_dict_metadata, dict)
-            and isinstance(md.storage_data, dict)):
+    if not (isinstance(md, Metadata) and isinstance(getattr(md, "state_dict_metadata", None), dict)
+            and isinstance(getattr(md, "storage_data", None), dict)):
         raise CorruptCheckpointError(f"{path}: not DCP metadata written by a filesystem writer "
                                      "(expected a Metadata with state_dict_metadata and storage_data)")
+    check_metadata(md, str(path))
     return md
+
+
+def _sizes(value: Any, what: str) -> list[int]:
+    if not (isinstance(value, (list, tuple)) and len(value) <= MAX_NDIM
+            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value)):
+        raise ImportSpecError(f"{what} is {value!r:.100}, expected a list of at most {MAX_NDIM} non-negative ints")
+    return list(value)
+
+
+def _count(value: Any, what: str) -> int:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        raise ImportSpecError(f"{what} is {value!r:.100}, expected a non-negative int")
+    return value
+
+
+def check_metadata(md: Any, where: str) -> None:
+    """Every field the import reads, of the type DCP writes (ImportSpecError naming ``where`` and the
+    entry otherwise): the pickle builds DCP's dataclasses with whatever it holds in their fields."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorStorageMetadata,
+    )
+
+    for fqn, item in md.state_dict_metadata.items():
+        what = f"{where}: item {fqn!r:.200}"
+        if not isinstance(fqn, str) or not fqn:
+            raise ImportSpecError(f"{what}: its name is not a non-empty str")
+        if isinstance(item, BytesStorageMetadata):
+            continue
+        if not isinstance(item, TensorStorageMetadata):
+            raise ImportSpecError(f"{what}: is a {type(item).__name__}, neither a tensor nor a bytes item")
+        if not isinstance(getattr(getattr(item, "properties", None), "dtype", None), torch.dtype):
+            raise ImportSpecError(f"{what}: properties.dtype is not a torch dtype")
+        ndim = len(_sizes(getattr(item, "size", None), f"{what}: size"))
+        chunks = getattr(item, "chunks", None)
+        if not isinstance(chunks, list):
+            raise ImportSpecError(f"{what}: chunks is {chunks!r:.100}, expected a list")
+        for i, chunk in enumerate(chunks):
+            if not isinstance(chunk, ChunkStorageMetadata):
+                raise ImportSpecError(f"{what}: chunk {i} is a {type(chunk).__name__}, not a ChunkStorageMetadata")
+            offsets = _sizes(getattr(chunk, "offsets", None), f"{what}: chunk {i} offsets")
+            sizes = _sizes(getattr(chunk, "sizes", None), f"{what}: chunk {i} sizes")
+            if len(offsets) != ndim or len(sizes) != ndim:
+                raise ImportSpecError(f"{what}: chunk {i} has offsets {offsets} and sizes {sizes} for a tensor of "
+                                      f"{ndim} dimensions")
+    for index, info in md.storage_data.items():
+        fqn = getattr(index, "fqn", None)
+        what = f"{where}: storage entry of {fqn!r:.200}"
+        if not isinstance(index, MetadataIndex) or not isinstance(fqn, str):
+            raise ImportSpecError(f"{what}: its key is not a MetadataIndex with a str fqn")
+        if getattr(index, "offset", None) is not None:
+            _sizes(index.offset, f"{what}: offset")
+        if not isinstance(info, _StorageInfo):
+            raise ImportSpecError(f"{what}: is a {type(info).__name__}, not a _StorageInfo")
+        check_relative(getattr(info, "relative_path", None), f"{what}: relative_path")
+        _count(getattr(info, "offset", None), f"{what}: offset")
+        _count(getattr(info, "length", None), f"{what}: length")
+        descriptors = getattr(info, "transform_descriptors", None)
+        if descriptors is not None and not (isinstance(descriptors, (list, tuple))
+                                            and all(isinstance(d, str) for d in descriptors)):
+            raise ImportSpecError(f"{what}: transform_descriptors is {descriptors!r:.100}, expected a list of str")
 
 
 class _DistcpFiles:
@@ -67,12 +138,15 @@ class _DistcpFiles:
         rel = info.relative_path
         path = self.root / rel
         if rel not in self._open:
-            if not path.is_file():
+            try:
+                real = resolve_inside(self.root, rel, f"{self.root / METADATA}: the file of {what}")
+            except CheckpointNotFoundError:
                 raise CorruptCheckpointError(
-                    f"{path}: missing; {self.root / METADATA} places {what} in it (was one rank's file not copied?)")
-            self._open[rel] = open(path, "rb")  # noqa: SIM115 - closed by close()
+                    f"{path}: missing; {self.root / METADATA} places {what} in it (was one rank's file not copied?)"
+                ) from None
+            self._open[rel] = open(real, "rb")  # noqa: SIM115 - closed by close()
         f = self._open[rel]
-        size = path.stat().st_size
+        size = os.fstat(f.fileno()).st_size
         if info.offset < 0 or info.length < 0 or info.offset + info.length > size:
             raise CorruptCheckpointError(
                 f"{path}: {what} needs bytes [{info.offset}, {info.offset + info.length}) but the file holds {size} "

@@ -40,6 +40,7 @@ from typing import Any, Callable
 from resurgo.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError, UnsupportedValueError
 from resurgo.format import dtypes
 from resurgo.format.tree import path_key
+from resurgo.interop.source_files import resolve_inside
 from resurgo.interop.spec import Box, Flat, ImportSpec, Piece, Source, TensorSpec, row_major_strides
 from resurgo.interop.torch_file import read_objects
 from resurgo.interop.unpickle import DEEPSPEED, TensorRef
@@ -51,6 +52,7 @@ ZERO12_MODEL = "mp_rank_00_model_states.pt"
 MODEL_PARALLEL = re.compile(r"mp_rank_(\d+)")
 PIPELINE = re.compile(r"^layer_\d+-model_.*states\.pt$")
 UNIVERSAL = "zero/optimizer_state.pt"  # in the output of DeepSpeed's ds_to_universal
+MAX_TAG_BYTES = 4096  # a tag is a folder name
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,8 @@ def find_tag_dir(root: Path) -> tuple[Path, str]:
         raise CheckpointNotFoundError(f"{root}: not found")
     for latest in (root / "latest", root / "latest_universal"):  # the latter: ds_to_universal's
         if latest.is_file():
-            tag = latest.read_text().strip()
+            raw = resolve_inside(root, latest.name, "the tag file").read_bytes()[:MAX_TAG_BYTES]
+            tag = raw.decode("utf-8", errors="replace").strip()
             if not tag or "/" in tag or tag in (".", ".."):
                 raise CorruptCheckpointError(f"{latest}: holds {tag!r}, not the name of a checkpoint folder")
             if not (root / tag).is_dir():
@@ -98,9 +101,11 @@ def spec_from_deepspeed(directory: str | Path) -> ImportSpec:
     folder, tag = find_tag_dir(root)
 
     def load(name: str, holds: type | tuple[type, ...] = dict) -> _File:
-        path = folder / name
-        if not path.is_file():
-            raise CorruptCheckpointError(f"{path}: missing ({folder} lacks this file; was one rank's file not copied?)")
+        try:
+            path = resolve_inside(root, f"{tag}/{name}" if tag else name, "a DeepSpeed file")
+        except CheckpointNotFoundError:
+            raise CorruptCheckpointError(f"{folder / name}: missing ({folder} lacks this file; was one rank's file "
+                                         "not copied?)") from None
         if not zipfile.is_zipfile(path):
             raise CorruptCheckpointError(f"{path}: not a readable torch.save archive (no zip directory at its end); "
                                          "the file is truncated or damaged")

@@ -20,6 +20,7 @@ import copy
 import io
 import math
 import os
+import shutil
 import time
 import zipfile
 from collections.abc import Mapping
@@ -36,9 +37,11 @@ from resurgo.errors import (
     ImportSpecError,
     MemoryBudgetError,
     PickleNotAllowedError,
+    StorageError,
 )
 from resurgo.format import dtypes
-from resurgo.interop.spec import ImportSpec, Piece, Source, row_major_strides, span_elements
+from resurgo.interop.source_files import resolve_inside
+from resurgo.interop.spec import ImportSpec, Piece, Source, TensorSpec, row_major_strides, span_elements
 from resurgo.interop.torch_file import member_start
 from resurgo.layout.shards import LocalPiece, Pieces
 from resurgo.pipeline.buffers import TensorStream, as_copyable, copy_flat_range
@@ -47,8 +50,12 @@ from resurgo.pipeline.writer import SLICE_BYTES
 from resurgo.reports import ImportReport
 from resurgo.state.flatten import TensorLeaf
 from resurgo.storage.direct_io import BOUNCE_BYTES
+from resurgo.storage.open import is_url, local_path
 
 DEFAULT_MEMORY_BUDGET = 1 << 30
+# The most tensor bytes an import writes per byte of its source files without allow_expansion: tied
+# weights double a tensor's bytes; a stride-0 view (torch.ones(1).expand(n)) multiplies them by n.
+MAX_EXPANSION = 4
 WRITER_BYTES = SLICE_BYTES + BOUNCE_BYTES  # what one writer thread holds: its slice and its aligned write buffer
 
 
@@ -83,6 +90,10 @@ class _Sources:
         found = self._streams.get(id(view))
         return found[1] if found is not None and found[0] is view else None
 
+    def file_bytes(self) -> int:
+        """The sizes of the distinct files resolved so far, summed."""
+        return sum(os.stat(path).st_size for path in {r.path for r in self._regions.values()})
+
     def read_seconds(self) -> float:
         """Seconds the streams spent reading, summed over the writer threads."""
         return sum(stream.seconds for _, stream in self._streams.values())
@@ -94,22 +105,25 @@ class _Sources:
         return self._regions[key]
 
     def _resolve(self, file: str, member: str | None) -> _Region:
-        path = self.root / file
-        if not path.is_file():
-            raise CheckpointNotFoundError(f"{path}: source file not found (named by the spec, relative to {self.root})")
+        shown = self.root / file
+        try:
+            path = resolve_inside(self.root, file, "a source file named by the spec")
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(f"{shown}: source file not found (named by the spec, relative "
+                                          f"to {self.root})") from None
         size = path.stat().st_size
         if member is None:
-            return _Region(path, 0, size, str(path))
+            return _Region(path, 0, size, str(shown))
         try:
             with open(path, "rb") as f, zipfile.ZipFile(f) as z:
                 info = z.getinfo(member)
-                start = member_start(f, info, str(path))
+                start = member_start(f, info, str(shown))
         except KeyError:
-            raise ImportSpecError(f"{path}: archive has no member {member!r}") from None
+            raise ImportSpecError(f"{shown}: archive has no member {member!r}") from None
         except (zipfile.BadZipFile, OSError) as e:
-            raise CorruptCheckpointError(f"{path}: not a readable zip archive ({e}); was it truncated?") from None
+            raise CorruptCheckpointError(f"{shown}: not a readable zip archive ({e}); was it truncated?") from None
         available = max(0, min(info.file_size, size - start))
-        return _Region(path, start, available, f"{path}:{member}")
+        return _Region(path, start, available, f"{shown}:{member}")
 
     def tensor(self, src: Source | Piece, shape: list[int], dtype: str) -> torch.Tensor:
         """A view of the source's elements (nothing is read until the bytes are used)."""
@@ -250,6 +264,51 @@ def _load_objects(spec: ImportSpec, sources: _Sources, allow_pickle: bool) -> di
     return objects
 
 
+def _tensor_bytes(t: TensorSpec) -> int:
+    return math.prod(t.shape) * dtypes.itemsize(t.dtype)
+
+
+def _check_expansion(spec: ImportSpec, sources: _Sources, root: str | os.PathLike) -> None:
+    """ImportSpecError when the tensors would take more than :data:`MAX_EXPANSION` times the bytes
+    of the source files they are read from (pieces with stride 0, or many pieces on the same
+    bytes), naming the tensors that expand most and by how much."""
+    written = sum(_tensor_bytes(t) for t in spec.tensors)
+    source = sources.file_bytes()
+    if written <= MAX_EXPANSION * source:
+        return
+
+    def spanned(t: TensorSpec) -> int:  # the source bytes its pieces reach (replicas excluded)
+        return sum(span_elements(p.shape, p.strides) for p in t.pieces) * dtypes.itemsize(t.dtype)
+
+    worst = sorted(spec.tensors, key=lambda t: _tensor_bytes(t) / max(1, spanned(t)), reverse=True)[:3]
+    named = "; ".join(f"tensor {t.key!r:.100} ({t.dtype} {t.shape}) is {_tensor_bytes(t)} bytes read from "
+                      f"{spanned(t)} bytes of its source"
+                      f"{' (strides ' + str(t.pieces[0].strides) + ')' if t.pieces and t.pieces[0].strides else ''}"
+                      for t in worst)
+    raise ImportSpecError(
+        f"{root}: the import would write {written} bytes of tensors from {source} bytes of source files, "
+        f"{written / max(1, source):.1f} times as many (more than {MAX_EXPANSION} times is refused): {named}; "
+        "pass allow_expansion=True (--allow-expansion) if the source is trusted and the size intended")
+
+
+def _check_free_space(spec: ImportSpec, dst: str | os.PathLike) -> None:
+    """StorageError when the filesystem of a local ``dst`` says it has less free space than the
+    tensors need (nothing is written then); where it cannot say, the write finds out."""
+    if is_url(dst):
+        return
+    need = sum(_tensor_bytes(t) for t in spec.tensors)
+    where = Path(os.path.abspath(local_path(dst)))
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return
+    if need > free:
+        raise StorageError(f"{dst}: the import needs {need} bytes for its tensors, but the filesystem of {where} "
+                           f"has {free} bytes free; nothing was written")
+
+
 def _nested(spec: ImportSpec, state: dict[str, Any]) -> dict[Any, Any]:
     """``state`` with each tensor that has a ``path`` moved there, making the dicts on the way (the
     spec's values are copied first: they stay as they are)."""
@@ -271,9 +330,12 @@ def _nested(spec: ImportSpec, state: dict[str, Any]) -> dict[Any, Any]:
 
 def execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, *, source: str = "spec",
             memory_budget: int | None = None, storage_options: dict | None = None,
-            metadata: dict | None = None, allow_pickle: bool = False) -> ImportReport:
+            metadata: dict | None = None, allow_pickle: bool = False, allow_expansion: bool = False) -> ImportReport:
     """Write the checkpoint ``dst`` from the sources under ``root`` as ``spec`` (validated) says.
-    The spec's ``objects`` are unpickled only with ``allow_pickle`` (PickleNotAllowedError otherwise)."""
+    The spec's ``objects`` are unpickled only with ``allow_pickle`` (PickleNotAllowedError otherwise).
+    Tensors of more than :data:`MAX_EXPANSION` times the source files' bytes are written only with
+    ``allow_expansion`` (ImportSpecError otherwise); a local ``dst`` whose filesystem has too little
+    free space for them raises StorageError first."""
     t_start = time.perf_counter()
     budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
     if budget < WRITER_BYTES:
@@ -282,14 +344,15 @@ def execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, *
     sources = _Sources(Path(root))
     try:
         return _execute(spec, root, dst, sources, source=source, budget=budget, storage_options=storage_options,
-                        metadata=metadata, allow_pickle=allow_pickle, t_start=t_start)
+                        metadata=metadata, allow_pickle=allow_pickle, allow_expansion=allow_expansion,
+                        t_start=t_start)
     finally:
         sources.close()
 
 
 def _execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, sources: _Sources, *, source: str,
              budget: int, storage_options: dict | None, metadata: dict | None, allow_pickle: bool,
-             t_start: float) -> ImportReport:
+             allow_expansion: bool, t_start: float) -> ImportReport:
     objects = _load_objects(spec, sources, allow_pickle)
     bytes_read = 0
     for t in spec.tensors:  # every length first: nothing is written from a truncated source
@@ -297,6 +360,9 @@ def _execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, 
             bytes_read += sources.check_length(p, p.shape, t.dtype, f"tensor {t.key!r} piece {i}")
             for j, r in enumerate(p.replicas):
                 bytes_read += sources.check_length(r, p.shape, t.dtype, f"tensor {t.key!r} piece {i} replica {j}")
+    if not allow_expansion:
+        _check_expansion(spec, sources, root)
+    _check_free_space(spec, dst)
     compare_elements = budget // 4
     averaged = sum(p.numel * dtypes.itemsize(t.dtype) for t in spec.tensors for p in t.pieces if p.combine == "mean")
     if averaged + WRITER_BYTES > budget:  # the means are held until written, beside at least one writer

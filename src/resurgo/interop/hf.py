@@ -13,9 +13,16 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from resurgo.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError, UnsupportedValueError
+from resurgo.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ImportSpecError,
+    NotACheckpointError,
+    UnsupportedValueError,
+)
 from resurgo.format import dtypes
 from resurgo.format.safetensors_file import read_header
+from resurgo.interop.source_files import resolve_inside
 from resurgo.interop.spec import Box, ImportSpec, Piece, TensorSpec
 from resurgo.interop.torch_file import spec_from_torch_file
 
@@ -37,21 +44,22 @@ def spec_from_hf(directory: str | Path) -> ImportSpec:
     if (root / TORCH_BIN_INDEX).is_file():
         return _sharded(root, TORCH_BIN_INDEX, lambda f: spec_from_torch_file(_shard_path(root, f), rel=f))
     if (root / TORCH_BIN).is_file():
-        return spec_from_torch_file(root / TORCH_BIN)
+        return spec_from_torch_file(_shard_path(root, TORCH_BIN), rel=TORCH_BIN)
     raise NotACheckpointError(f"{root}: not a Hugging Face model directory (expected {SINGLE}, {INDEX}, {TORCH_BIN} "
                               f"or {TORCH_BIN_INDEX})")
 
 
 def _sharded(root: Path, index: str, spec_of_shard: Callable[[str], ImportSpec]) -> ImportSpec:
     """One spec of the shards an index names; the index and the shards must list the same tensors."""
+    index_path = _shard_path(root, index)
     try:
-        weight_map = json.loads((root / index).read_text())["weight_map"]
+        weight_map = json.loads(index_path.read_text())["weight_map"]
         files = sorted(set(weight_map.values()))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CorruptCheckpointError(f"{root / index}: not a valid index ({type(e).__name__}: {e})") from None
     for f in files:
         if not isinstance(f, str) or Path(f).is_absolute() or ".." in Path(f).parts:
-            raise CorruptCheckpointError(f"{root / index}: names the shard {f!r}, which is not a file name inside {root}")
+            raise ImportSpecError(f"{root / index}: names the shard {f!r}, which is not a file name inside {root}")
     shards = [spec_of_shard(f) for f in files]
     tensors = [t for s in shards for t in s.tensors]
     listed, found = set(weight_map), {t.key for t in tensors}
@@ -62,15 +70,18 @@ def _sharded(root: Path, index: str, spec_of_shard: Callable[[str], ImportSpec])
 
 
 def _shard_path(root: Path, rel: str) -> Path:
-    if not (root / rel).is_file():
-        raise NotACheckpointError(f"{root / rel}: shard named by the index not found")
-    return root / rel
+    """The real path of the file ``rel`` of the model directory (inside it, or in its cache's blobs)."""
+    try:
+        return resolve_inside(root, rel, "a model file")
+    except CheckpointNotFoundError:
+        raise NotACheckpointError(f"{root / rel}: shard named by the index not found") from None
 
 
 def _safetensors_tensors(root: Path, rel: str) -> list[TensorSpec]:
     path = root / rel
+    real = _shard_path(root, rel)
     try:
-        with open(path, "rb") as f:
+        with open(real, "rb") as f:
             header = read_header(f.read(8), f.read)
     except FileNotFoundError:
         raise NotACheckpointError(f"{path}: shard named by the index not found") from None
@@ -78,6 +89,9 @@ def _safetensors_tensors(root: Path, rel: str) -> list[TensorSpec]:
         raise CorruptCheckpointError(f"{path}: not a valid safetensors file ({e})") from None
     tensors = []
     for name, (start, stop) in sorted(header.entries.items(), key=lambda e: e[1]):
+        if not 0 <= start <= stop:  # past the file's end: the executor's check names the truncation
+            raise ImportSpecError(f"{path}: tensor {name!r:.200} has data_offsets [{start}, {stop}]; expected "
+                                  "0 <= begin <= end, counted from the end of the header")
         entry = header.raw[name]
         code, shape = entry.get("dtype"), entry.get("shape")
         if code not in _DTYPE_OF_CODE:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import PurePosixPath
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -31,6 +30,7 @@ from resurgo.format.manifest import BoxPlace as Box
 from resurgo.format.manifest import FlatPlace as Flat
 from resurgo.format.manifest import place_of
 from resurgo.format.tree import path_key
+from resurgo.interop.source_files import check_relative
 from resurgo.layout.box import ChunkBox, FlatRange, Place, covers_exactly_once
 
 SPEC_FORMAT: Literal["resurgo.import-spec"] = "resurgo.import-spec"
@@ -162,10 +162,7 @@ def dumps(spec: ImportSpec) -> str:
 
 # -- validation -------------------------------------------------------------------------------
 def _check_path(rel: str, what: str) -> None:
-    p = PurePosixPath(rel)
-    if not rel or p.is_absolute() or ".." in p.parts or "\\" in rel or "\0" in rel:
-        raise ImportSpecError(f"{what}: {rel!r} must be a relative path inside the source directory "
-                              "(no leading '/', no '..')")
+    check_relative(rel, what)
 
 
 def _check_source(src: Source | Piece, shape: list[int], what: str) -> None:

@@ -114,6 +114,17 @@ def spec_from_torch_file(path: str | Path, rel: str | None = None) -> ImportSpec
     rel = rel or path.name
     tensors: list[TensorSpec] = []
     values: dict[str, Any] = {}
+    holds: dict[int, bool] = {}  # by id: the structure was checked to be a finite tree of bounded size
+
+    def holds_tensor(node: Any) -> bool:
+        if id(node) not in holds:
+            if isinstance(node, dict):
+                holds[id(node)] = any(holds_tensor(v) for v in node.values())
+            elif isinstance(node, (list, tuple)):
+                holds[id(node)] = any(holds_tensor(v) for v in node)
+            else:
+                holds[id(node)] = isinstance(node, TensorRef)
+        return holds[id(node)]
 
     def walk(node: Any, keys: tuple) -> None:
         key = path_key(keys)
@@ -124,7 +135,7 @@ def spec_from_torch_file(path: str | Path, rel: str | None = None) -> ImportSpec
                 if not isinstance(k, (str, int)) or isinstance(k, bool):
                     raise UnsupportedValueError(f"{path}: key {key!r} holds a dict key {k!r} that is not a str or int")
                 walk(v, keys + (k,))
-        elif isinstance(node, (list, tuple)) and any(_holds_tensor(v) for v in node):
+        elif isinstance(node, (list, tuple)) and holds_tensor(node):
             for i, v in enumerate(node):
                 walk(v, keys + (i,))
         else:
@@ -140,16 +151,6 @@ def spec_from_torch_file(path: str | Path, rel: str | None = None) -> ImportSpec
 
     walk(obj, ())
     return ImportSpec(tensors=tensors, values=values)
-
-
-def _holds_tensor(node: Any) -> bool:
-    if isinstance(node, TensorRef):
-        return True
-    if isinstance(node, dict):
-        return any(_holds_tensor(v) for v in node.values())
-    if isinstance(node, (list, tuple)):
-        return any(_holds_tensor(v) for v in node)
-    return False
 
 
 def _tensor_spec(key: str, t: TensorRef, rel: str, prefix: str) -> TensorSpec:

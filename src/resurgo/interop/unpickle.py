@@ -24,17 +24,26 @@ from __future__ import annotations
 
 import functools
 import io
+import math
 import pathlib
 import pickle
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from resurgo.errors import CorruptCheckpointError, PickleNotAllowedError
+from resurgo.errors import CorruptCheckpointError, ImportSpecError, PickleNotAllowedError
 from resurgo.format import dtypes
+
+# The walk of an unpickled structure (:func:`check_structure`): deeper is refused (a state dict
+# nests a dozen levels; the walkers that follow recurse), and so is a structure that expands, as
+# a tree, to more nodes than this many per pickle byte plus BASE_NODES.
+MAX_DEPTH = 200
+EXPANSION = 2
+BASE_NODES = 100_000
+MAX_NDIM = 64
 
 # Storage class names torch.save writes (``torch.FloatStorage``...) -> the dtype of their elements.
 STORAGE_DTYPES: dict[str, str] = {
@@ -60,7 +69,22 @@ class TensorRef:
 def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, *rest: Any) -> TensorRef:
     if not isinstance(storage, StorageRef):
         raise CorruptCheckpointError("_rebuild_tensor_v2 without a storage reference")
-    return TensorRef(storage, int(storage_offset), tuple(int(d) for d in size), tuple(int(s) for s in stride))
+    if not (isinstance(size, (tuple, list)) and isinstance(stride, (tuple, list)) and len(size) <= MAX_NDIM
+            and all(_is_int(v) for v in (storage_offset, *size, *stride))):
+        raise ImportSpecError(f"a tensor of storage {storage.key!r:.50}: storage offset {storage_offset!r:.50}, size "
+                              f"{size!r:.100} and stride {stride!r:.100} must be ints (at most {MAX_NDIM} dimensions)")
+    ref = TensorRef(storage, storage_offset, tuple(size), tuple(stride))
+    what = (f"a tensor of storage {storage.key!r:.50} (storage offset {ref.offset}, size {list(ref.shape)}, "
+            f"stride {list(ref.strides)})")
+    if ref.offset < 0 or any(d < 0 for d in ref.shape) or any(s < 0 for s in ref.strides) or len(ref.strides) != len(ref.shape):
+        raise ImportSpecError(f"{what}: offset, sizes and strides must be non-negative, one stride per dimension")
+    if math.prod(ref.shape) and ref.offset + 1 + sum((d - 1) * s for d, s in zip(ref.shape, ref.strides)) > storage.numel:
+        raise ImportSpecError(f"{what}: reaches past its storage of {storage.numel} elements")
+    return ref
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _rebuild_parameter(data: Any, *rest: Any) -> Any:
@@ -173,7 +197,10 @@ class RestrictedUnpickler(pickle.Unpickler):
         if not (self.storages and isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
                 and isinstance(pid[1], _StorageType)):
             raise PickleNotAllowedError(f"{self.where}: unknown persistent id {pid!r:.200}")
-        return StorageRef(str(pid[2]), pid[1].dtype, int(pid[4]))
+        if not (_is_int(pid[4]) and pid[4] >= 0):
+            raise ImportSpecError(f"{self.where}: storage {pid[2]!r:.50} has {pid[4]!r:.50} elements, expected a "
+                                  "non-negative int")
+        return StorageRef(str(pid[2]), pid[1].dtype, pid[4])
 
 
 def restricted_load(data: bytes, where: str, allowed: Mapping[tuple[str, str], Any], holds: str,
@@ -181,9 +208,74 @@ def restricted_load(data: bytes, where: str, allowed: Mapping[tuple[str, str], A
     """The object ``data`` pickles, built through ``allowed`` only; PickleNotAllowedError for any
     other global, CorruptCheckpointError naming ``where`` for a pickle that is not valid."""
     try:
-        return RestrictedUnpickler(data, where, allowed, holds, storages).load()
+        obj = RestrictedUnpickler(data, where, allowed, holds, storages).load()
     except (PickleNotAllowedError, CorruptCheckpointError):
         raise
+    except ImportSpecError as e:
+        raise ImportSpecError(f"{where}: {e}") from None
     except (pickle.UnpicklingError, EOFError, TypeError, ValueError, IndexError, AttributeError, KeyError,
-            RuntimeError) as e:
-        raise CorruptCheckpointError(f"{where}: not a valid pickle ({type(e).__name__}: {e})") from None
+            RuntimeError, OverflowError, MemoryError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{where}: not a valid pickle ({type(e).__name__}: {e!s:.500})") from None
+    check_structure(obj, where, len(data))
+    return obj
+
+
+def _children(node: Any) -> Iterable[Any]:
+    """What a walk of an unpickled structure visits under ``node``: container items, dict keys and
+    values, the attributes of a record (DCP's dataclasses, :class:`Record`, :class:`TensorRef`)."""
+    if isinstance(node, (str, bytes, bytearray, int, float, complex, type(None), torch.dtype)):
+        return ()
+    if isinstance(node, dict):
+        return (*node.keys(), *node.values())
+    if isinstance(node, (list, tuple, set, frozenset)):
+        return node
+    attrs = getattr(node, "__dict__", None)
+    return tuple(attrs.values()) if isinstance(attrs, dict) else ()
+
+
+def _weight(node: Any) -> int:
+    """A leaf's share of the budget: 1, and a long string's length in 16-byte units (a string the
+    pickle stores once and refers to many times is that long each time a walk reaches it)."""
+    return 1 + len(node) // 16 if isinstance(node, (str, bytes, bytearray)) else 1
+
+
+def check_structure(obj: Any, where: str, data_bytes: int) -> None:
+    """Refuse an unpickled structure that a walk would find deeper than :data:`MAX_DEPTH`,
+    circular, or larger, expanded as a tree (a shared object counted each time it is reached),
+    than :data:`EXPANSION` nodes per pickle byte plus :data:`BASE_NODES`: ImportSpecError naming
+    ``where``. Each distinct object is visited once (by id), so this costs time linear in the
+    pickle's size, whatever it expands to; it recurses on nothing."""
+    limit = EXPANSION * data_bytes + BASE_NODES
+    size: dict[int, int] = {}
+    depth: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(obj, False)]
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        if done:
+            kids = _children(node)
+            size[key] = min(limit + 1, 1 + sum(size[id(k)] for k in kids))
+            depth[key] = 1 + max((depth[id(k)] for k in kids), default=0)
+            on_path.discard(key)
+            if depth[key] > MAX_DEPTH:
+                raise ImportSpecError(f"{where}: the pickled structure nests deeper than {MAX_DEPTH} levels")
+            if size[key] > limit:
+                raise ImportSpecError(
+                    f"{where}: the pickled structure expands to more than {limit} nodes when walked (objects it "
+                    f"refers to many times count each time) from {data_bytes} bytes; at most {EXPANSION} per byte "
+                    f"and {BASE_NODES} more are read")
+            continue
+        if key in size:
+            continue
+        if key in on_path:
+            raise ImportSpecError(f"{where}: the pickled structure contains itself (a cycle), which no checkpoint holds")
+        kids = _children(node)
+        if not kids:
+            size[key], depth[key] = _weight(node), 1
+            continue
+        if len(on_path) >= MAX_DEPTH:
+            raise ImportSpecError(f"{where}: the pickled structure nests deeper than {MAX_DEPTH} levels")
+        on_path.add(key)
+        stack.append((node, True))
+        stack.extend((k, False) for k in kids if id(k) not in size)

@@ -520,8 +520,12 @@ class CheckpointDir:
 
     def resolve(self, rel: str) -> Path:
         """The absolute path of ``rel``, refusing anything that leaves the checkpoint."""
-        root = os.path.realpath(self.path)
-        full = os.path.realpath(os.path.join(root, rel))
+        try:
+            root = os.path.realpath(self.path)
+            full = os.path.realpath(os.path.join(root, rel))
+        except OSError as e:  # a symlink on the way replaced by a file while it was followed (EINVAL)
+            raise StorageError(e.errno, f"{self.path}: path {rel[:200]!r} could not be resolved ({e.strerror}); "
+                                        "was the checkpoint changed while it was read?") from None
         if os.path.isabs(rel) or not full.startswith(root + os.sep):
             raise CorruptCheckpointError(f"{self.path}: path {rel[:200]!r} leaves the checkpoint directory")
         return Path(full)
