@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+import pytest
 import torch
 
 import resurgo
@@ -21,7 +22,7 @@ from resurgo.state.unflatten import Restorer
 from resurgo.storage.open import open_checkpoint
 
 
-def _shared_load(path, target) -> SharedLoad:
+def _shared_load(path, target, verify: bool = True) -> SharedLoad:
     ckpt = open_checkpoint(str(path)).pinned()
     manifest, _ = read_manifest_and_bytes(ckpt, resolved=False)
     restorer = Restorer(manifest, strict=False)
@@ -30,24 +31,28 @@ def _shared_load(path, target) -> SharedLoad:
     if manifest.indexed:
         manifest = resolve_for(ckpt, manifest, {d.key: [p.place for p in d.local_pieces()] for d in destinations}, {})
         destinations = [replace(d, entry=manifest.tensors[d.key]) for d in destinations]
-    return SharedLoad(ckpt, manifest, destinations, verify=True, threads=1)
+    return SharedLoad(ckpt, manifest, destinations, verify=verify, threads=1)
 
 
-def test_a_whole_piece_lands_in_the_target_and_small_ones_in_memory(tmp_path):
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_whole_piece_lands_in_the_target_and_small_ones_in_memory(tmp_path, verify):
+    """Without verify, a whole piece lands straight in its target; verified, it lands in memory
+    (the receiver cannot know beforehand whether the reader's bytes verify)."""
     state = {"w": torch.randn(512, 1024), "s1": torch.arange(100.0), "s2": torch.arange(7.0)}  # w (2 MiB) alone
     resurgo.save(state, tmp_path / "ck")
     target = {k: torch.zeros_like(v) for k, v in state.items()}
-    load = _shared_load(tmp_path / "ck", target)
+    load = _shared_load(tmp_path / "ck", target, verify)
     try:
         plan = plan_shares([((0, 1), load.needs)])  # rank 0 reads w, rank 1 the small ones, in one message
         assert sorted(sorted(c.chunk[0] for c in m.chunks) for m in plan.messages) == [["s1", "s2"], ["w"]]
         landing = {m.chunks[0].chunk[0]: load._landing(m) for m in plan.messages}
         w_bytes = target["w"].view(-1).view(torch.uint8).numpy()
-        assert np.shares_memory(landing["w"], w_bytes) and landing["w"].size == w_bytes.size
+        assert np.shares_memory(landing["w"], w_bytes) is not verify and landing["w"].size == w_bytes.size
         small = landing["s1" if "s1" in landing else "s2"]
         assert not any(np.shares_memory(small, target[k].numpy()) for k in ("s1", "s2"))
         left = {p.key for op in load.ops for p in op.parts if not load._taken(p)}
-        assert left == {"s1", "s2"}  # w is neither read again from storage nor copied from memory
+        # unverified, w is neither read again from storage nor copied from memory
+        assert left == ({"w", "s1", "s2"} if verify else {"s1", "s2"})
     finally:
         load.ckpt.close()
 

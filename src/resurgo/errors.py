@@ -40,7 +40,15 @@ class ManifestError(ResurgoError, ValueError):
 
 
 class CorruptCheckpointError(ResurgoError):
-    """Stored bytes do not match their checksum, or a data file is truncated."""
+    """Stored bytes do not match their checksum, or a data file is truncated.
+
+    Raised by a load, ``loaded`` lists the keys of the target's tensors that this rank filled
+    (every byte of them verified) and ``untouched`` those it left exactly as they were."""
+
+    def __init__(self, message: str, loaded: list[str] | None = None, untouched: list[str] | None = None):
+        super().__init__(message)
+        self.loaded = list(loaded or [])
+        self.untouched = list(untouched or [])
 
 
 class KeyMismatchError(ResurgoError, KeyError):

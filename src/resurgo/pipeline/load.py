@@ -1,9 +1,15 @@
-"""Load orchestration: plan, check and read everything, then fill the target.
+"""Load orchestration: plan and check everything, read verified bytes into the target, then
+fill its containers.
 
-Every rank reads only what its own layout needs. The whole plan and every read are checked
-before the target changes (:class:`~resurgo.state.unflatten.Restorer`); if any rank fails, every
-rank raises the same error (:func:`~resurgo.dist.comm.Comm.agree`). A save that replaces the
-checkpoint meanwhile is read again from its new manifest (:mod:`resurgo.pipeline.consistent`).
+Every rank reads only what its own layout needs. The whole plan is checked before the target
+changes (:class:`~resurgo.state.unflatten.Restorer`); if any rank fails, every rank raises the
+same error (:func:`~resurgo.dist.comm.Comm.agree`). No byte that fails its checksum reaches a
+target tensor, and a tensor is filled only once all of its bytes verified
+(:mod:`resurgo.pipeline.reader`), so when a checksum fails each target tensor is either loaded
+or exactly as it was: the :class:`~resurgo.errors.CorruptCheckpointError` lists both, for the
+rank raising it, and no value, container or ``load_state_dict`` of the target is touched. A
+save that replaces the checkpoint meanwhile is read again from its new manifest
+(:mod:`resurgo.pipeline.consistent`).
 """
 
 from __future__ import annotations
@@ -15,31 +21,81 @@ from typing import Any
 
 from resurgo.dist import comm as dist_comm
 from resurgo.dist.call import call_note, check_same
-from resurgo.errors import CheckpointReplacedError, KeyMismatchError, PickleNotAllowedError, ResurgoError
+from resurgo.errors import (
+    CheckpointReplacedError,
+    CorruptCheckpointError,
+    KeyMismatchError,
+    PickleNotAllowedError,
+    ResurgoError,
+)
 from resurgo.format import checksum
 from resurgo.format.manifest import Manifest
 from resurgo.pipeline import consistent, data_files, inflight
+from resurgo.pipeline.buffers import writable_bytes
 from resurgo.pipeline.manifest_read import read_manifest_and_bytes, resolve_for
 from resurgo.pipeline.peer_read import PeerFiles, PeerLoad
 from resurgo.pipeline.reader import ReadResult, read_destinations
 from resurgo.pipeline.shared_read import SharedLoad, agree_plan, mixed_share_reads, share_note
 from resurgo.reports import LoadReport
-from resurgo.state.unflatten import Restorer
+from resurgo.state.unflatten import Destination, Restorer
 from resurgo.storage.base import Checkpoint
 from resurgo.storage.open import is_url, open_checkpoint
+from resurgo.wording import plural
 
 
 def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool, allow_pickle: bool,
             io_threads: int, storage_options: dict | None = None,
             ignore_mismatched: bool = False, share_reads: bool | None = None,
             peers: PeerFiles | None = None) -> tuple[Any, LoadReport]:
+    """Plan, check and read everything, then fill the target (see :func:`_restore`). A
+    CorruptCheckpointError says which of this rank's target tensors were loaded and which were
+    left untouched."""
+    loaded: set[str] = set()
+    planned: list[list[Destination]] = []
+    try:
+        return _restore(target, path, strict=strict, verify=verify, allow_pickle=allow_pickle, io_threads=io_threads,
+                        storage_options=storage_options, ignore_mismatched=ignore_mismatched,
+                        share_reads=share_reads, peers=peers, loaded=loaded, planned=planned)
+    except CorruptCheckpointError as e:
+        raise _naming_keys(e, planned[0] if planned else [], loaded, dist_comm.current().size) from e
+
+
+def _naming_keys(error: CorruptCheckpointError, destinations: list[Destination], filled: set[str],
+                 world: int) -> CorruptCheckpointError:
+    """``error`` with the keys of ``destinations`` it left loaded and untouched, listed in its
+    message (abbreviated) and its attributes. A staged destination (not one flat host buffer)
+    is copied in only after every read succeeded: it is untouched."""
+    keys = [d.key for d in destinations]
+    staged = {d.key for d in destinations if any(writable_bytes(p.tensor) is None for p in d.local_pieces())}
+    loaded = [k for k in keys if k in filled and k not in staged]
+    untouched = [k for k in keys if k not in loaded]
+    where = " on this rank" if world > 1 else ""
+    said = str(error).rstrip()
+    message = (f"{said}{'' if said.endswith('.') else '.'} Of the {plural(len(keys), 'target tensor')}{where}, {len(loaded)} loaded "
+               f"(every byte verified){_some(loaded)} and {len(untouched)} left untouched{_some(untouched)}; "
+               "no other value of the target changed.")
+    return CorruptCheckpointError(message, loaded, untouched)
+
+
+def _some(keys: list[str], most: int = 8) -> str:
+    if not keys:
+        return ""
+    more = f", and {len(keys) - most} more" if len(keys) > most else ""
+    return f" ({', '.join(map(repr, keys[:most]))}{more})"
+
+
+def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool, allow_pickle: bool,
+             io_threads: int, storage_options: dict | None = None,
+             ignore_mismatched: bool = False, share_reads: bool | None = None,
+             peers: PeerFiles | None = None, loaded: set[str], planned: list[list[Destination]]) -> tuple[Any, LoadReport]:
     """Plan, check and read everything, then fill the target. In a distributed job every rank reads
     only what its own layout needs; if any rank fails before the target is touched, all raise.
     ``share_reads``: bytes several ranks need are read once and sent (:mod:`resurgo.pipeline.shared_read`);
     None decides from where the ranks run and what they read, False never. ``peers``: each rank
     loads its node's directory of ``path``, and the files it lacks are read from the peers named
     (:mod:`resurgo.pipeline.peer_read`); every rank passes one (an empty one where its node holds
-    every file); the ranks do not share reads."""
+    every file); the ranks do not share reads. ``loaded`` gets the keys of the tensors filled,
+    ``planned`` the destinations of the last attempt planned."""
     t_start = time.perf_counter()
     comm = dist_comm.current()
     sharing = comm.size > 1 and share_reads is not False and peers is None
@@ -78,26 +134,29 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
                 raise KeyMismatchError(_key_mismatch_message(ckpt, restorer.missing, restorer.unexpected),
                                        restorer.missing, restorer.unexpected)
             destinations = restorer.destinations
+            planned[:] = [destinations]
             if manifest.indexed:  # the chunks this rank needs, from the indexes that hold them
                 manifest = resolve_for(ckpt, manifest, {d.key: [p.place for p in d.local_pieces()] for d in destinations},
                                        indexes_read)
                 destinations = [replace(d, entry=manifest.tensors[d.key]) for d in destinations]
+                planned[:] = [destinations]
                 data_files.check_sizes(ckpt, manifest)
             t_plan = time.perf_counter() - t_start
             version = (str(path), checksum.digest(raw))
             if peers is not None:  # read once every rank planned: the transfers are collective
                 # a memory tier's node directory: a local one, whose files map (see CheckpointDir)
                 opened.append(PeerLoad(ckpt, manifest, destinations, verify, io_threads, peers,
-                                       ckpt.map_read))  # type: ignore[attr-defined]
+                                       ckpt.map_read, loaded))  # type: ignore[attr-defined]
                 keep_open = True
                 return (restorer, result, opened[-1], manifest, t_plan), (version, call, None)
             if sharing:  # read once every rank agreed on the plan: the sharing is collective
-                shared = SharedLoad(ckpt, manifest, destinations, verify, io_threads)
+                shared = SharedLoad(ckpt, manifest, destinations, verify, io_threads, loaded)
                 opened.append(shared)
                 keep_open = True
                 return ((restorer, result, shared, manifest, t_plan),
                         (version, call, share_note(shared.needs, is_url(path))))
-            return (restorer, result, read_destinations(ckpt, manifest, destinations, verify=verify, threads=io_threads),
+            return (restorer, result, read_destinations(ckpt, manifest, destinations, verify=verify, threads=io_threads,
+                                                        loaded=loaded, atomic=target is not None),
                     manifest, t_plan), (version, call, None)
         finally:
             if not keep_open:

@@ -3,10 +3,11 @@
 A memory tier restores a node that lost its memory from the other nodes' copies. Rather than
 copying whole files into the node first and then loading them, each rank's ordinary load plan
 runs as usual, and every read of a file its node does not hold is received from a rank of a node
-that holds it, which sends those bytes from its file's mapping. They land straight in the
-reader's buffers (the target tensors' own memory where a chunk fills one) and are verified there,
-every block checksum and every header, exactly like bytes read from a file: nothing that was not
-verified is loaded, no file is written, no extra copy of the state is made.
+that holds it, which sends those bytes from its file's mapping. They land in memory held by the
+reader and are verified there, every block checksum and every header, exactly like bytes read
+from a file, then copied into place once every read of the tensors they belong to verified
+(:mod:`resurgo.pipeline.reader`): nothing that was not verified is loaded, a tensor whose bytes
+fail is left untouched, no file is written.
 
 :class:`PeerFiles` says which rank sends each file a node lacks; :class:`PeerLoad` is one rank's
 load (like :class:`~resurgo.pipeline.shared_read.SharedLoad`): plan on construction, then
@@ -55,8 +56,9 @@ class PeerLoad:
     """One rank's part of a load in which some files are received from peers (see the module)."""
 
     def __init__(self, ckpt: Checkpoint, manifest: Manifest, destinations: list[Destination], verify: bool,
-                 threads: int, peers: PeerFiles, map_file: Any):
+                 threads: int, peers: PeerFiles, map_file: Any, loaded: set[str] | None = None):
         self.ckpt, self.manifest, self.verify, self.threads, self.peers = ckpt, manifest, verify, threads, peers
+        self.loaded = loaded if loaded is not None else set()  # keys filled, every byte verified
         self.map_file = map_file  # rel -> a mapping of this node's file (what this rank sends)
         self.targets, self.bufs, self.staged = place_destinations(destinations)
         self.entries: dict[str, TensorEntry] = {d.key: d.entry for d in destinations}
@@ -93,7 +95,7 @@ class PeerLoad:
                 for name in sorted({op.file for op in self.ops} - set(received)):
                     handles[name] = open_data_file(self.ckpt, self.manifest, name)
                 result = read_ops(self.ckpt, self.manifest, self.entries, self.bufs, self.ops, self.verify,
-                                  self.threads, handles=handles, tasks=self.tasks)
+                                  self.threads, handles=handles, tasks=self.tasks, loaded=self.loaded)
             except BaseException as e:  # noqa: BLE001 - raised once every transfer is done
                 errors.append(e)
                 result = None

@@ -1,15 +1,31 @@
-"""Reading a load plan: parallel positional reads into destination memory, verified as they land.
+"""Reading a load plan: parallel positional reads into destination memory, verified before they land.
 
 Each read op fills a slice of either the destination's own bytes (one whole chunk) or a chunk
-buffer (several chunks, assembled afterwards). Verification hashes the blocks of each slice right
-after it is read, in the same thread, so the data is checked while still in cache. Each data
+buffer (several chunks, assembled afterwards). No byte that fails its checksum reaches a
+destination, and no tensor is changed until all of its bytes have verified: the requests are
+grouped into units (the tensors that share a request, with all their requests), and a unit is
+filled only once every request of it has verified. A request is verified first, then filled:
+
+- from a local file (a handle with ``view``: its mapping), its bytes are hashed where the page
+  cache holds them, then copied from there into place: the same passes over memory as reading
+  into place and hashing there, and no copy of the state in between. A request not cached yet is
+  first read in one large read into a buffer of the reading thread and hashed there (its bytes
+  are then cached for the copy);
+- from other handles (an object store, a peer), it is read once into memory held until its unit
+  has verified, then copied into place.
+
+Units are filled as soon as they verify, before further requests are verified, so a cold read
+overlaps the filling. When a request fails, the tensors of the units already filled stay loaded
+and the others are untouched; :func:`read_ops` records which in its ``loaded`` set. Each data
 file's safetensors header is read and verified with the file's first data (one request on an
 object store), not in a round of its own before them.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -21,7 +37,7 @@ from resurgo.format import checksum, dtypes
 from resurgo.format.manifest import Manifest, TensorEntry
 from resurgo.pipeline.buffers import as_copyable, typed_view, writable_bytes
 from resurgo.pipeline.data_files import open_data_file
-from resurgo.plan.load_plan import MAX_PIECE_BYTES, BoxCopy, ReadOp, Scatter, Target, plan_reads
+from resurgo.plan.load_plan import MAX_PIECE_BYTES, BoxCopy, ReadOp, ReadPart, Scatter, Target, plan_reads
 from resurgo.state.flatten import Array
 from resurgo.state.unflatten import Destination
 from resurgo.storage.base import Checkpoint, ReadHandle
@@ -64,9 +80,21 @@ def place_destinations(destinations: list[Destination]) -> tuple[list[Target], l
     return targets, bufs, staged
 
 
+_buffers = threading.local()
+
+
+def _buffer(nbytes: int) -> np.ndarray:
+    """This thread's buffer for reads verified on their way into the page cache, at least
+    ``nbytes`` long (kept: a fresh one would cost a page fault per page)."""
+    buf = getattr(_buffers, "buf", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _buffers.buf = np.empty(nbytes, dtype=np.uint8)
+    return buf
+
+
 class _PlanReading:
     """One load plan being read: the destination bytes, the open data files, and the checks each
-    read passes before its bytes are scattered into place. ``run`` is called from pool threads."""
+    read passes before its bytes are placed. Its methods are called from pool threads."""
 
     def __init__(self, ckpt: Checkpoint, manifest: Manifest, entries: dict[str, TensorEntry],
                  bufs: list[np.ndarray], handles: dict[str, ReadHandle], verify: bool):
@@ -77,19 +105,20 @@ class _PlanReading:
         self.handles = handles
         self.verify = verify
 
-    def views_of(self, op: ReadOp) -> list[memoryview]:
-        """Where each part of ``op`` lands: its destination's bytes, or a scratch buffer."""
+    def views_of(self, op: ReadOp, held: bool = False) -> list[memoryview]:
+        """Where each part of ``op`` lands: its destination's bytes, or (``held``, or a part
+        assembled from a chunk buffer) a scratch buffer."""
         views = []
         for part in op.parts:
-            if part.target is not None:
+            if part.target is not None and not held:
                 views.append(self.bufs[part.target].data[part.dst_offset : part.dst_offset + part.length])
             else:
                 views.append(np.empty(part.length, dtype=np.uint8).data)
         return views
 
-    def run(self, task: ReadTask) -> tuple[float, float, float]:
-        """Read one task in one request; (seconds reading, hashing, copying)."""
-        per_op = [self.views_of(op) for op in task.ops]
+    def _read(self, task: ReadTask, per_op: list[list[memoryview]]) -> float:
+        """Read ``task`` in one request into ``per_op`` (each op's views), checking the header it
+        carries; seconds reading."""
         flat: list[memoryview] = []
         header = np.empty(self.manifest.file_entry(task.file).header_bytes if task.header else 0, dtype=np.uint8)
         start = end = 0 if task.header else task.ops[0].file_offset
@@ -106,42 +135,117 @@ class _PlanReading:
         t1 = time.perf_counter()
         if task.header:
             check_header_bytes(self.ckpt, self.manifest, task.file, header.data)
+        return t1 - t0
+
+    def run(self, task: ReadTask) -> tuple[float, float, float]:
+        """Read one task in one request straight into place, verifying each op before scattering
+        it; (seconds reading, hashing, copying). For reads whose bytes are not checked, or land
+        in fresh memory, where a failure leaves nothing to keep untouched."""
+        per_op = [self.views_of(op) for op in task.ops]
+        t_read = self._read(task, per_op)
         t_hash = t_copy = 0.0
         for op, views in zip(task.ops, per_op):
-            h, c = self.finish(op, views)
-            t_hash, t_copy = t_hash + h, t_copy + c
-        return t1 - t0, t_hash, t_copy
+            t_hash += self.check_op(op, views)
+            t_copy += self.place(op, views, held=False)
+        return t_read, t_hash, t_copy
 
-    def finish(self, op: ReadOp, views: list[memoryview]) -> tuple[float, float]:
-        """Verify what ``op`` read, then scatter it into place; (seconds hashing, copying)."""
+    def check(self, task: ReadTask) -> tuple[float, float, list[list[memoryview]]]:
+        """Verify every byte of ``task`` without touching a destination; (seconds reading,
+        hashing, the verified bytes for :meth:`fill`: where the file's mapping holds them, else
+        read into memory)."""
+        handle = self.handles[task.file]
+        mapped = getattr(handle, "view", None)
+        if mapped is None:
+            held = [self.views_of(op, held=True) for op in task.ops]
+            t_read = self._read(task, held)
+            return t_read, sum(self.check_op(op, views) for op, views in zip(task.ops, held)), held
+        header = self.manifest.file_entry(task.file).header_bytes if task.header else 0
+        start = 0 if task.header else task.ops[0].file_offset
+        end = task.ops[-1].file_offset + task.ops[-1].length if task.ops else header
+        t_read = t_hash = 0.0
+        if not handle.cached(start, end - start):  # type: ignore[attr-defined]
+            t_read, t_hash = self._check_through_buffer(task, start, end)
+        t0 = time.perf_counter()
+        if task.header:
+            check_header_bytes(self.ckpt, self.manifest, task.file, mapped(0, header))
+        held = []
+        for op in task.ops:
+            at, views = op.file_offset, []
+            for part in op.parts:
+                views.append(mapped(at, part.length))
+                at += part.length
+            held.append(views)
         t1 = time.perf_counter()
+        if t_read:  # checked while read from disk
+            return t_read + t1 - t0, t_hash, held
+        return t1 - t0, sum(self.check_op(op, views) for op, views in zip(task.ops, held)), held
+
+    def _check_through_buffer(self, task: ReadTask, start: int, end: int) -> tuple[float, float]:
+        """Verify ``task`` (file bytes ``[start, end)``) reading it in one request into this
+        thread's buffer: bytes not in the page cache come in one large read (faulted in, a
+        readaround window at a time, they would come far slower) and stay cached for the copy
+        into place; (seconds reading, hashing)."""
+        data = _buffer(end - start).data[: end - start]
+        t0 = time.perf_counter()
+        self.handles[task.file].read_into(start, data)
+        t1 = time.perf_counter()
+        if task.header:
+            check_header_bytes(self.ckpt, self.manifest, task.file,
+                               data[: self.manifest.file_entry(task.file).header_bytes])
+        for op in task.ops:
+            at = op.file_offset - start
+            for part in op.parts:
+                self._check_part(op, part, data[at : at + part.length], part.first_block)
+                at += part.length
+        return t1 - t0, time.perf_counter() - t1
+
+    def fill(self, task: ReadTask, held: list[list[memoryview]]) -> float:
+        """Copy the verified bytes of ``task`` into place; seconds copying."""
+        return sum(self.place(op, views, held=True) for op, views in zip(task.ops, held))
+
+    def check_op(self, op: ReadOp, views: list[memoryview]) -> float:
+        """Verify what ``op`` read into ``views``; seconds hashing."""
+        t0 = time.perf_counter()
         if self.verify:
             for part, view in zip(op.parts, views):
-                chunk = self.entries[part.key].chunks[part.chunk]
-                bad = checksum.first_bad_block(view, chunk.block_bytes, chunk.checksums, part.first_block)
-                if bad is not None:
-                    _, start, a, b = chunk.locate(bad * chunk.block_bytes, (bad + 1) * chunk.block_bytes)[0]
-                    raise CorruptCheckpointError(
-                        f"{self.ckpt.path}: tensor {part.key!r} is corrupt in {op.file}: block {bad} "
-                        f"(file bytes {start}..{start + b - a}) does not match its xxh3-128 checksum"
-                    )
-        t2 = time.perf_counter()
+                self._check_part(op, part, view, part.first_block)
+        return time.perf_counter() - t0
+
+    def _check_part(self, op: ReadOp, part: ReadPart, view: memoryview, first_block: int) -> None:
+        """Bytes of ``part`` from block ``first_block`` of its chunk on match their checksums."""
+        chunk = self.entries[part.key].chunks[part.chunk]
+        bad = checksum.first_bad_block(view, chunk.block_bytes, chunk.checksums, first_block)
+        if bad is not None:
+            _, start, a, b = chunk.locate(bad * chunk.block_bytes, (bad + 1) * chunk.block_bytes)[0]
+            raise CorruptCheckpointError(
+                f"{self.ckpt.path}: tensor {part.key!r} is corrupt in {op.file}: block {bad} "
+                f"(file bytes {start}..{start + b - a}) does not match its xxh3-128 checksum"
+            )
+
+    def place(self, op: ReadOp, views: list[memoryview], held: bool) -> float:
+        """Scatter what ``op`` read into place (``held``: its direct parts too); seconds copying."""
+        t0 = time.perf_counter()
         for part, view in zip(op.parts, views):
             if part.scatters:
                 scatter(np.frombuffer(view, dtype=np.uint8), part.scatters, self.bufs)
             if part.box is not None:
                 copy_box(np.frombuffer(view, dtype=np.uint8), part.box, self.bufs)
-        return t2 - t1, time.perf_counter() - t2
+            if held and part.target is not None:
+                self.bufs[part.target][part.dst_offset : part.dst_offset + part.length] = np.frombuffer(view, dtype=np.uint8)
+        return time.perf_counter() - t0
 
 
 def read_destinations(ckpt: Checkpoint, manifest: Manifest, destinations: list[Destination],
-                      verify: bool = True, threads: int = 4) -> ReadResult:
-    """Fill every destination from the checkpoint, reading only the bytes its places need."""
+                      verify: bool = True, threads: int = 4, loaded: set[str] | None = None,
+                      atomic: bool = True) -> ReadResult:
+    """Fill every destination from the checkpoint, reading only the bytes its places need.
+    ``loaded`` and ``atomic``: as :func:`read_ops` says; a destination that is not one flat host
+    buffer is filled (copied from its staging memory) only once every read has succeeded."""
     t_start = time.perf_counter()
     targets, bufs, staged = place_destinations(destinations)
     entries = {d.key: d.entry for d in destinations}
     ops = plan_reads(targets, entries)
-    result = read_ops(ckpt, manifest, entries, bufs, ops, verify=verify, threads=threads)
+    result = read_ops(ckpt, manifest, entries, bufs, ops, verify=verify, threads=threads, loaded=loaded, atomic=atomic)
     result.seconds["plan"] += time.perf_counter() - t_start - result.seconds["total"]
     t0 = time.perf_counter()
     copy_back(staged)
@@ -178,11 +282,15 @@ def task_extent(task: ReadTask, header_bytes: int) -> tuple[int, tuple[int, ...]
 
 def read_ops(ckpt: Checkpoint, manifest: Manifest, entries: dict[str, TensorEntry], bufs: list[np.ndarray],
              ops: list[ReadOp], verify: bool = True, threads: int = 4,
-             handles: dict[str, ReadHandle] | None = None, tasks: list[ReadTask] | None = None) -> ReadResult:
+             handles: dict[str, ReadHandle] | None = None, tasks: list[ReadTask] | None = None,
+             loaded: set[str] | None = None, atomic: bool = True) -> ReadResult:
     """Run the read ops of a load plan into ``bufs`` (the plan's targets' bytes), verifying each
     read unless ``verify`` is false. ``handles``: the files to read from (bytes already in memory,
     or received from peers), else the checkpoint's data files, opened here and closed at the end.
-    ``tasks``: the requests (:func:`plan_tasks` of ``ops``), when the caller planned them already."""
+    ``tasks``: the requests (:func:`plan_tasks` of ``ops``), when the caller planned them already.
+    ``atomic`` (with ``verify``): a tensor is filled only once all its bytes here verified (see
+    the module), and the keys of those filled are added to ``loaded`` as they are; else (fresh
+    buffers, nothing to keep) each read is verified where it lands, then scattered."""
     t_start = time.perf_counter()
     own = handles is None
     if handles is None:
@@ -196,20 +304,129 @@ def read_ops(ckpt: Checkpoint, manifest: Manifest, entries: dict[str, TensorEntr
     try:
         # One batch (and its header reads) runs in this thread: run in a pool thread, its buffers
         # come from another malloc arena, which raised a windowed conversion's peak RSS by 8-16 MiB.
-        if threads <= 1 or len(batches) <= 1:
-            results = [reading.run(t) for t in tasks]
+        workers = 1 if threads <= 1 or len(batches) <= 1 else threads
+        if verify and atomic:
+            units = _Units(reading, tasks, loaded if loaded is not None else set())
+            if workers == 1:
+                units.work()
+            else:
+                with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="resurgo-read") as pool:
+                    list(pool.map(lambda _: units.work(), range(workers)))
+            if units.error is not None:
+                raise units.error
+            seconds["read"], seconds["checksum"], seconds["assemble"] = units.seconds
         else:
-            with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="resurgo-read") as pool:
-                results = list(pool.map(reading.run, tasks))
+            if workers == 1:
+                results = [reading.run(t) for t in tasks]
+            else:
+                with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="resurgo-read") as pool:
+                    results = list(pool.map(reading.run, tasks))
+            seconds["read"] = sum(r[0] for r in results)
+            seconds["checksum"] = sum(r[1] for r in results)
+            seconds["assemble"] = sum(r[2] for r in results)
     finally:
         if own:
             for h in handles.values():
                 h.close()
-    seconds["read"] = sum(r[0] for r in results)
-    seconds["checksum"] = sum(r[1] for r in results)
-    seconds["assemble"] = sum(r[2] for r in results)
     seconds["total"] = time.perf_counter() - t_start
     return ReadResult(sum(op.length for op in ops), sorted({op.file for op in ops}), seconds)
+
+
+class _Units:
+    """Verify-then-fill scheduling of one plan's requests (see the module). Units are the tensors
+    that share a request, with all their requests. Workers take jobs from one queue: verifying a
+    request (queued first to last), or filling one of a unit whose requests have all verified
+    (queued at the front, so a verified unit is filled while its bytes are still in cache). After
+    a failure no request is verified any more; the units already verified are still filled, so
+    each tensor ends either loaded or untouched."""
+
+    def __init__(self, reading: _PlanReading, tasks: list[ReadTask], loaded: set[str]):
+        self.reading, self.tasks, self.loaded = reading, tasks, loaded
+        parent: dict[str, str] = {}
+
+        def root(k: str) -> str:
+            while parent.setdefault(k, k) != k:
+                parent[k] = parent[parent[k]]
+                k = parent[k]
+            return k
+
+        for t in tasks:
+            keys = [part.key for op in t.ops for part in op.parts]
+            for k in keys[1:]:
+                parent[root(k)] = root(keys[0])
+        self.unit_of: list[str | None] = [root(t.ops[0].parts[0].key) if t.ops else None for t in tasks]
+        self.members: dict[str, list[int]] = {}
+        for i, u in enumerate(self.unit_of):
+            if u is not None:
+                self.members.setdefault(u, []).append(i)
+        self.keys: dict[str, set[str]] = {}
+        for k in parent:
+            self.keys.setdefault(root(k), set()).add(k)
+        self.unchecked = {u: len(m) for u, m in self.members.items()}
+        self.unfilled = dict(self.unchecked)
+        self.held: dict[int, list[list[memoryview]]] = {}
+        self.queue: deque[tuple[bool, int]] = deque((False, i) for i in range(len(tasks)))  # (fill?, task)
+        self.busy = 0
+        self.cond = threading.Condition()
+        self.error: BaseException | None = None
+        self.seconds = [0.0, 0.0, 0.0]  # reading, hashing, copying
+
+    def work(self) -> None:
+        try:
+            self._work()
+        finally:
+            _buffers.buf = None  # this thread's read buffer: not kept past the load
+
+    def _work(self) -> None:
+        while True:
+            with self.cond:
+                while not self.queue and self.busy:
+                    self.cond.wait()
+                if not self.queue:
+                    return
+                fill, i = self.queue.popleft()
+                if not fill and self.error is not None:
+                    continue
+                self.busy += 1
+            try:
+                if fill:
+                    self._fill(i)
+                else:
+                    self._check(i)
+            except BaseException as e:  # noqa: BLE001 - raised by read_ops once every worker is done
+                with self.cond:
+                    if self.error is None:
+                        self.error = e
+            finally:
+                with self.cond:
+                    self.busy -= 1
+                    self.cond.notify_all()
+
+    def _check(self, i: int) -> None:
+        t_read, t_hash, held = self.reading.check(self.tasks[i])
+        u = self.unit_of[i]
+        with self.cond:
+            self.seconds[0] += t_read
+            self.seconds[1] += t_hash
+            self.held[i] = held
+            if u is None:
+                return
+            self.unchecked[u] -= 1
+            if not self.unchecked[u] and self.error is None:
+                self.queue.extendleft((True, j) for j in reversed(self.members[u]))
+
+    def _fill(self, i: int) -> None:
+        with self.cond:
+            held = self.held.pop(i)
+        t_copy = self.reading.fill(self.tasks[i], held)
+        del held  # a view of a file's mapping: the file unmaps once none is left
+        u = self.unit_of[i]
+        assert u is not None
+        with self.cond:
+            self.seconds[2] += t_copy
+            self.unfilled[u] -= 1
+            if not self.unfilled[u]:
+                self.loaded.update(self.keys[u])
 
 
 def copy_back(staged: list[tuple[Array, np.ndarray]]) -> None:

@@ -13,16 +13,21 @@
    and pass the same ``share_reads`` (each rank's travels in the same note: see
    :func:`mixed_share_reads`).
 2. transfers (:meth:`SharedLoad.transfer`): every rank posts the receives of the messages it
-   gets, a piece that lands as one contiguous run of a target straight into it; it reads and
-   verifies its own messages in parallel, the same way, each sent as soon as it is verified
+   gets; it reads and verifies its own messages in parallel, each sent as soon as it is verified
    (gloo sends in the background while the next ones are read), then reads the bytes only it
    needs. Bytes are verified once, by the rank that read them from storage; the receivers get
-   them over the process group's reliable transport. Failures are kept until every transfer is
-   done, so no peer waits forever, then raised; the caller agrees on them
-   (:meth:`resurgo.dist.comm.Comm.agree`), so a corrupt chunk makes every rank raise the same error.
+   them over the process group's reliable transport. Messages land in memory: a receiver cannot
+   know before they land whether the reader's bytes verified, and a target changes only with
+   verified bytes (without ``verify``, a piece that lands as one contiguous run of a target goes
+   straight into it). A tensor that gets any bytes from messages has its bytes from storage held
+   in memory too; the others are read into place as a plain load does, a tensor filled once all
+   its bytes verified. Failures are kept until every transfer is done, so no peer waits forever,
+   then raised; the caller agrees on them (:meth:`resurgo.dist.comm.Comm.agree`), so a corrupt
+   chunk makes every rank raise the same error, with every tensor it needed from memory untouched.
 3. fills the rest of the targets (:meth:`SharedLoad.finish`) once every rank succeeded: bytes
-   held in memory (small pieces packed in one message, pieces a target needs only part of) are
-   scattered into place by the ordinary read ops.
+   held in memory are scattered into place by the ordinary read ops. Holding them costs memory
+   of the size of the bytes received (and of the held reads): what keeping unverified bytes
+   out of the targets takes when any rank may be the one whose read fails.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import pickle
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -158,8 +163,9 @@ class SharedLoad:
     """One rank's part of a load whose shared bytes are read once per job (see the module)."""
 
     def __init__(self, ckpt: Checkpoint, manifest: Manifest, destinations: list[Destination], verify: bool,
-                 threads: int):
+                 threads: int, loaded: set[str] | None = None):
         self.ckpt, self.manifest, self.verify, self.threads = ckpt, manifest, verify, threads
+        self.loaded = loaded if loaded is not None else set()  # keys filled, every byte verified
         self.targets, self.bufs, self.staged = place_destinations(destinations)
         self.entries: dict[str, TensorEntry] = {d.key: d.entry for d in destinations}
         self.ops = plan_reads(self.targets, self.entries)
@@ -218,12 +224,14 @@ class SharedLoad:
                                            tag=tag), landing[tag]))
         results: list[ReadResult] = []
 
-        def read(bufs: list[np.ndarray], ops: list[ReadOp], threads: int) -> None:
-            """Read ``ops`` from storage into ``bufs``; a failure is kept for the end."""
+        def read(bufs: list[np.ndarray], ops: list[ReadOp], threads: int, targets: bool = False) -> None:
+            """Read ``ops`` from storage into ``bufs`` (``targets``: the targets' own bytes); a
+            failure is kept for the end."""
             if errors:  # after a failure the peers still get (unverified) bytes, then everyone raises
                 return
             try:
-                results.append(read_ops(self.ckpt, self.manifest, self.entries, bufs, ops, self.verify, threads))
+                results.append(read_ops(self.ckpt, self.manifest, self.entries, bufs, ops, self.verify, threads,
+                                        loaded=self.loaded if targets else None))
             except BaseException as e:  # noqa: BLE001 - raised once every transfer is done
                 errors.append(e)
 
@@ -252,8 +260,21 @@ class SharedLoad:
                     held = op.file in self.memory and self.memory[op.file].holds(at, part.length)
                     (self.from_memory if held else from_storage).append(ReadOp(op.file, at, part.length, (part,)))
                 at += part.length
+        # A tensor that gets some bytes from memory is filled by finish(), once every rank verified
+        # its part: its bytes from storage are held in memory too, so a failure leaves it untouched.
+        mixed = {part.key for op in self.from_memory for part in op.parts}
+        to_hold = [op for op in from_storage if op.parts[0].key in mixed]
+        if to_hold:
+            copies = [np.empty(op.length, dtype=np.uint8) for op in to_hold]
+            read(copies, [ReadOp(op.file, op.file_offset, op.length, (replace(op.parts[0], target=i, dst_offset=0, scatters=(),
+                                                                            box=None),))
+                        for i, op in enumerate(to_hold)], self.threads)
+            for op, data in zip(to_hold, copies):
+                self.memory.setdefault(op.file, _MemoryFile(op.file)).add(op.file_offset, data)
+            self.from_memory += to_hold
+        from_storage = [op for op in from_storage if op.parts[0].key not in mixed]
         if from_storage:
-            read(self.bufs, from_storage, self.threads)
+            read(self.bufs, from_storage, self.threads, targets=True)
         t_wait = time.perf_counter()
         for request, _ in pending:
             try:
@@ -271,8 +292,10 @@ class SharedLoad:
 
     def _landing(self, m: Message) -> np.ndarray:
         """Where message ``m``'s bytes go on this rank: straight into the target when it is one
-        piece landing there as one contiguous run, else a buffer held in memory."""
-        piece = self.pieces.get(m.chunks[0].chunk) if len(m.chunks) == 1 else None
+        piece landing there as one contiguous run and nothing is verified, else a buffer held in
+        memory (a receiver cannot know, before its bytes land, whether the reader's verified: a
+        target must not change unless they did)."""
+        piece = self.pieces.get(m.chunks[0].chunk) if len(m.chunks) == 1 and not self.verify else None
         place = self.whole.get((piece.key, piece.chunk)) if piece is not None else None
         if piece is not None and place is not None and piece.stop - piece.start == m.nbytes:
             target, base = place

@@ -35,6 +35,8 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from resurgo.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -442,9 +444,55 @@ class ReadHandle:
             self.fd = -1
             raise CorruptCheckpointError(f"{path}: data file {rel!r} is not a regular file")
         self.size = st.st_size
+        self._lock = threading.Lock()
+        self._map: mmap.mmap | None = None
+        self._bytes: memoryview | None = None
+        self._address = 0
 
     def read_into(self, offset: int, buf: memoryview) -> None:
         self.read_into_many(offset, [buf])
+
+    def view(self, offset: int, n: int) -> memoryview:
+        """Bytes ``[offset, offset + n)`` of the file where the page cache holds them, without a
+        copy: a read-only shared mapping, the range's pages populated first in one call that lets
+        other threads run, not a fault per page. A loader hashes them there, then copies them
+        into place: the same passes over memory as reading into place and hashing there. (The
+        file must keep its size meanwhile: a data file truncated under a live mapping faults the
+        process, as any mapped read does.)"""
+        address, data = self._mapping(offset, n)
+        _populate(address + offset, n, f"data file {self.rel!r} bytes {offset}..{offset + n}")
+        return data[offset : offset + n]
+
+    def cached(self, offset: int, n: int) -> bool:
+        """Whether the page cache holds every byte of ``[offset, offset + n)`` (mincore of the
+        mapping): then :meth:`view` reads nothing. Pages faulted in from disk are read a readaround
+        window at a time, far slower than one large read, so a reader reads uncached bytes."""
+        address, _ = self._mapping(offset, n)
+        libc = _libc()
+        if not n or libc is None:
+            return libc is not None
+        start = (address + offset) // mmap.PAGESIZE * mmap.PAGESIZE
+        length = address + offset + n - start
+        vec = np.zeros(-(-length // mmap.PAGESIZE), dtype=np.uint8)
+        if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), ctypes.c_void_p(vec.ctypes.data)) != 0:
+            return False
+        return bool((vec & 1).all())
+
+    def _mapping(self, offset: int, n: int) -> tuple[int, memoryview]:
+        """The file's mapping (made on first use) and its address; ``[offset, offset + n)`` must
+        lie in the file."""
+        if offset < 0 or offset + n > self.size:
+            raise CorruptCheckpointError(f"data file {self.rel!r}: ends at byte {self.size}, before the data the manifest lists")
+        if not self.size:
+            return 0, memoryview(b"")
+        with self._lock:
+            if self._bytes is None:
+                if self.fd < 0:
+                    raise ValueError(f"data file {self.rel!r}: read after close")
+                self._map = mmap.mmap(self.fd, self.size, prot=mmap.PROT_READ)
+                self._bytes = memoryview(self._map)
+                self._address = int(np.frombuffer(self._map, dtype=np.uint8).ctypes.data)
+            return self._address, self._bytes
 
     def read_into_many(self, offset: int, bufs: list[memoryview]) -> None:
         """Fill ``bufs`` in order from the contiguous file range starting at ``offset`` (preadv)."""
@@ -465,9 +513,50 @@ class ReadHandle:
         return os.pread(self.fd, n, offset)
 
     def close(self) -> None:
+        if self._bytes is not None:
+            try:
+                self._bytes.release()
+                assert self._map is not None
+                self._map.close()
+            except BufferError:  # a view of the bytes is still alive: unmapped when it goes
+                pass
+            self._bytes = self._map = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+_MADV_POPULATE_READ = 22  # Linux 5.14+
+_populating = [True]  # False once the kernel refused: pages then fault in as they are read
+
+
+def _populate(address: int, n: int, what: str) -> None:
+    """Map the pages of ``[address, address + n)`` (a read-only file mapping) in one madvise call,
+    reading those not cached; through ctypes, which lets other threads run meanwhile."""
+    if not n or not _populating[0]:
+        return
+    start = address // mmap.PAGESIZE * mmap.PAGESIZE
+    libc = _libc()
+    if libc is None or libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(address + n - start),
+                                    _MADV_POPULATE_READ) == 0:
+        return
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
+        _populating[0] = False
+        return
+    raise StorageError(err, f"{what}: cannot read: {os.strerror(err)}")
+
+
+_libc_handle: list = []
+
+
+def _libc() -> ctypes.CDLL | None:
+    if not _libc_handle:
+        try:
+            _libc_handle.append(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True))
+        except OSError:
+            _libc_handle.append(None)
+    return _libc_handle[0]
 
 
 class CheckpointDir:

@@ -1,0 +1,223 @@
+"""A load whose bytes fail a checksum leaves every damaged target tensor exactly as it was
+(bitwise), on every load path: plain, resharded (Shard, FlatShard, DTensor targets; a tensor
+assembled from a good and a bad chunk), 2 gloo ranks with and without shared reads, and a
+manager's restore. The CorruptCheckpointError lists the keys this rank loaded (each equal to the
+saved tensor, bitwise) and those it left untouched (each equal to what it held before)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import load_atomic_workers as w
+import resurgo
+from dist_harness import run_ranks
+from helpers import bits_equal, flip_stored_bit, random_tensor
+from resurgo.errors import CorruptCheckpointError
+from resurgo.format.manifest import parse_manifest
+from resurgo.pipeline.reader import place_destinations, plan_tasks, read_ops
+from resurgo.plan.load_plan import plan_reads
+from resurgo.state.unflatten import Restorer
+from resurgo.storage.local import CheckpointDir, ReadHandle
+
+
+def _sixteen() -> dict[str, torch.Tensor]:
+    """16 tensors of 0.25-3 MiB: several reads each for some, several per read for others."""
+    return {f"t{i:02d}": random_tensor(torch.float32, (64 * (1 + i % 4), 1024 * (1 + i % 3)), seed=i) for i in range(16)}
+
+
+def _check_split(error: CorruptCheckpointError, keys: list[str], target: dict, before: dict, saved: dict) -> None:
+    """loaded and untouched partition ``keys``; loaded ones hold the saved bytes, untouched ones
+    what they held before."""
+    assert sorted(error.loaded + error.untouched) == sorted(keys)
+    assert not set(error.loaded) & set(error.untouched)
+    for k in error.loaded:
+        assert bits_equal(target[k], saved[k]), k
+    for k in error.untouched:
+        assert bits_equal(target[k], before[k]), k
+
+
+@pytest.mark.parametrize("io_threads", [1, 4])
+@pytest.mark.parametrize("damaged", ["t05", "t15"])
+@pytest.mark.parametrize("cached", [True, False])
+def test_damaged_tensor_is_untouched(tmp_path, monkeypatch, io_threads, damaged, cached):
+    """Bytes the page cache holds are hashed where they are; others are read into a buffer and
+    hashed there first (``cached`` False: every read takes that way)."""
+    if not cached:
+        monkeypatch.setattr(ReadHandle, "cached", lambda self, offset, n: False)
+    saved = _sixteen()
+    path = tmp_path / "ck"
+    resurgo.save({"model": saved, "step": 3}, path)
+    data_file = flip_stored_bit(path, f"model.{damaged}")
+    target = {"model": {k: torch.full_like(v, -1.0) for k, v in saved.items()}, "step": 0}
+    before = copy.deepcopy(target)
+    with pytest.raises(CorruptCheckpointError) as info:
+        resurgo.load(target, path, io_threads=io_threads)
+    e = info.value
+    assert type(e) is CorruptCheckpointError
+    message = str(e)
+    assert str(path) in message and data_file in message and f"'model.{damaged}'" in message
+    assert "left untouched" in message and "and 8 more" not in message or len(e.untouched) > 8
+    keys = [f"model.{k}" for k in saved]
+    assert f"model.{damaged}" in e.untouched
+    _check_split(e, keys, {f"model.{k}": v for k, v in target["model"].items()},
+                 {f"model.{k}": v for k, v in before["model"].items()}, {f"model.{k}": v for k, v in saved.items()})
+    assert target["step"] == 0  # no value of the target changes either
+    if io_threads == 1 and damaged == "t15":  # one worker fills each verified group of reads before the next
+        assert e.loaded and e.loaded == keys[: len(e.loaded)]
+
+
+def test_module_target_untouched(tmp_path):
+    """An nn.Module's parameters (filled in place through its state_dict) and its
+    load_state_dict: nothing of a damaged one changes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
+    resurgo.save({"model": model}, tmp_path / "ck")
+    flip_stored_bit(tmp_path / "ck", "model.0.weight")
+    fresh = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
+    before = copy.deepcopy(fresh.state_dict())
+    with pytest.raises(CorruptCheckpointError) as info:
+        resurgo.load({"model": fresh}, tmp_path / "ck")
+    assert "model.0.weight" in info.value.untouched
+    for k, v in fresh.state_dict().items():
+        if f"model.{k}" not in info.value.loaded:
+            assert bits_equal(v, before[k]), k
+
+
+def test_no_damage_loads_everything(tmp_path):
+    saved = _sixteen()
+    resurgo.save(saved, tmp_path / "ck")
+    for threads in (1, 4):
+        target = {k: torch.zeros_like(v) for k, v in saved.items()}
+        resurgo.load(target, tmp_path / "ck", io_threads=threads)
+        assert bits_equal(target, saved)
+
+
+@pytest.fixture(scope="module")
+def two_chunks(tmp_path_factory):
+    """``big`` saved by 2 ranks in 2 chunks (rows 0-127, 128-255); row 150 damaged."""
+    path = str(tmp_path_factory.mktemp("atomic") / "ck")
+    run_ranks(2, "load_atomic_workers:save", path, timeout=120)
+    w.damage(path, "big", 150)
+    return path
+
+
+@pytest.mark.parametrize("layout", ["plain", "mid_rows", "mid_flat"])
+def test_assembled_from_good_and_bad_chunk(two_chunks, layout):
+    """One process, a target that needs both chunks of ``big``: the good chunk's bytes do not
+    land either."""
+    out = w.load_damaged(0, 1, two_chunks, layout, None, 4)
+    _check_outcome(out, needs_bad_chunk=True)
+
+
+def _check_outcome(out: dict, needs_bad_chunk: bool) -> None:
+    keys = sorted(w.reference())
+    assert out["error"] == "CorruptCheckpointError"
+    assert "'big'" in out["message"] and "rank00001" in out["message"] and two_chunks_name(out["message"])
+    assert sorted(out["loaded"] + out["untouched"]) == keys
+    assert set(out["loaded"]) <= set(out["as_saved"])
+    assert set(out["untouched"]) <= set(out["unchanged"])
+    if needs_bad_chunk:
+        assert "big" in out["untouched"]
+    assert out["step"] == 0
+
+
+def two_chunks_name(message: str) -> bool:
+    return "/ck" in message
+
+
+@pytest.mark.parametrize("share_reads", [False, True])
+def test_two_ranks(two_chunks, share_reads):
+    """2 gloo ranks, each layout: every rank raises CorruptCheckpointError; a rank whose part of
+    ``big`` lies in the damaged chunk leaves it untouched. Shared, every byte a rank needs from
+    another rank's read waits in memory until every rank's reads verified."""
+    layouts = ["plain", "dt_s0", "manual", "flat"]
+    outs = run_ranks(2, "load_atomic_workers:load_damaged_layouts", two_chunks, layouts, share_reads, 4, timeout=180)
+    for rank, by_layout in enumerate(outs):
+        for layout in layouts:
+            _check_outcome(by_layout[layout], needs_bad_chunk=rank == 1 or layout == "plain")
+
+
+def test_manager_restore(tmp_path):
+    """restore(step=) of a damaged checkpoint raises and leaves the target as it was; restore()
+    skips it and loads the step before, whole."""
+    one, two = _sixteen(), {k: v + 1 for k, v in _sixteen().items()}
+    with resurgo.CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, {"model": one})
+        mgr.save(2, {"model": two})
+    flip_stored_bit(mgr.path_for(2, 0), "model.t03")
+    target = {"model": {k: torch.zeros_like(v) for k, v in one.items()}}
+    before = copy.deepcopy(target)
+    with resurgo.CheckpointManager(tmp_path, async_save=False) as mgr:
+        with pytest.raises(CorruptCheckpointError) as info:
+            mgr.restore(target, step=2)
+        assert "model.t03" in info.value.untouched
+        for k, v in target["model"].items():
+            expected = two[k] if f"model.{k}" in info.value.loaded else before["model"][k]
+            assert bits_equal(v, expected), k
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert mgr.restore(target) == 1
+    assert bits_equal(target["model"], one)
+
+
+class _Flipping:
+    """A data file read like an object store's or a peer's (no mapping): every read's bytes land
+    in the caller's buffers, one byte flipped in the bytes of ``file_range``."""
+
+    def __init__(self, handle, file_range: tuple[int, int]):
+        self.handle, self.file_range = handle, file_range
+        self.rel, self.size = handle.rel, handle.size
+
+    def read_into_many(self, offset, bufs):
+        self.handle.read_into_many(offset, bufs)
+        at = offset
+        for b in bufs:
+            view = np.frombuffer(b, dtype=np.uint8)
+            lo, hi = max(at, self.file_range[0]), min(at + len(view), self.file_range[1])
+            if lo < hi:
+                view[lo - at] ^= 0x01
+            at += len(view)
+
+    def read_into(self, offset, buf):
+        self.read_into_many(offset, [buf])
+
+    def read_at(self, offset, n):
+        return self.handle.read_at(offset, n)
+
+    def close(self):
+        self.handle.close()
+
+
+def test_bytes_read_into_memory_wait_there_until_verified(tmp_path):
+    """Reads from a handle without a mapping (object stores, peers' sends) are held in memory and
+    copied into place once every read of their tensors verified: a tensor with a damaged read
+    keeps its bytes (the damage is in its last read: its first three verified); those read after
+    it are not filled; the loaded set says which were."""
+    saved = {f"t{i}": random_tensor(torch.float32, (1024, 1024), seed=i) for i in range(6)}  # 4 MiB: a read each
+    resurgo.save(saved, tmp_path / "ck")
+    ckpt = CheckpointDir(tmp_path / "ck")
+    manifest = parse_manifest(ckpt.read_manifest_bytes(), "test")
+    (name,) = manifest.files
+    chunk = manifest.tensors["t3"].chunks[0]
+    targets = {k: torch.full_like(v, 2.0) for k, v in saved.items()}
+    before = copy.deepcopy(targets)
+    restorer = Restorer(manifest)
+    restorer.restore(targets)
+    placed, bufs, _ = place_destinations(restorer.destinations)
+    entries = {d.key: d.entry for d in restorer.destinations}
+    ops = plan_reads(placed, entries, max_piece_bytes=1 << 20)  # 4 reads per tensor
+    tasks = plan_tasks(manifest, ops, {name}, True)
+    assert len(tasks) == 24
+    loaded: set[str] = set()
+    handle = _Flipping(ckpt.open_read(name), (chunk.byte_range[0] + (3 << 20), chunk.byte_range[0] + (3 << 20) + 1))
+    with pytest.raises(CorruptCheckpointError, match="'t3'"):
+        read_ops(ckpt, manifest, entries, bufs, ops, threads=1, handles={name: handle}, tasks=tasks, loaded=loaded)
+    handle.close()
+    assert loaded == {"t0", "t1", "t2"}  # one reader: each tensor filled as soon as it verified
+    for k in saved:
+        assert bits_equal(targets[k], saved[k] if k in loaded else before[k]), k
