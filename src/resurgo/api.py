@@ -14,6 +14,7 @@ from typing import Any
 
 from collections.abc import Callable
 
+from resurgo.dist import liveness
 from resurgo.dist.comm import alone
 from resurgo.format.manifest import Manifest
 from resurgo.pipeline import inflight
@@ -66,7 +67,7 @@ def save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_
     raise the same error, naming that rank.
     """
     t_start = time.perf_counter()
-    with _scope(collective):
+    with _scope(collective), liveness.operation("save", path):
         inflight.settle(if_busy="wait")
         prep = prepare_save(state, path, overwrite=overwrite, allow_pickle=allow_pickle, step=step,
                             metadata=metadata, io_threads=io_threads, block_bytes=block_bytes,
@@ -105,7 +106,8 @@ def async_save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, 
     writer; the caller's thread for a synchronous fallback), before ``done()`` turns true; an
     exception it raises is warned (RuntimeWarning), never lost, and never fails the save.
     """
-    with _scope(collective):  # the background commit keeps the world it was started in
+    # The background commit keeps the world it was started in.
+    with _scope(collective), liveness.operation("async save", path):
         return start_async_save(state, path, overwrite=overwrite, allow_pickle=allow_pickle, step=step,
                                 metadata=metadata, io_threads=io_threads, block_bytes=block_bytes,
                                 storage_options=storage_options, save_info=save_info, guard=guard,
@@ -143,7 +145,7 @@ def load(state: Any, path: str | os.PathLike, *, strict: bool = True, verify: bo
     ``share_reads``, and load a checkpoint of the same name (each rank may read its own copy):
     ranks that differ all raise UnsupportedValueError naming each rank's value.
     """
-    with _scope(collective):
+    with _scope(collective), liveness.operation("load", path):
         _, report = restore(state, path, strict=strict, verify=verify, allow_pickle=allow_pickle,
                             io_threads=io_threads, storage_options=storage_options,
                             ignore_mismatched=ignore_mismatched, share_reads=share_reads)
@@ -155,7 +157,7 @@ def load_dict(path: str | os.PathLike, *, verify: bool = True, allow_pickle: boo
               collective: bool = True) -> Any:
     """The whole checkpoint as new values: nested containers of full tensors and plain values.
     ``collective=False``: read by this process alone while the other ranks do not call."""
-    with _scope(collective):
+    with _scope(collective), liveness.operation("load_dict", path):
         result, _ = restore(None, path, strict=True, verify=verify, allow_pickle=allow_pickle, io_threads=io_threads,
                             storage_options=storage_options)
     return result

@@ -111,7 +111,14 @@ class WorldSizeMismatchError(ResurgoError):
 
 
 class RankFailedError(ResurgoError):
-    """Another rank of a collective save or load failed; every rank raises this same error."""
+    """Another rank of a collective operation failed, died or stalled; every rank raises this same
+    error. ``ranks``: the ranks found failed (empty when not known); ``operation``, ``phase`` and
+    ``checkpoint``: what this rank was doing (empty when not known)."""
+
+    def __init__(self, message: str, *, ranks: tuple[int, ...] = (), operation: str = "", phase: str = "",
+                 checkpoint: str = ""):
+        super().__init__(message)
+        self.ranks, self.operation, self.phase, self.checkpoint = tuple(ranks), operation, phase, checkpoint
 
 
 class DataPositionError(ResurgoError, ValueError):

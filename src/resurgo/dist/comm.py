@@ -6,6 +6,10 @@ resurgo's own, created once, so they work beside NCCL training and from a backgr
 (asynchronous saves) without interleaving with the training's own collectives. Alone (no
 process group), every call is a local no-op with rank 0 of a world of 1. :func:`sent_bytes`
 counts what this process put into each kind of collective, to measure the protocols built on it.
+
+A rank that dies or stalls never leaves the others inside a collective: each collective first
+waits on the job's store until every rank arrived (:func:`resurgo.dist.liveness.arrive`), and a
+gloo error becomes :class:`RankFailedError` naming the silent ranks.
 """
 
 from __future__ import annotations
@@ -16,15 +20,18 @@ import re
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, TypeVar
 
 from resurgo import errors
+from resurgo.dist import liveness
 from resurgo.errors import RankFailedError, ResurgoError
 
 T = TypeVar("T")
 _lock = threading.Lock()
 _groups: dict[tuple[int, str], Any] = {}
 _alone = threading.local()
+_started: dict[int, bool] = {}  # default groups whose heartbeat runs
 _sent = {"gather": 0, "all_gather": 0, "broadcast": 0}  # pickled bytes this process sent, by collective
 
 
@@ -47,6 +54,7 @@ class Comm:
     rank: int
     size: int
     group: Any = None  # None: a world of one
+    channel: str = "io"
 
     @property
     def is_coordinator(self) -> bool:
@@ -59,7 +67,8 @@ class Comm:
         import torch.distributed as dist
 
         out: list[Any] | None = [None] * self.size if self.rank == 0 else None
-        dist.gather_object(_pickled("gather", obj), out, dst=_global_rank(self.group, 0), group=self.group)
+        payload = _pickled("gather", obj)
+        self._collective(lambda: dist.gather_object(payload, out, dst=_global_rank(self.group, 0), group=self.group))
         return None if out is None else [pickle.loads(b) for b in out]
 
     def all_gather(self, obj: T) -> list[T]:
@@ -68,7 +77,8 @@ class Comm:
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, _pickled("all_gather", obj), group=self.group)
+        payload = _pickled("all_gather", obj)
+        self._collective(lambda: dist.all_gather_object(out, payload, group=self.group))
         return [pickle.loads(b) for b in out]
 
     def broadcast(self, obj: T) -> T:
@@ -78,8 +88,17 @@ class Comm:
         import torch.distributed as dist
 
         box: list[Any] = [_pickled("broadcast", obj) if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=_global_rank(self.group, 0), group=self.group)
+        self._collective(lambda: dist.broadcast_object_list(box, src=_global_rank(self.group, 0), group=self.group))
         return obj if self.rank == 0 else pickle.loads(box[0])
+
+    def _collective(self, run: Callable[[], None]) -> None:
+        """``run()``, a gloo collective, once every rank has arrived; a failure of gloo or of a
+        rank becomes RankFailedError."""
+        liveness.arrive(self.channel)
+        try:
+            run()
+        except RuntimeError as e:
+            raise liveness.diagnose(e) from e
 
     def global_rank(self, rank: int) -> int:
         """The default group's rank of this group's ``rank`` (what point-to-point calls take)."""
@@ -162,7 +181,13 @@ def current(channel: str = "io") -> Comm:
     with _lock:
         group = _groups.get((id(default), channel))
         if group is None:
-            # Collective: every rank creates it at its first use, in the same program order.
-            group = dist.new_group(backend="gloo")
+            # Collective: every rank creates it at its first use, in the same program order. Its
+            # timeout bounds what every rank entered; a receive posted before its sender's writes
+            # (replication) may wait that long, so it stays at least gloo's 30 minutes.
+            timeout = timedelta(seconds=max(1800.0, liveness.collective_timeout() + liveness.HEARTBEAT_LIMIT))
+            group = dist.new_group(backend="gloo", timeout=timeout)
             _groups[(id(default), channel)] = group
-    return Comm(dist.get_rank(), dist.get_world_size(), group)
+            if not _started.get(id(default)):
+                liveness.start(dist.get_rank(), dist.get_world_size())
+                _started[id(default)] = True
+    return Comm(dist.get_rank(), dist.get_world_size(), group, channel)

@@ -37,6 +37,7 @@ from resurgo.errors import (
     UnsupportedValueError,
 )
 from resurgo.dist import comm as dist_comm
+from resurgo.dist import liveness
 from resurgo.format.manifest import declared_files
 from resurgo.manager import agreement
 from resurgo.manager.catalog import (
@@ -211,6 +212,11 @@ class CheckpointManager:
     node's memory with replicas on other nodes (:mod:`resurgo.manager.memory`); ``restore`` then
     takes the newest step the nodes' memory can rebuild, else the newest that verifies in a
     durable tier.
+
+    ``collective_timeout``: in a job of several ranks, the seconds a collective waits for a rank
+    that neither arrives nor makes progress before every other rank raises RankFailedError naming
+    it (:mod:`resurgo.dist.liveness`); it applies to every resurgo collective of this process.
+    Default: ``RESURGO_COLLECTIVE_TIMEOUT``, else 120.
     """
 
     def __init__(self, root: str | os.PathLike | None = None, *, every_steps: int | None = None,
@@ -222,7 +228,9 @@ class CheckpointManager:
                  io_threads: int = DEFAULT_IO_THREADS, storage_options: dict | None = None,
                  tiers: Iterable[Tier] | None = None,
                  on_commit: Callable[[int, Path | str], None] | None = None,
-                 incremental: bool | FullSavePolicy = False) -> None:
+                 incremental: bool | FullSavePolicy = False, collective_timeout: float | None = None) -> None:
+        if collective_timeout is not None:  # before the first collective: the groups take it too
+            liveness.set_collective_timeout(collective_timeout)
         self.tiers: list[Any] = self._compose_tiers(root, storage_options, tiers)
         # Made collectively over the control channel, in the same order on every rank.
         self._memory = MemoryNodes(self.tiers[0], dist_comm.current("control")) if isinstance(

@@ -31,6 +31,7 @@ import torch
 
 from resurgo import faults
 from resurgo.dist import comm as dist_comm
+from resurgo.dist import liveness
 from resurgo.errors import MemoryBudgetError
 from resurgo.pipeline import inflight
 from resurgo.pipeline.host_copy import CopyBatch
@@ -261,6 +262,10 @@ def start_async_save(state: Any, path: str | os.PathLike, *, overwrite: bool, al
         handle.mark_staged()
 
     def run() -> None:
+        with liveness.operation("async save", path):
+            commit_in_background()
+
+    def commit_in_background() -> None:
         staging_failed: BaseException | None = None  # given to every rank by the write's agreement
         try:
             if deferred:

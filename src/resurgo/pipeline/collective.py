@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from resurgo import faults
+from resurgo.dist import liveness
 from resurgo.dist.comm import Comm
 from resurgo.storage.base import Staging
 
@@ -102,12 +104,15 @@ def write_then_commit(comm: Comm, staging: Staging, write: Callable[[], Written]
         if not commits:
             return 0, 0.0
         raw = build() if raw is None else raw
+        faults.point("save.commit")
         t0 = time.perf_counter()
         staging.commit(raw)
         return len(raw), time.perf_counter() - t0
 
     try:
+        liveness.phase("write")
         written = comm.agree(write)
+        liveness.phase("commit")
         everyone = comm.gather(written)
         if node_local is None:
             manifest_bytes, seconds = comm.agree(lambda: commit(None))

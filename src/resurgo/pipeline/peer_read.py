@@ -28,8 +28,9 @@ from typing import Any
 
 import numpy as np
 
+from resurgo.dist import liveness
 from resurgo.dist.comm import Comm
-from resurgo.errors import CorruptCheckpointError
+from resurgo.errors import CorruptCheckpointError, RankFailedError
 from resurgo.format.manifest import Manifest, TensorEntry
 from resurgo.pipeline.data_files import open_data_file
 from resurgo.pipeline.reader import ReadResult, copy_back, place_destinations, plan_tasks, read_ops, task_extent
@@ -174,15 +175,16 @@ class _Sends:
                 out = torch.frombuffer(view[at:at + n], dtype=torch.uint8) if view is not None else torch.zeros(
                     n, dtype=torch.uint8)  # the peer still waits for these bytes; it will not verify them
                 self.pending.append((out, dist.isend(out, dst=self.comm.global_rank(dst), group=self.comm.group,
-                                                     tag=tag + i)))
+                                                     tag=tag + i), self.comm.global_rank(dst)))
             at += n
 
     def wait(self) -> None:
-        for _, request in self.pending:
-            try:
-                request.wait()
-            except BaseException as e:  # noqa: BLE001 - a peer that failed mid-transfer
-                self.errors.append(CorruptCheckpointError(f"a send to another rank's load failed: {e}"))
+        try:
+            liveness.wait_requests([request for _, request, _ in self.pending], [other for _, _, other in self.pending])
+        except RankFailedError as e:  # a peer died or stalled
+            self.errors.append(e)
+        except BaseException as e:  # noqa: BLE001 - a transfer that failed otherwise
+            self.errors.append(CorruptCheckpointError(f"a send to another rank's load failed: {e}"))
         self.pending.clear()
         for f in self.files.values():
             if f is not None:
@@ -224,8 +226,7 @@ class _Received:
         src = self.comm.global_rank(self.sender)
         requests: list[Any] = [dist.irecv(t, src=src, group=self.comm.group, tag=tag + i)
                                for i, t in enumerate(tensors) if t is not None]
-        for r in requests:
-            r.wait()
+        liveness.wait_requests(requests, [src])
 
     def read_into(self, offset: int, buf: memoryview) -> None:
         self.read_into_many(offset, [buf])

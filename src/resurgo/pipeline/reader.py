@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from resurgo import faults
+from resurgo.dist import liveness
 from resurgo.errors import CorruptCheckpointError
 from resurgo.format import checksum, dtypes
 from resurgo.format.manifest import Manifest, TensorEntry
@@ -130,9 +132,11 @@ class _PlanReading:
                 flat.append(np.empty(op.file_offset - end, dtype=np.uint8).data)
             flat.extend(views)
             end = op.file_offset + op.length
+        faults.point("load.read")
         t0 = time.perf_counter()
         self.handles[task.file].read_into_many(start, flat)
         t1 = time.perf_counter()
+        liveness.progress()  # slow storage is not a stalled rank
         if task.header:
             check_header_bytes(self.ckpt, self.manifest, task.file, header.data)
         return t1 - t0

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from resurgo.dist import liveness
 from resurgo.dist.comm import Comm
 from resurgo.errors import CorruptCheckpointError
 from resurgo.format import checksum
@@ -184,7 +185,7 @@ class Exchange:
             tag += len(pieces[(t.src, t.name)])
         self._outgoing = {t.name: [u for u in transfers if u.src == t.src and u.name == t.name]
                           for t in transfers if t.src == comm.rank}
-        self._sends: list[list[Any]] = []  # [the tensor, kept alive until sent; its request]
+        self._sends: list[list[Any]] = []  # [the tensor, kept alive until sent; its request; its peer]
         self._opened: list[Outgoing] = []
         self._incoming: list[_Incoming] = []
         self._received = 0
@@ -230,7 +231,8 @@ class Exchange:
 
         tag = self._first_tag[t] + i
         if send:
-            self._sends.append([tensor, dist.isend(tensor, dst=self.comm.global_rank(t.dst), group=self.comm.group, tag=tag)])
+            dst = self.comm.global_rank(t.dst)
+            self._sends.append([tensor, dist.isend(tensor, dst=dst, group=self.comm.group, tag=tag), dst])
             return None
         return dist.irecv(tensor, src=self.comm.global_rank(t.src), group=self.comm.group, tag=tag)
 
@@ -266,7 +268,7 @@ class Exchange:
             pieces = self._pieces[(entry.transfer.src, entry.transfer.name)]
             for i, request in enumerate(entry.requests):  # every one waited for: none may land in a closed file
                 try:
-                    request.wait()
+                    liveness.wait_requests([request], [self.comm.global_rank(entry.transfer.src)])
                     piece = pieces[i]
                     if entry.into is None or not piece.block_bytes:
                         continue
@@ -328,11 +330,10 @@ class Exchange:
         self._end()
 
     def _end(self) -> None:
-        for entry in self._sends:
-            try:
-                entry[1].wait()
-            except Exception as e:  # noqa: BLE001 - raised by finish
-                self._errors.append(e)
+        try:
+            liveness.wait_requests([entry[1] for entry in self._sends], [entry[2] for entry in self._sends])
+        except Exception as e:  # noqa: BLE001 - raised by finish
+            self._errors.append(e)
         self._sends.clear()
         for out in self._opened:
             out.close()

@@ -42,8 +42,9 @@ from typing import Any
 
 import numpy as np
 
+from resurgo.dist import liveness
 from resurgo.dist.comm import Comm, sent_bytes
-from resurgo.errors import CorruptCheckpointError, UnsupportedValueError
+from resurgo.errors import CorruptCheckpointError, RankFailedError, UnsupportedValueError
 from resurgo.format.manifest import Manifest, TensorEntry
 from resurgo.pipeline.reader import ReadResult, copy_back, place_destinations, read_ops
 from resurgo.plan.load_plan import MAX_PIECE_BYTES, ReadOp, ReadPart, plan_reads
@@ -213,7 +214,7 @@ class SharedLoad:
         peer = comm.global_rank
 
         errors: list[BaseException] = []
-        pending: list[Any] = []  # (request, buffer): buffers kept alive until their transfer is done
+        pending: list[Any] = []  # (request, buffer, peer): buffers kept alive until their transfer is done
         landing: dict[int, np.ndarray] = {}  # message index (its tag) -> where its bytes go here
         for tag, m in enumerate(plan.messages):
             if comm.rank == m.reader or comm.rank in m.receivers:
@@ -221,7 +222,7 @@ class SharedLoad:
         for tag, m in enumerate(plan.messages):
             if comm.rank in m.receivers:
                 pending.append((dist.irecv(torch.from_numpy(landing[tag]), src=peer(m.reader), group=comm.group,
-                                           tag=tag), landing[tag]))
+                                           tag=tag), landing[tag], peer(m.reader)))
         results: list[ReadResult] = []
 
         def read(bufs: list[np.ndarray], ops: list[ReadOp], threads: int, targets: bool = False) -> None:
@@ -245,7 +246,7 @@ class SharedLoad:
                 errors.append(e)
             tensor = torch.from_numpy(into)
             for r in m.receivers:
-                pending.append((dist.isend(tensor, dst=peer(r), group=comm.group, tag=tag), into))
+                pending.append((dist.isend(tensor, dst=peer(r), group=comm.group, tag=tag), into, peer(r)))
 
         mine = [tag for tag, m in enumerate(plan.messages) if m.reader == comm.rank]
         if mine:
@@ -276,11 +277,12 @@ class SharedLoad:
         if from_storage:
             read(self.bufs, from_storage, self.threads, targets=True)
         t_wait = time.perf_counter()
-        for request, _ in pending:
-            try:
-                request.wait()
-            except BaseException as e:  # noqa: BLE001 - a peer that failed mid-transfer
-                errors.append(CorruptCheckpointError(f"{self.ckpt.path}: a shared read from another rank failed: {e}"))
+        try:
+            liveness.wait_requests([request for request, _, _ in pending], [other for _, _, other in pending])
+        except RankFailedError as e:  # a peer died or stalled
+            errors.append(e)
+        except BaseException as e:  # noqa: BLE001 - a transfer that failed otherwise
+            errors.append(CorruptCheckpointError(f"{self.ckpt.path}: a shared read from another rank failed: {e}"))
         seconds = {k: sum(r.seconds[k] for r in results) for k in ("read", "checksum", "assemble")}
         seconds["transfer_wait"] = time.perf_counter() - t_wait
         self.bytes_received = plan.received_bytes(comm.rank)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from resurgo import faults
+from resurgo.dist import liveness
 from resurgo.format import checksum
 from resurgo.format.manifest import Span
 from resurgo.format.safetensors_file import build_header
@@ -172,9 +174,11 @@ def write_data_file(staging: Staging, plan: FilePlan,
                     chunk_digests.extend(checksum.block_digests_reusing(piece, block_bytes, hashed, len(chunk_digests)))
                 elif known is None:
                     chunk_digests.extend(checksum.block_digests(piece, block_bytes))
+                faults.point("save.write")
                 t1 = time.perf_counter()
                 handle.write(piece)
                 t_write += time.perf_counter() - t1
+                liveness.progress()  # slow storage is not a stalled rank
                 t_hash += t1 - t0
             extents = None if segments is None else reused_extents(segments, plan.path, byte_range[0])
             chunks.append(WrittenChunk(item, plan.path, byte_range, block_bytes, chunk_digests, extents))

@@ -1,0 +1,409 @@
+"""Liveness of a job's ranks: heartbeats, progress, and waits that end when a rank fails.
+
+This module owns telling a rank that is dead or stuck from one that is slow but working, and the
+waits of resurgo's collectives built on it. Each process of a job of several ranks publishes on
+the job's store (keys under ``resurgo/``), once a second, a record of its own: a heartbeat count,
+a progress count (:func:`progress`, bumped at each chunk or file written or read), the collectives
+it reached, what it is doing (:func:`operation`, :func:`phase`), its host and pid.
+
+Before each blocking collective every rank announces its arrival on the store and waits there, not
+inside gloo (:func:`arrive`). Rank 0 watches every rank not yet arrived; the others watch rank 0.
+A rank has failed when its heartbeats stop for :data:`HEARTBEAT_LIMIT` seconds (dead or stopped;
+a dead process on this host is seen at once), or when it neither arrives nor makes progress for
+the collective timeout while the others wait for it: ``RESURGO_COLLECTIVE_TIMEOUT`` seconds
+(default 120), or :func:`set_collective_timeout`. The first verdict, or "every rank arrived", is
+stored once for that collective (compare-and-set), so every rank leaves it with the same outcome.
+Point-to-point transfers wait through :func:`wait_requests`, with the same checks on their peers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from resurgo.errors import RankFailedError, UnsupportedValueError
+
+ENV = "RESURGO_COLLECTIVE_TIMEOUT"
+DEFAULT_TIMEOUT = 120.0
+HEARTBEAT_LIMIT = 15.0  # seconds without a heartbeat before a rank is declared dead or stopped
+BEAT_PERIOD = 1.0
+
+_timeout: float | None = None
+_progress = [0]  # a lost increment under a race is harmless: only a change is looked at
+_activities: dict[int, list[str]] = {}  # thread ident -> [operation, phase, checkpoint]
+_lock = threading.Lock()
+_job: _Job | None = None
+_groups_seen = 0
+
+
+def collective_timeout() -> float:
+    """Seconds a collective waits for a rank that neither arrives nor makes progress."""
+    if _timeout is not None:
+        return _timeout
+    raw = os.environ.get(ENV)
+    if raw is None:
+        return DEFAULT_TIMEOUT
+    return _positive(raw, ENV)
+
+
+def set_collective_timeout(seconds: float | None) -> None:
+    """Set this process's collective timeout (None: back to ``RESURGO_COLLECTIVE_TIMEOUT``)."""
+    global _timeout
+    _timeout = None if seconds is None else _positive(seconds, "collective_timeout")
+
+
+def _positive(value: object, name: str) -> float:
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise UnsupportedValueError(f"{name}={value!r}: expected a positive, finite number of seconds")
+    return seconds
+
+
+def progress() -> None:
+    """This rank made progress (a chunk or file written or read): it is slow, not stuck."""
+    _progress[0] += 1
+
+
+@contextlib.contextmanager
+def operation(name: str, checkpoint: object) -> Iterator[None]:
+    """Within it, this thread does ``name`` ("save", "load", ...) on ``checkpoint``: what the other
+    ranks' errors will name if this rank falls silent, and what this rank's errors name."""
+    tid = threading.get_ident()
+    before = _activities.get(tid)
+    _activities[tid] = [name, "", str(checkpoint)]
+    _announce()
+    try:
+        yield
+    finally:
+        if before is None:
+            _activities.pop(tid, None)
+        else:
+            _activities[tid] = before
+
+
+def phase(name: str) -> None:
+    """This thread's operation entered phase ``name`` ("plan", "write", "commit", ...)."""
+    activity = _activities.get(threading.get_ident())
+    if activity is not None:
+        activity[1] = name
+        _announce()
+
+
+def _announce() -> None:
+    """Publish this rank's record now, not at the next heartbeat: a rank that falls silent right
+    after is named with what it was doing."""
+    job = _job
+    if job is not None:
+        with contextlib.suppress(Exception):  # a store that does not answer is the watchers' to judge
+            job.publish(job.client())
+
+
+def _doing() -> list[str]:
+    """This thread's [operation, phase, checkpoint]; else the latest of any thread's."""
+    here = _activities.get(threading.get_ident())
+    if here is not None:
+        return list(here)
+    latest = list(_activities.values())[-1:]
+    return list(latest[0]) if latest else ["", "", ""]
+
+
+def _identity() -> str:
+    """Processes with the same identity share a pid space: one's pid can be checked by another."""
+    parts = [socket.gethostname()]
+    with contextlib.suppress(OSError):
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    return "|".join(parts)
+
+
+def _process_gone(pid: int) -> bool:
+    """Whether process ``pid`` of this host has exited (a zombie counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        return False
+    return state in ("Z", "X")
+
+
+class _Job:
+    """This process's heartbeat and its clients of the job's store."""
+
+    def __init__(self, store: Any, rank: int, size: int, prefix: str):
+        self.rank, self.size, self.prefix = rank, size, prefix
+        self._store, self._local = store, threading.local()
+        self.identity, self.host, self.pid = _identity(), socket.gethostname(), os.getpid()
+        self.beats = 0
+        self.reached: dict[str, int] = {}  # channel -> collectives reached
+        self.failed: dict[int, dict] = {}  # ranks found failed: final, later waits on them end at once
+        self.stopped = threading.Event()
+        self.where = _where(store)
+        self.publish(self.client())
+        self._thread = threading.Thread(target=self._beat, name="resurgo-heartbeat", daemon=True)
+        self._thread.start()
+
+    def client(self) -> Any:
+        """This thread's connection to the store: a wait on one thread never delays the heartbeat."""
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = _clone(self._store)
+            self._local.client = client
+        return client
+
+    def key(self, name: str) -> str:
+        return self.prefix + name
+
+    def publish(self, store: Any) -> None:
+        self.beats += 1
+        op, ph, ckpt = _doing()
+        record = {"beat": self.beats, "progress": _progress[0], "reached": self.reached, "operation": op,
+                  "phase": ph, "checkpoint": ckpt, "host": self.host, "pid": self.pid, "identity": self.identity}
+        store.set(self.key(f"beat/{self.rank}"), json.dumps(record))
+
+    def _beat(self) -> None:
+        store = self.client()
+        while not self.stopped.wait(BEAT_PERIOD):
+            with contextlib.suppress(Exception):  # a store that does not answer is the watchers' to judge
+                self.publish(store)
+
+    def records(self, ranks: Sequence[int]) -> dict[int, dict]:
+        """The latest records of ``ranks`` (those that published one)."""
+        store = self.client()
+        keys = [self.key(f"beat/{r}") for r in ranks]
+        if store.check(keys):
+            raw = dict(zip(ranks, store.multi_get(keys)))
+        else:  # some have not published yet: a get would wait for them
+            raw = {r: store.get(k) for r, k in zip(ranks, keys) if store.check([k])}
+        return {r: json.loads(v) for r, v in raw.items()}
+
+
+def _clone(store: Any) -> Any:
+    import torch.distributed as dist
+
+    base = store
+    while not isinstance(base, dist.TCPStore) and hasattr(base, "underlying_store"):
+        base = base.underlying_store
+    if not isinstance(base, dist.TCPStore):
+        return store  # another kind of store: shared, with its own timeout
+    client: Any = base.clone()  # a new connection to the same server
+    client.set_timeout(timedelta(seconds=HEARTBEAT_LIMIT))  # a store that stops answering is found
+    return client
+
+
+def _where(store: Any) -> str:
+    base = store
+    while hasattr(base, "underlying_store"):
+        base = base.underlying_store
+    host, port = getattr(base, "host", None), getattr(base, "port", None)
+    return f"{host}:{port}" if host is not None else type(base).__name__
+
+
+def start(rank: int, size: int) -> None:
+    """Start this process's heartbeat on the default process group's store (once per group)."""
+    global _job, _groups_seen
+    import torch.distributed as dist
+
+    with _lock:
+        if _job is not None:
+            _job.stopped.set()
+        # The same on every rank: the launcher's restart, and how many groups this process joined.
+        _groups_seen += 1
+        prefix = f"resurgo/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_groups_seen}/"
+        _job = _Job(dist.distributed_c10d._get_default_store(), rank, size, prefix)
+
+
+def started() -> bool:
+    return _job is not None
+
+
+@dataclass
+class _Watch:
+    """What a waiting rank saw of others: when each last beat and last made progress."""
+
+    job: _Job
+    channel: str
+    number: int
+    since: float = field(default_factory=time.monotonic)
+    seen: dict[int, tuple[int, float, int, float]] = field(default_factory=dict)
+
+    def failed(self, ranks: Iterable[int], *, arrival: bool = True) -> list[dict]:
+        """The ranks among ``ranks`` that failed, each its record with a "why"; [] when none."""
+        ranks = list(ranks)
+        now, limit = time.monotonic(), collective_timeout()
+        records = self.job.records(ranks)
+        out = []
+        for r in ranks:
+            if r in self.job.failed:
+                out.append(self.job.failed[r])
+                continue
+            rec = records.get(r, {"beat": -1, "progress": -1})
+            if arrival and rec.get("reached", {}).get(self.channel, 0) > self.number:
+                continue  # it is here: waiting with us
+            beat, t_beat, prog, t_prog = self.seen.get(r, (rec["beat"], self.since, rec["progress"], self.since))
+            if rec["beat"] != beat:
+                beat, t_beat = rec["beat"], now
+            if rec["progress"] != prog:
+                prog, t_prog = rec["progress"], now
+            self.seen[r] = (beat, t_beat, prog, t_prog)
+            why = ""
+            if rec.get("identity") == self.job.identity and _process_gone(int(rec["pid"])):
+                why = "its process has exited"
+            elif now - t_beat >= HEARTBEAT_LIMIT:
+                why = (f"no heartbeat for {now - t_beat:.0f} s (dead, stopped or cut off)" if rec["beat"] >= 0
+                       else f"it never joined in {now - t_beat:.0f} s")
+            elif now - t_prog >= limit:
+                state = ("alive but made" if now - t_beat < 3 * BEAT_PERIOD
+                         else f"no heartbeat for {now - t_beat:.0f} s (stopped or cut off) and")
+                why = f"{state} no progress for {now - t_prog:.0f} s (the collective timeout, {ENV}, is {limit:g} s)"
+            if why:
+                out.append({**rec, "rank": r, "why": why})
+                self.job.failed[r] = out[-1]
+        return out
+
+
+def _describe(failed: Sequence[dict]) -> str:
+    parts = []
+    for f in failed:
+        who = f"rank {f['rank']}"
+        if "host" in f:
+            who += f" (host {f['host']}, pid {f['pid']})"
+        doing = f.get("operation") or "outside resurgo"
+        if f.get("operation"):
+            doing += (f", phase {f['phase']}" if f.get("phase") else "") + f", of {f['checkpoint']}"
+        parts.append(f"{who}: {f['why']}; last seen in {doing}")
+    return "; ".join(parts)
+
+
+def rank_failed(failed: Sequence[dict], cause: str = "") -> RankFailedError:
+    """The error naming the ``failed`` ranks, raised in what this thread is doing."""
+    op, ph, ckpt = _doing()
+    context = f"{op or 'collective'}" + (f" of {ckpt}" if ckpt else "") + (f" (phase {ph})" if ph else "")
+    here = f" on rank {_job.rank}" if _job is not None else ""
+    message = f"{context} failed{here}: {_describe(failed) if failed else 'no rank found silent'}"
+    if cause:
+        message += f" [{cause}]"
+    return RankFailedError(message, ranks=tuple(int(f["rank"]) for f in failed), operation=op, phase=ph,
+                           checkpoint=ckpt)
+
+
+def _store_failed(job: _Job, error: BaseException) -> RankFailedError:
+    host = "rank 0, which hosts it," if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" else "its host"
+    return rank_failed([{"rank": 0, "why": f"the job's store at {job.where} does not answer ({error}): "
+                         f"{host} is dead or stopped"}])
+
+
+def _pause(waited: int) -> float:
+    """Polling pauses: short at first (a collective whose ranks are all close), then 20 ms."""
+    return min(0.0002 * (2 ** min(waited, 7)), 0.02)
+
+
+def arrive(channel: str) -> None:
+    """Wait until every rank reached this ``channel``'s next collective; RankFailedError (the same
+    on every rank) when a rank failed first. A world of one, or no heartbeat started: returns."""
+    job = _job
+    if job is None:
+        return
+    number = job.reached.get(channel, 0)
+    job.reached[channel] = number + 1
+    progress()
+    name = f"{channel}/{number}"
+    outcome_key = job.key(f"outcome/{name}")
+    try:
+        store = job.client()
+        outcome = None
+        if store.add(job.key(f"arrived/{name}"), 1) == job.size:  # the last to arrive
+            outcome = store.compare_set(outcome_key, "", "ok")  # or a verdict stored just before
+            if number:  # every rank has left the previous one
+                store.delete_key(job.key(f"arrived/{channel}/{number - 1}"))
+                store.delete_key(job.key(f"outcome/{channel}/{number - 1}"))
+        watch = _Watch(job, channel, number)
+        watched = [r for r in range(job.size) if r != job.rank] if job.rank == 0 else [0]
+        waited, next_check = 0, time.monotonic() + BEAT_PERIOD
+        while outcome is None and not store.check([outcome_key]):
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + BEAT_PERIOD
+                failed = watch.failed(watched)
+                if failed:
+                    outcome = store.compare_set(outcome_key, "", json.dumps(failed))
+                    break
+            time.sleep(_pause(waited))
+            waited += 1
+        if outcome is None:
+            outcome = store.get(outcome_key)
+    except RuntimeError as e:
+        raise _store_failed(job, e) from e
+    if outcome != b"ok":
+        raise rank_failed(json.loads(outcome))
+
+
+def diagnose(cause: BaseException, peers: Iterable[int] | None = None) -> RankFailedError:
+    """The error for a collective or transfer that broke (``cause``, gloo's): the ranks among
+    ``peers`` (default: all) found silent within a heartbeat limit, or none if all still beat."""
+    job = _job
+    if job is None:
+        return RankFailedError(f"{_doing()[0] or 'collective'} failed: {cause}")
+    ranks = [r for r in (range(job.size) if peers is None else peers) if r != job.rank]
+    watch = _Watch(job, "", 0)
+    deadline = time.monotonic() + HEARTBEAT_LIMIT + 2 * BEAT_PERIOD
+    try:
+        while True:
+            failed = watch.failed(ranks, arrival=False)
+            if failed or time.monotonic() >= deadline:
+                return rank_failed(failed, f"gloo: {cause}")
+            time.sleep(BEAT_PERIOD)
+    except RuntimeError as e:
+        return _store_failed(job, e)
+
+
+def wait_requests(requests: Sequence[Any], peers: Iterable[int]) -> None:
+    """Wait for point-to-point ``requests`` (isend/irecv) whose other ends are ``peers`` (global
+    ranks): all of them, then raise the first failure. RankFailedError naming a peer that dies
+    or stalls first; a transfer gloo breaks becomes RankFailedError naming the silent peers."""
+    job, peers = _job, sorted(set(peers))
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def wait_all() -> None:
+        for request in requests:  # every one, even after a failure: none may land after we return
+            try:
+                request.wait()
+            except BaseException as e:  # noqa: BLE001 - raised by the caller's thread
+                errors.append(e)
+        done.set()
+
+    if job is None or not peers:
+        wait_all()
+    else:
+        # gloo's send and receive requests tell completion only to wait(), which cannot be
+        # bounded: it runs in a thread of its own while this one watches the peers.
+        threading.Thread(target=wait_all, name="resurgo-transfer-wait", daemon=True).start()
+        watch = _Watch(job, "", 0)
+        known = [job.failed[r] for r in peers if r in job.failed]
+        if known:
+            raise rank_failed(known)
+        while not done.wait(BEAT_PERIOD):
+            try:
+                failed = watch.failed(peers, arrival=False)
+            except RuntimeError as e:
+                raise _store_failed(job, e) from e
+            if failed:
+                raise rank_failed(failed)
+    if errors:
+        first = errors[0]
+        if isinstance(first, RuntimeError) and job is not None and peers:
+            raise diagnose(first, peers) from first
+        raise first

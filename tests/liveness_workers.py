@@ -1,0 +1,89 @@
+"""Functions the rank-liveness tests run on every rank (see dist_harness.run_ranks).
+
+Each rank holds row blocks (resurgo.Shard) of a few global tensors. ``fail_during`` saves an
+earlier checkpoint, then runs an operation while one rank (the victim) is killed, stopped or slowed
+at a fault point; every other rank records what it raised and when, in ``<out>/rank<r>.json``;
+the victim records the moment its fault point was reached in ``<out>/victim.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+import resurgo
+from resurgo import faults
+
+ROWS, COLS, TENSORS = 4, 256, 8
+
+
+def full(seed: int, world: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"t{i}": torch.randn(ROWS * world, COLS, generator=g) for i in range(TENSORS)}
+
+
+def state(seed: int, rank: int, world: int) -> dict:
+    return {k: resurgo.Shard(v[rank * ROWS:(rank + 1) * ROWS].clone(), tuple(v.shape), (rank * ROWS, 0))
+            for k, v in full(seed, world).items()}
+
+
+def _time_point(point: str, out: Path) -> None:
+    """Record when this rank first reaches ``point``, then let the armed fault act."""
+    original = faults.point
+
+    def timed(name: str) -> None:
+        if name == point and not (out / "victim.json").exists():
+            (out / "victim.json").write_text(json.dumps({"t": time.time(), "pid": os.getpid()}))
+        original(name)
+
+    faults.point = timed  # type: ignore[assignment]
+
+
+def fail_during(rank: int, world: int, root: str, out: str, victim: int, point: str, action: str,
+                operation: str) -> dict:
+    """Save ``root/c0``; then ``operation`` ("save", "async" or "load") while ``victim``'s fault
+    ``action`` acts at ``point``. Returns (and records) this rank's outcome."""
+    out_dir = Path(out)
+    resurgo.save(state(0, rank, world), f"{root}/c0")
+    if rank == victim:
+        _time_point(point, out_dir)
+        faults.arm(f"{victim}:{point}:{action}")
+    t0 = time.time()
+    outcome: dict = {"rank": rank}
+    try:
+        if operation == "save":
+            resurgo.save(state(1, rank, world), f"{root}/c1")
+        elif operation == "async":
+            resurgo.async_save(state(1, rank, world), f"{root}/c1").wait()
+        else:
+            target = {k: resurgo.Shard(torch.zeros(ROWS, COLS), (ROWS * world, COLS), (rank * ROWS, 0))
+                      for k in full(0, world)}
+            resurgo.load(target, f"{root}/c0")
+        outcome.update(error=None)
+    except resurgo.ResurgoError as e:
+        outcome.update(error=type(e).__name__, message=str(e), ranks=list(getattr(e, "ranks", ())),
+                       operation=getattr(e, "operation", ""), checkpoint=getattr(e, "checkpoint", ""))
+    outcome.update(t_start=t0, t_end=time.time())
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(outcome))
+    if action == "stop" and rank != victim:  # the stopped rank never ends by itself
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            os.kill(json.loads((out_dir / "victim.json").read_text())["pid"], signal.SIGKILL)
+    return outcome
+
+
+def agree_rounds(rank: int, world: int, rounds: int) -> float:
+    """Seconds for ``rounds`` calls of Comm.agree on the io channel (the cost per collective)."""
+    from resurgo.dist import comm as dist_comm
+
+    comm = dist_comm.current()
+    comm.agree(lambda: None)  # the group and the heartbeat exist before the clock starts
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        comm.agree(lambda: None)
+    return time.perf_counter() - t0

@@ -1,0 +1,141 @@
+"""A rank that dies or stalls in a collective makes every other rank raise RankFailedError, in
+bounded time, naming it; a rank that is slow but progressing is waited for.
+
+Four gloo ranks save (or load) while one of them is killed, stopped or slowed at a fault point
+(tests/liveness_workers.py). Each surviving rank's error, and the time from the fault to it, is
+checked; nothing of the failed save is committed, the next save of that path cleans its leftovers,
+and the earlier checkpoint loads bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import resurgo
+from resurgo.dist import liveness
+from resurgo.errors import RankFailedError, UnsupportedValueError
+from dist_harness import run_ranks
+from liveness_workers import full
+
+WORLD = 4
+BOUND_DEATH = 30.0  # seconds from a death to the error on every survivor
+
+
+def _run(tmp_path: Path, victim: int, point: str, action: str, operation: str) -> tuple[list[dict], float]:
+    """Run the cell; every survivor's outcome, and the moment the victim reached its fault point."""
+    root, out = tmp_path / "root", tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(RankFailedError) as launched:  # the launcher reports the victim's death, only it
+        run_ranks(WORLD, "liveness_workers:fail_during", str(root), str(out), victim, point, action, operation,
+                  timeout=120)
+    assert f"1 of {WORLD} ranks failed" in str(launched.value)
+    assert f"rank {victim}: exited with code -9 and no result" in str(launched.value)
+    outcomes = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD) if r != victim]
+    return outcomes, json.loads((out / "victim.json").read_text())["t"]
+
+
+def _bits(tensors: dict) -> dict[str, bytes]:
+    return {k: v.contiguous().view(torch.uint8).numpy().tobytes() for k, v in tensors.items()}
+
+
+def _check_storage(root: Path, saved: bool) -> None:
+    """c0 loads bit for bit; c1, if its save failed, was not committed, and saving it again (one
+    process, as after a single-process kill) leaves no staging leftovers beside it."""
+    assert _bits(resurgo.load_dict(root / "c0")) == _bits(full(0, WORLD))
+    if saved:
+        return
+    assert not (root / "c1" / "manifest.json").exists()
+    resurgo.save(full(1, 1), root / "c1", overwrite=(root / "c1").exists())
+    assert sorted(p.name for p in root.iterdir()) == ["c0", "c1"]
+
+
+def _check_named(outcomes: list[dict], victim: int, operation: str, checkpoint: Path, t_fault: float,
+                 bound: float) -> list[float]:
+    delays = []
+    for o in outcomes:
+        assert o["error"] == "RankFailedError", o
+        assert o["ranks"] == [victim], o
+        assert o["operation"] == operation and o["checkpoint"] == str(checkpoint), o
+        assert f"rank {victim} (host " in o["message"] and str(checkpoint) in o["message"], o
+        delays.append(o["t_end"] - t_fault)
+        assert 0 <= delays[-1] < bound, o
+    return delays
+
+
+@pytest.mark.parametrize("victim", [2])
+def test_a_rank_killed_mid_save_is_named_on_every_survivor(tmp_path, victim):
+    outcomes, t_kill = _run(tmp_path, victim, "save.write", "kill", "save")
+    delays = _check_named(outcomes, victim, "save", tmp_path / "root" / "c1", t_kill, BOUND_DEATH)
+    assert all("its process has exited" in o["message"] for o in outcomes)
+    print("kill mid-save: seconds to the error on each survivor", [round(d, 2) for d in delays])
+    _check_storage(tmp_path / "root", saved=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("operation,point,checkpoint", [("async", "save.write", "c1"), ("load", "load.read", "c0")])
+def test_a_rank_killed_mid_async_save_or_load_is_named(tmp_path, operation, point, checkpoint):
+    outcomes, t_kill = _run(tmp_path, 2, point, "kill", operation)
+    name = {"async": "async save", "load": "load"}[operation]
+    delays = _check_named(outcomes, 2, name, tmp_path / "root" / checkpoint, t_kill, BOUND_DEATH)
+    print(f"kill mid-{operation}: seconds to the error on each survivor", [round(d, 2) for d in delays])
+    _check_storage(tmp_path / "root", saved=operation == "load")
+
+
+@pytest.mark.slow
+def test_the_store_host_killed_mid_save_is_named(tmp_path):
+    """Rank 0 hosts the job's store: its death is seen as the store's."""
+    outcomes, t_kill = _run(tmp_path, 0, "save.write", "kill", "save")
+    for o in outcomes:
+        assert o["error"] == "RankFailedError" and o["ranks"] == [0], o
+        assert o["t_end"] - t_kill < BOUND_DEATH, o
+    print("kill of rank 0 mid-save: seconds to the error", [round(o["t_end"] - t_kill, 2) for o in outcomes])
+    _check_storage(tmp_path / "root", saved=False)
+
+
+def test_a_stopped_rank_is_named_within_the_timeout(tmp_path, monkeypatch):
+    timeout = 10
+    monkeypatch.setenv(liveness.ENV, str(timeout))
+    outcomes, t_stop = _run(tmp_path, 1, "save.write", "stop", "save")
+    delays = _check_named(outcomes, 1, "save", tmp_path / "root" / "c1", t_stop, timeout + 15)
+    assert all("no heartbeat" in o["message"] for o in outcomes)
+    print("stop mid-save: seconds to the error on each survivor", [round(d, 2) for d in delays])
+    _check_storage(tmp_path / "root", saved=False)
+
+
+def test_a_slow_rank_that_progresses_is_waited_for(tmp_path, monkeypatch):
+    timeout = 4
+    monkeypatch.setenv(liveness.ENV, str(timeout))
+    root, out = tmp_path / "root", tmp_path / "out"
+    out.mkdir()
+    # Each of rank 1's 8 chunk writes takes 1 s: its save lasts twice the timeout, progressing.
+    outcomes = run_ranks(WORLD, "liveness_workers:fail_during", str(root), str(out), 1, "save.write", "slow=1",
+                         "save", timeout=120)
+    assert [o["error"] for o in outcomes] == [None] * WORLD
+    assert outcomes[1]["t_end"] - outcomes[1]["t_start"] > 2 * timeout
+    assert _bits(resurgo.load_dict(root / "c1")) == _bits(full(1, WORLD))
+
+
+def test_the_collective_timeout_is_configured_and_checked(monkeypatch):
+    monkeypatch.setenv(liveness.ENV, "7.5")
+    assert liveness.collective_timeout() == 7.5
+    liveness.set_collective_timeout(3)
+    try:
+        assert liveness.collective_timeout() == 3
+    finally:
+        liveness.set_collective_timeout(None)
+    monkeypatch.delenv(liveness.ENV)
+    assert liveness.collective_timeout() == liveness.DEFAULT_TIMEOUT == 120
+    for bad in ("0", "-1", "soon", "inf"):
+        monkeypatch.setenv(liveness.ENV, bad)
+        with pytest.raises(UnsupportedValueError, match=f"{liveness.ENV}='{bad}'"):
+            liveness.collective_timeout()
+
+
+def test_rank_failed_error_still_builds_from_a_message_alone():
+    e = RankFailedError("rank 3 failed: boom")
+    assert (str(e), e.ranks, e.operation, e.checkpoint) == ("rank 3 failed: boom", (), "", "")
+
