@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 from resurgo.errors import RankFailedError, UnsupportedValueError
 
@@ -199,7 +199,7 @@ def _clone(store: Any) -> Any:
         base = base.underlying_store
     if not isinstance(base, dist.TCPStore):
         return store  # another kind of store: shared, with its own timeout
-    client: Any = base.clone()  # a new connection to the same server
+    client: Any = cast(Any, base).clone()  # a new connection to the same server (untyped in torch)
     client.set_timeout(timedelta(seconds=HEARTBEAT_LIMIT))  # a store that stops answering is found
     return client
 
