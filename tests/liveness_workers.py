@@ -1,7 +1,7 @@
 """Functions the rank-liveness tests run on every rank (see dist_harness.run_ranks).
 
 Each rank holds row blocks (resurgo.Shard) of a few global tensors. ``fail_during`` saves an
-earlier checkpoint, then runs an operation while one rank (the victim) is killed, stopped or slowed
+earlier checkpoint (C0), then runs an operation while one rank (the victim) is killed, stopped or slowed
 at a fault point; every other rank records what it raised and when, in ``<out>/rank<r>.json``;
 the victim records the moment its fault point was reached in ``<out>/victim.json``.
 """
@@ -21,6 +21,7 @@ import resurgo
 from resurgo import faults
 
 ROWS, COLS, TENSORS = 4, 256, 8
+C0, C1 = "step_000000000", "step_000000001"  # manager names: a manager start cleans what a save left
 
 
 def full(seed: int, world: int) -> dict[str, torch.Tensor]:
@@ -47,10 +48,10 @@ def _time_point(point: str, out: Path) -> None:
 
 def fail_during(rank: int, world: int, root: str, out: str, victim: int, point: str, action: str,
                 operation: str) -> dict:
-    """Save ``root/c0``; then ``operation`` ("save", "async" or "load") while ``victim``'s fault
+    """Save ``root/C0``; then ``operation`` ("save", "async" or "load") while ``victim``'s fault
     ``action`` acts at ``point``. Returns (and records) this rank's outcome."""
     out_dir = Path(out)
-    resurgo.save(state(0, rank, world), f"{root}/c0")
+    resurgo.save(state(0, rank, world), f"{root}/{C0}")
     if rank == victim:
         _time_point(point, out_dir)
         faults.arm(f"{victim}:{point}:{action}")
@@ -58,13 +59,13 @@ def fail_during(rank: int, world: int, root: str, out: str, victim: int, point: 
     outcome: dict = {"rank": rank}
     try:
         if operation == "save":
-            resurgo.save(state(1, rank, world), f"{root}/c1")
+            resurgo.save(state(1, rank, world), f"{root}/{C1}")
         elif operation == "async":
-            resurgo.async_save(state(1, rank, world), f"{root}/c1").wait()
+            resurgo.async_save(state(1, rank, world), f"{root}/{C1}").wait()
         else:
             target = {k: resurgo.Shard(torch.zeros(ROWS, COLS), (ROWS * world, COLS), (rank * ROWS, 0))
                       for k in full(0, world)}
-            resurgo.load(target, f"{root}/c0")
+            resurgo.load(target, f"{root}/{C0}")
         outcome.update(error=None)
     except resurgo.ResurgoError as e:
         outcome.update(error=type(e).__name__, message=str(e), ranks=list(getattr(e, "ranks", ())),

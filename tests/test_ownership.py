@@ -274,3 +274,15 @@ def test_object_store_manager_never_deletes_foreign_objects(mem_url):
     assert {k: v for k, v in after.items() if k.startswith((checkpoint_name(1), checkpoint_name(4)))} == \
         {k: v for k, v in before.items() if k.startswith((checkpoint_name(1), checkpoint_name(4)))}
     assert not any(k.startswith(checkpoint_name(2)) for k in after)
+
+
+def test_a_manager_start_removes_a_multi_rank_saves_leftovers_indexes_included(tmp_path):
+    """A save of several ranks cut short leaves each rank's data files and index (format 4)."""
+    leftover = tmp_path / f".{checkpoint_name(1)}{local.TMP_MARKER}0123456789ab"
+    (leftover / "data").mkdir(parents=True)
+    for name in ("rank00000-000.safetensors", "rank00001-000.safetensors", "rank00001-index.safetensors",
+                 "0123456789ab-rank00002-index.safetensors"):
+        (leftover / "data" / name).write_bytes(b"cut short")
+    with CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.wait()  # the start's clean-up of leftovers has run
+    assert not leftover.exists()

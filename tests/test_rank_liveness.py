@@ -19,7 +19,7 @@ import resurgo
 from resurgo.dist import liveness
 from resurgo.errors import RankFailedError, UnsupportedValueError
 from dist_harness import run_ranks
-from liveness_workers import full
+from liveness_workers import C0, C1, full
 
 WORLD = 4
 BOUND_DEATH = 30.0  # seconds from a death to the error on every survivor
@@ -43,14 +43,16 @@ def _bits(tensors: dict) -> dict[str, bytes]:
 
 
 def _check_storage(root: Path, saved: bool) -> None:
-    """c0 loads bit for bit; c1, if its save failed, was not committed, and saving it again (one
-    process, as after a single-process kill) leaves no staging leftovers beside it."""
-    assert _bits(resurgo.load_dict(root / "c0")) == _bits(full(0, WORLD))
+    """C0 loads bit for bit; C1, if its save failed, was not committed, and a manager started on
+    the root removes what the save left (as after a single-process kill); C1 then saves."""
+    assert _bits(resurgo.load_dict(root / C0)) == _bits(full(0, WORLD))
     if saved:
         return
-    assert not (root / "c1" / "manifest.json").exists()
-    resurgo.save(full(1, 1), root / "c1", overwrite=(root / "c1").exists())
-    assert sorted(p.name for p in root.iterdir()) == ["c0", "c1"]
+    assert not (root / C1).exists()
+    resurgo.CheckpointManager(root).close()
+    assert sorted(p.name for p in root.iterdir()) == [C0]
+    resurgo.save(full(1, 1), root / C1)
+    assert _bits(resurgo.load_dict(root / C1)) == _bits(full(1, 1))
 
 
 def _check_named(outcomes: list[dict], victim: int, operation: str, checkpoint: Path, t_fault: float,
@@ -69,14 +71,14 @@ def _check_named(outcomes: list[dict], victim: int, operation: str, checkpoint: 
 @pytest.mark.parametrize("victim", [2])
 def test_a_rank_killed_mid_save_is_named_on_every_survivor(tmp_path, victim):
     outcomes, t_kill = _run(tmp_path, victim, "save.write", "kill", "save")
-    delays = _check_named(outcomes, victim, "save", tmp_path / "root" / "c1", t_kill, BOUND_DEATH)
+    delays = _check_named(outcomes, victim, "save", tmp_path / "root" / C1, t_kill, BOUND_DEATH)
     assert all("its process has exited" in o["message"] for o in outcomes)
     print("kill mid-save: seconds to the error on each survivor", [round(d, 2) for d in delays])
     _check_storage(tmp_path / "root", saved=False)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("operation,point,checkpoint", [("async", "save.write", "c1"), ("load", "load.read", "c0")])
+@pytest.mark.parametrize("operation,point,checkpoint", [("async", "save.write", C1), ("load", "load.read", C0)])
 def test_a_rank_killed_mid_async_save_or_load_is_named(tmp_path, operation, point, checkpoint):
     outcomes, t_kill = _run(tmp_path, 2, point, "kill", operation)
     name = {"async": "async save", "load": "load"}[operation]
@@ -100,7 +102,7 @@ def test_a_stopped_rank_is_named_within_the_timeout(tmp_path, monkeypatch):
     timeout = 10
     monkeypatch.setenv(liveness.ENV, str(timeout))
     outcomes, t_stop = _run(tmp_path, 1, "save.write", "stop", "save")
-    delays = _check_named(outcomes, 1, "save", tmp_path / "root" / "c1", t_stop, timeout + 15)
+    delays = _check_named(outcomes, 1, "save", tmp_path / "root" / C1, t_stop, timeout + 15)
     assert all("no heartbeat" in o["message"] for o in outcomes)
     print("stop mid-save: seconds to the error on each survivor", [round(d, 2) for d in delays])
     _check_storage(tmp_path / "root", saved=False)
@@ -116,7 +118,7 @@ def test_a_slow_rank_that_progresses_is_waited_for(tmp_path, monkeypatch):
                          "save", timeout=120)
     assert [o["error"] for o in outcomes] == [None] * WORLD
     assert outcomes[1]["t_end"] - outcomes[1]["t_start"] > 2 * timeout
-    assert _bits(resurgo.load_dict(root / "c1")) == _bits(full(1, WORLD))
+    assert _bits(resurgo.load_dict(root / C1)) == _bits(full(1, WORLD))
 
 
 def test_the_collective_timeout_is_configured_and_checked(monkeypatch):

@@ -41,7 +41,7 @@ manifest does not verify. Supplied by the layers that may parse manifests."""
 Owned = Callable[[str, str], bool]
 """``(relative path, kind) -> True when resurgo wrote it``; a folder it accepts is looked into."""
 
-_RESURGO_DATA_FILE = re.compile(r"data/(?:[0-9a-f]{12}-)?rank\d{5,}-\d{3,}\.safetensors")
+_RESURGO_DATA_FILE = re.compile(r"data/(?:[0-9a-f]{12}-)?rank\d{5,}-(?:\d{3,}|index)\.safetensors")  # data files, indexes
 _WRITER_TOKEN = re.compile(r"\.resurgo-writers/[0-9a-f]{12}")
 
 
