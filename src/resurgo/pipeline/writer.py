@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from resurgo import faults
 from resurgo.dist import liveness
 from resurgo.format import checksum
 from resurgo.format.manifest import Span
@@ -174,7 +173,6 @@ def write_data_file(staging: Staging, plan: FilePlan,
                     chunk_digests.extend(checksum.block_digests_reusing(piece, block_bytes, hashed, len(chunk_digests)))
                 elif known is None:
                     chunk_digests.extend(checksum.block_digests(piece, block_bytes))
-                faults.point("save.write")
                 t1 = time.perf_counter()
                 handle.write(piece)
                 t_write += time.perf_counter() - t1
