@@ -71,7 +71,7 @@ def test_failed_save_commits_nothing_and_keeps_the_old_checkpoint(tmp_path, monk
         monkeypatch.setattr(local.os, "fsync", boom)
     elif fail_at == "rename":
         monkeypatch.setattr(local.os, "rename", boom)
-        monkeypatch.setattr(local, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(local, "_exchange", lambda *args: False)
     else:
         monkeypatch.setattr(local, "_exchange", boom)
     with pytest.raises(StorageError) as ei:
@@ -91,7 +91,7 @@ def test_failed_save_commits_nothing_and_keeps_the_old_checkpoint(tmp_path, monk
 def test_exchange_fallback_without_renameat2(tmp_path, monkeypatch):
     path = tmp_path / "c"
     resurgo.save({"a": torch.ones(3)}, path)
-    monkeypatch.setattr(local, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(local, "_exchange", lambda *args: False)
     resurgo.save({"a": torch.zeros(3)}, path, overwrite=True)
     assert torch.equal(resurgo.load_dict(path)["a"], torch.zeros(3))
     assert tmp_leftovers(tmp_path) == []

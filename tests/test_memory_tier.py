@@ -344,7 +344,11 @@ def test_spare_pages_count_against_the_memory_budget_and_go_first(tmp_path: Path
     pool.path.mkdir(parents=True)
     spare = tmp_path / "freed"
     spare.write_bytes(bytes(600))
-    assert pool.keep(spare) and not spare.exists()
+    folder = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert pool.keep_at(folder, spare.name) and not spare.exists()
+    finally:
+        os.close(folder)
     nodes.check_budget(3, _Plan([400]))  # the save takes the pages over: 1000 bytes at most
     assert [size for size, _ in pool.files()] == [600]
     nodes.check_budget(3, _Plan([500]))  # 1100 if it could not: the spare pages are freed instead

@@ -16,9 +16,11 @@ holding the chunks asked for. Pure: bytes in, objects out.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping
+import re
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Final, Literal, Optional
 
 from pydantic import ValidationError
@@ -73,12 +75,44 @@ class RankIndex(_Strict):
         return header + body
 
 
-def declared_names(core: Manifest) -> list[str]:
-    """Every file a version 4 save wrote, by the naming rule: each rank's data files and index."""
-    assert core.ranks is not None and core.file_tag is not None
-    tag = core.file_tag
-    return [name for r, n in enumerate(core.ranks.files)
-            for name in [data_file_name(r, i, tag) for i in range(n)] + [index_file_name(r, tag)]]
+_NAME_RE = re.compile(r"rank(\d{5,})-(?:(\d{3,})|index)\.safetensors")
+
+
+class DeclaredNames(Collection[str]):
+    """Every file a version 4 save wrote, by the naming rule: each rank's data files and index.
+    Membership is answered by reading the name, and iteration yields the names one by one: never
+    one list of them all (a core of a few KB may declare 4,000 ranks x 1,000 files)."""
+
+    def __init__(self, core: Manifest):
+        assert core.ranks is not None and core.file_tag is not None
+        self._tag, self._files = core.file_tag, core.ranks.files
+        self._prefix = f"data/{self._tag}"
+
+    def __len__(self) -> int:
+        return sum(self._files) + len(self._files)
+
+    def __contains__(self, name: object) -> bool:
+        if not isinstance(name, str) or not name.startswith(self._prefix):
+            return False
+        m = _NAME_RE.fullmatch(name, len(self._prefix))
+        if m is None or int(m.group(1)) >= len(self._files):
+            return False
+        rank = int(m.group(1))
+        if m.group(2) is None:
+            return name == index_file_name(rank, self._tag)
+        i = int(m.group(2))
+        return i < self._files[rank] and name == data_file_name(rank, i, self._tag)  # one spelling of each number
+
+    def __iter__(self) -> Iterator[str]:
+        for r, n in enumerate(self._files):
+            for i in range(n):
+                yield data_file_name(r, i, self._tag)
+            yield index_file_name(r, self._tag)
+
+
+def declared_names(core: Manifest) -> DeclaredNames:
+    """Every file a version 4 save wrote, by the naming rule, as a :class:`DeclaredNames`."""
+    return DeclaredNames(core)
 
 
 def parse_index(raw: bytes, core: Manifest, rank: int, source: str) -> RankIndex:
@@ -168,19 +202,40 @@ def _hull(place: Place, shape: tuple[int, ...]) -> ChunkBox:
     return ChunkBox((first,) + (0,) * (len(shape) - 1), (last - first,) + shape[1:])
 
 
-def needed_chunks(t: TensorEntry, places: Iterable[Place] | None) -> list[tuple[Place, int]]:
-    """The chunks of ``t`` (place, writer) holding an element of ``places`` (None: every chunk)."""
+class TooManyCells(Exception):
+    """A grid places more chunks where a read needs them than the indexes read hold (``count``: at
+    least that many; enumeration stopped there)."""
+
+    def __init__(self, count: int):
+        super().__init__(count)
+        self.count = count
+
+
+def _grid_ranges(t: TensorEntry, places: Iterable[Place] | None) -> list[list[range]]:
+    """Per place needed (one entry for the whole tensor when None), the grid's cell ranges."""
+    assert t.grid is not None
+    grid, shape = t.grid.grid, tuple(t.shape)
+    if places is None:
+        return [grid.cell_ranges(shape)]
+    return [grid.cell_ranges(shape, _hull(place, shape)) for place in places]
+
+
+def needed_chunks(t: TensorEntry, places: Iterable[Place] | None, limit: int | None = None) -> list[tuple[Place, int]]:
+    """The chunks of ``t`` (place, writer) holding an element of ``places`` (None: every chunk).
+    ``limit``: TooManyCells as soon as a grid would give more (a grid's cells are counted before
+    they are built: a few bytes of manifest may declare 2**40)."""
     shape = tuple(t.shape)
     if t.grid is not None:
         grid = t.grid.grid
-        cells: Iterable[tuple[int, ...]]
-        if places is None:
-            cells = grid.cells(shape)
-        else:
-            seen: dict[tuple[int, ...], None] = {}
-            for place in places:
-                seen.update(dict.fromkeys(grid.cells_overlapping(shape, _hull(place, shape))))
-            cells = seen
+        cells: dict[tuple[int, ...], None] = {}
+        for ranges in _grid_ranges(t, places):
+            n = math.prod(len(r) for r in ranges)
+            if limit is not None and n > limit:
+                raise TooManyCells(n)
+            for cell in itertools.product(*ranges):
+                cells[cell] = None
+            if limit is not None and len(cells) > limit:
+                raise TooManyCells(len(cells))
         return [(grid.box(shape, c), grid.writer(c)) for c in cells]
     pieces = t.pieces or []
     if places is None:
@@ -192,12 +247,17 @@ def needed_chunks(t: TensorEntry, places: Iterable[Place] | None) -> list[tuple[
 
 def ranks_needed(core: Manifest, wanted: Mapping[str, Iterable[Place] | None] | None) -> list[int]:
     """The ranks whose indexes hold the chunks ``wanted`` (key -> the places needed, None: all of
-    the tensor; ``wanted`` None: every tensor)."""
+    the tensor; ``wanted`` None: every tensor). A grid's writers are computed, its cells never built."""
     keys = core.tensors if wanted is None else wanted
     out: set[int] = set()
     for key in keys:
+        t = core.tensors[key]
         places = None if wanted is None else wanted[key]
-        out.update(rank for _, rank in needed_chunks(core.tensors[key], places))
+        if t.grid is not None:
+            for ranges in _grid_ranges(t, places):
+                out.update(t.grid.grid.writers(ranges))
+        else:
+            out.update(rank for _, rank in needed_chunks(t, places))
     return sorted(out)
 
 
@@ -217,8 +277,18 @@ def resolve(core: Manifest, indexes: Mapping[int, RankIndex], wanted: Mapping[st
         if wanted is not None and key not in wanted:
             tensors[key] = t
             continue
+        places = None if wanted is None else wanted[key]
+        held = sum(len(ix.chunks.get(key, ())) for ix in indexes.values())
+        try:
+            needed = needed_chunks(t, places, limit=held)
+        except TooManyCells as e:
+            first = min(ranks_needed(core, {key: places}), default=0)
+            raise CorruptCheckpointError(
+                f"{describe(first)}: the manifest's grid places {e.count if e.count < 1 << 62 else 'more than 2**62'} "
+                f"chunks of {key!r} where they are needed, the indexes of the ranks writing them hold {held}: chunks are "
+                f"missing (the grid declares more cells than were written)") from None
         chunks = []
-        for place, rank in needed_chunks(t, None if wanted is None else wanted[key]):
+        for place, rank in needed:
             chunk = found.get(rank, {}).pop((key, place_order(place)), None)
             if chunk is None:
                 raise CorruptCheckpointError(

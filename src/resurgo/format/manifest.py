@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -314,15 +314,15 @@ def parse_manifest(raw: bytes, source: str = MANIFEST_NAME) -> Manifest:
         return _parse_manifest(raw, source)
 
 
-def declared_files(raw: bytes, source: str = MANIFEST_NAME) -> frozenset[str]:
+def declared_files(raw: bytes, source: str = MANIFEST_NAME) -> Collection[str]:
     """The data files a manifest lists, once it parses and verifies (its seal included); what
     storage may replace along with it (:mod:`resurgo.storage.ownership`). Of a version 4 manifest,
-    every rank's data files and index, by the naming rule."""
+    every rank's data files and index, by the naming rule, answered name by name (never listed)."""
     manifest = parse_manifest(raw, source)
     if manifest.indexed:
         from resurgo.format.index import declared_names  # the index module builds on this one
 
-        return frozenset(declared_names(manifest))
+        return declared_names(manifest)
     return frozenset(manifest.files)
 
 

@@ -54,15 +54,46 @@ class Grid:
     def cells_overlapping(self, shape: Sequence[int], box: ChunkBox) -> Iterator[tuple[int, ...]]:
         """The cells holding elements that share an element with ``box``, found per dimension by
         bisection: the cost grows with the cells returned, not with the grid."""
+        return itertools.product(*self.cell_ranges(shape, box))
+
+    def count(self, shape: Sequence[int]) -> int:
+        """How many cells hold elements (computed, not enumerated: a grid may declare 2**40)."""
+        return math.prod(_nonempty_parts(n, p) for n, p in zip(shape, self.parts))
+
+    def cell_ranges(self, shape: Sequence[int], box: ChunkBox | None = None) -> list[range]:
+        """Per dimension, the cells holding elements (of those sharing an element with ``box``):
+        the grid's cells (overlapping ``box``) are their product."""
+        if box is None:
+            return [range(_nonempty_parts(n, p)) for n, p in zip(shape, self.parts)]
         ranges = []
         for n, p, o, s in zip(shape, self.parts, box.offsets, box.shape):
-            if s <= 0:
-                return iter(())
             step = -(-n // p) if n else 0
-            if step == 0:
-                return iter(())
+            if s <= 0 or step == 0:
+                return [range(0)] * len(self.parts)
             ranges.append(range(o // step, min(_nonempty_parts(n, p), -(-(o + s) // step))))
-        return itertools.product(*ranges)
+        return ranges
+
+    def writers(self, ranges: Sequence[range]) -> list[int]:
+        """The ranks writing the cells of the product of ``ranges`` (one per dimension), sorted,
+        without enumerating the cells: the sums ``offset + sum(c_d * strides[d])`` are a sumset of
+        arithmetic progressions, built on a bitset by doubling. The cost grows with the span of
+        ranks (a manifest's grid writes inside its world) and the log of the cells, not with them."""
+        if not ranges or any(len(r) == 0 for r in ranges):
+            return [self.offset] if not ranges else []
+        low = self.offset + sum(min(r[0] * s, r[-1] * s) for r, s in zip(ranges, self.strides))
+        bits = 1  # bit i: rank low + i writes a cell
+        for r, s in zip(ranges, self.strides):
+            step, n = abs(s), len(r)
+            if step == 0 or n == 1:
+                continue
+            covered = 1  # bits holds the sums with {0, 1, ..., covered - 1} * step added
+            while covered * 2 <= n:
+                bits |= bits << (covered * step)
+                covered *= 2
+            if covered < n:  # {0..covered-1} and {n-covered..n-1} together are {0..n-1}
+                bits |= bits << ((n - covered) * step)
+        digits = bin(bits)[:1:-1]  # lowest bit first
+        return [low + i for i, d in enumerate(digits) if d == "1"]
 
     def writer_bounds(self, shape: Sequence[int]) -> tuple[int, int]:
         """The lowest and highest rank writing a cell (an affine rule peaks at corners of the grid)."""

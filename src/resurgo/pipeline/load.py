@@ -123,6 +123,9 @@ def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool
                     f"{ckpt.path}: holds pickled values; loading them could run code from the file. "
                     "Pass allow_pickle=True only if you trust this checkpoint."
                 )
+            whole = manifest.indexed and target is None and peers is None
+            if whole:  # every tensor is allocated from the manifest: its chunks are all read first
+                manifest = resolve_for(ckpt, manifest, None, indexes_read)
             if peers is None:
                 data_files.check_sizes(ckpt, manifest)  # before any allocation
             else:
@@ -135,7 +138,7 @@ def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool
                                        restorer.missing, restorer.unexpected)
             destinations = restorer.destinations
             planned[:] = [destinations]
-            if manifest.indexed:  # the chunks this rank needs, from the indexes that hold them
+            if manifest.indexed and not whole:  # the chunks this rank needs, from the indexes that hold them
                 manifest = resolve_for(ckpt, manifest, {d.key: [p.place for p in d.local_pieces()] for d in destinations},
                                        indexes_read)
                 destinations = [replace(d, entry=manifest.tensors[d.key]) for d in destinations]

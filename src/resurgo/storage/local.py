@@ -174,42 +174,58 @@ class MappedFile:
         self._map = None
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths (Linux renameat2). False when the system cannot."""
+def _exchange(a: str, b: str, dir_fd: int) -> bool:
+    """Atomically swap the entries ``a`` and ``b`` of the directory ``dir_fd`` (Linux renameat2).
+    False when the system cannot."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         fn = libc.renameat2
     except (OSError, AttributeError):
         return False
-    AT_FDCWD = -100
-    rc = fn(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    rc = fn(dir_fd, os.fsencode(a), dir_fd, os.fsencode(b), _RENAME_EXCHANGE)
     if rc == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
         return False
-    raise OSError(err, os.strerror(err), str(b))
+    raise OSError(err, os.strerror(err), b)
 
 
-def _replace_directory(tmp: Path, final: Path, prove: Callable[[Path], Owned]) -> None:
+Prove = Callable[[int, str, Path], ownership.Proof]
+"""``(parent's descriptor, name, path for messages) -> the proof`` that the directory ``name`` of the
+parent is resurgo's (ForeignFilesError when not, nothing changed)."""
+
+
+def _open_parent(path: Path) -> tuple[int, str]:
+    """A descriptor of the directory holding ``path``, and ``path``'s name in it."""
+    path = Path(os.path.abspath(path))
+    return os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)), path.name
+
+
+def _replace_directory(tmp: Path, final: Path, prove: Prove) -> None:
     """Put directory ``tmp`` at ``final`` (which exists and ``prove`` accepts: else it raises and
     nothing changes), atomically where the system can, then delete what ``prove`` found to be
-    ours in the old one. Without renameat2 the old one is first renamed aside, so ``final`` names
-    either directory at every moment but one rename apart."""
-    owned = prove(final)
-    if _exchange(tmp, final):
-        old = tmp  # now holds the old directory
-    else:
-        old = final.parent / f".{final.name}{TMP_MARKER}old-{uuid.uuid4().hex[:12]}"
-        os.rename(final, old)
-        os.rename(tmp, final)
-    left = ownership.remove_owned(old, owned)
+    ours in the old one, through the descriptors it was proved through. Without renameat2 the old
+    one is first renamed aside, so ``final`` names either directory at every moment but one rename
+    apart."""
+    parent_fd, name = _open_parent(final)
+    try:
+        with prove(parent_fd, name, final) as proof:
+            if _exchange(tmp.name, name, parent_fd):
+                old = tmp.name  # now holds the old directory
+            else:
+                old = f".{name}{TMP_MARKER}old-{uuid.uuid4().hex[:12]}"
+                os.rename(name, old, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+                os.rename(tmp.name, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+            left = proof.remove_from(parent_fd, old)
+    finally:
+        os.close(parent_fd)
     if left:  # appeared between the check and the swap: never deleted
-        warnings.warn(f"resurgo: {final} was replaced; its old directory, now {old}, kept {left[0]!r}, which "
-                      "resurgo did not write; it is left there", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"resurgo: {final} was replaced; its old directory, now {final.parent / old}, kept {left[0]!r}, "
+                      "which resurgo did not write; it is left there", RuntimeWarning, stacklevel=3)
 
 
-def _publish(tmp: Path, final: Path, overwrite: bool, doing: str, prove: Callable[[Path], Owned] | None) -> None:
+def _publish(tmp: Path, final: Path, overwrite: bool, doing: str, prove: Prove | None) -> None:
     """Rename the finished ``tmp`` (a durable file or directory) onto ``final``, replacing an
     existing one atomically when ``overwrite`` (a directory only when ``prove`` accepts it), then
     fsync the parent. ``doing`` names the operation in the message when ``final`` appeared meanwhile."""
@@ -227,40 +243,77 @@ def _publish(tmp: Path, final: Path, overwrite: bool, doing: str, prove: Callabl
     _fsync_dir(final.parent)
 
 
-def checkpoint_claim(path: Path, declared_files: DeclaredFiles | None) -> ownership.Claim:
-    """Which entries of the checkpoint directory ``path`` are resurgo's (see ownership), from its
-    manifest as it is now; a staging directory's leftovers are."""
-    raw = None
-    mpath = path / MANIFEST_NAME
+def _open_child(parent_fd: int, name: str, where: Path, doing: str) -> int:
+    """The directory ``name`` of ``parent_fd`` opened without following a link (FileNotFoundError
+    when absent, ForeignFilesError when a link or not a directory)."""
     try:
-        st = mpath.lstat()
-        if stat.S_ISREG(st.st_mode) and st.st_size <= MAX_MANIFEST_BYTES:
-            raw = mpath.read_bytes()
-    except FileNotFoundError:
-        pass
+        return ownership.open_dir(name, parent_fd)
     except OSError as e:
-        raise StorageError(e.errno, f"{mpath}: cannot read it: {e.strerror}") from None
-    temporary = is_temporary(path)
-    return ownership.Claim(raw, declared_files, str(path), leftovers=temporary, staging=temporary)
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise ForeignFilesError(f"{where}: is not a directory resurgo wrote (a link or a file); refusing to {doing}, "
+                                    "nothing was changed") from None
+        raise
 
 
-def prove_checkpoint_dir(path: Path, declared_files: DeclaredFiles | None, doing: str) -> Owned:
-    """What of the directory ``path`` is resurgo's, when all of it is; else ForeignFilesError."""
+def prove_checkpoint_at(parent_fd: int, name: str, where: Path, declared_files: DeclaredFiles | None,
+                        doing: str) -> ownership.Proof:
+    """The proof that the checkpoint directory ``name`` of ``parent_fd`` (``where``, for messages)
+    is all resurgo's: its manifest read and its entries listed through one descriptor of it; else
+    ForeignFilesError. A staging directory's leftovers are resurgo's (see ownership)."""
     try:
-        owned = checkpoint_claim(path, declared_files)
-        ownership.prove_dir(path, owned, doing, owned.why)
-    except OSError as e:
-        if isinstance(e, ResurgoError):
+        fd = _open_child(parent_fd, name, where, doing)
+        try:
+            raw = ownership.read_regular(fd, MANIFEST_NAME, MAX_MANIFEST_BYTES)
+        except BaseException:
+            os.close(fd)
             raise
-        raise StorageError(e.errno, f"{path}: cannot list it: {e.strerror}") from None
-    return owned
-
-
-def remove_checkpoint_dir(path: Path, owned: Owned) -> None:
-    """Delete the entries of ``path`` that ``owned`` accepts (a checkpoint already proven ours and
-    renamed away); ForeignFilesError when something else appeared in it meanwhile (it stays)."""
+        temporary = is_temporary(where)
+        claim = ownership.Claim(raw, declared_files, str(where), leftovers=temporary, staging=temporary)
+        proof = ownership.Proof(fd, claim)
+    except OSError as e:
+        if isinstance(e, (ResurgoError, FileNotFoundError)):
+            raise
+        raise StorageError(e.errno, f"{where}: cannot list it: {e.strerror}") from None
     try:
-        left = ownership.remove_owned(path, owned)
+        ownership.refuse_foreign(where, proof.foreign(), doing, claim.why)
+    except BaseException:
+        proof.close()
+        raise
+    return proof
+
+
+def prove_checkpoint_dir(path: Path, declared_files: DeclaredFiles | None, doing: str) -> None:
+    """ForeignFilesError unless all of the directory ``path`` is resurgo's (a check: nothing is kept open)."""
+    prove_with(lambda parent_fd, name, where: prove_checkpoint_at(parent_fd, name, where, declared_files, doing), path)
+
+
+def prove_with(prove: Prove, path: Path) -> None:
+    """Run ``prove`` on the directory ``path`` as a check, keeping nothing open."""
+    try:
+        parent_fd, name = _open_parent(path)
+    except OSError as e:
+        raise StorageError(e.errno, f"{path.parent}: cannot open it: {e.strerror}") from None
+    try:
+        prove(parent_fd, name, path).close()
+    except FileNotFoundError:
+        pass  # gone meanwhile: nothing to replace
+    finally:
+        os.close(parent_fd)
+
+
+def _through(dir_fd: int, name: str) -> Path:
+    """A path that reaches the entry ``name`` of the open directory ``dir_fd`` without resolving
+    the directory's own path again (Linux's /proc/self/fd)."""
+    return Path(f"/proc/self/fd/{dir_fd}/{name}")
+
+
+def remove_checkpoint_dir(path: Path, proof: ownership.Proof) -> None:
+    """Delete what ``proof`` proved resurgo's of a checkpoint already renamed away (to ``path``,
+    ``proof.at``), through the descriptors it was proved through; ForeignFilesError when something
+    else appeared in it meanwhile (it stays)."""
+    assert proof.at is not None
+    try:
+        left = proof.remove_from(*proof.at)
     except OSError as e:
         raise StorageError(e.errno, f"{path}: could not be deleted: {e.filename}: {e.strerror}") from None
     ownership.refuse_foreign(path, left, "delete it (the rest of it was deleted)")
@@ -360,58 +413,83 @@ class LocalRoot:
                 continue
         return found
 
-    def _prove(self, path: Path, declared_files: DeclaredFiles | None) -> Owned | None:
-        """What of ``path`` is resurgo's (ForeignFilesError unless all of it); None when it is gone."""
-        if not (path.exists() or path.is_symlink()):
-            return None
-        if path.is_symlink() or not path.is_dir():
-            raise ForeignFilesError(f"{path}: is not a directory resurgo wrote (a link or a file); refusing to delete it")
+    def _open_parent_of(self, name: str) -> tuple[int, str]:
+        """A descriptor of the directory holding the checkpoint ``name`` and its name in it: the
+        folders between the root and it are opened one by one without following a link."""
+        if name == ".":
+            return _open_parent(self.path)
+        *folders, leaf = name.split("/")
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
         try:
-            return prove_checkpoint_dir(path, declared_files, "delete it")
-        except StorageError as e:
-            if not path.exists():
-                return None  # removed at the same time by someone else (another gc)
-            raise e
+            for folder in folders:
+                sub = ownership.open_dir(folder, fd)
+                os.close(fd)
+                fd = sub
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, leaf
 
     def remove(self, name: str, declared_files: DeclaredFiles | None, *, dry_run: bool = False) -> bool:
         path = self.location(name)
-        owned = self._prove(path, declared_files)
-        if owned is None:
-            return False
-        if dry_run:
-            return True
-        if is_temporary(path):  # an interrupted save or deletion: no reader takes it for a checkpoint
-            remove_checkpoint_dir(path, owned)
-            return True
-        trash = path.parent / trash_name(path.name)
         try:
-            path.rename(trash)
+            parent_fd, leaf = self._open_parent_of(name)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise ForeignFilesError(f"{path}: a folder above it is a link or a file; refusing to delete it") from None
+            raise StorageError(e.errno, f"{path}: cannot open the folder holding it: {e.strerror}") from None
+        try:
+            try:
+                proof = prove_checkpoint_at(parent_fd, leaf, path, declared_files, "delete it")
+            except FileNotFoundError:
+                return False  # removed at the same time by someone else (another gc)
+            with proof:
+                if dry_run:
+                    return True
+                if is_temporary(path):  # an interrupted save or deletion: no reader takes it for a checkpoint
+                    proof.at = (parent_fd, leaf)
+                    remove_checkpoint_dir(path, proof)
+                    return True
+                return self._remove_renamed(path, parent_fd, leaf, proof)
+        finally:
+            os.close(parent_fd)
+
+    def _remove_renamed(self, path: Path, parent_fd: int, leaf: str, proof: ownership.Proof) -> bool:
+        """Rename the proved checkpoint ``leaf`` of ``parent_fd`` away, durably, then delete it."""
+        trash = trash_name(leaf)
+        try:
+            os.rename(leaf, trash, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
         except FileNotFoundError:
             return False
         except OSError as e:
             raise StorageError(e.errno, f"{path}: cannot rename it away for deletion: {e.strerror}") from None
+        if not proof.holds_at(parent_fd, trash):  # replaced between the proof and the rename
+            raise ForeignFilesError(
+                f"{path}: was replaced while being deleted; nothing was deleted, and what was renamed to "
+                f"{path.parent / trash} is not what resurgo proved it wrote")
         try:
-            _fsync_dir(path.parent)  # the rename is durable before any file goes
+            os.fsync(parent_fd)  # the rename is durable before any file goes
         except OSError as e:
-            raise StorageError(e.errno, f"{path.parent}: fsync failed after renaming {path.name} away: {e.strerror}") from None
+            raise StorageError(e.errno, f"{path.parent}: fsync failed after renaming {leaf} away: {e.strerror}") from None
         if self.spares is not None:
-            self._keep_pages(trash, owned)
-        remove_checkpoint_dir(trash, owned)
+            self._keep_pages(proof)
+        proof.at = (parent_fd, trash)
+        remove_checkpoint_dir(path.parent / trash, proof)
         return True
 
-    def _keep_pages(self, trash: Path, owned: Owned) -> None:
-        """Move the data files ``owned`` accepts of the checkpoint renamed away to ``trash`` into
-        the spare pages (first emptied of what an older deletion left)."""
+    def _keep_pages(self, proof: ownership.Proof) -> None:
+        """Move the data files of a proved checkpoint, renamed away, into the spare pages (first
+        emptied of what an older deletion left), through the descriptor of its data folder."""
         assert self.spares is not None
         self.spares.clear()
-        try:
-            with os.scandir(trash / DATA_DIR) as it:
-                names = [e.name for e in it if e.is_file(follow_symlinks=False)]
-        except FileNotFoundError:
+        data_fd = proof.fds.get(f"{DATA_DIR}/")
+        if data_fd is None:
             return
-        for name in sorted(names):
-            if owned(f"{DATA_DIR}/{name}", ownership.FILE):
-                self.spares.keep(trash / DATA_DIR / name)
+        for rel, kind in sorted(proof.entries):
+            if kind == ownership.FILE and rel.startswith(f"{DATA_DIR}/") and proof.owns(rel, kind):
+                self.spares.keep_at(data_fd, rel[len(DATA_DIR) + 1:])
 
 
 class WriteHandle(DirectWriteHandle):
@@ -783,8 +861,8 @@ class LocalStaging:
         self._in_memory: bool | None = None  # whether tmp is on tmpfs: found at the first create
         self._spares: SparePages | None = None  # the root's spare pages, if any: found then too
 
-    def _prove(self, final: Path) -> Owned:
-        return prove_checkpoint_dir(final, self.declared_files, "replace it")
+    def _prove(self, parent_fd: int, name: str, final: Path) -> ownership.Proof:
+        return prove_checkpoint_at(parent_fd, name, final, self.declared_files, "replace it")
 
     def create(self, rel: str) -> DirectWriteHandle:
         # Data files bypass the page cache (see storage/direct_io.py); the manifest does not. In
@@ -881,7 +959,7 @@ class AtomicOutput:
                 raise CheckpointExistsError(
                     f"{self.final}: exists and is not a {kind}; refusing to replace it with a {kind}")
             if directory:
-                self._prove(self.final)
+                prove_with(self._prove, self.final)
             else:
                 self._prove_file()
         parent = self.final.parent
@@ -893,15 +971,25 @@ class AtomicOutput:
         except OSError as e:
             raise StorageError(e.errno, f"{self.final}: cannot create a temporary {kind}: {e.strerror}") from None
 
-    def _prove(self, final: Path) -> Owned:
-        """Every entry of the directory ``final`` is this output's (by name, and by content where
-        ``owned_file`` is given), else ForeignFilesError; the entries found, the only ones the
+    def _prove(self, parent_fd: int, name: str, final: Path) -> ownership.Proof:
+        """Every entry of the directory ``name`` of ``parent_fd`` (``final``) is this output's (by
+        name, and by content where ``owned_file`` is given, each file read through the descriptor
+        of its folder), else ForeignFilesError; the proof, whose entries are the only ones the
         replacement deletes."""
-        def owned(rel: str, kind: str) -> bool:
-            return self.owned(rel, kind) and (kind != ownership.FILE or self.owned_file is None
-                                              or self.owned_file(final / rel))
-        accepted = frozenset(ownership.prove_dir(final, owned, "replace it"))
-        return lambda rel, kind: (rel, kind) in accepted
+        owned_file = self.owned_file
+        check = None if owned_file is None else lambda dir_fd, entry: owned_file(_through(dir_fd, entry))
+        try:
+            proof = ownership.Proof(_open_child(parent_fd, name, final, "replace it"), self.owned, check)
+        except OSError as e:
+            if isinstance(e, ResurgoError):
+                raise
+            raise StorageError(e.errno, f"{final}: cannot list it: {e.strerror}") from None
+        try:
+            ownership.refuse_foreign(final, proof.foreign(), "replace it")
+        except BaseException:
+            proof.close()
+            raise
+        return proof
 
     def _prove_file(self) -> None:
         if self.owned_file is None or not self.owned_file(self.final):

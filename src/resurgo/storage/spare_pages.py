@@ -25,6 +25,7 @@ from pathlib import Path
 from resurgo.errors import StorageError
 
 SPARE_DIR = ".resurgo-spare-pages"
+_POOL_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _SPARE_NAME = re.compile(r"page-[0-9a-f]{12}")
 
 
@@ -58,19 +59,23 @@ class SparePages:
     def nbytes(self) -> int:
         return sum(size for size, _ in self.files())
 
-    def keep(self, data_file: Path) -> bool:
-        """Move ``data_file`` (a data file of a checkpoint proven resurgo's and renamed away for
-        deletion) into the pool; False, leaving it where it is, when it is not a regular file with
-        a single link."""
+    def keep_at(self, dir_fd: int, name: str) -> bool:
+        """Move the data file ``name`` of the open folder ``dir_fd`` (a checkpoint proven resurgo's
+        and renamed away for deletion) into the pool; False, leaving it where it is, when it is not
+        a regular file with a single link."""
         try:
-            if not _single_regular(data_file.lstat()):
+            if not _single_regular(os.stat(name, dir_fd=dir_fd, follow_symlinks=False)):
                 return False
             self.path.mkdir(exist_ok=True)
-            os.rename(data_file, self.path / f"page-{uuid.uuid4().hex[:12]}")
+            pool = os.open(self.path, _POOL_FLAGS)
+            try:
+                os.rename(name, f"page-{uuid.uuid4().hex[:12]}", src_dir_fd=dir_fd, dst_dir_fd=pool)
+            finally:
+                os.close(pool)
         except FileNotFoundError:
             return False
         except OSError as e:
-            raise StorageError(e.errno, f"{data_file}: cannot move it into {self.path}: {e.strerror}") from None
+            raise StorageError(e.errno, f"{name}: cannot move it into {self.path}: {e.strerror}") from None
         return True
 
     def take(self, dest: Path, size: int | None = None) -> bool:
@@ -92,14 +97,27 @@ class SparePages:
         return False
 
     def clear(self) -> None:
-        """Delete the files resurgo put in the pool (anything else stays)."""
-        for _, name in self.files():
-            try:
-                os.unlink(self.path / name)
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                raise StorageError(e.errno, f"{self.path / name}: cannot delete it: {e.strerror}") from None
+        """Delete the files resurgo put in the pool (anything else stays), through one descriptor of
+        the pool opened without following a link: never in a folder a link leads to."""
+        try:
+            pool = os.open(self.path, _POOL_FLAGS)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise StorageError(e.errno, f"{self.path}: cannot open the spare pages: {e.strerror}") from None
+        try:
+            with os.scandir(pool) as it:
+                names = [e.name for e in it
+                         if _SPARE_NAME.fullmatch(e.name) and _single_regular(e.stat(follow_symlinks=False))]
+            for name in names:
+                try:
+                    os.unlink(name, dir_fd=pool)
+                except FileNotFoundError:
+                    pass
+        except OSError as e:
+            raise StorageError(e.errno, f"{self.path}: cannot delete the spare pages: {e.strerror}") from None
+        finally:
+            os.close(pool)
 
 
 def _single_regular(st: os.stat_result) -> bool:
