@@ -547,7 +547,8 @@ class ObjectStaging:
                 self.abort()
                 raise CheckpointExistsError(f"{self.url}: appeared while saving; refusing to replace it")
             try:
-                old_files = ck.prove(found, self.declared_files, "replace it").declared
+                declared = ck.prove(found, self.declared_files, "replace it").declared
+                old_files = frozenset(f for f in found.files if f in declared)  # what is stored, not all it names
             except ResurgoError:
                 self.abort()
                 raise
@@ -570,7 +571,7 @@ class ObjectStaging:
             new_files = self.declared_files(manifest, f"{self.url}/{MANIFEST_NAME}")
         except ResurgoError:  # not for a manifest resurgo built; then delete nothing, gc may
             return []
-        return sorted(old_files - frozenset(new_files))
+        return sorted(f for f in old_files if f not in new_files)
 
     def _delete(self, rels: list[str]) -> None:
         """Best effort: what is left is harmless (unlisted objects, a stale token) and gc removes it."""
