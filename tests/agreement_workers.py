@@ -187,6 +187,10 @@ def mismatched_calls(rank: int, world: int, tmp: str) -> dict:
     out["manager_step"] = outcome(lambda: mgr.save(10 + other, st))
     dist.barrier()
     out["manager_written"] = sorted(os.listdir(root / "mgr")) if (root / "mgr").exists() else []
+    mgr.save(20, st)
+    out["manager_restore"] = outcome(lambda: mgr.restore(uneven_state(rank, world), step=20 if other else None))
+    out["manager_restore_missing"] = outcome(lambda: mgr.restore(uneven_state(rank, world), step=5))
+    out["manager_restored"] = outcome(lambda: mgr.restore(uneven_state(rank, world), step=20))
     mgr.close()
     out["after"] = outcome(lambda: resurgo.save(st, root / "after"))
     loaded = uneven_state(rank, world)
@@ -199,7 +203,7 @@ def mismatched_calls(rank: int, world: int, tmp: str) -> dict:
 
 def background_failures(rank: int, world: int, tmp: str) -> dict:
     """A manager's background work failing on one rank: a tier copy, an asynchronous write."""
-    from resurgo.manager import CheckpointManager, Tier
+    from resurgo.manager import CheckpointManager, MemoryTier, Tier
 
     root = Path(tmp)
     st = uneven_state(rank, world)
@@ -231,7 +235,19 @@ def background_failures(rank: int, world: int, tmp: str) -> dict:
     faults.arm("")
     out["async_after"] = outcome(lambda: (mgr.maybe_save(2, st), mgr.wait()))
     mgr.close()
+
+    # A memory tier: each rank a node of its own, its files replicated to the other's memory.
+    memory = MemoryTier(replicas=1, keep_last=1, root=os.path.join(tmp, "mem", "node{node}"), node=rank)
+    mgr = CheckpointManager(tiers=[memory])
+    faults.arm("1:replicate.send:eio")
+    mgr.save(1, st)
+    out["replicate_wait"] = outcome(mgr.wait)
+    out["replicate_should_stop"] = mgr.should_stop
+    faults.arm("")
+    out["replicate_after"] = outcome(lambda: (mgr.save(2, st), mgr.wait()))
+    mgr.close()
     dist.barrier()
+    out["memory_steps"] = sorted(os.listdir(root / "mem" / f"node{rank}"))
     out["durable"] = sorted(os.listdir(root / "durable"))
     out["async_steps"] = sorted(os.listdir(root / "async"))
     return out

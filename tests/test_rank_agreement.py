@@ -133,12 +133,17 @@ def test_ranks_passing_different_arguments_are_refused_before_anything_is_writte
         "load_allow_pickle": "allow_pickle: False on rank 0; True on rank 1",
         "manager_step": f"path: {str(tmp_path / 'mgr' / checkpoint_name(10))!r} on rank 0; "
                         f"{str(tmp_path / 'mgr' / checkpoint_name(11))!r} on rank 1",
+        "manager_restore": "step: None on rank 0; 20 on rank 1",
     }
     for name, part in expect.items():
         message = same_everywhere(results, name)
         assert message.startswith("UnsupportedValueError: ") and part in message, (name, message)
         assert "every rank must pass the same value" in message
     assert results[0]["written"] == [] and results[0]["manager_written"] == []  # refused before any byte
+    # a step that does not exist: the same error on every rank
+    message = same_everywhere(results, "manager_restore_missing")
+    assert message.startswith("CheckpointNotFoundError: ") and checkpoint_name(5) in message, message
+    assert same_everywhere(results, "manager_restored") == "ok"
     assert same_everywhere(results, "after") == "ok" and same_everywhere(results, "load_after") == "ok"
     assert all(r["load_exact"] for r in results)
 
@@ -158,6 +163,13 @@ def test_background_failures_reach_every_rank_and_stop_the_job(tmp_path):
     assert all(r["async_should_stop"] for r in results)
     assert same_everywhere(results, "async_after") == "ok"
     assert results[0]["async_steps"] == [checkpoint_name(2)]
+    message = same_everywhere(results, "replicate_wait")
+    # rank 1 could not read what it sends: rank 0 receives bytes that do not verify; the first rank's error wins
+    assert message.startswith("CorruptCheckpointError: rank 0 failed: "), message
+    assert "received from rank 1 does not verify" in message
+    assert all(r["replicate_should_stop"] for r in results)
+    assert same_everywhere(results, "replicate_after") == "ok"
+    assert all(checkpoint_name(2) in r["memory_steps"] and checkpoint_name(1) not in r["memory_steps"] for r in results)
 
 
 def test_accelerates_refused_prune_on_the_main_process_is_raised_on_every_process(tmp_path):

@@ -14,9 +14,10 @@ from typing import Any
 from resurgo.errors import UnsupportedValueError
 
 
-def call_note(**values: Any) -> tuple[tuple[str, Any], ...]:
-    """This rank's note: the (name, value) pairs every rank must pass alike (small, picklable)."""
-    return tuple(values.items())
+def call_note(**values: Any) -> tuple[tuple[str, ...], tuple]:
+    """(names, values) of the arguments every rank must pass alike: only the values travel (the
+    names are the same code's on every rank), to keep the note small."""
+    return tuple(values), tuple(values.values())
 
 
 def ranks_by_value(values: list[Any]) -> str:
@@ -28,15 +29,15 @@ def ranks_by_value(values: list[Any]) -> str:
                      for value, ranks in groups.items())
 
 
-def check_same(what: str, source: str, notes: list[tuple[tuple[str, Any], ...]]) -> None:
+def check_same(what: str, source: str, names: tuple[str, ...], notes: list[tuple]) -> None:
     """Raise UnsupportedValueError naming each rank's value of every argument that differs between
-    the ``notes`` (one per rank, from :func:`call_note`) of one ``what`` ("save", "load") of
-    ``source``; nothing when they are all equal."""
+    the ``notes`` (every rank's values, of the arguments ``names``, from :func:`call_note`) of one
+    ``what`` ("save", "load") of ``source``; nothing when they are all equal."""
     if all(n == notes[0] for n in notes[1:]):
         return
     parts = []
-    for name, _ in notes[0]:
-        values = [dict(n).get(name) for n in notes]
+    for i, name in enumerate(names):
+        values = [n[i] for n in notes]
         if any(v != values[0] for v in values[1:]):
             parts.append(f"{name}: {ranks_by_value(values)}")
     raise UnsupportedValueError(f"{source}: the ranks of one {what} passed different arguments "

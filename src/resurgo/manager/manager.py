@@ -38,6 +38,7 @@ from resurgo.errors import (
 )
 from resurgo.dist import comm as dist_comm
 from resurgo.dist import liveness
+from resurgo.dist.call import call_note, check_same
 from resurgo.format.manifest import declared_files
 from resurgo.manager import agreement
 from resurgo.manager.catalog import (
@@ -402,10 +403,18 @@ class CheckpointManager:
             restored = self._restore_from_memory(state, step, strict)
             if restored is not None:
                 return restored
-        candidates = None
-        if self._rank == 0:
-            candidates = self._explicit_candidates(step) if step is not None else self._restore_candidates()
-        candidates = agreement.from_rank0(candidates)
+        def choose() -> tuple[None, tuple]:
+            """Rank 0's candidates (its refusal of ``step``, raised on every rank), with every
+            rank's arguments, which must match."""
+            mine = None
+            if self._rank == 0:
+                mine = self._explicit_candidates(step) if step is not None else self._restore_candidates()
+            return None, (call[1], mine)
+
+        call = call_note(step=step, strict=strict)
+        _, notes = dist_comm.current("control").agree_noting(choose)
+        check_same("restore", str(self.root), call[0], [n for n, _ in notes])
+        candidates = notes[0][1]
         assert candidates is not None
         failures = []
         for s, tier in candidates:

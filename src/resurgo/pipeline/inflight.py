@@ -50,7 +50,7 @@ def settle(if_busy: str = "wait", comm: Comm | None = None, path: str = "") -> N
     busy = previous is not None and not previous.done()
     if comm is not None and comm.size > 1:
         everyone = comm.all_gather((if_busy, busy))
-        check_same("asynchronous save", path, [(("if_busy", choice),) for choice, _ in everyone])
+        check_same("asynchronous save", path, ("if_busy",), [(choice,) for choice, _ in everyone])
         running = [rank for rank, (_, b) in enumerate(everyone) if b]
         if if_busy == "raise" and running:
             raise SaveInFlightError(f"{path}: not saved: the previous asynchronous save is still running on "

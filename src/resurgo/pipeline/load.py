@@ -103,7 +103,7 @@ def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool
         inflight.settle(if_busy="wait")
 
     # Ranks may load their own copies (a root per node): the checkpoint's name must match, not its path.
-    call = call_note(share_reads=share_reads, checkpoint=os.path.basename(os.fspath(path).rstrip("/")),
+    names, call = call_note(share_reads=share_reads, checkpoint=os.path.basename(os.fspath(path).rstrip("/")),
                      strict=strict, allow_pickle=allow_pickle, ignore_mismatched=ignore_mismatched)
     seen: list[bytes] = []  # the manifest this attempt read
     indexes_read: dict[str, int] = {}
@@ -203,12 +203,12 @@ def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool
             if len({c for _, c, _ in notes}) > 1:  # the ranks would decide apart: every rank refuses
                 close_opened()
                 choices = [c for _, c, _ in notes]
-                shares = [dict(c)["share_reads"] for c in choices]
+                shares = [c[names.index("share_reads")] for c in choices]
                 if len(set(shares)) > 1:
                     raise mixed_share_reads(str(path), shares)
                 # Each rank's own path would start the message: name none when the checkpoints differ.
-                names = {dict(c)["checkpoint"] for c in choices}
-                check_same("load", str(path) if len(names) == 1 else "resurgo.load", choices)
+                loaded = {c[names.index("checkpoint")] for c in choices}
+                check_same("load", str(path) if len(loaded) == 1 else "resurgo.load", names, choices)
             if not _one_version_per_path([v for v, _, _ in notes]):
                 close_opened()
                 continue

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from resurgo import faults
 from resurgo.dist import liveness
 from resurgo.dist.comm import Comm
 from resurgo.errors import CorruptCheckpointError
@@ -204,6 +205,7 @@ class Exchange:
         out: Outgoing | None = None
         if source is not None:
             try:
+                faults.point("replicate.send")
                 out = source()
                 self._opened.append(out)
             except Exception as e:  # noqa: BLE001 - raised at the end: the peers must not wait forever

@@ -262,8 +262,9 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
     comm = comm or dist_comm.current()
     # Node-local saves name one directory per node, each in its node's own root: only the name must match.
     where = os.path.basename(os.fspath(path).rstrip("/")) if node_local is not None else os.fspath(path)
-    note = call_note(path=where, step=step, overwrite=bool(overwrite), base=None if base is None else os.fspath(base),
-                     incremental=bool(incremental), allow_pickle=bool(allow_pickle), **dict(call))
+    arg_names, note = call_note(path=where, step=step, overwrite=bool(overwrite),
+                                base=None if base is None else os.fspath(base), incremental=bool(incremental),
+                                allow_pickle=bool(allow_pickle), **dict(call))
 
     def local() -> tuple[dict, dict[str, TensorLeaf], RankDecl, RankSummary | None, bool]:
         check_metadata(metadata, step)
@@ -288,7 +289,7 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
             return None
         assert gathered is not None
         if len(gathered[0]) > 2:  # the first gather: every rank's arguments, checked before anything opens
-            check_same("save", os.fspath(path), [n for _, _, n in gathered])
+            check_same("save", os.fspath(path), arg_names, [n for _, _, n in gathered])
         if isinstance(gathered[0][0], RankSummary):
             merged = _plans.reuse(tree, [s for s, *_ in gathered], block_rule)
             if merged is None:
