@@ -153,10 +153,11 @@ class _PlanReading:
             t_copy += self.place(op, views, held=False)
         return t_read, t_hash, t_copy
 
-    def check(self, task: ReadTask) -> tuple[float, float, list[list[memoryview]]]:
+    def check(self, task: ReadTask, alone: bool = False) -> tuple[float, float, list[list[memoryview]]]:
         """Verify every byte of ``task`` without touching a destination; (seconds reading,
         hashing, the verified bytes for :meth:`fill`: where the file's mapping holds them, else
-        read into memory)."""
+        read into memory). ``alone``: the task is filled right after, in this thread, before its
+        next check (its bytes may stay in this thread's buffer)."""
         handle = self.handles[task.file]
         mapped = getattr(handle, "view", None)
         if mapped is None:
@@ -166,42 +167,23 @@ class _PlanReading:
         header = self.manifest.file_entry(task.file).header_bytes if task.header else 0
         start = 0 if task.header else task.ops[0].file_offset
         end = task.ops[-1].file_offset + task.ops[-1].length if task.ops else header
-        t_read = t_hash = 0.0
-        if not handle.cached(start, end - start):  # type: ignore[attr-defined]
-            t_read, t_hash = self._check_through_buffer(task, start, end)
         t0 = time.perf_counter()
+        cached = handle.cached(start, end - start)  # type: ignore[attr-defined]
+        if cached:
+            data = mapped(start, end - start)  # one call maps every page of the task
+        else:  # one large read: faulted in, a readaround window at a time, the bytes would come far slower
+            data = _buffer(end - start).data[: end - start]
+            handle.read_into(start, data)
+        t_read = time.perf_counter() - t0
         if task.header:
-            check_header_bytes(self.ckpt, self.manifest, task.file, mapped(0, header))
-        held = []
-        for op in task.ops:
-            at, views = op.file_offset, []
-            for part in op.parts:
-                views.append(mapped(at, part.length))
-                at += part.length
-            held.append(views)
-        t1 = time.perf_counter()
-        if t_read:  # checked while read from disk
-            return t_read + t1 - t0, t_hash, held
-        return t1 - t0, sum(self.check_op(op, views) for op, views in zip(task.ops, held)), held
-
-    def _check_through_buffer(self, task: ReadTask, start: int, end: int) -> tuple[float, float]:
-        """Verify ``task`` (file bytes ``[start, end)``) reading it in one request into this
-        thread's buffer: bytes not in the page cache come in one large read (faulted in, a
-        readaround window at a time, they would come far slower) and stay cached for the copy
-        into place; (seconds reading, hashing)."""
-        data = _buffer(end - start).data[: end - start]
-        t0 = time.perf_counter()
-        self.handles[task.file].read_into(start, data)
-        t1 = time.perf_counter()
-        if task.header:
-            check_header_bytes(self.ckpt, self.manifest, task.file,
-                               data[: self.manifest.file_entry(task.file).header_bytes])
-        for op in task.ops:
-            at = op.file_offset - start
-            for part in op.parts:
-                self._check_part(op, part, data[at : at + part.length], part.first_block)
-                at += part.length
-        return t1 - t0, time.perf_counter() - t1
+            check_header_bytes(self.ckpt, self.manifest, task.file, data[:header])
+        held = _slices(task, start, data)
+        t_hash = sum(self.check_op(op, views) for op, views in zip(task.ops, held))
+        if not cached and not alone:  # the buffer is this thread's: filled later from the (now cached) mapping
+            t0 = time.perf_counter()
+            held = _slices(task, start, mapped(start, end - start))
+            t_read += time.perf_counter() - t0
+        return t_read, t_hash, held
 
     def fill(self, task: ReadTask, held: list[list[memoryview]]) -> float:
         """Copy the verified bytes of ``task`` into place; seconds copying."""
@@ -407,8 +389,9 @@ class _Units:
                     self.cond.notify_all()
 
     def _check(self, i: int) -> None:
-        t_read, t_hash, held = self.reading.check(self.tasks[i])
         u = self.unit_of[i]
+        alone = u is not None and len(self.members[u]) == 1
+        t_read, t_hash, held = self.reading.check(self.tasks[i], alone)
         with self.cond:
             self.seconds[0] += t_read
             self.seconds[1] += t_hash
@@ -416,8 +399,12 @@ class _Units:
             if u is None:
                 return
             self.unchecked[u] -= 1
-            if not self.unchecked[u] and self.error is None:
+            if self.unchecked[u] or self.error is not None:
+                return
+            if not alone:
                 self.queue.extendleft((True, j) for j in reversed(self.members[u]))
+                return
+        self._fill(i)  # a unit of one request: filled at once, its bytes still in cache
 
     def _fill(self, i: int) -> None:
         with self.cond:
@@ -431,6 +418,18 @@ class _Units:
             self.unfilled[u] -= 1
             if not self.unfilled[u]:
                 self.loaded.update(self.keys[u])
+
+
+def _slices(task: ReadTask, start: int, data: memoryview) -> list[list[memoryview]]:
+    """Each op's parts' bytes in ``data``, the task's file bytes from ``start``."""
+    out = []
+    for op in task.ops:
+        at, views = op.file_offset - start, []
+        for part in op.parts:
+            views.append(data[at : at + part.length])
+            at += part.length
+        out.append(views)
+    return out
 
 
 def copy_back(staged: list[tuple[Array, np.ndarray]]) -> None:
