@@ -45,8 +45,8 @@ def _check_split(error: CorruptCheckpointError, keys: list[str], target: dict, b
 @pytest.mark.parametrize("damaged", ["t05", "t15"])
 @pytest.mark.parametrize("cached", [True, False])
 def test_damaged_tensor_is_untouched(tmp_path, monkeypatch, io_threads, damaged, cached):
-    """Bytes the page cache holds are hashed where they are; others are read into a buffer and
-    hashed there first (``cached`` False: every read takes that way)."""
+    """Bytes the page cache holds are hashed where they are; others are first asked of the disk
+    as one readahead (``cached`` False: every read takes that way)."""
     if not cached:
         monkeypatch.setattr(ReadHandle, "cached", lambda self, offset, n: False)
     saved = _sixteen()

@@ -8,14 +8,14 @@ filled only once every request of it has verified. A request is verified first, 
 
 - from a local file (a handle with ``view``: its mapping), its bytes are hashed where the page
   cache holds them, then copied from there into place: the same passes over memory as reading
-  into place and hashing there, and no copy of the state in between. A request not cached yet is
-  first read in one large read into a buffer of the reading thread and hashed there (its bytes
-  are then cached for the copy);
+  into place and hashing there, and no copy of the state in between (a request not cached yet
+  is first asked of the disk as one readahead);
 - from other handles (an object store, a peer), it is read once into memory held until its unit
   has verified, then copied into place.
 
-Units are filled as soon as they verify, before further requests are verified, so a cold read
-overlaps the filling. When a request fails, the tensors of the units already filled stay loaded
+Units are filled as soon as they verify, before further requests are verified (a unit of one
+request by the thread that verified it, while its bytes are in cache), so a cold read overlaps
+the filling. When a request fails, the tensors of the units already filled stay loaded
 and the others are untouched; :func:`read_ops` records which in its ``loaded`` set. Each data
 file's safetensors header is read and verified with the file's first data (one request on an
 object store), not in a round of its own before them.
@@ -82,18 +82,6 @@ def place_destinations(destinations: list[Destination]) -> tuple[list[Target], l
     return targets, bufs, staged
 
 
-_buffers = threading.local()
-
-
-def _buffer(nbytes: int) -> np.ndarray:
-    """This thread's buffer for reads verified on their way into the page cache, at least
-    ``nbytes`` long (kept: a fresh one would cost a page fault per page)."""
-    buf = getattr(_buffers, "buf", None)
-    if buf is None or len(buf) < nbytes:
-        buf = _buffers.buf = np.empty(nbytes, dtype=np.uint8)
-    return buf
-
-
 class _PlanReading:
     """One load plan being read: the destination bytes, the open data files, and the checks each
     read passes before its bytes are placed. Its methods are called from pool threads."""
@@ -153,11 +141,10 @@ class _PlanReading:
             t_copy += self.place(op, views, held=False)
         return t_read, t_hash, t_copy
 
-    def check(self, task: ReadTask, alone: bool = False) -> tuple[float, float, list[list[memoryview]]]:
+    def check(self, task: ReadTask) -> tuple[float, float, list[list[memoryview]]]:
         """Verify every byte of ``task`` without touching a destination; (seconds reading,
         hashing, the verified bytes for :meth:`fill`: where the file's mapping holds them, else
-        read into memory). ``alone``: the task is filled right after, in this thread, before its
-        next check (its bytes may stay in this thread's buffer)."""
+        read into memory)."""
         handle = self.handles[task.file]
         mapped = getattr(handle, "view", None)
         if mapped is None:
@@ -168,22 +155,16 @@ class _PlanReading:
         start = 0 if task.header else task.ops[0].file_offset
         end = task.ops[-1].file_offset + task.ops[-1].length if task.ops else header
         t0 = time.perf_counter()
-        cached = handle.cached(start, end - start)  # type: ignore[attr-defined]
-        if cached:
-            data = mapped(start, end - start)  # one call maps every page of the task
-        else:  # one large read: faulted in, a readaround window at a time, the bytes would come far slower
-            data = _buffer(end - start).data[: end - start]
-            handle.read_into(start, data)
+        if not handle.cached(start, end - start):  # type: ignore[attr-defined]
+            # one readahead of the whole request: faulted in alone, its pages would come a
+            # readaround window (128 KiB) at a time
+            handle.prefetch(start, end - start)  # type: ignore[attr-defined]
+        data = mapped(start, end - start)  # one call maps every page of the request
         t_read = time.perf_counter() - t0
         if task.header:
             check_header_bytes(self.ckpt, self.manifest, task.file, data[:header])
         held = _slices(task, start, data)
-        t_hash = sum(self.check_op(op, views) for op, views in zip(task.ops, held))
-        if not cached and not alone:  # the buffer is this thread's: filled later from the (now cached) mapping
-            t0 = time.perf_counter()
-            held = _slices(task, start, mapped(start, end - start))
-            t_read += time.perf_counter() - t0
-        return t_read, t_hash, held
+        return t_read, sum(self.check_op(op, views) for op, views in zip(task.ops, held)), held
 
     def fill(self, task: ReadTask, held: list[list[memoryview]]) -> float:
         """Copy the verified bytes of ``task`` into place; seconds copying."""
@@ -358,12 +339,6 @@ class _Units:
         self.seconds = [0.0, 0.0, 0.0]  # reading, hashing, copying
 
     def work(self) -> None:
-        try:
-            self._work()
-        finally:
-            _buffers.buf = None  # this thread's read buffer: not kept past the load
-
-    def _work(self) -> None:
         while True:
             with self.cond:
                 while not self.queue and self.busy:
@@ -391,7 +366,7 @@ class _Units:
     def _check(self, i: int) -> None:
         u = self.unit_of[i]
         alone = u is not None and len(self.members[u]) == 1
-        t_read, t_hash, held = self.reading.check(self.tasks[i], alone)
+        t_read, t_hash, held = self.reading.check(self.tasks[i])
         with self.cond:
             self.seconds[0] += t_read
             self.seconds[1] += t_hash

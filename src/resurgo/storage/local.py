@@ -545,7 +545,7 @@ class ReadHandle:
         """Whether the page cache seems to hold ``[offset, offset + n)``: its first, middle and
         last pages do (mincore of the mapping; all of them would cost a walk of every page). Pages
         faulted in from disk are read a readaround window at a time, far slower than one large
-        read, so a reader reads bytes not cached rather than view them."""
+        read: a reader prefetches bytes not cached (:meth:`prefetch`) before it views them."""
         address, _ = self._mapping(offset, n)
         libc = _libc()
         if not n or libc is None:
@@ -556,6 +556,11 @@ class ReadHandle:
             if libc.mincore(ctypes.c_void_p(page), ctypes.c_size_t(1), ctypes.byref(vec)) != 0 or not vec.value & 1:
                 return False
         return True
+
+    def prefetch(self, offset: int, n: int) -> None:
+        """Ask the disk for ``[offset, offset + n)`` as one readahead (posix_fadvise WILLNEED),
+        without waiting: :meth:`view` then waits for those pages, not for small reads of its own."""
+        os.posix_fadvise(self.fd, offset, n, os.POSIX_FADV_WILLNEED)
 
     def _mapping(self, offset: int, n: int) -> tuple[int, memoryview]:
         """The file's mapping (made on first use) and its address; ``[offset, offset + n)`` must
