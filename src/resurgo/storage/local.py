@@ -9,7 +9,8 @@ place. A crash at any moment leaves at worst a temporary directory, which reader
 
 Only what resurgo can prove it wrote is replaced (:mod:`resurgo.storage.ownership`): the
 directory at the path is checked when the save starts and again just before the swap, and the
-old directory is then deleted entry by entry, so anything else stays where it is.
+old directory is then deleted entry by entry, through the directory descriptors it was proved
+through (a folder swapped for a link meanwhile leads nowhere), so anything else stays where it is.
 
 A root of checkpoints (:class:`LocalRoot`) deletes one the same way: once proven resurgo's, it is
 renamed to a temporary name (``.NAME.resurgo-tmp-trash-*``): the rename is atomic, so it stops

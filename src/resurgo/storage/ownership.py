@@ -34,7 +34,6 @@ import os
 import re
 import stat
 from collections.abc import Callable, Collection, Iterable
-from pathlib import Path
 
 from resurgo.errors import ForeignFilesError, ResurgoError
 
