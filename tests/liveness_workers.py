@@ -88,3 +88,31 @@ def agree_rounds(rank: int, world: int, rounds: int) -> float:
     for _ in range(rounds):
         comm.agree(lambda: None)
     return time.perf_counter() - t0
+
+
+def manager_fail_during(rank: int, world: int, root: str, out: str, victim: int, point: str, tiers: bool) -> dict:
+    """A manager saves step 0; then step 1 while ``victim`` is killed at ``point``: in the save
+    itself, or (``tiers``) in the background copy of step 1 to a second tier, every step copied."""
+    from resurgo.manager import Tier
+
+    out_dir = Path(out)
+    if tiers:
+        mgr = resurgo.CheckpointManager(tiers=[Tier(f"{root}/fast"), Tier(f"{root}/durable", every_steps=1)])
+    else:
+        mgr = resurgo.CheckpointManager(root, async_save=False)
+    mgr.save(0, state(0, rank, world))
+    mgr.wait()
+    if rank == victim:
+        _time_point(point, out_dir)
+        faults.arm(f"{victim}:{point}:kill")
+    outcome: dict = {"rank": rank}
+    try:
+        mgr.save(1, state(1, rank, world))
+        mgr.wait()
+        outcome.update(error=None)
+    except resurgo.ResurgoError as e:
+        outcome.update(error=type(e).__name__, message=str(e), ranks=list(getattr(e, "ranks", ())),
+                       operation=getattr(e, "operation", ""), checkpoint=getattr(e, "checkpoint", ""))
+    outcome.update(t_end=time.time())
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(outcome))
+    return outcome

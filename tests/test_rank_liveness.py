@@ -17,6 +17,7 @@ import torch
 
 import resurgo
 from resurgo.dist import liveness
+from resurgo.storage.local import TMP_MARKER as TMP
 from resurgo.errors import RankFailedError, UnsupportedValueError
 from dist_harness import run_ranks
 from liveness_workers import C0, C1, full
@@ -141,3 +142,30 @@ def test_rank_failed_error_still_builds_from_a_message_alone():
     e = RankFailedError("rank 3 failed: boom")
     assert (str(e), e.ranks, e.operation, e.checkpoint) == ("rank 3 failed: boom", (), "", "")
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tiers", [False, True], ids=["manager-save", "tier-copy"])
+def test_a_rank_killed_mid_manager_save_or_tier_copy_is_named(tmp_path, tiers):
+    root, out = tmp_path / "root", tmp_path / "out"
+    out.mkdir()
+    point = "tier.copy" if tiers else "save.write"
+    with pytest.raises(RankFailedError) as launched:
+        run_ranks(WORLD, "liveness_workers:manager_fail_during", str(root), str(out), 2, point, tiers, timeout=120)
+    assert f"1 of {WORLD} ranks failed" in str(launched.value)
+    t_kill = json.loads((out / "victim.json").read_text())["t"]
+    outcomes = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1, 3)]
+    for o in outcomes:
+        assert o["error"] == "RankFailedError" and o["ranks"] == [2], o
+        assert "rank 2 (host " in o["message"], o
+        assert o["t_end"] - t_kill < BOUND_DEATH, o
+    print(f"kill mid-{'tier copy' if tiers else 'manager save'}: seconds to the error",
+          [round(o["t_end"] - t_kill, 2) for o in outcomes])
+    durable = root / ("durable" if tiers else "")
+    with resurgo.CheckpointManager(durable) as mgr:  # its start removes the leftovers
+        mgr.wait()
+        assert mgr.steps() == [0]
+        target = {k: torch.zeros_like(v) for k, v in full(0, WORLD).items()}
+        assert mgr.restore(target) == 0
+    assert _bits(target) == _bits(full(0, WORLD))
+    assert not any(TMP in p.name for p in durable.iterdir())

@@ -830,9 +830,10 @@ class CheckpointManager:
         if comm.broadcast(comm.agree(make_way)):
             return
         log.info("copying step %d to %s", step, dest)
-        copy_checkpoint(source, dest, src_options=self._store.storage_options, dst_options=store.storage_options,
-                        comm=comm, declared_files=declared_files,
-                        share=self._memory.copy_share(step) if self._memory is not None else None)
+        with liveness.operation("tier copy", dest):
+            copy_checkpoint(source, dest, src_options=self._store.storage_options, dst_options=store.storage_options,
+                            comm=comm, declared_files=declared_files,
+                            share=self._memory.copy_share(step) if self._memory is not None else None)
 
         def verify_mine() -> list[str]:
             manifest = read_manifest_of(open_checkpoint(dest, store.storage_options))

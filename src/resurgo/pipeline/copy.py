@@ -22,6 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from resurgo import faults
+from resurgo.dist import liveness
 from resurgo.dist.comm import Comm
 from resurgo.format.manifest import Manifest
 from resurgo.pipeline.collective import open_staging, write_then_commit
@@ -106,6 +107,7 @@ def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, src_optio
                     view = memoryview(buf)[: min(PIECE_BYTES, total - off)]
                     reader.read_into(off, view)
                     writer.write(view)
+                    liveness.progress()  # a slow copy is not a stalled rank
                 writer.fsync()
             finally:
                 writer.close()
