@@ -120,7 +120,6 @@ class _PlanReading:
                 flat.append(np.empty(op.file_offset - end, dtype=np.uint8).data)
             flat.extend(views)
             end = op.file_offset + op.length
-        faults.point("load.read")
         t0 = time.perf_counter()
         self.handles[task.file].read_into_many(start, flat)
         t1 = time.perf_counter()
@@ -133,6 +132,7 @@ class _PlanReading:
         """Read one task in one request straight into place, verifying each op before scattering
         it; (seconds reading, hashing, copying). For reads whose bytes are not checked, or land
         in fresh memory, where a failure leaves nothing to keep untouched."""
+        faults.point("load.read")
         per_op = [self.views_of(op) for op in task.ops]
         t_read = self._read(task, per_op)
         t_hash = t_copy = 0.0
@@ -145,6 +145,7 @@ class _PlanReading:
         """Verify every byte of ``task`` without touching a destination; (seconds reading,
         hashing, the verified bytes for :meth:`fill`: where the file's mapping holds them, else
         read into memory)."""
+        faults.point("load.read")
         handle = self.handles[task.file]
         mapped = getattr(handle, "view", None)
         if mapped is None:
@@ -161,6 +162,7 @@ class _PlanReading:
             handle.prefetch(start, end - start)  # type: ignore[attr-defined]
         data = mapped(start, end - start)  # one call maps every page of the request
         t_read = time.perf_counter() - t0
+        liveness.progress()
         if task.header:
             check_header_bytes(self.ckpt, self.manifest, task.file, data[:header])
         held = _slices(task, start, data)
