@@ -87,3 +87,43 @@ def load_damaged_layouts(rank: int, world: int, path: str, layouts: list[str], s
     """:func:`load_damaged` for each layout, one after the other (a failed load leaves no rank
     inside a collective)."""
     return {layout: load_damaged(rank, world, path, layout, share_reads, io_threads) for layout in layouts}
+
+
+def peer_restore_damaged(rank: int, world: int, tmp: str) -> dict:
+    """A memory tier on 2 simulated nodes (memory_workers' layout): save step 1; wipe node 1's
+    root and hide the durable tier's data; restore step 1 with one byte of every file node 0
+    sends flipped on its way. Node 1's ranks read everything from node 0: every read fails its
+    checksum, and their targets must be as they were."""
+    import os
+    import shutil
+
+    import torch.distributed as dist
+
+    import memory_workers as m
+    from resurgo.storage.local import CheckpointDir
+
+    m.save_steps(rank, world, tmp, [1])
+    dist.barrier()
+    if rank == 0:
+        durable = Path(tmp) / "durable"
+        for name in os.listdir(durable):
+            (durable / name / "data").rename(durable / name / "moved")
+    if rank == 2:
+        shutil.rmtree(Path(tmp) / "mem" / "node1")
+    dist.barrier()
+    if rank in (0, 1):
+        m.flip_what_is_sent(CheckpointDir)
+    mgr = m.manager(tmp, rank)
+    state = m.blank(rank, world)
+    before = {"w": bits(state["w"].local), "b": bits(state["b"]), "mine": bits(state["mine"])}
+    out: dict = {}
+    try:
+        mgr.restore(state, step=1)
+        out["error"] = None
+    except resurgo.ResurgoError as e:
+        out["error"] = type(e).__name__
+    mgr.close()
+    now = {"w": bits(state["w"].local), "b": bits(state["b"]), "mine": bits(state["mine"])}
+    out["unchanged"] = sorted(k for k in before if now[k] == before[k])
+    out["step"] = state["step"]
+    return out

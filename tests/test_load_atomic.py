@@ -221,3 +221,13 @@ def test_bytes_read_into_memory_wait_there_until_verified(tmp_path):
     assert loaded == {"t0", "t1", "t2"}  # one reader: each tensor filled as soon as it verified
     for k in saved:
         assert bits_equal(targets[k], saved[k] if k in loaded else before[k]), k
+
+
+def test_peer_restore_leaves_targets_untouched(tmp_path):
+    """A memory tier's peer restore (4 ranks, 2 nodes) whose received bytes fail their checksums:
+    the receiving ranks' damaged tensor ``w`` and everything they would have filled after it stay
+    as they were (no durable copy to fall back on: the restore raises)."""
+    out = run_ranks(4, "load_atomic_workers:peer_restore_damaged", str(tmp_path), timeout=240)
+    assert all(r["error"] is not None for r in out)
+    for rank in (2, 3):
+        assert {"w", "mine"} <= set(out[rank]["unchanged"]) and out[rank]["step"] == -1
