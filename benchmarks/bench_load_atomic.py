@@ -4,7 +4,9 @@ A tensor is filled only once all of its bytes verified (``resurgo.pipeline.reade
 verified through a small cache-resident buffer, then read again from the page cache straight into
 place. This measures what that costs against another version of resurgo (``--baseline-rev``, a git
 revision of this repository, or ``--baseline-src``, a directory holding a ``resurgo`` package),
-which reads into place and hashes there.
+or (``--in-place``) against this tree with reads landing in place and hashed there (the read path
+of loads into fresh memory, where nothing is to be kept untouched: what every load did before),
+which isolates the change from everything else that differs between versions.
 
 One state of ``--size-mib`` (``common.make_state``: five large tensors and many small ones) is saved
 once. Two worker processes, one per version, each hold a target allocated and loaded once before
@@ -16,6 +18,7 @@ the median of the per-repetition ratios, for wall time and for the CPU time of a
 threads (what the work costs, steadier than wall time on a shared machine). After the last repetition each worker's target is compared
 with the saved state (xxh3 of every tensor); the exit status is 2 if one differs.
 
+    .venv/bin/python benchmarks/bench_load_atomic.py --in-place [--size-mib 1024] [--repeats 7]
     .venv/bin/python benchmarks/bench_load_atomic.py --baseline-rev <rev> [--size-mib 1024] [--repeats 7]
 """
 
@@ -46,12 +49,24 @@ def _digests(state: dict) -> dict[str, str]:
             for k, v in state.items()}
 
 
-def worker(path: str, size_mib: float, seed: int, io_threads: int) -> None:
+def worker(path: str, size_mib: float, seed: int, io_threads: int, in_place: bool) -> None:
     """Serve commands on stdin: ``load`` times one load into the held target, ``digest`` prints
-    the target's digests; one JSON line each on stdout."""
+    the target's digests; one JSON line each on stdout. ``in_place``: reads land in place and are
+    verified there (the read path loads into fresh memory take), as before this change."""
     import torch
 
     import resurgo
+
+    if in_place:
+        from resurgo.pipeline import load as load_module
+
+        into_place = load_module.read_destinations
+
+        def verified_where_they_land(*args: object, **kwargs: object) -> object:
+            kwargs["atomic"] = False
+            return into_place(*args, **kwargs)  # type: ignore[arg-type]
+
+        load_module.read_destinations = verified_where_they_land  # type: ignore[assignment]
 
     target = {k: torch.zeros_like(v) for k, v in make_state(size_mib, seed).items()}
     resurgo.load(target, path, io_threads=io_threads)  # warm-up: imports, first touch of the target
@@ -69,12 +84,12 @@ def worker(path: str, size_mib: float, seed: int, io_threads: int) -> None:
 
 
 class Worker:
-    def __init__(self, name: str, src: Path, args: argparse.Namespace, path: Path):
+    def __init__(self, name: str, src: Path, args: argparse.Namespace, path: Path, in_place: bool = False):
         self.name = name
         env = {**os.environ, "PYTHONPATH": str(src)}
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--worker", str(path), "--size-mib", str(args.size_mib), "--seed", str(args.seed),
-             "--io-threads", str(args.io_threads)],
+             "--io-threads", str(args.io_threads)] + (["--in-place"] if in_place else []),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.module = self.ask(None)["ready"]
 
@@ -116,13 +131,15 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=None, help="where the checkpoint goes (a disk, not tmpfs)")
     parser.add_argument("--out", type=Path, default=None, help="JSON results")
+    parser.add_argument("--in-place", action="store_true",
+                        help="the baseline is this tree with reads verified where they land (no --baseline-*)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.size_mib, args.seed, args.io_threads)
+        worker(args.worker, args.size_mib, args.seed, args.io_threads, args.in_place)
         return 0
-    if (args.baseline_rev is None) == (args.baseline_src is None):
-        parser.error("pass one of --baseline-rev, --baseline-src")
+    if (args.baseline_rev is not None) + (args.baseline_src is not None) + args.in_place != 1:
+        parser.error("pass one of --baseline-rev, --baseline-src, --in-place")
 
     import resurgo
 
@@ -135,7 +152,8 @@ def main() -> int:
         saved = _digests(state)
         del state
         workers = {"this": Worker("this", REPO / "src", args, path),
-                   "baseline": Worker("baseline", baseline_source(args, scratch), args, path)}
+                   "baseline": Worker("baseline", REPO / "src" if args.in_place else baseline_source(args, scratch),
+                                      args, path, in_place=args.in_place)}
         times: dict[str, dict[str, list[float]]] = {m: {n: [] for n in workers} for m in MODES}
         cpu: dict[str, dict[str, list[float]]] = {m: {n: [] for n in workers} for m in MODES}
         try:

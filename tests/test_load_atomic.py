@@ -140,6 +140,7 @@ def test_two_ranks(two_chunks, share_reads):
     for rank, by_layout in enumerate(outs):
         for layout in layouts:
             _check_outcome(by_layout[layout], needs_bad_chunk=rank == 1 or layout == "plain")
+            assert f"target tensors on rank {rank}, " in by_layout[layout]["message"]
 
 
 def test_manager_restore(tmp_path):

@@ -132,7 +132,11 @@ def load(state: Any, path: str | os.PathLike, *, strict: bool = True, verify: bo
     the keys both have. A tensor whose dtype or shape differs raises DTypeMismatchError or
     ShapeMismatchError whatever ``strict`` says, unless ``ignore_mismatched=True``: then it is left
     as it is and its key listed in ``LoadReport.mismatched_keys``. Every error names the
-    checkpoint and the key. Checksums are verified unless ``verify=False``. A save that replaces
+    checkpoint and the key. Checksums are verified unless ``verify=False``; no byte that fails
+    one reaches ``state``: a tensor is filled only once all of its bytes verified, so the
+    CorruptCheckpointError leaves each tensor loaded or exactly as it was, and lists which (its
+    ``loaded`` and ``untouched`` keys, for this rank), with no value or ``load_state_dict`` of
+    ``state`` applied. A save that replaces
     the checkpoint during the load is not an error: the load reads one complete version, the old
     or the new (:mod:`resurgo.pipeline.consistent`). In a distributed job every rank calls ``load``;
     ``collective=False`` loads as a job of one process, the others not calling (plain tensors only).

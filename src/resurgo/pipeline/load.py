@@ -57,11 +57,12 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
                         storage_options=storage_options, ignore_mismatched=ignore_mismatched,
                         share_reads=share_reads, peers=peers, loaded=loaded, planned=planned)
     except CorruptCheckpointError as e:
-        raise _naming_keys(e, planned[0] if planned else [], loaded, dist_comm.current().size) from e
+        comm = dist_comm.current()
+        raise _naming_keys(e, planned[0] if planned else [], loaded, comm.rank if comm.size > 1 else None) from e
 
 
 def _naming_keys(error: CorruptCheckpointError, destinations: list[Destination], filled: set[str],
-                 world: int) -> CorruptCheckpointError:
+                 rank: int | None) -> CorruptCheckpointError:
     """``error`` with the keys of ``destinations`` it left loaded and untouched, listed in its
     message (abbreviated) and its attributes. A staged destination (not one flat host buffer)
     is copied in only after every read succeeded: it is untouched."""
@@ -69,7 +70,7 @@ def _naming_keys(error: CorruptCheckpointError, destinations: list[Destination],
     staged = {d.key for d in destinations if any(writable_bytes(p.tensor) is None for p in d.local_pieces())}
     loaded = [k for k in keys if k in filled and k not in staged]
     untouched = [k for k in keys if k not in loaded]
-    where = " on this rank" if world > 1 else ""
+    where = f" on rank {rank}" if rank is not None else ""  # another rank's message may precede
     said = str(error).rstrip()
     message = (f"{said}{'' if said.endswith('.') else '.'} Of the {plural(len(keys), 'target tensor')}{where}, {len(loaded)} loaded "
                f"(every byte verified){_some(loaded)} and {len(untouched)} left untouched{_some(untouched)}; "
