@@ -24,6 +24,7 @@ from resurgo.interop.execute import execute
 from resurgo.interop.hf import spec_from_hf
 from resurgo.interop.spec import ImportSpec
 from resurgo.interop.torch_file import spec_from_torch_file
+from resurgo.interop.unpickle import shown
 from resurgo.reports import ImportReport
 
 SOURCES = ("dcp", "deepspeed", "hf", "torch", "spec")
@@ -48,7 +49,7 @@ def spec_of(src: str | os.PathLike, source: str) -> tuple[ImportSpec, Path]:
         first = e.errors()[0]
         at = ".".join(str(x) for x in first["loc"])
         raise ImportSpecError(f"{src}: the {source} importer found a value it cannot describe: {at}: "
-                              f"{first['msg']} (input {first.get('input')!r:.100})") from None
+                              f"{first['msg']} (input {shown(first.get('input'))})") from None
     spec_lang.validate(spec, f"{src} ({source})")
     return spec, root
 

@@ -30,13 +30,14 @@ from resurgo.errors import (
     ImportSpecError,
     NotACheckpointError,
     PickleNotAllowedError,
+    ResurgoError,
     UnsupportedValueError,
 )
 from resurgo.format import dtypes
 from resurgo.interop.source_files import check_relative, resolve_inside
 from resurgo.interop.spec import Box, ImportSpec, Piece, PickledObject, TensorSpec, row_major_strides
-from resurgo.interop.torch_file import MAX_PICKLE_BYTES, ZipSlice, member_start, read_archive
-from resurgo.interop.unpickle import TensorRef, dcp_metadata_allowed, restricted_load
+from resurgo.interop.torch_file import MAX_PICKLE_BYTES, ZIP_ERRORS, ZipSlice, member_start, read_archive
+from resurgo.interop.unpickle import TensorRef, dcp_metadata_allowed, restricted_load, shown
 
 METADATA = ".metadata"
 MAX_NDIM = 64
@@ -65,13 +66,13 @@ def read_metadata(root: Path) -> Any:
 def _sizes(value: Any, what: str) -> list[int]:
     if not (isinstance(value, (list, tuple)) and len(value) <= MAX_NDIM
             and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value)):
-        raise ImportSpecError(f"{what} is {value!r:.100}, expected a list of at most {MAX_NDIM} non-negative ints")
+        raise ImportSpecError(f"{what} is {shown(value)}, expected a list of at most {MAX_NDIM} non-negative ints")
     return list(value)
 
 
 def _count(value: Any, what: str) -> int:
     if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-        raise ImportSpecError(f"{what} is {value!r:.100}, expected a non-negative int")
+        raise ImportSpecError(f"{what} is {shown(value)}, expected a non-negative int")
     return value
 
 
@@ -87,7 +88,7 @@ def check_metadata(md: Any, where: str) -> None:
     )
 
     for fqn, item in md.state_dict_metadata.items():
-        what = f"{where}: item {fqn!r:.200}"
+        what = f"{where}: item {shown(fqn, 200)}"
         if not isinstance(fqn, str) or not fqn:
             raise ImportSpecError(f"{what}: its name is not a non-empty str")
         if isinstance(item, BytesStorageMetadata):
@@ -99,7 +100,7 @@ def check_metadata(md: Any, where: str) -> None:
         ndim = len(_sizes(getattr(item, "size", None), f"{what}: size"))
         chunks = getattr(item, "chunks", None)
         if not isinstance(chunks, list):
-            raise ImportSpecError(f"{what}: chunks is {chunks!r:.100}, expected a list")
+            raise ImportSpecError(f"{what}: chunks is {shown(chunks)}, expected a list")
         for i, chunk in enumerate(chunks):
             if not isinstance(chunk, ChunkStorageMetadata):
                 raise ImportSpecError(f"{what}: chunk {i} is a {type(chunk).__name__}, not a ChunkStorageMetadata")
@@ -110,7 +111,7 @@ def check_metadata(md: Any, where: str) -> None:
                                       f"{ndim} dimensions")
     for index, info in md.storage_data.items():
         fqn = getattr(index, "fqn", None)
-        what = f"{where}: storage entry of {fqn!r:.200}"
+        what = f"{where}: storage entry of {shown(fqn, 200)}"
         if not isinstance(index, MetadataIndex) or not isinstance(fqn, str):
             raise ImportSpecError(f"{what}: its key is not a MetadataIndex with a str fqn")
         if getattr(index, "offset", None) is not None:
@@ -123,7 +124,7 @@ def check_metadata(md: Any, where: str) -> None:
         descriptors = getattr(info, "transform_descriptors", None)
         if descriptors is not None and not (isinstance(descriptors, (list, tuple))
                                             and all(isinstance(d, str) for d in descriptors)):
-            raise ImportSpecError(f"{what}: transform_descriptors is {descriptors!r:.100}, expected a list of str")
+            raise ImportSpecError(f"{what}: transform_descriptors is {shown(descriptors)}, expected a list of str")
 
 
 class _DistcpFiles:
@@ -242,9 +243,11 @@ def _archived_chunk(path: Path, view: ZipSlice, base: int, dtype: str, sizes: li
             info = z.getinfo(f"{prefix}/data/{ref.storage.key}")
     except KeyError:
         raise CorruptCheckpointError(f"{name}: {what}: the archive lacks its storage member") from None
-    except (zipfile.BadZipFile, OSError) as e:
-        raise CorruptCheckpointError(f"{path}: {what} at byte {base} is not a readable archive ({e}); "
-                                     "the file is damaged or truncated") from None
+    except ResurgoError:
+        raise
+    except ZIP_ERRORS as e:
+        raise CorruptCheckpointError(f"{path}: {what} at byte {base} is not a readable archive "
+                                     f"({type(e).__name__}: {e!s:.300}); the file is damaged or truncated") from None
     if ref.storage.dtype != dtype or list(ref.shape) != sizes:
         raise CorruptCheckpointError(f"{name}: {what} holds a {ref.storage.dtype} tensor of shape {list(ref.shape)}; "
                                      f"the metadata says {dtype} {sizes}")
@@ -272,9 +275,11 @@ def _bytes_item(fqn: str, info: Any, files: _DistcpFiles) -> tuple[Any, bool]:
             value, _ = read_archive(z, name)
     except PickleNotAllowedError:
         return None, False
-    except (zipfile.BadZipFile, OSError) as e:
-        raise CorruptCheckpointError(f"{path}: {what} at byte {info.offset} is not a readable archive ({e}); "
-                                     "the file is damaged or truncated") from None
+    except ResurgoError:
+        raise
+    except ZIP_ERRORS as e:
+        raise CorruptCheckpointError(f"{path}: {what} at byte {info.offset} is not a readable archive "
+                                     f"({type(e).__name__}: {e!s:.300}); the file is damaged or truncated") from None
     if _is_json_data(value):
         return value, True
     return None, False

@@ -37,13 +37,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from resurgo.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError, UnsupportedValueError
+from resurgo.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    NotACheckpointError,
+    ResurgoError,
+    UnsupportedValueError,
+)
 from resurgo.format import dtypes
 from resurgo.format.tree import path_key
 from resurgo.interop.source_files import resolve_inside
 from resurgo.interop.spec import Box, Flat, ImportSpec, Piece, Source, TensorSpec, row_major_strides
 from resurgo.interop.torch_file import read_objects
-from resurgo.interop.unpickle import DEEPSPEED, TensorRef
+from resurgo.interop.unpickle import DEEPSPEED, TensorRef, shown
 
 HOLDS = "a DeepSpeed checkpoint file"
 OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
@@ -97,7 +103,19 @@ def find_tag_dir(root: Path) -> tuple[Path, str]:
 
 def spec_from_deepspeed(directory: str | Path) -> ImportSpec:
     """The spec of the DeepSpeed ZeRO checkpoint in ``directory`` (see the module docstring)."""
-    root = Path(directory)
+    try:
+        return _spec_from_deepspeed(Path(directory))
+    except ResurgoError:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as e:
+        # DeepSpeed's files are dicts of whatever its version put there: a field of another type
+        # than the one read is a file resurgo cannot read, named with what was found.
+        raise CorruptCheckpointError(f"{directory}: not a DeepSpeed checkpoint of a layout resurgo reads: a field "
+                                     f"holds another type than DeepSpeed writes ({type(e).__name__}: {e!s:.300})"
+                                     ) from None
+
+
+def _spec_from_deepspeed(root: Path) -> ImportSpec:
     folder, tag = find_tag_dir(root)
 
     def load(name: str, holds: type | tuple[type, ...] = dict) -> _File:
@@ -245,7 +263,7 @@ def _get(f: _File, key: str, kind: type) -> Any:
 def _ref(f: _File, value: Any, what: str, dtype: str | None = "float32") -> TensorRef:
     """``value``, a flat tensor of ``dtype`` (None: any dtype, the parameter's own)."""
     if not isinstance(value, TensorRef) or len(value.shape) > 1 or dtype not in (None, value.storage.dtype):
-        raise UnsupportedValueError(f"{f.rel}: {what} is not a flat {dtype or ''} tensor (found {value!r:.120})")
+        raise UnsupportedValueError(f"{f.rel}: {what} is not a flat {dtype or ''} tensor (found {shown(value, 120)})")
     return value
 
 
@@ -499,7 +517,7 @@ def _universal_tensor(f: _File, where: Path, name: str, shape: tuple[int, ...],
                               pieces=[_Run(f, ref).piece(0, numel, 0)] if numel else [])
     raise CorruptCheckpointError(f"{where}: expected a float32 tensor of shape {list(shape)}"
                                  f"{f' (or flat, of {numel} elements)' if shape else ''} for parameter {name!r}, "
-                                 f"found {ref!r:.120}")
+                                 f"found {shown(ref, 120)}")
 
 
 def _world(osd: dict, where: Path) -> int:

@@ -94,7 +94,7 @@ def _safetensors_tensors(root: Path, rel: str) -> list[TensorSpec]:
                                   "0 <= begin <= end, counted from the end of the header")
         entry = header.raw[name]
         code, shape = entry.get("dtype"), entry.get("shape")
-        if code not in _DTYPE_OF_CODE:
+        if not isinstance(code, str) or code not in _DTYPE_OF_CODE:
             raise UnsupportedValueError(f"{path}: tensor {name!r} has dtype {code!r}, which resurgo does not know")
         if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
             raise CorruptCheckpointError(f"{path}: tensor {name!r} has no valid shape")

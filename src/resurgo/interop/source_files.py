@@ -28,7 +28,7 @@ def check_relative(rel: object, what: str) -> str:
     """``rel`` if it is a relative path without '..'; ImportSpecError naming ``what`` otherwise
     (a check of the text only: :func:`resolve_inside` also follows symlinks)."""
     if not isinstance(rel, str):
-        raise ImportSpecError(f"{what}: {rel!r:.200} is a {type(rel).__name__}, expected a relative path (a str)")
+        raise ImportSpecError(f"{what}: found a {type(rel).__name__}, expected a relative path (a str)")
     p = PurePosixPath(rel)
     if not rel or p.is_absolute() or ".." in p.parts or "\\" in rel or "\0" in rel:
         raise ImportSpecError(f"{what}: {rel[:200]!r} must be a relative path inside the source directory "

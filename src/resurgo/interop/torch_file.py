@@ -13,12 +13,20 @@ from __future__ import annotations
 import io
 import json
 import math
+import struct
 import zipfile
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from resurgo.errors import CheckpointNotFoundError, CorruptCheckpointError, ImportSpecError, UnsupportedValueError
+from resurgo.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ImportSpecError,
+    ResurgoError,
+    UnsupportedValueError,
+)
 from resurgo.format import dtypes
 from resurgo.format.tree import path_key
 from resurgo.interop.spec import Box, ImportSpec, Piece, TensorSpec, row_major_strides
@@ -26,6 +34,12 @@ from resurgo.interop.unpickle import TORCH_SAVE, TensorRef, restricted_load
 from resurgo.layout.box import ChunkBox
 
 MAX_PICKLE_BYTES = 1 << 30
+# What zipfile raises on a damaged or crafted archive (names that are not UTF-8, unknown compression
+# or encryption, sizes past the end, bad CRC): each one a damaged source, never a crash. A
+# ResurgoError raised inside (some are OSError or ValueError subclasses) is re-raised before these.
+ZIP_ERRORS: tuple[type[BaseException], ...] = (
+    zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, UnicodeDecodeError, NotImplementedError,
+    RuntimeError, zlib.error, struct.error, OverflowError, ValueError)
 LOCAL_HEADER = 30  # bytes of a zip local file header before its name and extra field
 TORCH_SAVE_HOLDS = "a torch.save of tensors and plain values"
 
@@ -80,13 +94,20 @@ def read_archive(z: zipfile.ZipFile, where: str, allowed: Mapping[tuple[str, str
         if len(pkl) != 1:
             raise CorruptCheckpointError(f"{where}: expected one '<name>/data.pkl' member, found {len(pkl)}")
         prefix = pkl[0][: -len("/data.pkl")]
-        if f"{prefix}/byteorder" in z.namelist() and z.read(f"{prefix}/byteorder") != b"little":
+        order = f"{prefix}/byteorder"
+        if order in z.namelist() and (z.getinfo(order).file_size > 16 or z.read(order) != b"little"):
             raise UnsupportedValueError(f"{where}: tensors were saved big-endian; only little-endian is supported")
-        if z.getinfo(pkl[0]).file_size > MAX_PICKLE_BYTES:
+        info = z.getinfo(pkl[0])
+        if info.compress_type != zipfile.ZIP_STORED:  # torch.save stores; a compressed pickle could be a zip bomb
+            raise CorruptCheckpointError(f"{where}: {pkl[0]} is compressed, which torch.save never does")
+        if info.file_size > MAX_PICKLE_BYTES:
             raise CorruptCheckpointError(f"{where}: {pkl[0]} is larger than {MAX_PICKLE_BYTES} bytes")
         data = z.read(pkl[0])
-    except (zipfile.BadZipFile, OSError, EOFError) as e:
-        raise CorruptCheckpointError(f"{where}: not a readable zip archive ({e}); was it truncated?") from None
+    except ResurgoError:
+        raise
+    except ZIP_ERRORS as e:
+        raise CorruptCheckpointError(f"{where}: not a readable zip archive ({type(e).__name__}: {e!s:.300}); "
+                                     "was it truncated or damaged?") from None
     return restricted_load(data, f"{where}:{pkl[0]}", allowed, holds, storages=True), prefix
 
 
@@ -101,8 +122,11 @@ def read_objects(path: Path, allowed: Mapping[tuple[str, str], Any] = TORCH_SAVE
     try:
         with zipfile.ZipFile(path) as z:
             return read_archive(z, str(path), allowed, holds)
-    except (zipfile.BadZipFile, OSError) as e:
-        raise CorruptCheckpointError(f"{path}: not a readable zip archive ({e}); was it truncated?") from None
+    except ResurgoError:
+        raise
+    except ZIP_ERRORS as e:
+        raise CorruptCheckpointError(f"{path}: not a readable zip archive ({type(e).__name__}: {e!s:.300}); "
+                                     "was it truncated or damaged?") from None
 
 
 def spec_from_torch_file(path: str | Path, rel: str | None = None) -> ImportSpec:

@@ -27,6 +27,7 @@ import io
 import math
 import pathlib
 import pickle
+import reprlib
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -66,16 +67,45 @@ class TensorRef:
     strides: tuple[int, ...]
 
 
+class _ShortRepr(reprlib.Repr):
+    """reprlib's bounded repr, that also never calls the repr of an object of another type (a
+    dataclass's repr walks its fields, shared or not)."""
+
+    def repr_instance(self, x: Any, level: int) -> str:
+        if x is None or isinstance(x, (bool, float, complex, torch.dtype)):
+            return repr(x)
+        if isinstance(x, tuple):  # torch.Size, named tuples
+            return f"{type(x).__name__}({self.repr_tuple(x, level)})"
+        return f"<{type(x).__name__}>"
+
+    def repr_int(self, x: int, level: int) -> str:
+        return repr(x) if x.bit_length() < 128 else f"<an int of {x.bit_length()} bits>"
+
+
+_SHORT = _ShortRepr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxdict, _SHORT.maxset = 3, 6, 6, 4, 4
+_SHORT.maxstring, _SHORT.maxother = 60, 60
+
+
+def shown(value: Any, limit: int = 100) -> str:
+    """A short repr of an untrusted value for a message, at a cost bounded whatever the value holds
+    (the full repr of a structure a pickle shares can be exponential in the pickle's size)."""
+    try:
+        return _SHORT.repr(value)[:limit]
+    except (ValueError, RecursionError, TypeError):
+        return f"<a {type(value).__name__}>"
+
+
 def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, *rest: Any) -> TensorRef:
     if not isinstance(storage, StorageRef):
         raise CorruptCheckpointError("_rebuild_tensor_v2 without a storage reference")
     if not (isinstance(size, (tuple, list)) and isinstance(stride, (tuple, list)) and len(size) <= MAX_NDIM
             and all(_is_int(v) for v in (storage_offset, *size, *stride))):
-        raise ImportSpecError(f"a tensor of storage {storage.key!r:.50}: storage offset {storage_offset!r:.50}, size "
-                              f"{size!r:.100} and stride {stride!r:.100} must be ints (at most {MAX_NDIM} dimensions)")
+        raise ImportSpecError(f"a tensor of storage {storage.key!r:.50}: storage offset {shown(storage_offset)}, size "
+                              f"{shown(size)} and stride {shown(stride)} must be ints (at most {MAX_NDIM} dimensions)")
     ref = TensorRef(storage, storage_offset, tuple(size), tuple(stride))
-    what = (f"a tensor of storage {storage.key!r:.50} (storage offset {ref.offset}, size {list(ref.shape)}, "
-            f"stride {list(ref.strides)})")
+    what = (f"a tensor of storage {storage.key!r:.50} (storage offset {shown(ref.offset)}, size {shown(list(ref.shape))}, "
+            f"stride {shown(list(ref.strides))})")
     if ref.offset < 0 or any(d < 0 for d in ref.shape) or any(s < 0 for s in ref.strides) or len(ref.strides) != len(ref.shape):
         raise ImportSpecError(f"{what}: offset, sizes and strides must be non-negative, one stride per dimension")
     if math.prod(ref.shape) and ref.offset + 1 + sum((d - 1) * s for d, s in zip(ref.shape, ref.strides)) > storage.numel:
@@ -128,7 +158,7 @@ def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> An
 
 def _zero_stage(value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 3:
-        raise CorruptCheckpointError(f"ZeroStageEnum({value!r:.50}) is not a ZeRO stage 0-3")
+        raise CorruptCheckpointError(f"ZeroStageEnum({shown(value)}) is not a ZeRO stage 0-3")
     return value
 
 
@@ -171,7 +201,7 @@ _LAYOUTS = {"torch.strided": torch.strided, "torch.sparse_coo": torch.sparse_coo
 
 def _layout(name: Any) -> torch.layout:
     if name not in _LAYOUTS:
-        raise CorruptCheckpointError(f"unknown tensor layout {name!r:.100}")
+        raise CorruptCheckpointError(f"unknown tensor layout {shown(name)}")
     return _LAYOUTS[name]
 
 
@@ -196,11 +226,11 @@ class RestrictedUnpickler(pickle.Unpickler):
     def persistent_load(self, pid: Any) -> StorageRef:
         if not (self.storages and isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
                 and isinstance(pid[1], _StorageType)):
-            raise PickleNotAllowedError(f"{self.where}: unknown persistent id {pid!r:.200}")
-        if not (_is_int(pid[4]) and pid[4] >= 0):
-            raise ImportSpecError(f"{self.where}: storage {pid[2]!r:.50} has {pid[4]!r:.50} elements, expected a "
-                                  "non-negative int")
-        return StorageRef(str(pid[2]), pid[1].dtype, pid[4])
+            raise PickleNotAllowedError(f"{self.where}: unknown persistent id {shown(pid, 200)}")
+        if not (isinstance(pid[2], str) and len(pid[2]) <= 256 and _is_int(pid[4]) and pid[4] >= 0):
+            raise ImportSpecError(f"{self.where}: storage {shown(pid[2])} has {shown(pid[4])} elements, expected a "
+                                  "name (a str) and a non-negative int")
+        return StorageRef(pid[2], pid[1].dtype, pid[4])
 
 
 def restricted_load(data: bytes, where: str, allowed: Mapping[tuple[str, str], Any], holds: str,
