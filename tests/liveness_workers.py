@@ -48,7 +48,7 @@ def _time_point(point: str, out: Path) -> None:
 
 def fail_during(rank: int, world: int, root: str, out: str, victim: int, point: str, action: str,
                 operation: str) -> dict:
-    """Save ``root/C0``; then ``operation`` ("save", "async" or "load") while ``victim``'s fault
+    """Save ``root/C0``; then ``operation`` ("save", "async", "load" or "shared") while ``victim``'s fault
     ``action`` acts at ``point``. Returns (and records) this rank's outcome."""
     out_dir = Path(out)
     resurgo.save(state(0, rank, world), f"{root}/{C0}")
@@ -62,10 +62,13 @@ def fail_during(rank: int, world: int, root: str, out: str, victim: int, point: 
             resurgo.save(state(1, rank, world), f"{root}/{C1}")
         elif operation == "async":
             resurgo.async_save(state(1, rank, world), f"{root}/{C1}").wait()
-        else:
+        elif operation == "load":
             target = {k: resurgo.Shard(torch.zeros(ROWS, COLS), (ROWS * world, COLS), (rank * ROWS, 0))
                       for k in full(0, world)}
             resurgo.load(target, f"{root}/{C0}")
+        else:  # "shared": every rank loads every tensor whole, each byte read by one rank and sent
+            resurgo.load({k: torch.zeros_like(v) for k, v in full(0, world).items()}, f"{root}/{C0}",
+                         share_reads=True)
         outcome.update(error=None)
     except resurgo.ResurgoError as e:
         outcome.update(error=type(e).__name__, message=str(e), ranks=list(getattr(e, "ranks", ())),

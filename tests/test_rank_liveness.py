@@ -79,13 +79,15 @@ def test_a_rank_killed_mid_save_is_named_on_every_survivor(tmp_path, victim):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("operation,point,checkpoint", [("async", "save.write", C1), ("load", "load.read", C0)])
+@pytest.mark.parametrize("operation,point,checkpoint", [("async", "save.write", C1), ("load", "load.read", C0),
+                                                       ("shared", "load.read", C0)])
 def test_a_rank_killed_mid_async_save_or_load_is_named(tmp_path, operation, point, checkpoint):
+    """``shared``: a load whose bytes are read once and sent to the other ranks (point to point)."""
     outcomes, t_kill = _run(tmp_path, 2, point, "kill", operation)
-    name = {"async": "async save", "load": "load"}[operation]
+    name = {"async": "async save", "load": "load", "shared": "load"}[operation]
     delays = _check_named(outcomes, 2, name, tmp_path / "root" / checkpoint, t_kill, BOUND_DEATH)
     print(f"kill mid-{operation}: seconds to the error on each survivor", [round(d, 2) for d in delays])
-    _check_storage(tmp_path / "root", saved=operation == "load")
+    _check_storage(tmp_path / "root", saved=operation != "async")
 
 
 @pytest.mark.slow
@@ -99,14 +101,18 @@ def test_the_store_host_killed_mid_save_is_named(tmp_path):
     _check_storage(tmp_path / "root", saved=False)
 
 
-def test_a_stopped_rank_is_named_within_the_timeout(tmp_path, monkeypatch):
+@pytest.mark.parametrize("operation", ["save", pytest.param("shared", marks=pytest.mark.slow)])
+def test_a_stopped_rank_is_named_within_the_timeout(tmp_path, monkeypatch, operation):
+    """``shared``: the stopped rank is the one that reads bytes the others wait to receive."""
     timeout = 10
     monkeypatch.setenv(liveness.ENV, str(timeout))
-    outcomes, t_stop = _run(tmp_path, 1, "save.write", "stop", "save")
-    delays = _check_named(outcomes, 1, "save", tmp_path / "root" / C1, t_stop, timeout + 15)
+    point, checkpoint = ("save.write", C1) if operation == "save" else ("load.read", C0)
+    outcomes, t_stop = _run(tmp_path, 1, point, "stop", operation)
+    delays = _check_named(outcomes, 1, {"save": "save", "shared": "load"}[operation], tmp_path / "root" / checkpoint,
+                          t_stop, timeout + 15)
     assert all("no heartbeat" in o["message"] for o in outcomes)
-    print("stop mid-save: seconds to the error on each survivor", [round(d, 2) for d in delays])
-    _check_storage(tmp_path / "root", saved=False)
+    print(f"stop mid-{operation}: seconds to the error on each survivor", [round(d, 2) for d in delays])
+    _check_storage(tmp_path / "root", saved=operation != "save")
 
 
 def test_a_slow_rank_that_progresses_is_waited_for(tmp_path, monkeypatch):

@@ -12,8 +12,10 @@ A rank has failed when its heartbeats stop for :data:`HEARTBEAT_LIMIT` seconds (
 a dead process on this host is seen at once), or when it neither arrives nor makes progress for
 the collective timeout while the others wait for it: ``RESURGO_COLLECTIVE_TIMEOUT`` seconds
 (default 120), or :func:`set_collective_timeout`. The first verdict, or "every rank arrived", is
-stored once for that collective (compare-and-set), so every rank leaves it with the same outcome.
-Point-to-point transfers wait through :func:`wait_requests`, with the same checks on their peers.
+stored once for that collective (compare-and-set), so every rank leaves it with the same outcome;
+the first verdict is also the job's, with which every later wait of every rank ends at once.
+Point-to-point transfers wait through :func:`wait_requests`, with the same checks on their peers;
+a rank waiting on its peers is not stuck itself (it watches them).
 """
 
 from __future__ import annotations
@@ -150,6 +152,7 @@ class _Job:
         self.beats = 0
         self.reached: dict[str, int] = {}  # channel -> collectives reached
         self.failed: dict[int, dict] = {}  # ranks found failed: final, later waits on them end at once
+        self.transfers = 0  # point-to-point waits in progress: waiting on peers that it watches
         self.stopped = threading.Event()
         self.where = _where(store)
         self.publish(self.client())
@@ -171,7 +174,8 @@ class _Job:
         self.beats += 1
         op, ph, ckpt = _doing()
         record = {"beat": self.beats, "progress": _progress[0], "reached": self.reached, "operation": op,
-                  "phase": ph, "checkpoint": ckpt, "host": self.host, "pid": self.pid, "identity": self.identity}
+                  "phase": ph, "checkpoint": ckpt, "host": self.host, "pid": self.pid, "identity": self.identity,
+                  "transfers": self.transfers}
         store.set(self.key(f"beat/{self.rank}"), json.dumps(record))
 
     def _beat(self) -> None:
@@ -179,6 +183,15 @@ class _Job:
         while not self.stopped.wait(BEAT_PERIOD):
             with contextlib.suppress(Exception):  # a store that does not answer is the watchers' to judge
                 self.publish(store)
+
+    def declare(self, store: Any, failed: list[dict]) -> list[dict]:
+        """Store ``failed`` as the job's verdict unless one was stored first; the stored one."""
+        return list(json.loads(store.compare_set(self.key("failed"), "", json.dumps(failed))))
+
+    def verdict(self, store: Any) -> list[dict] | None:
+        """The job's verdict, once any rank found one failed (every wait then ends with it)."""
+        key = self.key("failed")
+        return list(json.loads(store.get(key))) if store.check([key]) else None
 
     def records(self, ranks: Sequence[int]) -> dict[int, dict]:
         """The latest records of ``ranks`` (those that published one)."""
@@ -256,7 +269,7 @@ class _Watch:
             beat, t_beat, prog, t_prog = self.seen.get(r, (rec["beat"], self.since, rec["progress"], self.since))
             if rec["beat"] != beat:
                 beat, t_beat = rec["beat"], now
-            if rec["progress"] != prog:
+            if rec["progress"] != prog or rec.get("transfers"):  # waiting on peers it watches itself
                 prog, t_prog = rec["progress"], now
             self.seen[r] = (beat, t_beat, prog, t_prog)
             why = ""
@@ -336,9 +349,9 @@ def arrive(channel: str) -> None:
         while outcome is None and not store.check([outcome_key]):
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + BEAT_PERIOD
-                failed = watch.failed(watched)
+                failed = job.verdict(store) or watch.failed(watched)
                 if failed:
-                    outcome = store.compare_set(outcome_key, "", json.dumps(failed))
+                    outcome = store.compare_set(outcome_key, "", json.dumps(job.declare(store, failed)))
                     break
             time.sleep(_pause(waited))
             waited += 1
@@ -361,9 +374,12 @@ def diagnose(cause: BaseException, peers: Iterable[int] | None = None) -> RankFa
     deadline = time.monotonic() + HEARTBEAT_LIMIT + 2 * BEAT_PERIOD
     try:
         while True:
-            failed = watch.failed(ranks, arrival=False)
-            if failed or time.monotonic() >= deadline:
-                return rank_failed(failed, f"gloo: {cause}")
+            store = job.client()
+            failed = job.verdict(store) or watch.failed(ranks, arrival=False)
+            if failed:
+                return rank_failed(job.declare(store, failed), f"gloo: {cause}")
+            if time.monotonic() >= deadline:
+                return rank_failed([], f"gloo: {cause}")
             time.sleep(BEAT_PERIOD)
     except RuntimeError as e:
         return _store_failed(job, e)
@@ -395,13 +411,17 @@ def wait_requests(requests: Sequence[Any], peers: Iterable[int]) -> None:
         known = [job.failed[r] for r in peers if r in job.failed]
         if known:
             raise rank_failed(known)
-        while not done.wait(BEAT_PERIOD):
-            try:
-                failed = watch.failed(peers, arrival=False)
-            except RuntimeError as e:
-                raise _store_failed(job, e) from e
-            if failed:
-                raise rank_failed(failed)
+        job.transfers += 1
+        try:
+            while not done.wait(BEAT_PERIOD):
+                store = job.client()
+                failed = job.verdict(store) or watch.failed(peers, arrival=False)
+                if failed:
+                    raise rank_failed(job.declare(store, failed))
+        except RuntimeError as e:
+            raise _store_failed(job, e) from e
+        finally:
+            job.transfers -= 1
     if errors:
         first = errors[0]
         if isinstance(first, RuntimeError) and job is not None and peers:
