@@ -93,14 +93,18 @@ def agree_rounds(rank: int, world: int, rounds: int) -> float:
     return time.perf_counter() - t0
 
 
-def manager_fail_during(rank: int, world: int, root: str, out: str, victim: int, point: str, tiers: bool) -> dict:
+def manager_fail_during(rank: int, world: int, root: str, out: str, victim: int, point: str, kind: str) -> dict:
     """A manager saves step 0; then step 1 while ``victim`` is killed at ``point``: in the save
-    itself, or (``tiers``) in the background copy of step 1 to a second tier, every step copied."""
-    from resurgo.manager import Tier
+    itself (``kind`` "save"), in the background copy of step 1 to a second tier, every step copied
+    ("tier"), or in the replication of a memory tier to the next node ("memory", 2 ranks a node)."""
+    from resurgo.manager import MemoryTier, Tier
 
     out_dir = Path(out)
-    if tiers:
+    if kind == "tier":
         mgr = resurgo.CheckpointManager(tiers=[Tier(f"{root}/fast"), Tier(f"{root}/durable", every_steps=1)])
+    elif kind == "memory":
+        memory = MemoryTier(replicas=1, root=f"{root}/memory/node{{node}}", node=rank // 2)
+        mgr = resurgo.CheckpointManager(tiers=[memory, Tier(f"{root}/durable", every_steps=1)])
     else:
         mgr = resurgo.CheckpointManager(root, async_save=False)
     mgr.save(0, state(0, rank, world))

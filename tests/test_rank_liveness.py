@@ -151,13 +151,12 @@ def test_rank_failed_error_still_builds_from_a_message_alone():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tiers", [False, True], ids=["manager-save", "tier-copy"])
-def test_a_rank_killed_mid_manager_save_or_tier_copy_is_named(tmp_path, tiers):
+@pytest.mark.parametrize("kind,point", [("save", "save.write"), ("tier", "tier.copy"), ("memory", "replicate.send")])
+def test_a_rank_killed_mid_manager_save_tier_copy_or_replication_is_named(tmp_path, kind, point):
     root, out = tmp_path / "root", tmp_path / "out"
     out.mkdir()
-    point = "tier.copy" if tiers else "save.write"
     with pytest.raises(RankFailedError) as launched:
-        run_ranks(WORLD, "liveness_workers:manager_fail_during", str(root), str(out), 2, point, tiers, timeout=120)
+        run_ranks(WORLD, "liveness_workers:manager_fail_during", str(root), str(out), 2, point, kind, timeout=120)
     assert f"1 of {WORLD} ranks failed" in str(launched.value)
     t_kill = json.loads((out / "victim.json").read_text())["t"]
     outcomes = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1, 3)]
@@ -165,9 +164,8 @@ def test_a_rank_killed_mid_manager_save_or_tier_copy_is_named(tmp_path, tiers):
         assert o["error"] == "RankFailedError" and o["ranks"] == [2], o
         assert "rank 2 (host " in o["message"], o
         assert o["t_end"] - t_kill < BOUND_DEATH, o
-    print(f"kill mid-{'tier copy' if tiers else 'manager save'}: seconds to the error",
-          [round(o["t_end"] - t_kill, 2) for o in outcomes])
-    durable = root / ("durable" if tiers else "")
+    print(f"kill mid-{kind} ({point}): seconds to the error", [round(o["t_end"] - t_kill, 2) for o in outcomes])
+    durable = root / ("durable" if kind != "save" else "")
     with resurgo.CheckpointManager(durable) as mgr:  # its start removes the leftovers
         mgr.wait()
         assert mgr.steps() == [0]
