@@ -240,7 +240,7 @@ class _PairReader:
         view = typed_view(flat, dtypes.TORCH_DTYPES[entry.dtype], (stop - start,))
         piece = (LocalPiece(FlatRange(start, stop), view),)
         result = read_destinations(ckpt, manifest, [Destination(key, entry, view, piece)], verify=True,
-                                   threads=self.threads)
+                                   threads=self.threads, atomic=False)  # a fresh window, dropped on failure
         self.bytes_read += result.bytes_read
         return flat
 

@@ -73,7 +73,9 @@ class TensorByteStream:
                 self._copy_batch(batch, write)
 
     def _read(self, destinations: list[Destination]) -> None:
-        result = read_destinations(self.ckpt, self.manifest, destinations, verify=True, threads=self.threads)
+        # fresh buffers, dropped if a read fails: verified where they land (no unit held back)
+        result = read_destinations(self.ckpt, self.manifest, destinations, verify=True, threads=self.threads,
+                                   atomic=False)
         self.bytes_read += result.bytes_read
 
     def _copy_batch(self, batch: Batch, write: Callable[[memoryview], None]) -> None:
