@@ -43,7 +43,7 @@ from resurgo.format import dtypes
 # a tree, to more nodes than this many per pickle byte plus BASE_NODES.
 MAX_DEPTH = 200
 EXPANSION = 2
-BASE_NODES = 100_000
+BASE_NODES = 10_000
 MAX_NDIM = 64
 
 # Storage class names torch.save writes (``torch.FloatStorage``...) -> the dtype of their elements.
