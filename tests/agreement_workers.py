@@ -105,6 +105,9 @@ def rank_local_outcomes(rank: int, world: int, tmp: str) -> dict:
     faults.arm("1:save.write:eio")
     out["disk_async"] = outcome(lambda: resurgo.async_save(st, root / "disk_async").wait())
     faults.arm("")
+    faults.arm("0:save.commit:eio")  # the background commit, on the rank that commits
+    out["commit_async"] = outcome(lambda: resurgo.async_save(st, root / "commit_async").wait())
+    faults.arm("")
     dist.barrier()
     out["disk_leftovers"] = leftovers(root)
     out["disk_after"] = outcome(lambda: resurgo.save(st, root / "disk_enospc"))

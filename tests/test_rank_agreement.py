@@ -71,11 +71,14 @@ def test_one_ranks_disk_failing_fails_every_rank_and_commits_nothing(local_outco
     assert torch.equal(committed_w(root / "earlier"), full_w())  # the earlier checkpoint is intact
 
 
-def test_an_asynchronous_write_failing_on_one_rank_reaches_every_ranks_wait(local_outcomes):
+def test_an_asynchronous_write_or_commit_failing_on_one_rank_reaches_every_ranks_wait(local_outcomes):
     root, results = local_outcomes
     message = same_everywhere(results, "disk_async")
     assert message.startswith("StorageError: rank 1 failed: ") and "Input/output error" in message
     assert not (root / "disk_async").exists()
+    message = same_everywhere(results, "commit_async")
+    assert message.startswith("RankFailedError: rank 0 failed: ") and "fault injected at save.commit on rank 0" in message
+    assert not (root / "commit_async").exists()
     assert same_everywhere(results, "disk_after") == "ok"
     assert torch.equal(committed_w(root / "disk_enospc"), full_w())
 
