@@ -33,10 +33,12 @@ from typer.testing import CliRunner
 
 import resurgo
 from resurgo.cli import app
-from resurgo.errors import ImportSpecError, ResurgoError, StorageError
-from resurgo.interop import execute as execute_mod
+from resurgo.errors import ExpansionError, ImportSpecError, ResurgoError, StorageError
+from resurgo import conversion
 from resurgo.pipeline.verify import verify_checkpoint
 from resurgo.storage import direct_io, local
+
+from helpers import resealed
 
 runner = CliRunner()
 
@@ -371,8 +373,8 @@ def test_a_four_tebibyte_spec_over_four_bytes_is_refused(tmp_path):
 
 def test_free_space_is_checked_before_writing(tmp_path, monkeypatch):
     torch.save({"x": torch.arange(1000.0)}, tmp_path / "m.pt")
-    real = execute_mod.shutil.disk_usage
-    monkeypatch.setattr(execute_mod.shutil, "disk_usage",
+    real = conversion.shutil.disk_usage
+    monkeypatch.setattr(conversion.shutil, "disk_usage",
                         lambda p: real(p)._replace(free=3999))
     before = sorted(os.listdir(tmp_path))
     with pytest.raises(StorageError, match=r"the import needs 4000 bytes for its tensors, but the filesystem .* has "
@@ -409,6 +411,41 @@ def test_a_disk_that_fills_during_the_import_leaves_nothing(tmp_path, monkeypatc
     with pytest.raises(StorageError):
         resurgo.import_checkpoint(tmp_path / "m.pt", tmp_path / "dst" / "out", source="torch")
     assert os.listdir(tmp_path / "dst") == []
+
+
+def checkpoint_sharing_bytes(path: Path, copies: int) -> None:
+    """A checkpoint whose manifest (resealed) lists ``copies`` more tensors on the bytes of "x"."""
+    resurgo.save({"x": torch.arange(1024.0)}, path)
+    doc = json.loads((path / "manifest.json").read_bytes())
+    del doc["manifest_checksum"]
+    for i in range(copies):
+        doc["tensors"][f"y{i}"] = json.loads(json.dumps(doc["tensors"]["x"]))
+        doc["tree"]["items"].append([f"y{i}", {"type": "tensor", "key": f"y{i}"}])
+    (path / "manifest.json").write_bytes(resealed(json.dumps(doc).encode()))
+
+
+def test_convert_of_chunks_sharing_bytes_needs_consent(tmp_path):
+    checkpoint_sharing_bytes(tmp_path / "c", 50)
+    with pytest.raises(ExpansionError, match=r"its 51 tensors take 208896 bytes, 51.0 times the 4096 distinct bytes "
+                                             r"their chunks read .* pass allow_expansion=True"):
+        resurgo.convert(tmp_path / "c", tmp_path / "out.safetensors", to="safetensors")
+    assert not (tmp_path / "out.safetensors").exists()
+    result = runner.invoke(app, ["convert", str(tmp_path / "c"), str(tmp_path / "out.safetensors"), "--to",
+                                 "safetensors"])
+    assert result.exit_code == 2 and "--allow-expansion" in result.output
+    result = runner.invoke(app, ["convert", str(tmp_path / "c"), str(tmp_path / "out.safetensors"), "--to",
+                                 "safetensors", "--allow-expansion"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "out.safetensors").stat().st_size > 51 * 4096
+
+
+def test_convert_checks_free_space_first(tmp_path, monkeypatch):
+    resurgo.save({"x": torch.arange(1024.0)}, tmp_path / "c")
+    real = conversion.shutil.disk_usage
+    monkeypatch.setattr(conversion.shutil, "disk_usage", lambda p: real(p)._replace(free=4095))
+    with pytest.raises(StorageError, match="the conversion needs 4096 bytes for its tensors, .* 4095 bytes free"):
+        resurgo.convert(tmp_path / "c", tmp_path / "out.safetensors", to="safetensors")
+    assert not (tmp_path / "out.safetensors").exists()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ import json
 import math
 import os
 import re
+import shutil
 import struct
 import time
 import warnings
@@ -49,7 +50,14 @@ import numpy as np
 import torch
 
 from resurgo.api import DEFAULT_IO_THREADS, load_dict
-from resurgo.errors import CheckpointExistsError, KeyMismatchError, MemoryBudgetError, UnsupportedValueError
+from resurgo.errors import (
+    CheckpointExistsError,
+    ExpansionError,
+    KeyMismatchError,
+    MemoryBudgetError,
+    StorageError,
+    UnsupportedValueError,
+)
 from resurgo.format import dtypes, values
 from resurgo.format.manifest import Manifest
 from resurgo.format.safetensors_file import METADATA as SAFETENSORS_PRODUCER, HeaderEntry, build_header, read_header
@@ -68,6 +76,10 @@ from resurgo.storage.ownership import FILE
 TARGETS = ("safetensors", "hf", "torch", "dcp")
 DEFAULT_MEMORY_BUDGET = 1 << 30
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # "5GB", the default of transformers and huggingface_hub
+# The most tensor bytes a conversion writes per distinct stored byte without allow_expansion:
+# tied weights saved once double a tensor's bytes; a manifest placing many chunks on the same bytes
+# multiplies them.
+MAX_EXPANSION = 4
 SAFETENSORS_RESERVED = "__metadata__"
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -95,7 +107,8 @@ def parse_size(value: int | str, what: str = "size") -> int:
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, memory_budget: int | str | None = None,
             max_shard_bytes: int | str | None = None, only: str | None = None, overwrite: bool = False,
             allow_pickle: bool = False, io_threads: int = DEFAULT_IO_THREADS,
-            progress: Callable[[int], None] | None = None, storage_options: dict | None = None) -> ConvertReport:
+            progress: Callable[[int], None] | None = None, storage_options: dict | None = None,
+            allow_expansion: bool = False) -> ConvertReport:
     """Convert the checkpoint at ``src`` (a directory or a URL such as ``s3://bucket/run/step_100``)
     into the local path ``dst``; returns a :class:`ConvertReport`.
 
@@ -113,6 +126,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, memory_b
     ``"torch"`` and ``"dcp"`` from a checkpoint with pickled values (the other targets never unpickle: such
     values are dropped). ``progress`` is called with each number of tensor bytes written.
     ``storage_options`` go to fsspec for a URL ``src`` (credentials, ``endpoint_url``, ...).
+    ``allow_expansion``: convert a checkpoint whose tensors take more than :data:`MAX_EXPANSION`
+    times the distinct bytes their chunks read (a manifest can place many chunks on the same
+    bytes); ExpansionError otherwise, before anything is written.
     """
     t_start = time.perf_counter()
     if to not in TARGETS:
@@ -130,6 +146,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, memory_b
     if not is_url(src) and os.path.realpath(dst) == os.path.realpath(local_path(src)):
         raise CheckpointExistsError(f"{dst}: is the source checkpoint; convert into another path")
     data_files.check_sizes(ckpt, manifest)  # before any output exists
+    if not allow_expansion:
+        check_expansion(manifest, src)
+    check_free_space(dst, sum(tensor_nbytes(e) for e in manifest.tensors.values()), "the conversion")
     if to == "dcp":
         report = _to_dcp(src, storage_options, ckpt, manifest, Path(dst), only, budget, overwrite, allow_pickle,
                          io_threads, progress)
@@ -196,6 +215,50 @@ def _to_safetensors(ckpt: Checkpoint, manifest: Manifest, dst: Path, to: str, on
         bytes_read=stream.bytes_read, peak_buffer_bytes=stream.peak_buffer_bytes,
         tensors_skipped=[k for k in manifest.tensors if k not in names], values_dropped=dropped,
         raw_dtype_keys=raw_keys, seconds=seconds)
+
+
+def stored_bytes(manifest: Manifest) -> int:
+    """The distinct bytes the manifest's chunks read: per file, the union of their byte ranges."""
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for entry in manifest.tensors.values():
+        for chunk in entry.chunks:
+            for file, start, stop in chunk.spans:
+                ranges.setdefault(file, []).append((start, stop))
+    total = 0
+    for spans in ranges.values():
+        end = None
+        for start, stop in sorted(spans):
+            if end is None or start >= end:
+                total, end = total + stop - start, stop
+            elif stop > end:
+                total, end = total + stop - end, stop
+    return total
+
+
+def check_expansion(manifest: Manifest, src: str | os.PathLike) -> None:
+    """ExpansionError when the tensors take more than MAX_EXPANSION times the distinct bytes stored."""
+    written = sum(tensor_nbytes(e) for e in manifest.tensors.values())
+    stored = stored_bytes(manifest)
+    if written > MAX_EXPANSION * stored:
+        raise ExpansionError(
+            f"{src}: its {len(manifest.tensors)} tensors take {written} bytes, {written / max(1, stored):.1f} times "
+            f"the {stored} distinct bytes their chunks read (more than {MAX_EXPANSION} times is refused: chunks of "
+            "several tensors share bytes); pass allow_expansion=True (--allow-expansion) if the checkpoint is trusted")
+
+
+def check_free_space(dst: str | os.PathLike, need: int, what: str) -> None:
+    """StorageError when the filesystem of the local path ``dst`` says it has less than ``need``
+    bytes free (checked before anything is written); where it cannot say, the write finds out."""
+    where = Path(os.path.abspath(dst))
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return
+    if need > free:
+        raise StorageError(f"{dst}: {what} needs {need} bytes for its tensors, but the filesystem of {where} has "
+                           f"{free} bytes free; nothing was written")
 
 
 def select_tensors(manifest: Manifest, only: str | None, where: str) -> dict[str, str]:

@@ -146,3 +146,8 @@ def naming_checkpoint(error: ResurgoError, source: str, key: str) -> ResurgoErro
     at = f"key {key!r}: " if key else ""  # the root: the message names its part already
     named.args = (f"{source}: {at}{message}",) + error.args[1:]
     return named
+
+
+class ExpansionError(ResurgoError, ValueError):
+    """A conversion would write many times the bytes its source stores (chunks that share bytes):
+    refused unless the caller allows the expansion."""

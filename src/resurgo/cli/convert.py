@@ -29,6 +29,9 @@ def convert(
         None, "--only", metavar="PREFIX", help="Keep the tensors whose key starts with this prefix, without it (e.g. 'model.')."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output (atomically)."),
     allow_pickle: bool = typer.Option(False, "--allow-pickle", help="torch, dcp: load pickled values (trusted checkpoints only)."),
+    allow_expansion: bool = typer.Option(
+        False, "--allow-expansion", help="Convert even if the tensors take more than 4 times the distinct bytes "
+                                         "stored (chunks sharing bytes); refused otherwise."),
     progress: Optional[bool] = typer.Option(
         None, "--progress/--no-progress",
         help=f"Show a progress bar (default: on a terminal, above {human_bytes(PROGRESS_THRESHOLD_BYTES)} of data)."),
@@ -49,7 +52,8 @@ def convert(
         total = read_tensor_bytes(src, only)
         with progress_bar(f"converting to {to}", total, progress, quiet=as_json) as advance:
             report = convert_checkpoint(src, dst, to=to, memory_budget=budget, max_shard_bytes=shard_bytes, only=only,
-                                        overwrite=overwrite, allow_pickle=allow_pickle, progress=advance)
+                                        overwrite=overwrite, allow_pickle=allow_pickle, progress=advance,
+                                        allow_expansion=allow_expansion)
     if as_json:
         print_json(asdict(report))
         return

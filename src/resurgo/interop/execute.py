@@ -20,7 +20,6 @@ import copy
 import io
 import math
 import os
-import shutil
 import time
 import zipfile
 from collections.abc import Mapping
@@ -38,8 +37,8 @@ from resurgo.errors import (
     MemoryBudgetError,
     PickleNotAllowedError,
     ResurgoError,
-    StorageError,
 )
+from resurgo.conversion import check_free_space
 from resurgo.format import dtypes
 from resurgo.interop.source_files import resolve_inside
 from resurgo.interop.spec import ImportSpec, Piece, Source, TensorSpec, row_major_strides, span_elements
@@ -296,21 +295,9 @@ def _check_expansion(spec: ImportSpec, sources: _Sources, root: str | os.PathLik
 
 
 def _check_free_space(spec: ImportSpec, dst: str | os.PathLike) -> None:
-    """StorageError when the filesystem of a local ``dst`` says it has less free space than the
-    tensors need (nothing is written then); where it cannot say, the write finds out."""
-    if is_url(dst):
-        return
-    need = sum(_tensor_bytes(t) for t in spec.tensors)
-    where = Path(os.path.abspath(local_path(dst)))
-    while not where.exists() and where != where.parent:
-        where = where.parent
-    try:
-        free = shutil.disk_usage(where).free
-    except OSError:
-        return
-    if need > free:
-        raise StorageError(f"{dst}: the import needs {need} bytes for its tensors, but the filesystem of {where} "
-                           f"has {free} bytes free; nothing was written")
+    """StorageError when the filesystem of a local ``dst`` has less free space than the tensors need."""
+    if not is_url(dst):
+        check_free_space(local_path(dst), sum(_tensor_bytes(t) for t in spec.tensors), "the import")
 
 
 def _nested(spec: ImportSpec, state: dict[str, Any]) -> dict[Any, Any]:
