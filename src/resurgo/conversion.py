@@ -143,7 +143,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, memory_b
     dst = local_path(dst)
     ckpt = open_checkpoint(src, storage_options)
     manifest = read_manifest_of(ckpt)
-    if not is_url(src) and os.path.realpath(dst) == os.path.realpath(local_path(src)):
+    try:
+        same = not is_url(src) and os.path.realpath(dst) == os.path.realpath(local_path(src))
+    except OSError as e:  # a symlink on the way replaced while it was followed (EINVAL)
+        raise StorageError(e.errno, f"{dst}: could not be resolved ({e.strerror}); was it changed meanwhile?") from None
+    if same:
         raise CheckpointExistsError(f"{dst}: is the source checkpoint; convert into another path")
     data_files.check_sizes(ckpt, manifest)  # before any output exists
     if not allow_expansion:
