@@ -5,7 +5,8 @@ in one process, a torch.save file, a Hugging Face folder with a safetensors file
 ZeRO-2 folder of two ranks built by hand, and the spec JSON the torch importer emits. Each example
 copies one and mutates it: a field of the unpickled structure replaced (DCP's own dataclasses,
 torch's tensor rebuild calls with any geometry, shared and deep structures), a field of a JSON
-header or spec replaced, or bytes of a file flipped or cut. ``resurgo.import_checkpoint`` must then:
+header or spec replaced, or bytes of a file flipped or cut; and sometimes one of its files is
+replaced by a symlink to a copy outside the source. ``resurgo.import_checkpoint`` must then:
 
 - raise nothing but a ResurgoError (never a RecursionError, TypeError, IndexError, ...);
 - open no file outside the source and the destination's folder (an audit hook watches ``open``);
@@ -48,7 +49,7 @@ from resurgo.interop.torch_file import read_objects, spec_from_torch_file
 from resurgo.interop.unpickle import DEEPSPEED, TensorRef
 
 # No shrinking: an example is a whole import, and the failing draws are printed as they are.
-FAST = settings(max_examples=100, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
+FAST = settings(max_examples=250, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 SLOW = settings(max_examples=1000, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -321,6 +322,20 @@ class Bench:
         shutil.copytree(self.base / "pristine" / name, src, symlinks=True)
         return src
 
+    def link_out(self, name: str, src: Path, data: Any) -> None:
+        """Sometimes: one file of the source replaced by a symlink to a copy of it outside the
+        source (the import must refuse it, or never open it); the file the caller names is exempt."""
+        named = {"torch": "m.pt", "spec": "spec.json"}.get(name)
+        files = sorted(p for p in src.rglob("*") if p.is_file() and p.name != named)
+        if not files or data.draw(st.integers(0, 7)) != 0:
+            return
+        victim = data.draw(st.sampled_from(files))
+        outside = self.base / "outside" / victim.name
+        outside.parent.mkdir(exist_ok=True)
+        shutil.copyfile(victim, outside)
+        victim.unlink()
+        victim.symlink_to(outside)
+
     def attempt(self, name: str, src: Path) -> str:
         args = {"source": name}
         target = src / "m.pt" if name == "torch" else src
@@ -384,6 +399,7 @@ def fuzz_dcp(bench: Bench, data: Any) -> None:
         except Exception:  # noqa: BLE001 - a mutation DCP's own __getstate__ cannot encode: nothing to try
             return
         (src / ".metadata").write_bytes(raw)
+    bench.link_out("dcp", src, data)
     bench.attempt("dcp", src)
 
 
@@ -398,6 +414,7 @@ def fuzz_torch_file(bench: Bench, path: Path, data: Any) -> None:
 def fuzz_torch(bench: Bench, data: Any) -> None:
     src = bench.fresh("torch")
     fuzz_torch_file(bench, src / "m.pt", data)
+    bench.link_out("torch", src, data)
     bench.attempt("torch", src)
 
 
@@ -412,6 +429,7 @@ def fuzz_hf(bench: Bench, data: Any) -> None:
         doc = mutate_tree(json.loads(raw[8: 8 + n]), data, JSON_VALUES)
         header = json.dumps(doc).encode()
         path.write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + n:])
+    bench.link_out("hf", src, data)
     bench.attempt("hf", src)
 
 
@@ -423,6 +441,7 @@ def fuzz_deepspeed(bench: Bench, data: Any) -> None:
         mutate_bytes(path, data)
     else:
         fuzz_torch_file(bench, path, data)
+    bench.link_out("deepspeed", src, data)
     bench.attempt("deepspeed", src)
 
 
@@ -430,6 +449,7 @@ def fuzz_spec(bench: Bench, data: Any) -> None:
     src = bench.fresh("spec")
     doc = mutate_tree(json.loads((src / "spec.json").read_text()), data, JSON_VALUES)
     (src / "spec.json").write_text(json.dumps(doc))
+    bench.link_out("spec", src, data)
     bench.attempt("spec", src)
 
 
