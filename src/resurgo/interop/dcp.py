@@ -252,6 +252,9 @@ def _archived_chunk(path: Path, view: ZipSlice, base: int, dtype: str, sizes: li
         raise CorruptCheckpointError(f"{name}: {what} holds a {ref.storage.dtype} tensor of shape {list(ref.shape)}; "
                                      f"the metadata says {dtype} {sizes}")
     start = member_start(view, info, name)
+    if start + info.file_size > view.size:
+        raise ImportSpecError(f"{name}: {what}: its storage member, {info.file_size} bytes from byte {start}, runs past "
+                              f"the {view.size} bytes the metadata gives the item")
     itemsize = dtypes.itemsize(dtype)
     span = 1 + sum((d - 1) * s for d, s in zip(ref.shape, ref.strides))
     if (ref.offset + span) * itemsize > info.file_size:

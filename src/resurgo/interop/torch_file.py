@@ -52,6 +52,10 @@ class ZipSlice(io.RawIOBase):
         super().__init__()
         self._f, self._start, self._size, self._pos = f, start, size, 0
 
+    @property
+    def size(self) -> int:
+        return self._size
+
     def readable(self) -> bool:
         return True
 
