@@ -36,6 +36,7 @@ from resurgo.errors import (
     StorageError,
     UnsupportedValueError,
 )
+from resurgo import faults
 from resurgo.dist import comm as dist_comm
 from resurgo.dist import liveness
 from resurgo.dist.call import call_note, check_same
@@ -407,6 +408,7 @@ class CheckpointManager:
             """Rank 0's candidates (its refusal of ``step``, raised on every rank), with every
             rank's arguments, which must match."""
             mine = None
+            faults.point("manager.restore")
             if self._rank == 0:
                 mine = self._explicit_candidates(step) if step is not None else self._restore_candidates()
             return None, (call[1], mine)

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from resurgo import faults
 from resurgo.dist import liveness
 from resurgo.dist.comm import Comm
 from resurgo.errors import CorruptCheckpointError, RankFailedError
@@ -148,6 +149,7 @@ class _Sends:
     def _view(self, name: str) -> memoryview | None:
         if name not in self.files:
             try:
+                faults.point("restore.peer")
                 f = self.map_file(name)
                 expected = self.manifest.file_entry(name).bytes
                 if len(f.view) != expected:

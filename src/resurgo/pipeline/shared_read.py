@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from resurgo import faults
 from resurgo.dist import liveness
 from resurgo.dist.comm import Comm, sent_bytes
 from resurgo.errors import CorruptCheckpointError, RankFailedError, UnsupportedValueError
@@ -241,6 +242,7 @@ class SharedLoad:
             one message start while the others are read, with no hand-off to this thread."""
             m, into = plan.messages[tag], landing[tag]
             try:
+                faults.point("load.share")
                 read([into], self._message_ops(m.chunks, m.offsets()), 1)
             except BaseException as e:  # noqa: BLE001 - raised once every transfer is done
                 errors.append(e)
