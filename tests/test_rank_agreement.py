@@ -77,7 +77,7 @@ def test_an_asynchronous_write_or_commit_failing_on_one_rank_reaches_every_ranks
     assert message.startswith("StorageError: rank 1 failed: ") and "Input/output error" in message
     assert not (root / "disk_async").exists()
     message = same_everywhere(results, "commit_async")
-    assert message.startswith("RankFailedError: rank 0 failed: ") and "fault injected at save.commit on rank 0" in message
+    assert message.startswith("StorageError: rank 0 failed: ") and "fault injected at save.commit on rank 0" in message
     assert not (root / "commit_async").exists()
     assert same_everywhere(results, "disk_after") == "ok"
     assert torch.equal(committed_w(root / "disk_enospc"), full_w())
@@ -154,12 +154,12 @@ def test_ranks_passing_different_arguments_are_refused_before_anything_is_writte
 def test_background_failures_reach_every_rank_and_stop_the_job(tmp_path):
     results = run_ranks(2, "agreement_workers:background_failures", str(tmp_path), timeout=TIMEOUT)
     message = same_everywhere(results, "copy_next_call")
-    assert message.startswith("RankFailedError: rank 1 failed: ") and "fault injected at tier.copy on rank 1" in message
+    assert message.startswith("StorageError: rank 1 failed: ") and "fault injected at tier.copy on rank 1" in message
     assert all(r["copy_should_stop"] for r in results)
     assert same_everywhere(results, "copy_after") == "ok" and same_everywhere(results, "copy_wait_after") == "ok"
     assert results[0]["durable"] == [checkpoint_name(3)]  # the failed copy left nothing
     message = same_everywhere(results, "copy_wait")
-    assert message.startswith("RankFailedError: rank 0 failed: ") and "Permission denied" in message
+    assert message.startswith("StorageError: rank 0 failed: ") and "Permission denied" in message
     assert all(r["copy_wait_should_stop"] for r in results)
     message = same_everywhere(results, "async_wait")
     assert message.startswith("StorageError: rank 1 failed: ") and "No space left on device" in message

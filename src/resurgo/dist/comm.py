@@ -120,7 +120,7 @@ class Comm:
             outcome = (None, note)
         except BaseException as e:  # noqa: BLE001 - reported to every rank, then raised
             original = e
-            outcome = ((type(e).__name__, str(e), self.rank), None)
+            outcome = ((type(e).__name__, str(e), self.rank, _fields(e)), None)
         if self.size == 1:
             if original is not None:
                 raise original
@@ -138,17 +138,36 @@ def _global_rank(group: Any, group_rank: int) -> int:
     return dist.get_global_rank(group, group_rank) if group is not None else group_rank
 
 
-def _rebuild(name: str, message: str, rank: int) -> BaseException:
-    """The same error class on every rank when it is one of ours, else RankFailedError."""
+def _fields(e: BaseException) -> dict[str, Any]:
+    """What of ``e`` besides its class and message the other ranks rebuild: an OSError's errno
+    (a disk failing on one rank is a StorageError on every rank), a RankFailedError's fields."""
+    if isinstance(e, OSError):
+        return {"errno": e.errno}
+    if isinstance(e, RankFailedError):
+        return {"ranks": e.ranks, "operation": e.operation, "phase": e.phase, "checkpoint": e.checkpoint}
+    return {}
+
+
+def _rebuild(name: str, message: str, rank: int, fields: dict[str, Any]) -> BaseException:
+    """The same error on every rank: of the same class when it is one of ours; a StorageError
+    for an OSError (a rank's disk full, failing or refusing); else RankFailedError naming the
+    rank where it arose."""
     # An error agreed before (a background save's, raised again by the next call) names its rank already.
     text = message if re.match(r"rank \d+ failed: ", message) else f"rank {rank} failed: {message}"
     cls = getattr(errors, name, None)
+    if "errno" in fields and not (isinstance(cls, type) and issubclass(cls, ResurgoError)):
+        cls = errors.StorageError
+    error: BaseException | None = None
     if isinstance(cls, type) and issubclass(cls, ResurgoError):
         try:
-            return cls(text)
+            error = cls(text, **{k: v for k, v in fields.items() if k != "errno"})
         except TypeError:  # a class whose constructor needs more than a message
-            pass
-    return RankFailedError(f"{text} ({name})")
+            error = None
+    if error is None:
+        return RankFailedError(f"{text} ({name})", ranks=(rank,))
+    if isinstance(error, OSError) and fields.get("errno") is not None:
+        error.errno = fields["errno"]
+    return error
 
 
 @contextlib.contextmanager
