@@ -14,6 +14,8 @@ the collective timeout while the others wait for it: ``RESURGO_COLLECTIVE_TIMEOU
 (default 120), or :func:`set_collective_timeout`. The first verdict, or "every rank arrived", is
 stored once for that collective (compare-and-set), so every rank leaves it with the same outcome;
 the first verdict is also the job's, with which every later wait of every rank ends at once.
+Rank 0 hosts the store: stopped, it answers nothing and TCPStore's calls would wait forever, so a
+watchdog cuts this process's connections to the store once a call waited past the heartbeat limit.
 Point-to-point transfers wait through :func:`wait_requests`, with the same checks on their peers;
 a rank waiting on its peers is not stuck itself (it watches them).
 """
@@ -24,6 +26,7 @@ import contextlib
 import json
 import os
 import socket
+import stat
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -154,18 +157,33 @@ class _Job:
         self.failed: dict[int, dict] = {}  # ranks found failed: final, later waits on them end at once
         self.transfers = 0  # point-to-point waits in progress: waiting on peers that it watches
         self.stopped = threading.Event()
-        self.where = _where(store)
+        self.where, self.port = _where(store)
+        self.calls: dict[int, float] = {}  # thread ident -> when its store call began
+        self.cut = ""  # why the watchdog cut the connections to the store, once it did
         self.publish(self.client())
         self._thread = threading.Thread(target=self._beat, name="resurgo-heartbeat", daemon=True)
         self._thread.start()
+        self._watchdog = threading.Thread(target=self._watch_store, name="resurgo-store-watchdog", daemon=True)
+        self._watchdog.start()
 
     def client(self) -> Any:
         """This thread's connection to the store: a wait on one thread never delays the heartbeat."""
         client = getattr(self._local, "client", None)
         if client is None:
-            client = _clone(self._store)
+            client = _Timed(_clone(self._store), self.calls)
             self._local.client = client
         return client
+
+    def _watch_store(self) -> None:
+        """Cut this process's connections to the store once a call on one has waited past the
+        heartbeat limit: the store's host is stopped (TCPStore's timeout bounds waits for a key,
+        not a server that never answers), and every call then fails at once, naming it."""
+        while not self.stopped.wait(BEAT_PERIOD):
+            now = time.monotonic()
+            if self.port is not None and any(now - t > HEARTBEAT_LIMIT + 2 * BEAT_PERIOD
+                                             for t in list(self.calls.values())):
+                self.cut = f"no answer for {HEARTBEAT_LIMIT + 2 * BEAT_PERIOD:.0f} s"
+                _cut_connections(self.port)
 
     def key(self, name: str) -> str:
         return self.prefix + name
@@ -217,12 +235,55 @@ def _clone(store: Any) -> Any:
     return client
 
 
-def _where(store: Any) -> str:
+class _Timed:
+    """A store client whose calls in progress are listed (thread ident -> start), for the watchdog."""
+
+    def __init__(self, client: Any, calls: dict[int, float]):
+        self._client, self._calls = client, calls
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._client, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            tid = threading.get_ident()
+            self._calls[tid] = time.monotonic()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._calls.pop(tid, None)
+
+        return timed
+
+
+def _cut_connections(port: int) -> None:
+    """Shut down every socket of this process connected to ``port`` (the store's): a call blocked
+    on one returns with an error."""
+    with contextlib.suppress(OSError):
+        fds = [int(n) for n in os.listdir("/proc/self/fd")]
+        for fd in fds:
+            try:
+                if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                    continue
+                sock = socket.socket(fileno=os.dup(fd))
+            except OSError:
+                continue
+            try:
+                peer = sock.getpeername()
+                if isinstance(peer, tuple) and len(peer) >= 2 and peer[1] == port:
+                    sock.shutdown(socket.SHUT_RDWR)  # the socket itself, through this duplicate
+            except OSError:
+                pass
+            finally:
+                sock.close()
+
+
+def _where(store: Any) -> tuple[str, int | None]:
+    """The store's "host:port" (or kind) and its TCP port (None when it has none)."""
     base = store
     while hasattr(base, "underlying_store"):
         base = base.underlying_store
     host, port = getattr(base, "host", None), getattr(base, "port", None)
-    return f"{host}:{port}" if host is not None else type(base).__name__
+    return (f"{host}:{port}" if host is not None else type(base).__name__), (port if isinstance(port, int) else None)
 
 
 def start(rank: int, size: int) -> None:
@@ -315,7 +376,7 @@ def rank_failed(failed: Sequence[dict], cause: str = "") -> RankFailedError:
 
 def _store_failed(job: _Job, error: BaseException) -> RankFailedError:
     host = "rank 0, which hosts it," if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" else "its host"
-    return rank_failed([{"rank": 0, "why": f"the job's store at {job.where} does not answer ({error}): "
+    return rank_failed([{"rank": 0, "why": f"the job's store at {job.where} does not answer ({job.cut or error}): "
                          f"{host} is dead or stopped"}])
 
 
