@@ -126,7 +126,9 @@ class Comm:
                 raise original
             return result, [outcome[1]]
         every = self.all_gather(outcome)
-        failures = [f for f, _ in every if f is not None]
+        # The first rank's failure, unless it is only the consequence of another's (bytes received
+        # from a rank that could not read them): the cause is raised on every rank.
+        failures = sorted((f for f, _ in every if f is not None), key=lambda f: bool(f[3].get("secondary")))
         if failures:
             raise _rebuild(*failures[0]) from original
         return result, [n for _, n in every]
@@ -140,12 +142,14 @@ def _global_rank(group: Any, group_rank: int) -> int:
 
 def _fields(e: BaseException) -> dict[str, Any]:
     """What of ``e`` besides its class and message the other ranks rebuild: an OSError's errno
-    (a disk failing on one rank is a StorageError on every rank), a RankFailedError's fields."""
+    (a disk failing on one rank is a StorageError on every rank), a RankFailedError's fields, and
+    whether it is only the consequence of another rank's failure ("secondary")."""
+    fields: dict[str, Any] = {"secondary": True} if getattr(e, "secondary", False) else {}
     if isinstance(e, OSError):
-        return {"errno": e.errno}
+        fields["errno"] = e.errno
     if isinstance(e, RankFailedError):
-        return {"ranks": e.ranks, "operation": e.operation, "phase": e.phase, "checkpoint": e.checkpoint}
-    return {}
+        fields.update(ranks=e.ranks, operation=e.operation, phase=e.phase, checkpoint=e.checkpoint)
+    return fields
 
 
 def _rebuild(name: str, message: str, rank: int, fields: dict[str, Any]) -> BaseException:
@@ -160,7 +164,7 @@ def _rebuild(name: str, message: str, rank: int, fields: dict[str, Any]) -> Base
     error: BaseException | None = None
     if isinstance(cls, type) and issubclass(cls, ResurgoError):
         try:
-            error = cls(text, **{k: v for k, v in fields.items() if k != "errno"})
+            error = cls(text, **{k: v for k, v in fields.items() if k not in ("errno", "secondary")})
         except TypeError:  # a class whose constructor needs more than a message
             error = None
     if error is None:

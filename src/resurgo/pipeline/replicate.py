@@ -299,9 +299,11 @@ class Exchange:
                 problems = verify_file_bytes(manifest, t.name, np.frombuffer(into.view, dtype=np.uint8),
                                              f"{self.where} (from rank {t.src})", entry.hashed)
                 if problems:
-                    raise CorruptCheckpointError(
+                    error = CorruptCheckpointError(
                         f"{self.where}: the copy of {t.name} received from rank {t.src} does not verify "
                         f"({problems[0]}); it is not kept")
+                    error.secondary = True  # type: ignore[attr-defined]  # the sender's own failure, if any, is the cause
+                    raise error
                 into.fsync()
             except Exception as e:  # noqa: BLE001 - raised at the end
                 self._errors.append(e)
