@@ -400,6 +400,10 @@ class CheckpointManager:
         rank 0 chooses, and a checkpoint that fails on any rank is skipped on all.
         """
         self._check_open()
+        with liveness.operation("restore", self.root):  # what the others name if this rank falls silent
+            return self._restore(state, step, strict)
+
+    def _restore(self, state: Any, step: int | None, strict: bool) -> int | None:
         if self._memory is not None:
             restored = self._restore_from_memory(state, step, strict)
             if restored is not None:
@@ -431,7 +435,7 @@ class CheckpointManager:
             if outcome == _FATAL or (step is not None and (s, tier) == candidates[-1]):
                 raise error
             warnings.warn(f"resurgo: not restoring {path}: {error}; trying an older checkpoint, this one is left "
-                          f"in place", stacklevel=2)
+                          f"in place", stacklevel=3)
             if tier == 0:
                 self._unreadable_steps.add(s)
             failures.append(s)
@@ -458,7 +462,7 @@ class CheckpointManager:
             peers = self._memory.open_for_load(comm, rebuild)
         except _UNREADABLE as e:
             warnings.warn(f"resurgo: not restoring from memory ({self._memory.root}): {e}; trying the durable "
-                          "tiers", stacklevel=3)
+                          "tiers", stacklevel=4)
             return None
         s, path = rebuild.step, self.path_for(rebuild.step)
         outcome, error = self._try_load(state, path, s, strict, None, peers)
@@ -474,7 +478,7 @@ class CheckpointManager:
             error = CorruptCheckpointError(f"{path}: could not be restored on another rank (see its error)")
         if outcome == _FATAL:
             raise error
-        warnings.warn(f"resurgo: not restoring {path} from memory: {error}; trying the durable tiers", stacklevel=3)
+        warnings.warn(f"resurgo: not restoring {path} from memory: {error}; trying the durable tiers", stacklevel=4)
         self._unreadable_steps.add(s)
         return None
 
