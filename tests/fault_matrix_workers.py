@@ -28,13 +28,14 @@ import torch.distributed as dist
 
 import resurgo
 from resurgo import faults
-from resurgo.manager.catalog import checkpoint_name
 
 ROWS, COLS, TENSORS = 4, 256, 8
 EARLIER = "earlier"  # the checkpoint every plain cell starts from; it must stay bit-exact
 
-# phase -> (fault point, operation, what it leaves): "save" phases commit a checkpoint of their own,
-# "load" phases read EARLIER, "manager" phases save or restore steps of a manager's root.
+# phase -> (its fault point, the kind of operation that reaches it): "save" and "async" save c<seed>
+# beside EARLIER; "load" and "shared" load EARLIER; the others are a manager's: "restore" restores
+# step 0, "tier" and "memory" save a step (copied to a durable tier, replicated to the other node),
+# "peer" restores step 0 on a node whose memory was wiped, from the other node's.
 PHASES: dict[str, tuple[str, str]] = {
     "save.write": ("save.write", "save"),
     "save.commit": ("save.commit", "save"),
@@ -221,7 +222,3 @@ def fatal_cell(rank: int, world: int, root: str, out: str, phase: str, fault: st
         with contextlib.suppress(FileNotFoundError, ProcessLookupError):
             os.kill(json.loads((out_dir / "victim.json").read_text())["pid"], signal.SIGKILL)
     return outcome
-
-
-def step_name(step: int) -> str:
-    return checkpoint_name(step)

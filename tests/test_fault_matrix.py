@@ -31,18 +31,17 @@ from resurgo.manager.catalog import checkpoint_name
 WORLD = 4
 STOP_TIMEOUT = 6  # RESURGO_COLLECTIVE_TIMEOUT for stop cells
 BOUND = {"kill": 30.0, "stop": STOP_TIMEOUT + 15.0, "raise": 30.0, "enospc": 30.0}  # seconds, fault to error
-# A replication's sender that cannot read its file sends bytes its receivers find do not verify:
-# the agreed error is the first rank's, a receiver's, naming the sender.
-AGREED = {("raise", "replicate.send"): "CorruptCheckpointError", ("enospc", "replicate.send"): "CorruptCheckpointError",
-          ("enospc", "save.write"): "StorageError", ("enospc", "async.write"): "StorageError"}
 FATAL_IN_LIVENESS = {("save.write", "kill"), ("save.write", "stop")}  # default cells of test_rank_liveness.py
 STEP0, STEP1, STEP2 = (checkpoint_name(s) for s in (0, 1, 2))
 
 
-def expected_error(fault: str, phase: str) -> str:
+def expected_error(fault: str, phase: str) -> str | None:
+    """The error every rank raises; None: the operation succeeds on every rank regardless."""
     if fault in ("kill", "stop"):
         return "RankFailedError"
-    return AGREED.get((fault, phase), "RankFailedError" if fault == "raise" else "StorageError")
+    if (fault, phase) == ("enospc", "restore.peer"):
+        return None  # memory that cannot be read is skipped (warned): every rank restores from the durable tier
+    return "RankFailedError" if fault == "raise" else "StorageError"
 
 
 def bits(tensors: dict) -> dict[str, bytes]:
@@ -86,12 +85,14 @@ def run_nonfatal(root: Path, cells: list[tuple[str, str]]) -> list[dict]:
         cell = [results[r][i] for r in range(WORLD)]
         t_fault = cell[victim]["t_fault"]
         assert t_fault is not None, f"{phase}: rank {victim} never reached {PHASES[phase][0]}"
-        errors = {(o["error"], o["message"]) for o in cell}
+        errors = {(o["error"], o.get("message")) for o in cell}
         assert len(errors) == 1, (phase, fault, errors)  # the same error, word for word, on every rank
         error, message = errors.pop()
         assert error == expected_error(fault, phase), (phase, fault, error, message)
-        origin = 0 if error == "CorruptCheckpointError" else victim  # see AGREED
-        assert message.startswith(f"rank {origin} failed: ") and f"rank {victim}" in message, message
+        if error is None:
+            assert all(o["result"] is True for o in cell), cell  # restored, bit-exact
+        else:
+            assert message.startswith(f"rank {victim} failed: "), message
         if error == "RankFailedError":
             assert all(o["ranks"] == [victim] for o in cell), cell
         delays = [o["t_end"] - t_fault for o in cell]
@@ -109,7 +110,8 @@ def run_nonfatal(root: Path, cells: list[tuple[str, str]]) -> list[dict]:
         if again is not None:
             assert bits(resurgo.load_dict(again)) == bits(full(2, WORLD)), again
         assert bits(resurgo.load_dict(where / "after")) == bits(full(9, WORLD))
-        rows.append(row(phase, fault, error, delays, listing_ok=True, followup=True))
+        rows.append(row(phase, fault, error or "none: restored from the durable tier", delays, listing_ok=True,
+                        followup=True))
     return rows
 
 
