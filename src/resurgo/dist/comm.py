@@ -109,27 +109,33 @@ class Comm:
         failing rank's, naming that rank). Collective: every rank must call it."""
         return self.agree_noting(lambda: (fn(), None))[0]
 
-    def agree_noting(self, fn: Callable[[], tuple[T, Any]]) -> tuple[T, list[Any]]:
+    def agree_noting(self, fn: Callable[[], tuple[T, Any]], call: Any = None,
+                     check_call: Callable[[list[Any]], None] | None = None) -> tuple[T, list[Any]]:
         """:meth:`agree` for an ``fn`` returning (result, note): with the result, every rank's
-        note, gathered in the same collective as the outcomes."""
-        outcome: tuple[Any, Any] = (None, None)  # (failure, note)
+        note, gathered in the same collective as the outcomes. ``call``: this rank's arguments,
+        gathered with its outcome even when ``fn`` failed; every rank first runs ``check_call`` on
+        every rank's ``call``, so ranks that passed different arguments all raise its error (the
+        same, from the same values), not one rank's failure that the difference may have caused."""
+        outcome: tuple[Any, Any, Any] = (None, None, call)  # (failure, note, call)
         result: Any = None
         original: BaseException | None = None
         try:
             result, note = fn()
-            outcome = (None, note)
+            outcome = (None, note, call)
         except BaseException as e:  # noqa: BLE001 - reported to every rank, then raised
             original = e
-            outcome = ((type(e).__name__, str(e), self.rank), None)
+            outcome = ((type(e).__name__, str(e), self.rank), None, call)
         if self.size == 1:
             if original is not None:
                 raise original
             return result, [outcome[1]]
         every = self.all_gather(outcome)
-        failures = [f for f, _ in every if f is not None]
+        if check_call is not None:
+            check_call([c for _, _, c in every])
+        failures = [f for f, _, _ in every if f is not None]
         if failures:
             raise _rebuild(*failures[0]) from original
-        return result, [n for _, n in every]
+        return result, [n for _, n, _ in every]
 
 
 def _global_rank(group: Any, group_rank: int) -> int:

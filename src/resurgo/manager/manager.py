@@ -403,18 +403,18 @@ class CheckpointManager:
             restored = self._restore_from_memory(state, step, strict)
             if restored is not None:
                 return restored
-        def choose() -> tuple[None, tuple]:
-            """Rank 0's candidates (its refusal of ``step``, raised on every rank), with every
-            rank's arguments, which must match."""
+        def choose() -> tuple[None, list[tuple[int, int]] | None]:
+            """Rank 0's candidates (its refusal of ``step``, raised on every rank, unless the ranks'
+            arguments differ: that is raised first)."""
             mine = None
             if self._rank == 0:
                 mine = self._explicit_candidates(step) if step is not None else self._restore_candidates()
-            return None, (call[1], mine)
+            return None, mine
 
-        call = call_note(step=step, strict=strict)
-        _, notes = dist_comm.current("control").agree_noting(choose)
-        check_same("restore", str(self.root), call[0], [n for n, _ in notes])
-        candidates = notes[0][1]
+        names, call = call_note(step=step, strict=strict)
+        _, notes = dist_comm.current("control").agree_noting(
+            choose, call, lambda calls: check_same("restore", str(self.root), names, calls))
+        candidates = notes[0]
         assert candidates is not None
         failures = []
         for s, tier in candidates:
