@@ -335,3 +335,52 @@ def mismatched_trees_and_loads(rank: int, world: int, tmp: str) -> dict:
                           and back["seen"] == want["seen"])
     out["after"] = outcome(lambda: resurgo.save(st, root / "after"))
     return out
+
+
+def retention_failures(rank: int, world: int, tmp: str) -> dict:
+    """A manager's retention (rank 0 deletes) refused a deletion (a file resurgo did not write in
+    the checkpoint), then failing with an OSError: what every rank's next calls see."""
+    import errno
+    import warnings
+
+    from resurgo.manager import CheckpointManager
+    from resurgo.manager import manager as manager_module
+    from resurgo.manager.catalog import checkpoint_name
+
+    root = Path(tmp)
+    st = uneven_state(rank, world)
+    out: dict[str, Any] = {}
+    mgr = CheckpointManager(root, keep_last=1, async_save=False)
+
+    def call(name: str, fn: Callable[[], Any]) -> None:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out[name] = outcome(fn)
+        out[name + "_warned"] = [f"{w.category.__name__}: {w.message}" for w in caught
+                                 if issubclass(w.category, UserWarning)]
+        out[name + "_should_stop"] = mgr.should_stop
+
+    mgr.save(1, st)
+    if rank == 0:
+        (root / checkpoint_name(1) / "notes.txt").write_text("mine")
+    mgr.save(2, st)  # rank 0's retention refuses to delete step 1
+    mgr._janitor.join()
+    call("refused", lambda: mgr.save(3, st))
+    mgr._janitor.join()
+    if rank == 0:
+        (root / checkpoint_name(1) / "notes.txt").unlink()
+        real = manager_module.remove
+
+        def failing(store, name, **options):
+            manager_module.remove = real  # once
+            raise OSError(errno.EIO, "Input/output error", name)
+
+        manager_module.remove = failing
+    mgr.save(4, st)  # the warning of step 3's retention (step 1 still refused) is raised here
+    mgr._janitor.join()
+    call("oserror", lambda: mgr.maybe_save(5, st))  # no policy: nothing saved, the outcome agreed
+    call("after", lambda: mgr.save(6, st))
+    call("close", mgr.close)
+    dist.barrier()
+    out["steps"] = sorted(os.listdir(root))
+    return out

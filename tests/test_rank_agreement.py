@@ -214,3 +214,18 @@ def test_ranks_holding_different_tensors_or_loading_differently_are_refused_befo
     assert same_everywhere(results, "legit") == "ok" and same_everywhere(results, "legit_load") == "ok"
     assert all(r["legit_exact"] for r in results)
     assert same_everywhere(results, "after") == "ok"
+
+
+def test_a_deletion_that_retention_could_not_make_is_warned_alike_on_every_rank(tmp_path):
+    results = run_ranks(2, "agreement_workers:retention_failures", str(tmp_path), timeout=TIMEOUT)
+    warned = same_everywhere([{"w": tuple(r["refused_warned"])} for r in results], "w")
+    assert len(warned) == 1 and warned[0].startswith(f"ResurgoWarning: resurgo: retention in {tmp_path} could not "
+                                                     "delete everything it chose (rank 0: ForeignFilesError: "), warned
+    assert "notes.txt" in warned[0] and "rank 1: " not in warned[0] and "should_stop is not set" in warned[0]
+    warned = same_everywhere([{"w": tuple(r["oserror_warned"])} for r in results], "w")
+    assert len(warned) == 1 and "(rank 0: OSError: [Errno 5] Input/output error: " in warned[0], warned
+    for name in ("refused", "oserror", "after"):
+        assert same_everywhere(results, name) in ("ok", "False"), name
+        assert not any(r[f"{name}_should_stop"] for r in results)  # the saves are committed: the job carries on
+    assert same_everywhere([{"w": tuple(r["after_warned"])} for r in results], "w") == ()
+    assert results[0]["steps"] == [checkpoint_name(6)]
