@@ -271,3 +271,116 @@ def accelerate_refused_prune(rank: int, world: int, tmp: str) -> dict:
     out = {"train": outcome(lambda: train(project, save_every=2, stop=4, total_limit=1, on_step=plant))}
     out["after"] = outcome(lambda: resurgo.save({"x": torch.ones(3)}, project / "after"))
     return out
+
+
+def mismatched_trees_and_loads(rank: int, world: int, tmp: str) -> dict:
+    """Saves whose ranks hold different tensors where they must hold the same, loads whose ranks
+    pass different arguments while one rank's own step fails; then differences that are the
+    ranks' own (a PerRank, per-rank values) save and load exactly."""
+    from fractions import Fraction
+
+    root = Path(tmp)
+    st = uneven_state(rank, world)
+    resurgo.save(st, root / "b")
+    resurgo.save({**st, "ratio": Fraction(1, 3)}, root / "pickled", allow_pickle=True)
+    dist.barrier()
+    before = sorted(os.listdir(root))
+    many = {f"opt.{i}": torch.ones(2) for i in range(6)} if rank == 0 else {}
+    saves = {
+        "extra_tensor": {**st, **({"extra": torch.ones(3)} if rank == 1 else {})},
+        "extra_plain": {"b": st["b"], **many},  # plain tensors only: no shard to trip on
+        "shape": {**st, "b": torch.linspace(0, 1, 50 + rank)},
+        "dtype": {**st, "b": st["b"].to(torch.float64 if rank else torch.float32)},
+    }
+    out: dict[str, Any] = {name: outcome(lambda: resurgo.save(state, root / name)) for name, state in saves.items()}
+    dist.barrier()
+    out["written"] = sorted(set(os.listdir(root)) - set(before))
+
+    def blank() -> dict:
+        target = uneven_state(rank, world)
+        target["w"].local.zero_()
+        target["b"].zero_()
+        return target
+
+    other = rank % 2
+    targets: dict[str, dict] = {}
+
+    def load(name: str, path: Path, **options: Any) -> str:
+        targets[name] = blank()
+        if options.pop("extra_key", False):
+            targets[name]["missing"] = torch.zeros(2)  # not in the checkpoint: strict=True refuses
+        return outcome(lambda: resurgo.load(targets[name], path, **options))
+
+    out["load_strict"] = load("load_strict", root / "b", strict=bool(other), share_reads=False, extra_key=True)
+    out["load_allow_pickle"] = load("load_allow_pickle", root / "pickled", allow_pickle=bool(other), share_reads=False)
+    out["load_path"] = load("load_path", root / ("b" if other == 0 else "nowhere"), share_reads=False)
+    out["load_share_reads"] = load("load_share_reads", root / "b", share_reads=None if other == 0 else False,
+                                   strict=True, extra_key=bool(other))
+    out["untouched"] = {name: bool(t["w"].local.eq(0).all() and t["b"].eq(0).all()) for name, t in targets.items()}
+    out["load_dict_path"] = outcome(lambda: resurgo.load_dict(root / ("b" if other == 0 else "nowhere")))
+    out["load_dict_allow_pickle"] = outcome(lambda: resurgo.load_dict(root / "pickled", allow_pickle=bool(other)))
+
+    # The ranks' own differences: a PerRank of another key and shape, values and a small tensor.
+    def legit(zero: bool) -> dict:
+        mine = torch.arange(3 + rank) * (0 if zero else 1)  # of its own shape, under a key of each rank's
+        return {**(blank() if zero else st), "own": resurgo.PerRank({"same": mine, f"k{rank}": mine.clone()}),
+                "seen": [] if zero else list(range(rank + 1)), "noise": torch.full((4,), 0.0 if zero else float(rank))}
+
+    out["legit"] = outcome(lambda: resurgo.save(legit(False), root / "legit"))
+    back = legit(True)
+    out["legit_load"] = outcome(lambda: resurgo.load(back, root / "legit"))
+    want = legit(False)
+    out["legit_exact"] = (torch.equal(back["w"].local, want["w"].local) and torch.equal(back["noise"], want["noise"])
+                          and all(torch.equal(back["own"].value[k], want["own"].value[k]) for k in ("same", f"k{rank}"))
+                          and back["seen"] == want["seen"])
+    out["after"] = outcome(lambda: resurgo.save(st, root / "after"))
+    return out
+
+
+def retention_failures(rank: int, world: int, tmp: str) -> dict:
+    """A manager's retention (rank 0 deletes) refused a deletion (a file resurgo did not write in
+    the checkpoint), then failing with an OSError: what every rank's next calls see."""
+    import errno
+    import warnings
+
+    from resurgo.manager import CheckpointManager
+    from resurgo.manager import manager as manager_module
+    from resurgo.manager.catalog import checkpoint_name
+
+    root = Path(tmp)
+    st = uneven_state(rank, world)
+    out: dict[str, Any] = {}
+    mgr = CheckpointManager(root, keep_last=1, async_save=False)
+
+    def call(name: str, fn: Callable[[], Any]) -> None:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out[name] = outcome(fn)
+        out[name + "_warned"] = [f"{w.category.__name__}: {w.message}" for w in caught
+                                 if issubclass(w.category, UserWarning)]
+        out[name + "_should_stop"] = mgr.should_stop
+
+    mgr.save(1, st)
+    if rank == 0:
+        (root / checkpoint_name(1) / "notes.txt").write_text("mine")
+    mgr.save(2, st)  # rank 0's retention refuses to delete step 1
+    mgr._janitor.join()
+    call("refused", lambda: mgr.save(3, st))
+    mgr._janitor.join()
+    if rank == 0:
+        (root / checkpoint_name(1) / "notes.txt").unlink()
+        real = manager_module.remove
+
+        def failing(store, name, **options):
+            manager_module.remove = real  # once
+            raise OSError(errno.EIO, "Input/output error", name)
+
+        manager_module.remove = failing
+    mgr.save(4, st)  # the warning of step 3's retention (step 1 still refused) is raised here
+    mgr._janitor.join()
+    call("oserror", lambda: mgr.maybe_save(5, st))  # no policy: nothing saved, the outcome agreed
+    call("after", lambda: mgr.save(6, st))
+    call("close", mgr.close)
+    dist.barrier()
+    out["steps"] = sorted(os.listdir(root))
+    return out

@@ -96,7 +96,8 @@ def agree_rounds(rank: int, world: int, rounds: int) -> float:
 def manager_fail_during(rank: int, world: int, root: str, out: str, victim: int, point: str, kind: str) -> dict:
     """A manager saves step 0; then step 1 while ``victim`` is killed at ``point``: in the save
     itself (``kind`` "save"), in the background copy of step 1 to a second tier, every step copied
-    ("tier"), or in the replication of a memory tier to the next node ("memory", 2 ranks a node)."""
+    ("tier"), or in the replication of a memory tier to the next node ("memory", 2 ranks a node);
+    or ("restore") it restores instead, while ``victim`` is killed at ``point`` of the restore."""
     from resurgo.manager import MemoryTier, Tier
 
     out_dir = Path(out)
@@ -114,8 +115,11 @@ def manager_fail_during(rank: int, world: int, root: str, out: str, victim: int,
         faults.arm(f"{victim}:{point}:kill")
     outcome: dict = {"rank": rank}
     try:
-        mgr.save(1, state(1, rank, world))
-        mgr.wait()
+        if kind == "restore":
+            mgr.restore(state(1, rank, world))
+        else:
+            mgr.save(1, state(1, rank, world))
+            mgr.wait()
         outcome.update(error=None)
     except resurgo.ResurgoError as e:
         outcome.update(error=type(e).__name__, message=str(e), ranks=list(getattr(e, "ranks", ())),

@@ -254,9 +254,11 @@ def test_unsupported_values_are_named(tmp_path):
 def test_every_error_is_a_resurgo_error():
     import resurgo.errors as E
 
-    classes = [v for v in vars(E).values() if isinstance(v, type) and issubclass(v, Exception)]
+    classes = [v for v in vars(E).values() if isinstance(v, type) and issubclass(v, Exception)
+               and not issubclass(v, Warning)]
     assert len(classes) >= 14
     assert all(issubclass(c, ResurgoError) for c in classes)
+    assert issubclass(E.ResurgoWarning, UserWarning) and not issubclass(E.ResurgoWarning, ResurgoError)
 
 
 def test_huge_ints_are_refused_or_pickled(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from resurgo.errors import ShardingError
+from resurgo.errors import ShardingError, UnsupportedValueError
 from resurgo.format import checksum
 from resurgo.layout.box import ChunkBox, FlatRange, covers_exactly_once, place_order
 from resurgo.layout.grid import Grid
@@ -97,6 +97,39 @@ def test_values_that_differ_become_per_rank_and_equal_ones_stay_single():
     assert items["seen"] == {"type": "per_rank", "items": [{"type": "int", "value": r} for r in range(3)]}
     assert items["t"] == {"type": "per_rank", "items": [{"type": "tensor", "key": f"t@rank{r}"} for r in range(3)]}
     assert per_rank == {"t"}
+
+
+def _plain(key: str, shape=(3,), dtype="float32", digest=None) -> TensorDecl:
+    return TensorDecl(key, "torch", dtype, shape, (ChunkBox.whole(shape),), False, digest)
+
+
+def test_ranks_holding_different_tensors_are_refused_naming_a_few_keys_per_group():
+    keys = [["a"] + [f"opt.{i}" for i in range(1000)], ["a"], ["a"] + [f"opt.{i}" for i in range(1000)], ["a", "z"]]
+    decls = [RankDecl(_tree(k), tuple(_plain(x) for x in k)) for k in keys]
+    with pytest.raises(UnsupportedValueError) as raised:
+        plan_global(decls, checksum.block_bytes_for)
+    assert str(raised.value).startswith(
+        "the ranks' states hold different tensors ('opt.0', 'opt.1', 'opt.2', 'opt.3' and 996 more on ranks 0, 2; "
+        "no other tensor on rank 1; 'z' on rank 3); every rank must hold the same tensors")
+    assert len(str(raised.value)) < 400  # a few keys per group, not thousands
+
+
+def test_values_of_the_ranks_own_may_differ_and_whole_tensors_may_not():
+    per_rank_tree = {"type": "dict", "items": [["own", {"type": "per_rank", "items": [{"type": "tensor", "key": "own"}]}],
+                                               ["n", {"type": "int", "value": 1}]]}
+    own = [RankDecl(per_rank_tree, (_plain("own", (3 + r,)),)) for r in range(2)]
+    plan = plan_global(own, checksum.block_bytes_for)  # a PerRank: each rank's of its own shape
+    assert {k: m.shape for k, m in plan.tensors.items()} == {"own@rank0": (3,), "own@rank1": (4,)}
+    for shape, dtype, digest in (((4,), "float32", None), ((3,), "float64", None), ((4,), "float32", "d")):
+        whole = [RankDecl(_tree(["b"]), (_plain("b", (3,), "float32", digest and f"{digest}0"),)),
+                 RankDecl(_tree(["b"]), (_plain("b", shape, dtype, digest and f"{digest}1"),))]
+        with pytest.raises(UnsupportedValueError, match=rf"tensor 'b': the ranks hold it differently \(torch float32 "
+                                                        rf"\[3\] on rank 0; torch {dtype} \[{shape[0]}\] on rank 1\)"):
+            plan_global(whole, checksum.block_bytes_for)  # also when its values differ (saved per rank)
+    trees = [{"type": "dict", "items": [["pos", {"type": "list", "items": [{"type": "int", "value": i} for i in range(r)]}],
+                                        ["t", {"type": "tensor", "key": "t"}]]} for r in range(3)]
+    merged, per_rank = merge_trees(trees, differing=set())  # values that differ in shape, no tensor among them
+    assert dict(merged["items"])["pos"]["type"] == "per_rank" and per_rank == set()
 
 
 # -- the plan cache: reuse only while nothing the plan depends on changed -----------------------

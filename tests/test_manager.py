@@ -646,9 +646,13 @@ def test_gc_of_a_durable_tier_applies_that_tiers_rules(tmp_path):
 # -- observing commits without blocking -----------------------------------------------------------
 def test_latest_committed_step_changes_only_once_the_async_save_is_committed(tmp_path, gated_writes):
     seen: list[tuple[int, str, str, list[int]]] = []
+    published: list[int | None] = []
+    called = threading.Event()
 
     def on_commit(step, path):  # the checkpoint is on disk, committed, when this runs
+        published.append(mgr.latest_committed_step)
         seen.append((step, str(path), threading.current_thread().name, committed_steps(tmp_path)))
+        called.set()
 
     mgr = CheckpointManager(tmp_path, on_commit=on_commit)
     assert mgr.latest_committed_step is None
@@ -660,12 +664,17 @@ def test_latest_committed_step_changes_only_once_the_async_save_is_committed(tmp
     while mgr.latest_committed_step is None and time.monotonic() < deadline:
         time.sleep(0.005)  # polled, never waited for: the property alone reports the commit
     assert mgr.latest_committed_step == 1
+    # The step is published first, then on_commit runs in the committing thread: it may still be
+    # running when the poll above sees the step, so its record is waited for, not assumed.
+    assert called.wait(30)
+    assert published == [1]
     assert seen == [(1, str(tmp_path / checkpoint_name(1)), "resurgo-async-save", [1])]
     for s in (2, 3):
         mgr.save(s, state_at(s))
     mgr.close()
     assert [(s, p) for s, p, _, _ in seen] == [(s, str(tmp_path / checkpoint_name(s))) for s in (1, 2, 3)]
     assert all(steps[-1] == s for s, _, _, steps in seen)
+    assert published == [1, 2, 3]
     assert mgr.latest_committed_step == 3
 
 

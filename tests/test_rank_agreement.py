@@ -182,3 +182,49 @@ def test_accelerates_refused_prune_on_the_main_process_is_raised_on_every_proces
     assert message.startswith("ForeignFilesError: rank 0 failed: ") and "notes.txt" in message, message
     assert same_everywhere(results, "after") == "ok"
     assert (tmp_path / "checkpoints" / "checkpoint_1" / "manifest.json").is_file()
+
+
+def test_ranks_holding_different_tensors_or_loading_differently_are_refused_before_any_byte_moves(tmp_path):
+    results = run_ranks(2, "agreement_workers:mismatched_trees_and_loads", str(tmp_path), timeout=TIMEOUT)
+    prefix = "UnsupportedValueError: rank 0 failed: "
+    expect = {
+        "extra_tensor": "the ranks' states hold different tensors (no other tensor on rank 0; 'extra' on rank 1)",
+        "extra_plain": "the ranks' states hold different tensors ('opt.0', 'opt.1', 'opt.2', 'opt.3' and 2 more on "
+                       "rank 0; no other tensor on rank 1)",
+        "shape": "tensor 'b': the ranks hold it differently (torch float32 [50] on rank 0; torch float32 [51] on rank 1)",
+        "dtype": "tensor 'b': the ranks hold it differently (torch float32 [50] on rank 0; torch float64 [50] on rank 1)",
+    }
+    for name, part in expect.items():
+        message = same_everywhere(results, name)
+        assert message.startswith(prefix + part), (name, message)
+    assert results[0]["written"] == []  # refused before any byte
+    loads = {
+        "load_strict": "strict: False on rank 0; True on rank 1",
+        "load_allow_pickle": "allow_pickle: False on rank 0; True on rank 1",
+        "load_path": "checkpoint: 'b' on rank 0; 'nowhere' on rank 1",
+        "load_share_reads": "share_reads (None on rank 0; False on rank 1)",
+        "load_dict_path": "checkpoint: 'b' on rank 0; 'nowhere' on rank 1",
+        "load_dict_allow_pickle": "allow_pickle: False on rank 0; True on rank 1",
+    }
+    for name, part in loads.items():  # not one rank's KeyMismatchError, PickleNotAllowedError, CheckpointNotFoundError
+        message = same_everywhere(results, name)
+        assert message.startswith("UnsupportedValueError: ") and part in message, (name, message)
+    assert all(all(r["untouched"].values()) for r in results), [r["untouched"] for r in results]
+    assert same_everywhere(results, "legit") == "ok" and same_everywhere(results, "legit_load") == "ok"
+    assert all(r["legit_exact"] for r in results)
+    assert same_everywhere(results, "after") == "ok"
+
+
+def test_a_deletion_that_retention_could_not_make_is_warned_alike_on_every_rank(tmp_path):
+    results = run_ranks(2, "agreement_workers:retention_failures", str(tmp_path), timeout=TIMEOUT)
+    warned = same_everywhere([{"w": tuple(r["refused_warned"])} for r in results], "w")
+    assert len(warned) == 1 and warned[0].startswith(f"ResurgoWarning: resurgo: retention in {tmp_path} could not "
+                                                     "delete everything it chose (rank 0: ForeignFilesError: "), warned
+    assert "notes.txt" in warned[0] and "rank 1: " not in warned[0] and "should_stop is not set" in warned[0]
+    warned = same_everywhere([{"w": tuple(r["oserror_warned"])} for r in results], "w")
+    assert len(warned) == 1 and "(rank 0: OSError: [Errno 5] Input/output error: " in warned[0], warned
+    for name in ("refused", "oserror", "after"):
+        assert same_everywhere(results, name) in ("ok", "False"), name
+        assert not any(r[f"{name}_should_stop"] for r in results)  # the saves are committed: the job carries on
+    assert same_everywhere([{"w": tuple(r["after_warned"])} for r in results], "w") == ()
+    assert results[0]["steps"] == [checkpoint_name(6)]

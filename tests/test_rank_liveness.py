@@ -173,3 +173,19 @@ def test_a_rank_killed_mid_manager_save_tier_copy_or_replication_is_named(tmp_pa
         assert mgr.restore(target) == 0
     assert _bits(target) == _bits(full(0, WORLD))
     assert not any(TMP in p.name for p in durable.iterdir())
+
+
+def test_a_rank_killed_mid_restore_is_named_in_the_restore(tmp_path):
+    root, out = tmp_path / "root", tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(RankFailedError) as launched:
+        run_ranks(2, "liveness_workers:manager_fail_during", str(root), str(out), 1, "manager.restore", "restore",
+                  timeout=120)
+    assert "rank 1: exited with code -9 and no result" in str(launched.value)
+    t_kill = json.loads((out / "victim.json").read_text())["t"]
+    o = json.loads((out / "rank0.json").read_text())
+    assert o["error"] == "RankFailedError" and o["ranks"] == [1], o
+    assert o["operation"] == "restore" and o["checkpoint"] == str(root), o
+    assert o["message"].startswith(f"restore of {root} failed on rank 0: rank 1 (host "), o
+    assert f"last seen in restore, of {root}" in o["message"], o
+    assert o["t_end"] - t_kill < BOUND_DEATH, o

@@ -14,6 +14,11 @@ class ResurgoError(Exception):
     """Base of every error resurgo raises on purpose."""
 
 
+class ResurgoWarning(UserWarning):
+    """Something went wrong that does not undo what the call did (a checkpoint committed, whose
+    retention could not delete an older one): the job may carry on."""
+
+
 class CheckpointNotFoundError(ResurgoError, FileNotFoundError):
     """The path does not exist."""
 

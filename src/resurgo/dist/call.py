@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from resurgo.errors import UnsupportedValueError
+from resurgo.wording import on_ranks
 
 
 def call_note(**values: Any) -> tuple[tuple[str, ...], tuple]:
@@ -22,11 +23,7 @@ def call_note(**values: Any) -> tuple[tuple[str, ...], tuple]:
 
 def ranks_by_value(values: list[Any]) -> str:
     """``values`` (one per rank, in rank order) as "'a' on ranks 0, 2; 'b' on rank 1"."""
-    groups: dict[str, list[int]] = {}
-    for rank, value in enumerate(values):
-        groups.setdefault(repr(value), []).append(rank)
-    return "; ".join(f"{value} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-                     for value, ranks in groups.items())
+    return on_ranks([repr(v) for v in values])
 
 
 def check_same(what: str, source: str, names: tuple[str, ...], notes: list[tuple]) -> None:

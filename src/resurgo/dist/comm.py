@@ -109,29 +109,35 @@ class Comm:
         failing rank's, naming that rank). Collective: every rank must call it."""
         return self.agree_noting(lambda: (fn(), None))[0]
 
-    def agree_noting(self, fn: Callable[[], tuple[T, Any]]) -> tuple[T, list[Any]]:
+    def agree_noting(self, fn: Callable[[], tuple[T, Any]], call: Any = None,
+                     check_call: Callable[[list[Any]], None] | None = None) -> tuple[T, list[Any]]:
         """:meth:`agree` for an ``fn`` returning (result, note): with the result, every rank's
-        note, gathered in the same collective as the outcomes."""
-        outcome: tuple[Any, Any] = (None, None)  # (failure, note)
+        note, gathered in the same collective as the outcomes. ``call``: this rank's arguments,
+        gathered with its outcome even when ``fn`` failed; every rank first runs ``check_call`` on
+        every rank's ``call``, so ranks that passed different arguments all raise its error (the
+        same, from the same values), not one rank's failure that the difference may have caused."""
+        outcome: tuple[Any, Any, Any] = (None, None, call)  # (failure, note, call)
         result: Any = None
         original: BaseException | None = None
         try:
             result, note = fn()
-            outcome = (None, note)
+            outcome = (None, note, call)
         except BaseException as e:  # noqa: BLE001 - reported to every rank, then raised
             original = e
-            outcome = ((type(e).__name__, str(e), self.rank, _fields(e)), None)
+            outcome = ((type(e).__name__, str(e), self.rank, _fields(e)), None, call)
         if self.size == 1:
             if original is not None:
                 raise original
             return result, [outcome[1]]
         every = self.all_gather(outcome)
+        if check_call is not None:
+            check_call([c for _, _, c in every])
         # The first rank's failure, unless it is only the consequence of another's (bytes received
         # from a rank that could not read them): the cause is raised on every rank.
-        failures = sorted((f for f, _ in every if f is not None), key=lambda f: bool(f[3].get("secondary")))
+        failures = sorted((f for f, _, _ in every if f is not None), key=lambda f: bool(f[3].get("secondary")))
         if failures:
             raise _rebuild(*failures[0]) from original
-        return result, [n for _, n in every]
+        return result, [n for _, n, _ in every]
 
 
 def _global_rank(group: Any, group_rank: int) -> int:

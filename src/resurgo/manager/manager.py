@@ -33,6 +33,7 @@ from resurgo.errors import (
     ManifestError,
     NotACheckpointError,
     ResurgoError,
+    ResurgoWarning,
     StorageError,
     UnsupportedValueError,
 )
@@ -282,6 +283,7 @@ class CheckpointManager:
         self._copies_pending: dict[int, int] = {}
         self._copies_lock = threading.Lock()
         self._copy_errors: list[BaseException] = []  # raised by the next call, agreed (_agree_on_background)
+        self._deletion_errors: list[str] = []  # warned on every rank by the next agreement
         self._closed = False
         self._previous_handlers: dict[int, Any] = {}
         self._install_signal_handlers(tuple(signals))
@@ -397,7 +399,8 @@ class CheckpointManager:
 
         Incomplete and corrupt checkpoints are skipped with a warning saying why, never loaded and
         never deleted. ``step=`` loads that step or raises. Every rank restores the same step:
-        rank 0 chooses, and a checkpoint that fails on any rank is skipped on all.
+        rank 0 chooses, and a checkpoint that fails on any rank is skipped on all. A rank that
+        fails meanwhile is named on every other by RankFailedError (operation "restore").
         """
         self._check_open()
         with liveness.operation("restore", self.root):  # what the others name if this rank falls silent
@@ -408,19 +411,19 @@ class CheckpointManager:
             restored = self._restore_from_memory(state, step, strict)
             if restored is not None:
                 return restored
-        def choose() -> tuple[None, tuple]:
-            """Rank 0's candidates (its refusal of ``step``, raised on every rank), with every
-            rank's arguments, which must match."""
+        def choose() -> tuple[None, list[tuple[int, int]] | None]:
+            """Rank 0's candidates (its refusal of ``step``, raised on every rank, unless the ranks'
+            arguments differ: that is raised first)."""
             mine = None
             faults.point("manager.restore")
             if self._rank == 0:
                 mine = self._explicit_candidates(step) if step is not None else self._restore_candidates()
-            return None, (call[1], mine)
+            return None, mine
 
-        call = call_note(step=step, strict=strict)
-        _, notes = dist_comm.current("control").agree_noting(choose)
-        check_same("restore", str(self.root), call[0], [n for n, _ in notes])
-        candidates = notes[0][1]
+        names, call = call_note(step=step, strict=strict)
+        _, notes = dist_comm.current("control").agree_noting(
+            choose, call, lambda calls: check_same("restore", str(self.root), names, calls))
+        candidates = notes[0]
         assert candidates is not None
         failures = []
         for s, tier in candidates:
@@ -688,10 +691,23 @@ class CheckpointManager:
             warnings.warn(f"resurgo: on_commit({step}, {str(path)!r}) raised {type(e).__name__}: {e}",
                           RuntimeWarning, stacklevel=2)
 
-    def _reap(self) -> None:
-        """Warn about deletion errors (rank-local: retention runs on one rank per root)."""
-        for e in self._janitor.take_errors():
-            warnings.warn(f"resurgo: background work (a deletion) failed: {e}", stacklevel=3)
+    def _reap(self, now: bool = False) -> None:
+        """Take the deletions' errors (retention runs on one rank per root). Alone, or ``now``
+        (closing: no collective left to agree them in), warn them here; else every rank warns them
+        alike once the next agreement has gathered them (:meth:`_agree_on_background`)."""
+        self._deletion_errors += [f"{type(e).__name__}: {e}" for e in self._janitor.take_errors()]
+        if now or self._world_size == 1:
+            self._warn_deletions([list(self._deletion_errors)], stacklevel=4)
+            self._deletion_errors.clear()
+
+    def _warn_deletions(self, errors: list[list[str]], stacklevel: int) -> None:
+        """One ResurgoWarning for every rank's deletion errors (the same text on every rank)."""
+        lines = [f"{'' if len(errors) == 1 else f'rank {r}: '}{e}" for r, es in enumerate(errors) for e in es]
+        if lines:
+            warnings.warn(f"resurgo: retention in {self.root} could not delete everything it chose ({'; '.join(lines)}); "
+                          "the checkpoints saved are committed and what was not deleted stays in place (retention "
+                          "tries again after the next commit, `resurgo gc` removes it by hand); should_stop is not set",
+                          ResurgoWarning, stacklevel=stacklevel)
 
     def _background_failure(self) -> BaseException | None:
         """This rank's background failure known now: a finished asynchronous save's error, or a
@@ -717,8 +733,11 @@ class CheckpointManager:
                 raise failure
             return None, [bool(f) for f in flags]
 
+        # A deletion's error (rank-local) travels with this agreement, even from a failing rank.
+        deletions, self._deletion_errors = list(self._deletion_errors), []
         try:
-            _, notes = dist_comm.current("control").agree_noting(check)
+            _, notes = dist_comm.current("control").agree_noting(
+                check, deletions, lambda everyone: self._warn_deletions(everyone, stacklevel=6))
         except BaseException:
             self._should_stop = True
             self._forget_background()
@@ -764,9 +783,15 @@ class CheckpointManager:
             return
         if self.retention is not None:
             unreadable = frozenset(self._unreadable_steps)
-            self._janitor.submit(lambda: self._apply_retention(step, unreadable))
+            self._janitor.submit(lambda: self._retain(step, unreadable))
 
     # -- background clean-up and copies (janitor thread) -------------------------------------------
+    def _retain(self, just_committed: int, unreadable: frozenset[int]) -> None:
+        """The first tier's retention, named "retention" to the other ranks should this one fall
+        silent in it (a deletion stuck on storage)."""
+        with liveness.operation("retention", self.root):
+            self._apply_retention(just_committed, unreadable)
+
     def _apply_retention(self, just_committed: int, unreadable: frozenset[int], tier: int = 0,
                          retention: RetentionPolicy | None = None) -> None:
         store = self._roots[tier]
@@ -925,6 +950,7 @@ class CheckpointManager:
             self.wait()
         finally:
             self._janitor.join()
+            self._reap(now=True)  # the last deletions: no later call agrees them
             self._restore_signal_handlers()
             self._closed = True
 

@@ -3,7 +3,9 @@ fill its containers.
 
 Every rank reads only what its own layout needs. The whole plan is checked before the target
 changes (:class:`~resurgo.state.unflatten.Restorer`); if any rank fails, every rank raises the
-same error (:func:`~resurgo.dist.comm.Comm.agree`). No byte that fails its checksum reaches a
+same error (:func:`~resurgo.dist.comm.Comm.agree`). The ranks' arguments travel with that
+agreement and are compared first: ranks that passed different ones all raise
+UnsupportedValueError, whatever failed where, and no rank has read a byte yet. No byte that fails its checksum reaches a
 target tensor, and a tensor is filled only once all of its bytes verified
 (:mod:`resurgo.pipeline.reader`), so when a checksum fails each target tensor is either loaded
 or exactly as it was: the :class:`~resurgo.errors.CorruptCheckpointError` lists both, for the
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from resurgo.dist import comm as dist_comm
@@ -109,10 +111,11 @@ def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool
     seen: list[bytes] = []  # the manifest this attempt read
     indexes_read: dict[str, int] = {}
 
-    def plan_and_read() -> tuple[tuple[Restorer, Any, ReadResult | SharedLoad | PeerLoad, Manifest, float], Any]:
-        """The load planned (and read, unless the ranks may share or read from peers), and this rank's
-        note for the others: the manifest it read, the arguments every rank must pass alike, and
-        what planning shared reads needs (None: not sharing)."""
+    def plan_and_read() -> tuple[tuple[Restorer, Any, ReadResult | SharedLoad | PeerLoad | _PlannedRead, Manifest, float],
+                                 Any]:
+        """The load planned (and read when this process loads alone), and this rank's note for the
+        others: the manifest it read, and what planning shared reads needs (None: not sharing). In a
+        job of several ranks nothing is read yet: the ranks first compare their arguments."""
         ckpt = open_checkpoint(path, storage_options).pinned()  # one version, where the backend can
         keep_open = False
         try:
@@ -152,22 +155,25 @@ def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool
                 opened.append(PeerLoad(ckpt, manifest, destinations, verify, io_threads, peers,
                                        ckpt.map_read, loaded))  # type: ignore[attr-defined]
                 keep_open = True
-                return (restorer, result, opened[-1], manifest, t_plan), (version, call, None)
+                return (restorer, result, opened[-1], manifest, t_plan), (version, None)
             if sharing:  # read once every rank agreed on the plan: the sharing is collective
                 shared = SharedLoad(ckpt, manifest, destinations, verify, io_threads, loaded)
                 opened.append(shared)
                 keep_open = True
                 return ((restorer, result, shared, manifest, t_plan),
-                        (version, call, share_note(shared.needs, is_url(path))))
-            return (restorer, result, read_destinations(ckpt, manifest, destinations, verify=verify, threads=io_threads,
-                                                        loaded=loaded, atomic=target is not None),
-                    manifest, t_plan), (version, call, None)
+                        (version, share_note(shared.needs, is_url(path))))
+            planned_read = _PlannedRead(ckpt, manifest, destinations, verify, io_threads, loaded, target is not None)
+            if comm.size > 1:  # read once every rank agreed on the call (the read is agreed too)
+                opened.append(planned_read)
+                keep_open = True
+                return (restorer, result, planned_read, manifest, t_plan), (version, None)
+            return (restorer, result, planned_read.read(), manifest, t_plan), (version, None)
         finally:
             if not keep_open:
                 ckpt.close()
 
     shared_info = {"shared": False, "plan_bytes": 0}
-    opened: list[SharedLoad | PeerLoad] = []  # loads planned whose checkpoint is still open (read_shared closes it)
+    opened: list[SharedLoad | PeerLoad | _PlannedRead] = []  # loads planned whose checkpoint is still open
 
     def read_from_peers(load: PeerLoad) -> ReadResult:
         try:
@@ -178,12 +184,31 @@ def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool
     def read_shared(load: SharedLoad, notes: list[Any]) -> ReadResult:
         """Every rank agrees on the share plan, then reads its part (all raise if one fails)."""
         try:
-            plan, shared_info["plan_bytes"] = agree_plan(comm, [v for v, _, _ in notes], [n for _, _, n in notes],
+            plan, shared_info["plan_bytes"] = agree_plan(comm, [v for v, _ in notes], [n for _, n in notes],
                                                          load.needs, share_reads)
             shared_info["shared"] = plan is not None
             return comm.agree(load.read_alone if plan is None else lambda: load.transfer(comm, plan))
         finally:
             close_opened()
+
+    def read_planned(load: _PlannedRead) -> ReadResult:
+        try:
+            return comm.agree(load.read)
+        finally:
+            close_opened()
+
+    def check_call(calls: list[tuple]) -> None:
+        """Every rank, on every rank's arguments, before any failure is raised: ranks that passed
+        different ones all refuse, from the same values."""
+        if len(set(calls)) == 1:
+            return
+        choices[:] = calls
+        shares = [c[names.index("share_reads")] for c in calls]
+        if len(set(shares)) > 1:
+            raise mixed_share_reads(str(path), shares)
+        # Each rank's own path would start the message: name none when the checkpoints differ.
+        checkpoints = {c[names.index("checkpoint")] for c in calls}
+        check_same("load", str(path) if len(checkpoints) == 1 else "resurgo.load", names, calls)
 
     def close_opened() -> None:
         for load in opened:
@@ -197,27 +222,19 @@ def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool
         seen.clear()
         try:
             try:
-                (restorer, result, read, manifest, t_plan), notes = comm.agree_noting(plan_and_read)
-            except BaseException:  # another rank failed: this rank's planned load is not read
+                (restorer, result, read, manifest, t_plan), notes = comm.agree_noting(plan_and_read, call, check_call)
+            except BaseException:  # another rank failed, or the ranks' arguments differ: nothing is read
                 close_opened()
                 raise
-            if len({c for _, c, _ in notes}) > 1:  # the ranks would decide apart: every rank refuses
-                close_opened()
-                choices = [c for _, c, _ in notes]
-                shares = [c[names.index("share_reads")] for c in choices]
-                if len(set(shares)) > 1:
-                    raise mixed_share_reads(str(path), shares)
-                # Each rank's own path would start the message: name none when the checkpoints differ.
-                loaded = {c[names.index("checkpoint")] for c in choices}
-                check_same("load", str(path) if len(loaded) == 1 else "resurgo.load", names, choices)
-            if not _one_version_per_path([v for v, _, _ in notes]):
+            if not _one_version_per_path([v for v, _ in notes]):
                 close_opened()
                 continue
-            if isinstance(read, (SharedLoad, PeerLoad)):
-                shared_load: SharedLoad | PeerLoad | None = read
+            shared_load: SharedLoad | PeerLoad | None = None
+            if isinstance(read, _PlannedRead):
+                read = read_planned(read)
+            elif isinstance(read, (SharedLoad, PeerLoad)):
+                shared_load = read
                 read = read_shared(read, notes) if isinstance(read, SharedLoad) else read_from_peers(read)
-            else:
-                shared_load = None
         except CheckpointReplacedError:
             continue  # raised on every rank by agree()
         except ResurgoError:
@@ -245,6 +262,24 @@ def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool
         bytes_received=read.bytes_received, shared=bool(shared_info["shared"]),
         share_plan_bytes_sent=int(shared_info["plan_bytes"]),
     )
+
+
+@dataclass
+class _PlannedRead:
+    """One rank's load of a job, planned, read from storage by this rank alone once every rank
+    agreed on the call (see :func:`~resurgo.pipeline.reader.read_destinations`)."""
+
+    ckpt: Checkpoint
+    manifest: Manifest
+    destinations: list[Destination]
+    verify: bool
+    threads: int
+    loaded: set[str]
+    atomic: bool
+
+    def read(self) -> ReadResult:
+        return read_destinations(self.ckpt, self.manifest, self.destinations, verify=self.verify,
+                                 threads=self.threads, loaded=self.loaded, atomic=self.atomic)
 
 
 def _key_mismatch_message(ckpt: Checkpoint, missing: list[str], unexpected: list[str]) -> str:

@@ -21,20 +21,21 @@ import itertools
 import json
 import math
 import operator
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 import xxhash
 
-from resurgo.errors import ShardingError
+from resurgo.errors import ShardingError, UnsupportedValueError
 from resurgo.format import dtypes
 from resurgo.format.tree import TENSORS, per_rank_key
 from resurgo.gcpause import collector_paused
 from resurgo.layout.box import ChunkBox, FlatRange, Place, covers_exactly_once, place_order
 from resurgo.layout.grid import grid_cells
 from resurgo.plan.save_plan import WriteItem
+from resurgo.wording import on_ranks
 
 
 @dataclass(frozen=True)
@@ -129,11 +130,14 @@ def _must_split(node: Any, keys: set[str]) -> bool:
     return False
 
 
-def merge_trees(trees: list[dict], differing: set[str]) -> tuple[dict, set[str]]:
+def merge_trees(trees: list[dict], differing: set[str], own: set[str] | None = None) -> tuple[dict, set[str]]:
     """One tree for all ranks: equal parts kept once, parts that differ (or mention a tensor in
     ``differing``, or sit under a PerRank) as ``per_rank`` nodes. Returns the tree and the keys of
-    the tensors saved per rank."""
+    the tensors saved per rank; ``own`` gets those of them under a PerRank (each rank's own
+    tensor, of its own dtype and shape). Where the trees differ in shape, not only in values,
+    every rank must hold the same tensors there, else UnsupportedValueError."""
     per_rank: set[str] = set()
+    owned = own if own is not None else set()
 
     def rename(node: Any, rank: int) -> Any:
         if isinstance(node, dict):
@@ -149,11 +153,17 @@ def merge_trees(trees: list[dict], differing: set[str]) -> tuple[dict, set[str]]
         items = [rename(n["items"][0] if n.get("type") == "per_rank" else n, r) for r, n in enumerate(nodes)]
         return {"type": "per_rank", "items": items}
 
+    def split_own(nodes: list[dict]) -> dict:
+        before = set(per_rank)
+        merged = split(nodes)
+        owned.update(per_rank - before)
+        return merged
+
     def merge(nodes: list[dict]) -> dict:
         first = nodes[0]
         t = first.get("type")
-        if any(n.get("type") == "per_rank" for n in nodes):
-            return split(nodes)
+        if any(n.get("type") == "per_rank" for n in nodes):  # a PerRank: the ranks' own, whatever they hold
+            return split_own(nodes)
         if all(n == first for n in nodes[1:]) and not _must_split(first, differing):
             return first
         if all(n.get("type") == t for n in nodes):
@@ -166,9 +176,56 @@ def merge_trees(trees: list[dict], differing: set[str]) -> tuple[dict, set[str]]
                     return {"type": t, "items": [merge([n["items"][i] for n in nodes]) for i in range(len(first["items"]))]}
             elif t == "stateful" and all(n["class"] == first["class"] for n in nodes[1:]):
                 return {"type": t, "class": first["class"], "state": merge([n["state"] for n in nodes])}
+        _check_same_tensors(nodes)
         return split(nodes)
 
     return merge(trees), per_rank
+
+
+# The most tensor keys a message lists for one group of ranks.
+KEYS_SHOWN = 4
+
+
+def _tensor_keys(node: Any) -> list[str]:
+    """The keys of the tensors in ``node`` outside any PerRank (their ranks' own), in tree order."""
+    keys: list[str] = []
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, dict):
+            if n.get("type") == "per_rank":
+                continue
+            if n.get("type") in TENSORS and isinstance(n.get("key"), str):
+                keys.append(n["key"])
+                continue
+            stack.extend(reversed(list(n.values())))
+        elif isinstance(n, list):
+            stack.extend(reversed(n))
+    return keys
+
+
+def _check_same_tensors(nodes: list[Any]) -> None:
+    """Where the ranks' trees differ in shape (not only in values), every rank must hold the same
+    tensors there: a tensor that only some ranks hold would be saved once per rank, each rank's
+    copy under its own key, and no other layout could load it. Raises UnsupportedValueError
+    naming, for each group of ranks, the tensors that not every rank holds (a few of them)."""
+    held = [_tensor_keys(n) for n in nodes]
+    sets = [frozenset(h) for h in held]
+    if all(k == sets[0] for k in sets[1:]):
+        return
+    common = frozenset.intersection(*sets)
+
+    def describe(keys: list[str]) -> str:
+        extra = [k for k in keys if k not in common]
+        if not extra:
+            return "no other tensor"
+        shown = ", ".join(map(repr, extra[:KEYS_SHOWN]))
+        return shown + (f" and {len(extra) - KEYS_SHOWN} more" if len(extra) > KEYS_SHOWN else "")
+
+    raise UnsupportedValueError(
+        f"the ranks' states hold different tensors ({on_ranks([describe(h) for h in held])}); every rank "
+        f"must hold the same tensors (each sharded one as a Shard, FlatShard or DTensor, even if empty on some "
+        f"ranks), or wrap what is its own in resurgo.PerRank")
 
 
 # -- tensors -------------------------------------------------------------------------------------
@@ -183,6 +240,19 @@ def _differing_replicas(decls: list[RankDecl]) -> set[str]:
 
 
 def _check_consistent(key: str, holders: list[tuple[int, TensorDecl]]) -> TensorMeta:
+    """The one meta the ``holders`` of ``key`` agree on, else an error naming theirs: a tensor
+    that is not sharded on every rank is the same whole tensor on each, so a difference is the
+    ranks' disagreement (UnsupportedValueError, each rank's value); shards that disagree on the
+    tensor they cut are a ShardingError."""
+    if not all(t.sharded for _, t in holders):
+        texts = {r: f"{t.kind} {t.dtype} {list(t.shape)}" for r, t in holders}
+        if len(set(texts.values())) > 1:
+            shown = "; ".join(f"{text} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
+                              for text, rs in _group(texts).items())
+            raise UnsupportedValueError(
+                f"tensor {key!r}: the ranks hold it differently ({shown}); a tensor that is not sharded must have "
+                f"the same dtype and shape on every rank (declare its shards as a Shard, FlatShard or DTensor, "
+                f"or wrap a rank's own in resurgo.PerRank)")
     r0, t0 = holders[0]
     for r, t in holders[1:]:
         if (t.kind, t.dtype) != (t0.kind, t0.dtype):
@@ -190,6 +260,13 @@ def _check_consistent(key: str, holders: list[tuple[int, TensorDecl]]) -> Tensor
         if t.shape != t0.shape:
             raise ShardingError(f"tensor {key!r}: rank {r0} declares global shape {list(t0.shape)}, rank {r} {list(t.shape)}")
     return TensorMeta(t0.kind, t0.dtype, t0.shape)
+
+
+def _group(texts: dict[int, str]) -> dict[str, list[int]]:
+    groups: dict[str, list[int]] = {}
+    for rank, text in texts.items():
+        groups.setdefault(text, []).append(rank)
+    return groups
 
 
 def _check_tiling(key: str, shape: tuple[int, ...], owners: dict[Place, list[int]]) -> None:
@@ -241,8 +318,9 @@ def plan_global(decls: list[RankDecl], block_bytes_for: Callable[[int, int], int
     jobs, take the general path (:func:`listed_chunks`). Both give the same plan.
     """
     with collector_paused():  # an object per chunk, all kept: see resurgo.gcpause
-        tree, per_rank = merge_trees([d.tree for d in decls], _differing_replicas(decls))
-        return _plan_tensors(decls, block_bytes_for, tree, per_rank, regular_from)
+        own: set[str] = set()
+        tree, per_rank = merge_trees([d.tree for d in decls], _differing_replicas(decls), own)
+        return _plan_tensors(decls, block_bytes_for, tree, per_rank, regular_from, own)
 
 
 class PlanCache:
@@ -270,13 +348,14 @@ class PlanCache:
         """:func:`plan_global`, or its reuse. ``block_rule`` identifies ``block_bytes_for`` (e.g. the
         fixed block size asked for, or None for the default rule)."""
         with collector_paused():
-            tree, per_rank = merge_trees([d.tree for d in decls], _differing_replicas(decls))
+            own: set[str] = set()
+            tree, per_rank = merge_trees([d.tree for d in decls], _differing_replicas(decls), own)
             key = (tuple(d.layout for d in decls), frozenset(per_rank), block_rule)
             if key == self._key and self._plan is not None:
                 self.hits += 1
                 return GlobalPlan(tree, self._plan.tensors, self._plan.writes)
             self._key, self._plan = None, None  # a failed plan leaves nothing to reuse
-            plan = _plan_tensors(decls, block_bytes_for, tree, per_rank)
+            plan = _plan_tensors(decls, block_bytes_for, tree, per_rank, own=own)
             self._key, self._plan = key, plan
             return plan
 
@@ -422,7 +501,7 @@ def _replacer(paths: tuple[tuple, ...]) -> Callable[[Any, Any], Any]:
 
 
 def _plan_tensors(decls: list[RankDecl], block_bytes_for: Callable[[int, int], int], tree: dict,
-                  per_rank: set[str], regular_from: int = REGULAR_FROM) -> GlobalPlan:
+                  per_rank: set[str], regular_from: int = REGULAR_FROM, own: Collection[str] = frozenset()) -> GlobalPlan:
     regular = len(decls) >= regular_from
     tensors: dict[str, TensorMeta] = {}
     writes: list[list[RankWrite]] = [[] for _ in decls]
@@ -430,20 +509,24 @@ def _plan_tensors(decls: list[RankDecl], block_bytes_for: Callable[[int, int], i
     keys = _same_keys(decls)
     table = _Table.of(decls, keys) if regular and keys is not None else None
     for i, (key, ranks, held) in enumerate(_by_key(decls, keys)):
-        meta = table.metas[i] if table is not None else _meta(key, ranks, held)
-        itemsize = dtypes.itemsize(meta.dtype)
-        row_bytes = math.prod(meta.shape[1:]) * itemsize  # one index of the first dimension
-        block = block_bytes_for(math.prod(meta.shape) * itemsize, row_bytes)
-        if key in per_rank:
+        if key in per_rank:  # saved once per rank; under a PerRank, each of its own dtype and shape
+            if key not in own:
+                _meta(key, ranks, held)
             for r, t in zip(ranks, held):
                 if t.sharded:
                     raise ShardingError(f"tensor {key!r}: sharded, but it sits in a part of the state that differs "
                                         f"between ranks (saved per rank); only plain tensors can be saved per rank")
                 k = per_rank_key(key, r)
-                tensors[k] = meta
+                meta = tensors[k] = TensorMeta(t.kind, t.dtype, t.shape)
+                itemsize = dtypes.itemsize(meta.dtype)
+                block = block_bytes_for(math.prod(meta.shape) * itemsize, math.prod(meta.shape[1:]) * itemsize)
                 whole = ChunkBox.whole(meta.shape)
                 writes[r].append(RankWrite(WriteItem(k, k, meta.dtype, whole, whole.numel * itemsize, block), key, whole))
             continue
+        meta = table.metas[i] if table is not None else _meta(key, ranks, held)
+        itemsize = dtypes.itemsize(meta.dtype)
+        row_bytes = math.prod(meta.shape[1:]) * itemsize  # one index of the first dimension
+        block = block_bytes_for(math.prod(meta.shape) * itemsize, row_bytes)
         tensors[key] = meta
         if table is not None:
             chunks = table.chunks(i)
