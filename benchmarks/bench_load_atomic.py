@@ -1,8 +1,7 @@
 """The cost of a load that leaves damaged tensors untouched: resurgo.load against a baseline resurgo.
 
-A tensor is filled only once all of its bytes verified (``resurgo.pipeline.reader``): each read is
-verified through a small cache-resident buffer, then read again from the page cache straight into
-place. This measures what that costs against another version of resurgo (``--baseline-rev``, a git
+A tensor is filled only once all of its bytes verified (``resurgo.pipeline.reader``): local bytes
+are hashed where the page cache holds them (a mapping), then copied into place. This measures what that costs against another version of resurgo (``--baseline-rev``, a git
 revision of this repository, or ``--baseline-src``, a directory holding a ``resurgo`` package),
 or (``--in-place``) against this tree with reads landing in place and hashed there (the read path
 of loads into fresh memory, where nothing is to be kept untouched: what every load did before),
@@ -12,7 +11,9 @@ One state of ``--size-mib`` (``common.make_state``: five large tensors and many 
 once. Two worker processes, one per version, each hold a target allocated and loaded once before
 the timers (untimed warm-up). Each repetition, in rotating order, each worker times one
 ``resurgo.load(target, path, io_threads=...)``, cold (every data file dropped from the page cache
-with fsync + posix_fadvise DONTNEED first) and warm (every file read once first). Reports the
+with fsync + posix_fadvise DONTNEED first) and warm (dropped, then read once from start to end:
+the page cache is in the same state whichever version read last, since how the pages came in
+decides their size, 4 KiB or larger, and so what mapping them costs). Reports the
 medians of ``--repeats`` per version and mode, the ratio of the medians (this tree / baseline) and
 the median of the per-repetition ratios, for wall time and for the CPU time of all the load's
 threads (what the work costs, steadier than wall time on a shared machine). After the last repetition each worker's target is compared
@@ -160,9 +161,8 @@ def main() -> int:
             for rep in range(args.repeats):
                 for mode in MODES:
                     for name in rotated(list(workers), rep):
-                        if mode == "cold":
-                            evict(path)
-                        else:
+                        evict(path)
+                        if mode == "warm":  # the same page cache whichever version read last
                             prewarm(path)
                         answer = workers[name].ask("load")
                         times[mode][name].append(answer["seconds"])

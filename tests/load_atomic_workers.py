@@ -92,8 +92,9 @@ def load_damaged_layouts(rank: int, world: int, path: str, layouts: list[str], s
 def peer_restore_damaged(rank: int, world: int, tmp: str) -> dict:
     """A memory tier on 2 simulated nodes (memory_workers' layout): save step 1; wipe node 1's
     root and hide the durable tier's data; restore step 1 with one byte of every file node 0
-    sends flipped on its way. Node 1's ranks read everything from node 0: every read fails its
-    checksum, and their targets must be as they were."""
+    sends flipped on its way. Node 1's ranks read everything from node 0: the tensor holding the
+    flipped byte fails its checksum and must be as it was; the others are either as they were or
+    as saved, every byte verified."""
     import os
     import shutil
 
@@ -125,5 +126,8 @@ def peer_restore_damaged(rank: int, world: int, tmp: str) -> dict:
     mgr.close()
     now = {"w": bits(state["w"].local), "b": bits(state["b"]), "mine": bits(state["mine"])}
     out["unchanged"] = sorted(k for k in before if now[k] == before[k])
+    saved = m.rank_state(1, rank, world)
+    saved_bits = {"w": bits(saved["w"].local), "b": bits(saved["b"]), "mine": bits(saved["mine"])}
+    out["as_saved"] = sorted(k for k in now if now[k] == saved_bits[k])
     out["step"] = state["step"]
     return out

@@ -71,6 +71,30 @@ def test_damaged_tensor_is_untouched(tmp_path, monkeypatch, io_threads, damaged,
         assert e.loaded and e.loaded == keys[: len(e.loaded)]
 
 
+@pytest.mark.parametrize("io_threads", [1, 4])
+def test_tensors_of_one_read_are_loaded_alone(tmp_path, io_threads):
+    """Small tensors back to back in a file are read in one request, but each is a unit of its
+    own: those before the damaged one in the request are loaded (each verified, then filled), the
+    damaged one and those after it are untouched."""
+    saved = {f"t{i:02d}": random_tensor(torch.float32, (64, 256), seed=i) for i in range(16)}  # 64 KiB each
+    path = tmp_path / "ck"
+    resurgo.save(saved, path)
+    ckpt = CheckpointDir(path)
+    manifest = parse_manifest(ckpt.read_manifest_bytes(), "test")
+    restorer = Restorer(manifest)
+    restorer.restore({k: torch.zeros_like(v) for k, v in saved.items()})
+    placed, _, _ = place_destinations(restorer.destinations)
+    assert len(plan_reads(placed, {d.key: d.entry for d in restorer.destinations})) == 1  # one request
+    flip_stored_bit(path, "t09")
+    target = {k: torch.full_like(v, 7.0) for k, v in saved.items()}
+    with pytest.raises(CorruptCheckpointError) as info:
+        resurgo.load(target, path, io_threads=io_threads)
+    assert info.value.loaded == [f"t{i:02d}" for i in range(9)]
+    assert info.value.untouched == [f"t{i:02d}" for i in range(9, 16)]
+    for i, (k, v) in enumerate(target.items()):
+        assert bits_equal(v, saved[k] if i < 9 else torch.full_like(v, 7.0)), k
+
+
 def test_module_target_untouched(tmp_path):
     """An nn.Module's parameters (filled in place through its state_dict) and its
     load_state_dict: nothing of a damaged one changes."""
@@ -226,9 +250,11 @@ def test_bytes_read_into_memory_wait_there_until_verified(tmp_path):
 
 def test_peer_restore_leaves_targets_untouched(tmp_path):
     """A memory tier's peer restore (4 ranks, 2 nodes) whose received bytes fail their checksums:
-    the receiving ranks' damaged tensor ``w`` and everything they would have filled after it stay
-    as they were (no durable copy to fall back on: the restore raises)."""
+    the receiving ranks' damaged tensor ``w`` stays as it was, and each of their other tensors is
+    either as it was or as saved, never a mix (no durable copy to fall back on: the restore raises)."""
     out = run_ranks(4, "load_atomic_workers:peer_restore_damaged", str(tmp_path), timeout=240)
     assert all(r["error"] is not None for r in out)
     for rank in (2, 3):
-        assert {"w", "mine"} <= set(out[rank]["unchanged"]) and out[rank]["step"] == -1
+        assert "w" in out[rank]["unchanged"] and "w" not in out[rank]["as_saved"]
+        assert set(out[rank]["unchanged"]) | set(out[rank]["as_saved"]) == {"w", "b", "mine"}
+        assert out[rank]["step"] == -1

@@ -2,23 +2,23 @@
 
 Each read op fills a slice of either the destination's own bytes (one whole chunk) or a chunk
 buffer (several chunks, assembled afterwards). No byte that fails its checksum reaches a
-destination, and no tensor is changed until all of its bytes have verified: the requests are
-grouped into units (the tensors that share a request, with all their requests), and a unit is
-filled only once every request of it has verified. A request is verified first, then filled:
+destination, and no tensor is changed until all of its bytes have verified: each tensor is a unit
+of its own (many to a request when small, many requests to one when large), filled only once
+every part of every request reading it has verified. A part is verified first, then filled:
 
 - from a local file (a handle with ``view``: its mapping), its bytes are hashed where the page
   cache holds them, then copied from there into place: the same passes over memory as reading
   into place and hashing there, and no copy of the state in between (a request not cached yet
   is first asked of the disk as one readahead);
-- from other handles (an object store, a peer), it is read once into memory held until its unit
-  has verified, then copied into place.
+- from other handles (an object store, a peer), it is read once into memory held until its
+  tensor has verified, then copied into place.
 
-Units are filled as soon as they verify, before further requests are verified (a unit of one
-request by the thread that verified it, while its bytes are in cache), so a cold read overlaps
-the filling. When a request fails, the tensors of the units already filled stay loaded
-and the others are untouched; :func:`read_ops` records which in its ``loaded`` set. Each data
-file's safetensors header is read and verified with the file's first data (one request on an
-object store), not in a round of its own before them.
+A tensor is filled as soon as its last part verifies, by the thread that hashed that part (a
+tensor of one part straight after its hash, while its bytes are in cache), so a cold read
+overlaps the filling. When a part fails, the tensors already filled stay loaded and the others
+are untouched; :func:`read_ops` records which in its ``loaded`` set. Each data file's
+safetensors header is read and verified with the file's first data (one request on an object
+store), not in a round of its own before them.
 """
 
 from __future__ import annotations
@@ -141,17 +141,16 @@ class _PlanReading:
             t_copy += self.place(op, views, held=False)
         return t_read, t_hash, t_copy
 
-    def check(self, task: ReadTask) -> tuple[float, float, list[list[memoryview]]]:
-        """Verify every byte of ``task`` without touching a destination; (seconds reading,
-        hashing, the verified bytes for :meth:`fill`: where the file's mapping holds them, else
-        read into memory)."""
+    def fetch(self, task: ReadTask) -> tuple[float, list[list[memoryview]]]:
+        """The bytes of ``task``, not verified yet, without touching a destination: where the
+        file's mapping holds them, else read into memory; (seconds reading, each op's parts' bytes).
+        The header the task carries is verified here."""
         faults.point("load.read")
         handle = self.handles[task.file]
         mapped = getattr(handle, "view", None)
         if mapped is None:
             held = [self.views_of(op, held=True) for op in task.ops]
-            t_read = self._read(task, held)
-            return t_read, sum(self.check_op(op, views) for op, views in zip(task.ops, held)), held
+            return self._read(task, held), held
         header = self.manifest.file_entry(task.file).header_bytes if task.header else 0
         start = 0 if task.header else task.ops[0].file_offset
         end = task.ops[-1].file_offset + task.ops[-1].length if task.ops else header
@@ -165,12 +164,7 @@ class _PlanReading:
         liveness.progress()
         if task.header:
             check_header_bytes(self.ckpt, self.manifest, task.file, data[:header])
-        held = _slices(task, start, data)
-        return t_read, sum(self.check_op(op, views) for op, views in zip(task.ops, held)), held
-
-    def fill(self, task: ReadTask, held: list[list[memoryview]]) -> float:
-        """Copy the verified bytes of ``task`` into place; seconds copying."""
-        return sum(self.place(op, views, held=True) for op, views in zip(task.ops, held))
+        return t_read, _slices(task, start, data)
 
     def check_op(self, op: ReadOp, views: list[memoryview]) -> float:
         """Verify what ``op`` read into ``views``; seconds hashing."""
@@ -178,6 +172,13 @@ class _PlanReading:
         if self.verify:
             for part, view in zip(op.parts, views):
                 self._check_part(op, part, view, part.first_block)
+        return time.perf_counter() - t0
+
+    def check_part(self, op: ReadOp, part: ReadPart, view: memoryview) -> float:
+        """Verify the bytes of one part of ``op``; seconds hashing."""
+        t0 = time.perf_counter()
+        if self.verify:
+            self._check_part(op, part, view, part.first_block)
         return time.perf_counter() - t0
 
     def _check_part(self, op: ReadOp, part: ReadPart, view: memoryview, first_block: int) -> None:
@@ -201,6 +202,18 @@ class _PlanReading:
                 copy_box(np.frombuffer(view, dtype=np.uint8), part.box, self.bufs)
             if held and part.target is not None:
                 self.bufs[part.target][part.dst_offset : part.dst_offset + part.length] = np.frombuffer(view, dtype=np.uint8)
+        return time.perf_counter() - t0
+
+    def place_part(self, part: ReadPart, view: memoryview) -> float:
+        """Copy the verified bytes of one part into place; seconds copying."""
+        t0 = time.perf_counter()
+        src = np.frombuffer(view, dtype=np.uint8)
+        if part.scatters:
+            scatter(src, part.scatters, self.bufs)
+        if part.box is not None:
+            copy_box(src, part.box, self.bufs)
+        if part.target is not None:
+            self.bufs[part.target][part.dst_offset : part.dst_offset + part.length] = src
         return time.perf_counter() - t0
 
 
@@ -281,6 +294,7 @@ def read_ops(ckpt: Checkpoint, manifest: Manifest, entries: dict[str, TensorEntr
             else:
                 with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="resurgo-read") as pool:
                     list(pool.map(lambda _: units.work(), range(workers)))
+            units.release()
             if units.error is not None:
                 raise units.error
             seconds["read"], seconds["checksum"], seconds["assemble"] = units.seconds
@@ -302,39 +316,28 @@ def read_ops(ckpt: Checkpoint, manifest: Manifest, entries: dict[str, TensorEntr
 
 
 class _Units:
-    """Verify-then-fill scheduling of one plan's requests (see the module). Units are the tensors
-    that share a request, with all their requests. Workers take jobs from one queue: verifying a
-    request (queued first to last), or filling one of a unit whose requests have all verified
-    (queued at the front, so a verified unit is filled while its bytes are still in cache). After
-    a failure no request is verified any more; the units already verified are still filled, so
-    each tensor ends either loaded or untouched."""
+    """Verify-then-fill scheduling of one plan's requests (see the module). The unit is a tensor:
+    it is filled once every part of every request reading it verified. Workers take jobs from one
+    queue: verifying a request (queued first to last), part by part, or filling a verified part
+    of a tensor whose last part verified in another request (queued at the front, so a verified
+    tensor is filled before more is read). The part that completes its tensor is filled at once by
+    the thread that hashed it, while its bytes are in cache: a tensor of one part (most tensors of
+    a state, many to a request) is copied straight after its hash. After a failure no part is
+    verified any more; the tensors already verified are still filled, so each tensor ends either
+    loaded or untouched."""
 
     def __init__(self, reading: _PlanReading, tasks: list[ReadTask], loaded: set[str]):
         self.reading, self.tasks, self.loaded = reading, tasks, loaded
-        parent: dict[str, str] = {}
-
-        def root(k: str) -> str:
-            while parent.setdefault(k, k) != k:
-                parent[k] = parent[parent[k]]
-                k = parent[k]
-            return k
-
+        self.unverified: dict[str, int] = {}  # per tensor: parts not verified yet
         for t in tasks:
-            keys = [part.key for op in t.ops for part in op.parts]
-            for k in keys[1:]:
-                parent[root(k)] = root(keys[0])
-        self.unit_of: list[str | None] = [root(t.ops[0].parts[0].key) if t.ops else None for t in tasks]
-        self.members: dict[str, list[int]] = {}
-        for i, u in enumerate(self.unit_of):
-            if u is not None:
-                self.members.setdefault(u, []).append(i)
-        self.keys: dict[str, set[str]] = {}
-        for k in parent:
-            self.keys.setdefault(root(k), set()).add(k)
-        self.unchecked = {u: len(m) for u, m in self.members.items()}
-        self.unfilled = dict(self.unchecked)
-        self.held: dict[int, list[list[memoryview]]] = {}
-        self.queue: deque[tuple[bool, int]] = deque((False, i) for i in range(len(tasks)))  # (fill?, task)
+            for op in t.ops:
+                for part in op.parts:
+                    self.unverified[part.key] = self.unverified.get(part.key, 0) + 1
+        self.unfilled = dict(self.unverified)
+        self.waiting: dict[str, list[tuple[ReadPart, memoryview]]] = {}  # verified, tensor not complete
+        # (task to verify, None) or (None, (tensor, part, its verified bytes) to fill)
+        self.queue: deque[tuple[int | None, tuple[str, ReadPart, memoryview] | None]] = deque(
+            (i, None) for i in range(len(tasks)))
         self.busy = 0
         self.cond = threading.Condition()
         self.error: BaseException | None = None
@@ -347,14 +350,17 @@ class _Units:
                     self.cond.wait()
                 if not self.queue:
                     return
-                fill, i = self.queue.popleft()
-                if not fill and self.error is not None:
+                i, fill = self.queue.popleft()
+                if fill is None and self.error is not None:
                     continue
                 self.busy += 1
             try:
-                if fill:
-                    self._fill(i)
+                if fill is not None:
+                    t_copy = self._fill(*fill)
+                    with self.cond:
+                        self.seconds[2] += t_copy
                 else:
+                    assert i is not None
                     self._check(i)
             except BaseException as e:  # noqa: BLE001 - raised by read_ops once every worker is done
                 with self.cond:
@@ -365,36 +371,45 @@ class _Units:
                     self.busy -= 1
                     self.cond.notify_all()
 
-    def _check(self, i: int) -> None:
-        u = self.unit_of[i]
-        alone = u is not None and len(self.members[u]) == 1
-        t_read, t_hash, held = self.reading.check(self.tasks[i])
-        with self.cond:
-            self.seconds[0] += t_read
-            self.seconds[1] += t_hash
-            self.held[i] = held
-            if u is None:
-                return
-            self.unchecked[u] -= 1
-            if self.unchecked[u] or self.error is not None:
-                return
-            if not alone:
-                self.queue.extendleft((True, j) for j in reversed(self.members[u]))
-                return
-        self._fill(i)  # a unit of one request: filled at once, its bytes still in cache
+    def release(self) -> None:
+        """Drop the bytes held for tensors never completed (views of the files' mappings)."""
+        self.waiting.clear()
+        self.queue.clear()
 
-    def _fill(self, i: int) -> None:
+    def _check(self, i: int) -> None:
+        t_read, held = self.reading.fetch(self.tasks[i])
+        t_hash = t_copy = 0.0
+        try:
+            for op, views in zip(self.tasks[i].ops, held):
+                for part, view in zip(op.parts, views):
+                    if self.error is not None:  # another request failed: verify no more
+                        return
+                    t_hash += self.reading.check_part(op, part, view)
+                    key = part.key
+                    with self.cond:
+                        self.unverified[key] -= 1
+                        if self.unverified[key]:
+                            self.waiting.setdefault(key, []).append((part, view))
+                            continue
+                        others = self.waiting.pop(key, ())
+                        if others:
+                            self.queue.extendleft((None, (key, p, v)) for p, v in others)
+                            self.cond.notify_all()
+                    t_copy += self._fill(key, part, view)
+        finally:
+            del held
+            with self.cond:
+                self.seconds[0] += t_read
+                self.seconds[1] += t_hash
+                self.seconds[2] += t_copy
+
+    def _fill(self, key: str, part: ReadPart, view: memoryview) -> float:
+        t_copy = self.reading.place_part(part, view)
         with self.cond:
-            held = self.held.pop(i)
-        t_copy = self.reading.fill(self.tasks[i], held)
-        del held  # a view of a file's mapping: the file unmaps once none is left
-        u = self.unit_of[i]
-        assert u is not None
-        with self.cond:
-            self.seconds[2] += t_copy
-            self.unfilled[u] -= 1
-            if not self.unfilled[u]:
-                self.loaded.update(self.keys[u])
+            self.unfilled[key] -= 1
+            if not self.unfilled[key]:
+                self.loaded.add(key)
+        return t_copy
 
 
 def _slices(task: ReadTask, start: int, data: memoryview) -> list[list[memoryview]]:
