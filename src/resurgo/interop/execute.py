@@ -33,6 +33,7 @@ import torch
 from resurgo.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    ExpansionError,
     ImportSpecError,
     MemoryBudgetError,
     PickleNotAllowedError,
@@ -272,7 +273,7 @@ def _tensor_bytes(t: TensorSpec) -> int:
 
 
 def _check_expansion(spec: ImportSpec, sources: _Sources, root: str | os.PathLike) -> None:
-    """ImportSpecError when the tensors would take more than :data:`MAX_EXPANSION` times the bytes
+    """ExpansionError when the tensors would take more than :data:`MAX_EXPANSION` times the bytes
     of the source files they are read from (pieces with stride 0, or many pieces on the same
     bytes), naming the tensors that expand most and by how much."""
     written = sum(_tensor_bytes(t) for t in spec.tensors)
@@ -288,7 +289,7 @@ def _check_expansion(spec: ImportSpec, sources: _Sources, root: str | os.PathLik
                       f"{spanned(t)} bytes of its source"
                       f"{' (strides ' + str(t.pieces[0].strides) + ')' if t.pieces and t.pieces[0].strides else ''}"
                       for t in worst)
-    raise ImportSpecError(
+    raise ExpansionError(
         f"{root}: the import would write {written} bytes of tensors from {source} bytes of source files, "
         f"{written / max(1, source):.1f} times as many (more than {MAX_EXPANSION} times is refused): {named}; "
         "pass allow_expansion=True (--allow-expansion) if the source is trusted and the size intended")
@@ -325,7 +326,7 @@ def execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, *
     """Write the checkpoint ``dst`` from the sources under ``root`` as ``spec`` (validated) says.
     The spec's ``objects`` are unpickled only with ``allow_pickle`` (PickleNotAllowedError otherwise).
     Tensors of more than :data:`MAX_EXPANSION` times the source files' bytes are written only with
-    ``allow_expansion`` (ImportSpecError otherwise); a local ``dst`` whose filesystem has too little
+    ``allow_expansion`` (ExpansionError otherwise); a local ``dst`` whose filesystem has too little
     free space for them raises StorageError first."""
     t_start = time.perf_counter()
     budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
