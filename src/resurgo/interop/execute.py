@@ -41,6 +41,7 @@ from resurgo.errors import (
 )
 from resurgo.conversion import check_free_space
 from resurgo.format import dtypes
+from resurgo.format.expansion import MAX_EXPANSION
 from resurgo.interop.source_files import resolve_inside
 from resurgo.interop.spec import ImportSpec, Piece, Source, TensorSpec, row_major_strides, span_elements
 from resurgo.interop.torch_file import ZIP_ERRORS, member_start
@@ -54,9 +55,6 @@ from resurgo.storage.direct_io import BOUNCE_BYTES
 from resurgo.storage.open import is_url, local_path
 
 DEFAULT_MEMORY_BUDGET = 1 << 30
-# The most tensor bytes an import writes per byte of its source files without allow_expansion: tied
-# weights double a tensor's bytes; a stride-0 view (torch.ones(1).expand(n)) multiplies them by n.
-MAX_EXPANSION = 4
 WRITER_BYTES = SLICE_BYTES + BOUNCE_BYTES  # what one writer thread holds: its slice and its aligned write buffer
 
 
