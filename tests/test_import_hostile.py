@@ -37,6 +37,7 @@ from resurgo.errors import ExpansionError, ImportSpecError, ResurgoError, Storag
 from resurgo import conversion
 from resurgo.pipeline.verify import verify_checkpoint
 from resurgo.storage import direct_io, local
+from resurgo.storage.open import open_checkpoint
 
 from helpers import resealed
 
@@ -557,21 +558,29 @@ while True:  # the data file, in turns a symlink to a copy and the file itself (
 
 def test_loads_while_a_data_file_is_swapped_with_a_symlink(tmp_path):
     """A concurrent process swaps a data file with a symlink (to a copy of the same bytes, inside the
-    checkpoint) as fast as it can; 200 load_dict and 50 verify calls each succeed or raise a
-    ResurgoError."""
+    checkpoint) as fast as it can; 200 load_dict and 50 verify calls, and 5,000 openings of the data
+    file as both open it (each resolves its path, the step the swap can break: about 2 in 100 did
+    raise a raw OSError before), each succeed or raise a ResurgoError."""
     resurgo.save({"x": torch.arange(64.0)}, tmp_path / "c")
     data = next((tmp_path / "c" / "data").iterdir())
     os.link(data, tmp_path / "c" / "data" / "copy.bin")
     os.link(data, tmp_path / "spare")
     swapper = subprocess.Popen([sys.executable, "-c", SWAPPER, str(data), "copy.bin", str(tmp_path / "spare")])
     outcomes: dict[str, int] = {}
+    rel = f"data/{data.name}"
     try:
-        for i in range(250):
+        for _ in range(5000):  # until the swapper has started (at most 5 s)
+            if data.is_symlink():
+                break
+            time.sleep(0.001)
+        for i in range(5250):
             try:
                 if i < 200:
                     resurgo.load_dict(tmp_path / "c")
-                else:
+                elif i < 250:
                     verify_checkpoint(tmp_path / "c")
+                else:
+                    open_checkpoint(tmp_path / "c").open_read(rel).close()
                 outcome = "ok"
             except ResurgoError as e:
                 outcome = type(e).__name__
@@ -579,4 +588,4 @@ def test_loads_while_a_data_file_is_swapped_with_a_symlink(tmp_path):
     finally:
         swapper.kill()
         swapper.wait()
-    assert sum(outcomes.values()) == 250, outcomes
+    assert sum(outcomes.values()) == 5250, outcomes
