@@ -589,3 +589,25 @@ def test_loads_while_a_data_file_is_swapped_with_a_symlink(tmp_path):
         swapper.kill()
         swapper.wait()
     assert sum(outcomes.values()) == 5250, outcomes
+
+
+@pytest.mark.parametrize("shape", [["2", 3], [2, -3], [2.0, 3], 6, None])
+def test_deepspeed_param_shapes_of_another_type_are_named(tmp_path, shape):
+    """A ZeRO-2 checkpoint whose model states give a parameter a shape that is not a torch.Size of
+    non-negative ints: CorruptCheckpointError naming the file, the group, the parameter and what was
+    found (exit 3), nothing written."""
+    from test_import_fuzz import _deepspeed_fixture
+
+    src = tmp_path / "ds"
+    _deepspeed_fixture(src)
+    path = src / "global_step1" / "mp_rank_00_model_states.pt"
+    states = torch.load(path, weights_only=False)  # our own file
+    states["param_shapes"][0]["fc.weight"] = shape
+    torch.save(states, path)
+    with pytest.raises(resurgo.CorruptCheckpointError,
+                       match=rf"mp_rank_00_model_states.pt: param_shapes group 0 gives 'fc.weight' the shape "
+                             rf".*expected a torch.Size of non-negative ints"):
+        resurgo.import_checkpoint(src, tmp_path / "out", source="deepspeed")
+    result = runner.invoke(app, ["import", str(src), str(tmp_path / "out"), "--from", "deepspeed"])
+    assert result.exit_code == 3 and "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()

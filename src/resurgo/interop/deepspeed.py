@@ -108,8 +108,10 @@ def spec_from_deepspeed(directory: str | Path) -> ImportSpec:
     except ResurgoError:
         raise
     except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as e:
-        # DeepSpeed's files are dicts of whatever its version put there: a field of another type
-        # than the one read is a file resurgo cannot read, named with what was found.
+        # DeepSpeed's files are dicts of whatever its version put there; the fields read are checked
+        # where they are read, and what a field of another type can still raise on the way (arithmetic
+        # or indexing with it: TypeError, KeyError, IndexError, OverflowError; a method it lacks:
+        # AttributeError; a spec it makes invalid: ValueError) is a file resurgo cannot read.
         raise CorruptCheckpointError(f"{directory}: not a DeepSpeed checkpoint of a layout resurgo reads: a field "
                                      f"holds another type than DeepSpeed writes ({type(e).__name__}: {e!s:.300})"
                                      ) from None
@@ -190,7 +192,12 @@ def _groups(model: _File) -> tuple[list[list[tuple[str, tuple[int, ...]]]], dict
     shapes = _get(model, "param_shapes", list)
     if not all(isinstance(g, dict) for g in shapes):
         raise CorruptCheckpointError(f"{model.rel}: param_shapes is not a list of dicts")
-    groups = [[(str(n), tuple(int(d) for d in s)) for n, s in g.items()] for g in shapes]
+    for g, group in enumerate(shapes):
+        for name, shape in group.items():
+            if not isinstance(shape, (list, tuple)) or not all(type(d) is int and d >= 0 for d in shape):
+                raise CorruptCheckpointError(f"{model.rel}: param_shapes group {g} gives {shown(name, 100)} the shape "
+                                             f"{shown(shape, 120)}, expected a torch.Size of non-negative ints")
+    groups = [[(str(n), tuple(s)) for n, s in g.items()] for g in shapes]
     # The optimizer's parameter numbers: DeepSpeed's order, the client optimizer's (param_shapes lists
     # the trained parameters group by group as the optimizer holds them).
     return groups, {name: i for i, (name, _) in enumerate(p for g in groups for p in g)}
