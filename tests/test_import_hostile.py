@@ -234,6 +234,33 @@ def hf_cache(tmp_path: Path) -> tuple[Path, Path]:
     return snap, repo
 
 
+@pytest.mark.parametrize("swapped", ["file", "folder"])
+def test_a_path_swapped_for_a_link_after_its_check_is_not_followed(tmp_path, monkeypatch, swapped):
+    """The attacker's best moment: right after a source file's path was checked inside the source,
+    the file (or the folder holding it) becomes a link to elsewhere. The import opens the very
+    file checked or raises StorageError; it never reads what the link leads to."""
+    from resurgo.interop import execute
+
+    (tmp_path / "src" / "sub").mkdir(parents=True)
+    (tmp_path / "src" / "sub" / "one.bin").write_bytes(struct.pack("<4f", 1, 2, 3, 4))
+    (tmp_path / "outside" / "sub").mkdir(parents=True)
+    (tmp_path / "outside" / "sub" / "one.bin").write_bytes(b"SECRET!!" * 2)
+    (tmp_path / "spec.json").write_text(json.dumps(spec_doc("sub/one.bin", [4])))
+    checked = execute.resolve_inside
+
+    def then_swapped(root, rel, what):
+        real = checked(root, rel, what)
+        inside = tmp_path / "src" / ("sub/one.bin" if swapped == "file" else "sub")
+        inside.rename(inside.with_name(inside.name + ".old"))
+        inside.symlink_to(tmp_path / "outside" / ("sub/one.bin" if swapped == "file" else "sub"))
+        return real
+
+    monkeypatch.setattr(execute, "resolve_inside", then_swapped)
+    with pytest.raises(StorageError, match=r"sub/one.bin: .*was the source changed during the import\?"):
+        resurgo.import_checkpoint(tmp_path / "src", tmp_path / "out", source="spec", spec=tmp_path / "spec.json")
+    assert not (tmp_path / "out").exists()
+
+
 def test_hf_cache_snapshot_symlinks_into_its_blobs_are_followed(tmp_path):
     snap, _ = hf_cache(tmp_path)
     resurgo.import_checkpoint(snap, tmp_path / "out", source="hf")

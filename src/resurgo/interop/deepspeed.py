@@ -46,7 +46,7 @@ from resurgo.errors import (
 )
 from resurgo.format import dtypes
 from resurgo.format.tree import path_key
-from resurgo.interop.source_files import resolve_inside
+from resurgo.interop.source_files import open_file_inside, resolve_inside
 from resurgo.interop.spec import Box, Flat, ImportSpec, Piece, Source, TensorSpec, row_major_strides
 from resurgo.interop.torch_file import read_objects
 from resurgo.interop.unpickle import DEEPSPEED, TensorRef, shown
@@ -88,7 +88,8 @@ def find_tag_dir(root: Path) -> tuple[Path, str]:
         raise CheckpointNotFoundError(f"{root}: not found")
     for latest in (root / "latest", root / "latest_universal"):  # the latter: ds_to_universal's
         if latest.is_file():
-            raw = resolve_inside(root, latest.name, "the tag file").read_bytes()[:MAX_TAG_BYTES]
+            with open_file_inside(resolve_inside(root, latest.name, "the tag file")) as f:
+                raw = f.read(MAX_TAG_BYTES)
             tag = raw.decode("utf-8", errors="replace").strip()
             if not tag or "/" in tag or tag in (".", ".."):
                 raise CorruptCheckpointError(f"{latest}: holds {tag!r}, not the name of a checkpoint folder")
@@ -126,9 +127,10 @@ def _spec_from_deepspeed(root: Path) -> ImportSpec:
         except CheckpointNotFoundError:
             raise CorruptCheckpointError(f"{folder / name}: missing ({folder} lacks this file; was one rank's file "
                                          "not copied?)") from None
-        if not zipfile.is_zipfile(path):
-            raise CorruptCheckpointError(f"{path}: not a readable torch.save archive (no zip directory at its end); "
-                                         "the file is truncated or damaged")
+        with open_file_inside(path) as f:
+            if not zipfile.is_zipfile(f):
+                raise CorruptCheckpointError(f"{path}: not a readable torch.save archive (no zip directory at its "
+                                             "end); the file is truncated or damaged")
         obj, prefix = read_objects(path, DEEPSPEED, HOLDS)
         if not isinstance(obj, holds):
             raise CorruptCheckpointError(f"{path}: holds a {type(obj).__name__}, not what DeepSpeed writes there")

@@ -42,7 +42,7 @@ from resurgo.errors import (
 from resurgo.conversion import check_free_space
 from resurgo.format import dtypes
 from resurgo.format.expansion import MAX_EXPANSION
-from resurgo.interop.source_files import resolve_inside
+from resurgo.interop.source_files import open_file_inside, open_inside, resolve_inside
 from resurgo.interop.spec import ImportSpec, Piece, Source, TensorSpec, row_major_strides, span_elements
 from resurgo.interop.torch_file import ZIP_ERRORS, member_start
 from resurgo.layout.shards import LocalPiece, Pieces
@@ -114,7 +114,7 @@ class _Sources:
         if member is None:
             return _Region(path, 0, size, str(shown))
         try:
-            with open(path, "rb") as f, zipfile.ZipFile(f) as z:
+            with open_file_inside(path) as f, zipfile.ZipFile(f) as z:
                 info = z.getinfo(member)
                 start = member_start(f, info, str(shown))
         except KeyError:
@@ -137,13 +137,14 @@ class _Sources:
         region = self.region(src.file, src.member)
         start = region.start + src.offset
         if region.path not in self._maps:
-            self._maps[region.path] = np.memmap(region.path, dtype=np.uint8, mode="c")
+            with open_file_inside(region.path) as f:  # the mapping outlives the descriptor
+                self._maps[region.path] = np.memmap(f, dtype=np.uint8, mode="c")
         flat = torch.from_numpy(self._maps[region.path][start: start + span * size]).view(tdtype)
         strides = tuple(src.strides) if src.strides is not None else row_major_strides(shape)
         view = flat.as_strided(tuple(shape), strides)
         if view.is_contiguous():
             if region.path not in self._fds:
-                self._fds[region.path] = os.open(region.path, os.O_RDONLY)
+                self._fds[region.path] = open_inside(region.path)
                 os.posix_fadvise(self._fds[region.path], 0, 0, os.POSIX_FADV_SEQUENTIAL)
             self._streams[id(view)] = (view, _FileStream(view, self._fds[region.path], start, region.name))
         return view
@@ -255,7 +256,7 @@ def _load_objects(spec: ImportSpec, sources: _Sources, allow_pickle: bool) -> di
             raise CorruptCheckpointError(
                 f"{region.name}: object {key!r} needs bytes [{obj.offset}, {obj.offset + obj.length}) but it holds "
                 f"{region.size} bytes; the source file is truncated or the spec is wrong")
-        with open(region.path, "rb") as f:
+        with open_file_inside(region.path) as f:
             f.seek(obj.offset)
             data = f.read(obj.length)
         try:
