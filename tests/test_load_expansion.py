@@ -69,7 +69,9 @@ def test_many_tensors_on_one_range_are_refused_before_they_are_allocated(tmp_pat
     assert sum(allocations) <= 4 * 4096
     out = resurgo.load_dict(path, allow_expansion=True)
     assert len(out) == 51 and all(torch.equal(t, X) for t in out.values())
-    assert verify_checkpoint(path).ok  # the manifest is consistent: only its cost is refused
+    report = verify_checkpoint(path)
+    assert report.ok  # the manifest is consistent: only its cost is refused
+    assert (report.chunks_checked, report.bytes_checked, report.bytes_read) == (51, 51 * 4096, 4096)  # read once
 
 
 def test_tied_weights_and_the_callers_own_tensors_load(tmp_path, allocations):
@@ -93,3 +95,14 @@ def test_an_incremental_checkpoint_counts_the_bytes_it_reads_from_its_base(tmp_p
     sharing_bytes(tmp_path / "d", 4, base=tmp_path / "a")
     with pytest.raises(ExpansionError, match="20480 bytes, 5.0 times the 4096 distinct bytes"):
         resurgo.load_dict(tmp_path / "d")
+
+
+def test_verify_reads_a_range_shared_by_many_tensors_once_and_names_each_when_damaged(tmp_path):
+    path = sharing_bytes(tmp_path / "c", 50)
+    data = next((path / "data").iterdir())
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF  # the last byte of "x", which every tensor reads
+    data.write_bytes(bytes(raw))
+    report = verify_checkpoint(path)
+    damaged = [p for p in report.problems if "does not match its checksum" in p]
+    assert len(damaged) == 51 and any("'y49'" in p for p in damaged)  # a failed range is checked for each
