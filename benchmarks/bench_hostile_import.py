@@ -12,7 +12,7 @@ stride-0 tensor of 2**24 elements (torch.ones(1).expand(2**24) saved by torch.sa
 checkpoint, a safetensors file declaring a 2**40-byte header and one whose 20,000-entry header
 gives a tensor a negative offset. Checkpoints go to ``load_dict``, ``read_manifest``, ``verify``
 or ``save(overwrite=True)``: a manifest of 20,000 tensors naming a member twice, 20,000 tensors on
-one 4 KB range, a version 4 core whose 2 MB rank index does not match it, a core of 797 bytes whose
+one 4 KB range (loaded, then verified), a version 4 core whose 2 MB rank index does not match it, a core of 797 bytes whose
 grid declares 2**40 cells, 8,000 tall columns beside 8,000 wide rows overlapping by one row, and a
 core declaring 4,000 ranks x 1,000 data files overwritten by a save.
 """
@@ -142,7 +142,9 @@ def _sharing(path: Path, copies: int) -> int:
     doc = json.loads((path / "manifest.json").read_bytes())
     del doc["manifest_checksum"]
     for i in range(copies):
-        doc["tensors"][f"y{i}"] = json.loads(json.dumps(doc["tensors"]["x"]))
+        doc["tensors"][f"y{i}"] = entry = json.loads(json.dumps(doc["tensors"]["x"]))
+        for chunk in entry["chunks"]:
+            chunk["name"] = chunk.get("name", "x")  # as the data file's header names the bytes
         doc["tree"]["items"].append([f"y{i}", {"type": "tensor", "key": f"y{i}"}])
     raw = seal(json.dumps(doc, separators=(",", ":")).encode())
     (path / "manifest.json").write_bytes(raw)
@@ -213,6 +215,7 @@ def checkpoint_cases(tmp: Path):
     yield "manifest naming a member twice", size, lambda: resurgo.load_dict(tmp / "dup")
     size = _sharing(tmp / "shared", 20_000)
     yield "20,000 tensors on one 4 KB range", size, lambda: resurgo.load_dict(tmp / "shared")
+    yield "the same, verified", size, lambda: verify_checkpoint(tmp / "shared")
     size = _grid_core(tmp / "index", 4, bytes(2 << 20), stored_index=b"\1" * (2 << 20))
     yield "rank index of 2 MB, altered", size, lambda: resurgo.load_dict(tmp / "index")
     size = _grid_core(tmp / "grid", 2 ** 40, _empty_index(0))
@@ -238,6 +241,7 @@ CLASSES = {"shared lists 21 levels": "pickle", "shared lists 24 levels": "pickle
            "spec of 4 TiB over 4 bytes": "spec", "DCP entry naming /etc/passwd": "DCP metadata",
            "safetensors header of 2**40 B": "safetensors header", "safetensors 20,000 entries, one <0": "safetensors header",
            "manifest naming a member twice": "manifest", "20,000 tensors on one 4 KB range": "expansion (load)",
+           "the same, verified": "expansion (verify)",
            "rank index of 2 MB, altered": "index", "grid of 2**40 cells (verify)": "grid",
            "8,000 columns beside 8,000 rows": "overlap", "4,000 ranks x 1,000 files declared": "names"}
 
@@ -275,6 +279,8 @@ def main() -> None:
             try:
                 out = run()
                 outcome = "ok" if getattr(out, "ok", True) else f"reported: {out.problems[0][:60]}"
+                if hasattr(out, "bytes_read"):
+                    outcome += f" ({out.bytes_read:,} B read for {out.bytes_checked:,} B checked)"
             except resurgo.ResurgoError as e:
                 outcome = type(e).__name__
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
