@@ -638,3 +638,25 @@ def test_deepspeed_param_shapes_of_another_type_are_named(tmp_path, shape):
     result = runner.invoke(app, ["import", str(src), str(tmp_path / "out"), "--from", "deepspeed"])
     assert result.exit_code == 3 and "Traceback" not in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_a_zip_end_record_naming_several_disks_is_a_damaged_file(tmp_path):
+    """zipfile raises BadZipFile (not OSError) while merely asking whether a file is a zip whose
+    zip64 locator names several disks: a damaged file (exit 3), for torch.save and DeepSpeed files alike."""
+    from test_import_fuzz import _deepspeed_fixture
+
+    def spanning(path: Path) -> None:
+        raw = path.read_bytes()
+        locator = struct.pack("<4sLQL", b"PK\x06\x07", 0, 0, 2)  # the end record's zip64 locator: 2 disks
+        path.write_bytes(raw[:-22] + locator + raw[-22:])
+
+    torch.save({"t": torch.ones(2)}, tmp_path / "m.pt")
+    spanning(tmp_path / "m.pt")
+    with pytest.raises(resurgo.CorruptCheckpointError, match=r"m.pt: not a readable zip archive \(BadZipFile"):
+        resurgo.import_checkpoint(tmp_path / "m.pt", tmp_path / "out", source="torch")
+    _deepspeed_fixture(tmp_path / "ds")
+    spanning(tmp_path / "ds" / "global_step1" / "mp_rank_00_model_states.pt")
+    with pytest.raises(resurgo.CorruptCheckpointError, match="mp_rank_00_model_states.pt: not a readable torch.save"):
+        resurgo.import_checkpoint(tmp_path / "ds", tmp_path / "out", source="deepspeed")
+    result = runner.invoke(app, ["import", str(tmp_path / "m.pt"), str(tmp_path / "out"), "--from", "torch"])
+    assert result.exit_code == 3 and "Traceback" not in result.output

@@ -48,7 +48,7 @@ from resurgo.format import dtypes
 from resurgo.format.tree import path_key
 from resurgo.interop.source_files import open_file_inside, resolve_inside
 from resurgo.interop.spec import Box, Flat, ImportSpec, Piece, Source, TensorSpec, row_major_strides
-from resurgo.interop.torch_file import read_objects
+from resurgo.interop.torch_file import ZIP_ERRORS, read_objects
 from resurgo.interop.unpickle import DEEPSPEED, TensorRef, shown
 
 HOLDS = "a DeepSpeed checkpoint file"
@@ -128,7 +128,11 @@ def _spec_from_deepspeed(root: Path) -> ImportSpec:
             raise CorruptCheckpointError(f"{folder / name}: missing ({folder} lacks this file; was one rank's file "
                                          "not copied?)") from None
         with open_file_inside(path) as f:
-            if not zipfile.is_zipfile(f):
+            try:
+                archive = zipfile.is_zipfile(f)
+            except ZIP_ERRORS:  # an end record naming several disks, ...
+                archive = False
+            if not archive:
                 raise CorruptCheckpointError(f"{path}: not a readable torch.save archive (no zip directory at its "
                                              "end); the file is truncated or damaged")
         obj, prefix = read_objects(path, DEEPSPEED, HOLDS)

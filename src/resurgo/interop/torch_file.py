@@ -122,10 +122,10 @@ def read_objects(path: Path, allowed: Mapping[tuple[str, str], Any] = TORCH_SAVE
     if not path.is_file():
         raise CheckpointNotFoundError(f"{path}: torch.save file not found")
     with open_file_inside(path) as f:  # the file checked inside its source, still
-        if not zipfile.is_zipfile(f):
-            raise UnsupportedValueError(f"{path}: not a zip-format torch.save file (the legacy format is not "
-                                        "supported; load it with torch and save it again)")
         try:
+            if not zipfile.is_zipfile(f):  # which raises, for an end record naming several disks
+                raise UnsupportedValueError(f"{path}: not a zip-format torch.save file (the legacy format is not "
+                                            "supported; load it with torch and save it again)")
             with zipfile.ZipFile(f) as z:
                 return read_archive(z, str(path), allowed, holds)
         except ResurgoError:
