@@ -287,3 +287,20 @@ def test_manifest_symlink_out_of_the_checkpoint_is_refused(tmp_path):
     (path / "manifest.json").symlink_to(outside)
     with pytest.raises(resurgo.CorruptCheckpointError, match="leaves the checkpoint"):
         resurgo.load_dict(path)
+
+
+def test_every_error_is_exported_documented_and_has_an_exit_code():
+    """Each class of resurgo.errors is a name of the package (in __all__), is listed in docs/api.md's
+    Errors section, and ends a command with a documented exit code (never a traceback)."""
+    from pathlib import Path
+
+    import resurgo.errors as E
+    from resurgo.cli.app import EXIT_USAGE, exit_code_of
+
+    classes = {n: v for n, v in vars(E).items() if isinstance(v, type) and issubclass(v, Exception)}
+    errors_section = (Path(__file__).parent.parent / "docs" / "api.md").read_text().split("## Errors", 1)[1]
+    for name, cls in classes.items():
+        assert name in resurgo.__all__ and getattr(resurgo, name) is cls, name
+        assert f"`{name}`" in errors_section, name
+        assert exit_code_of(cls("x")) in (2, 3, 4), name
+    assert exit_code_of(resurgo.ExpansionError("x")) == EXIT_USAGE

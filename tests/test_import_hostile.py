@@ -37,6 +37,7 @@ from resurgo.errors import ExpansionError, ImportSpecError, ResurgoError, Storag
 from resurgo import conversion
 from resurgo.pipeline.verify import verify_checkpoint
 from resurgo.storage import direct_io, local
+from resurgo.storage.open import open_checkpoint
 
 from helpers import resealed
 
@@ -233,6 +234,33 @@ def hf_cache(tmp_path: Path) -> tuple[Path, Path]:
     return snap, repo
 
 
+@pytest.mark.parametrize("swapped", ["file", "folder"])
+def test_a_path_swapped_for_a_link_after_its_check_is_not_followed(tmp_path, monkeypatch, swapped):
+    """The attacker's best moment: right after a source file's path was checked inside the source,
+    the file (or the folder holding it) becomes a link to elsewhere. The import opens the very
+    file checked or raises StorageError; it never reads what the link leads to."""
+    from resurgo.interop import execute
+
+    (tmp_path / "src" / "sub").mkdir(parents=True)
+    (tmp_path / "src" / "sub" / "one.bin").write_bytes(struct.pack("<4f", 1, 2, 3, 4))
+    (tmp_path / "outside" / "sub").mkdir(parents=True)
+    (tmp_path / "outside" / "sub" / "one.bin").write_bytes(b"SECRET!!" * 2)
+    (tmp_path / "spec.json").write_text(json.dumps(spec_doc("sub/one.bin", [4])))
+    checked = execute.resolve_inside
+
+    def then_swapped(root, rel, what):
+        real = checked(root, rel, what)
+        inside = tmp_path / "src" / ("sub/one.bin" if swapped == "file" else "sub")
+        inside.rename(inside.with_name(inside.name + ".old"))
+        inside.symlink_to(tmp_path / "outside" / ("sub/one.bin" if swapped == "file" else "sub"))
+        return real
+
+    monkeypatch.setattr(execute, "resolve_inside", then_swapped)
+    with pytest.raises(StorageError, match=r"sub/one.bin: .*was the source changed during the import\?"):
+        resurgo.import_checkpoint(tmp_path / "src", tmp_path / "out", source="spec", spec=tmp_path / "spec.json")
+    assert not (tmp_path / "out").exists()
+
+
 def test_hf_cache_snapshot_symlinks_into_its_blobs_are_followed(tmp_path):
     snap, _ = hf_cache(tmp_path)
     resurgo.import_checkpoint(snap, tmp_path / "out", source="hf")
@@ -348,7 +376,7 @@ def test_a_pickle_that_contains_itself_is_refused(tmp_path):
 def test_a_stride_zero_tensor_needs_consent(tmp_path):
     torch.save({"x": torch.ones(1).expand(2 ** 24)}, tmp_path / "expand.pt")
     assert (tmp_path / "expand.pt").stat().st_size < 2048
-    with pytest.raises(ImportSpecError, match=r"would write 67108864 bytes of tensors from \d+ bytes of source files, "
+    with pytest.raises(ExpansionError, match=r"would write 67108864 bytes of tensors from \d+ bytes of source files, "
                                               r".* tensor 'x' \(float32 \[16777216\]\) is 67108864 bytes read from 4 "
                                               r"bytes of its source \(strides \[0\]\); pass allow_expansion=True"):
         resurgo.import_checkpoint(tmp_path / "expand.pt", tmp_path / "out", source="torch")
@@ -366,7 +394,7 @@ def test_a_four_tebibyte_spec_over_four_bytes_is_refused(tmp_path):
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "one.bin").write_bytes(struct.pack("<f", 1.0))
     (tmp_path / "spec.json").write_text(json.dumps(spec_doc("one.bin", [2 ** 40], strides=[0])))
-    with pytest.raises(ImportSpecError, match=r"would write 4398046511104 bytes of tensors from 4 bytes"):
+    with pytest.raises(ExpansionError, match=r"would write 4398046511104 bytes of tensors from 4 bytes"):
         resurgo.import_checkpoint(tmp_path / "src", tmp_path / "out", source="spec", spec=tmp_path / "spec.json")
     assert not (tmp_path / "out").exists()
 
@@ -557,21 +585,29 @@ while True:  # the data file, in turns a symlink to a copy and the file itself (
 
 def test_loads_while_a_data_file_is_swapped_with_a_symlink(tmp_path):
     """A concurrent process swaps a data file with a symlink (to a copy of the same bytes, inside the
-    checkpoint) as fast as it can; 200 load_dict and 50 verify calls each succeed or raise a
-    ResurgoError."""
+    checkpoint) as fast as it can; 200 load_dict and 50 verify calls, and 5,000 openings of the data
+    file as both open it (each resolves its path, the step the swap can break: about 2 in 100 did
+    raise a raw OSError before), each succeed or raise a ResurgoError."""
     resurgo.save({"x": torch.arange(64.0)}, tmp_path / "c")
     data = next((tmp_path / "c" / "data").iterdir())
     os.link(data, tmp_path / "c" / "data" / "copy.bin")
     os.link(data, tmp_path / "spare")
     swapper = subprocess.Popen([sys.executable, "-c", SWAPPER, str(data), "copy.bin", str(tmp_path / "spare")])
     outcomes: dict[str, int] = {}
+    rel = f"data/{data.name}"
     try:
-        for i in range(250):
+        for _ in range(5000):  # until the swapper has started (at most 5 s)
+            if data.is_symlink():
+                break
+            time.sleep(0.001)
+        for i in range(5250):
             try:
                 if i < 200:
                     resurgo.load_dict(tmp_path / "c")
-                else:
+                elif i < 250:
                     verify_checkpoint(tmp_path / "c")
+                else:
+                    open_checkpoint(tmp_path / "c").open_read(rel).close()
                 outcome = "ok"
             except ResurgoError as e:
                 outcome = type(e).__name__
@@ -579,4 +615,48 @@ def test_loads_while_a_data_file_is_swapped_with_a_symlink(tmp_path):
     finally:
         swapper.kill()
         swapper.wait()
-    assert sum(outcomes.values()) == 250, outcomes
+    assert sum(outcomes.values()) == 5250, outcomes
+
+
+@pytest.mark.parametrize("shape", [["2", 3], [2, -3], [2.0, 3], 6, None])
+def test_deepspeed_param_shapes_of_another_type_are_named(tmp_path, shape):
+    """A ZeRO-2 checkpoint whose model states give a parameter a shape that is not a torch.Size of
+    non-negative ints: CorruptCheckpointError naming the file, the group, the parameter and what was
+    found (exit 3), nothing written."""
+    from test_import_fuzz import _deepspeed_fixture
+
+    src = tmp_path / "ds"
+    _deepspeed_fixture(src)
+    path = src / "global_step1" / "mp_rank_00_model_states.pt"
+    states = torch.load(path, weights_only=False)  # our own file
+    states["param_shapes"][0]["fc.weight"] = shape
+    torch.save(states, path)
+    with pytest.raises(resurgo.CorruptCheckpointError,
+                       match=rf"mp_rank_00_model_states.pt: param_shapes group 0 gives 'fc.weight' the shape "
+                             rf".*expected a torch.Size of non-negative ints"):
+        resurgo.import_checkpoint(src, tmp_path / "out", source="deepspeed")
+    result = runner.invoke(app, ["import", str(src), str(tmp_path / "out"), "--from", "deepspeed"])
+    assert result.exit_code == 3 and "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_zip_end_record_naming_several_disks_is_a_damaged_file(tmp_path):
+    """zipfile raises BadZipFile (not OSError) while merely asking whether a file is a zip whose
+    zip64 locator names several disks: a damaged file (exit 3), for torch.save and DeepSpeed files alike."""
+    from test_import_fuzz import _deepspeed_fixture
+
+    def spanning(path: Path) -> None:
+        raw = path.read_bytes()
+        locator = struct.pack("<4sLQL", b"PK\x06\x07", 0, 0, 2)  # the end record's zip64 locator: 2 disks
+        path.write_bytes(raw[:-22] + locator + raw[-22:])
+
+    torch.save({"t": torch.ones(2)}, tmp_path / "m.pt")
+    spanning(tmp_path / "m.pt")
+    with pytest.raises(resurgo.CorruptCheckpointError, match=r"m.pt: not a readable zip archive \(BadZipFile"):
+        resurgo.import_checkpoint(tmp_path / "m.pt", tmp_path / "out", source="torch")
+    _deepspeed_fixture(tmp_path / "ds")
+    spanning(tmp_path / "ds" / "global_step1" / "mp_rank_00_model_states.pt")
+    with pytest.raises(resurgo.CorruptCheckpointError, match="mp_rank_00_model_states.pt: not a readable torch.save"):
+        resurgo.import_checkpoint(tmp_path / "ds", tmp_path / "out", source="deepspeed")
+    result = runner.invoke(app, ["import", str(tmp_path / "m.pt"), str(tmp_path / "out"), "--from", "torch"])
+    assert result.exit_code == 3 and "Traceback" not in result.output

@@ -136,3 +136,15 @@ def test_verify_inspect_and_the_reader_sketch_on_version_4(four_ranks, tmp_path)
     index.write_bytes(index.read_bytes()[:-1] + b" ")
     with pytest.raises(ValueError, match="does not match the size and checksum"):
         read_tensor(str(path), "replicated")
+
+
+def test_new_tensors_of_a_version_4_load_are_weighed_against_every_index(four_ranks):
+    """A load into an empty container allocates every tensor: what the chunks store is read from
+    every rank's index first (the core lists none), so a real checkpoint is never an expansion."""
+    whole = resurgo.load_dict(four_ranks)
+    state: dict = {}
+    report = resurgo.load(state, four_ranks)
+    assert state.keys() == whole.keys()
+    assert report.num_tensors == sum(isinstance(v, torch.Tensor) for v in whole.values()) > 1
+    assert all(torch.equal(state[k], v) if isinstance(v, torch.Tensor) else state[k] == v for k, v in whole.items())
+    assert report.metadata_bytes_read > (four_ranks / "manifest.json").stat().st_size  # the indexes too

@@ -20,6 +20,7 @@ from resurgo.errors import (
     CorruptCheckpointError,
     DataPositionError,
     DTypeMismatchError,
+    ExpansionError,
     ForeignFilesError,
     ImportSpecError,
     IncompleteCheckpointError,
@@ -96,4 +97,5 @@ __all__ = [
     "DTypeMismatchError", "IncompleteCheckpointError", "KeyMismatchError", "ManifestError",
     "NotACheckpointError", "PickleNotAllowedError", "ShapeMismatchError", "StorageError",
     "TypeMismatchError", "UnsupportedValueError", "MemoryBudgetError", "SaveInFlightError", "StudyError",
+    "ExpansionError",
 ]

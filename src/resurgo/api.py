@@ -123,7 +123,7 @@ def read_manifest(path: str | os.PathLike, *, storage_options: dict | None = Non
 def load(state: Any, path: str | os.PathLike, *, strict: bool = True, verify: bool = True,
          allow_pickle: bool = False, io_threads: int = DEFAULT_IO_THREADS,
          storage_options: dict | None = None, ignore_mismatched: bool = False,
-         collective: bool = True, share_reads: bool | None = None) -> LoadReport:
+         collective: bool = True, share_reads: bool | None = None, allow_expansion: bool = False) -> LoadReport:
     """Load the checkpoint at ``path`` into ``state`` in place; returns a :class:`LoadReport`.
 
     Tensors are filled in place (dtype and shape must match: resurgo never casts), plain values
@@ -145,23 +145,31 @@ def load(state: Any, path: str | os.PathLike, *, strict: bool = True, verify: bo
     (``LoadReport.bytes_received``); every rank must load the same checkpoint. None (default)
     shares when it saves storage traffic the page cache cannot: a URL (``s3://...``) or ranks on
     several hosts; local files on one host are read by each rank. True always, False never.
-    Every rank must pass the same ``strict``, ``allow_pickle``, ``ignore_mismatched`` and
-    ``share_reads``, and load a checkpoint of the same name (each rank may read its own copy):
-    ranks that differ all raise UnsupportedValueError naming each rank's value.
+    Tensors ``state`` does not hold (a fresh optimizer's empty state) are allocated; if those new
+    tensors would take more than 4 times the distinct bytes the checkpoint's chunks read (a
+    manifest placing many tensors on the same bytes), ExpansionError before any is allocated,
+    unless ``allow_expansion=True``. Every rank must pass the same ``strict``, ``allow_pickle``,
+    ``ignore_mismatched``, ``share_reads`` and ``allow_expansion``, and load a checkpoint of the
+    same name (each rank may read its own copy): ranks that differ all raise UnsupportedValueError
+    naming each rank's value.
     """
     with _scope(collective), liveness.operation("load", path):
         _, report = restore(state, path, strict=strict, verify=verify, allow_pickle=allow_pickle,
                             io_threads=io_threads, storage_options=storage_options,
-                            ignore_mismatched=ignore_mismatched, share_reads=share_reads)
+                            ignore_mismatched=ignore_mismatched, share_reads=share_reads,
+                            allow_expansion=allow_expansion)
     return report
 
 
 def load_dict(path: str | os.PathLike, *, verify: bool = True, allow_pickle: bool = False,
               io_threads: int = DEFAULT_IO_THREADS, storage_options: dict | None = None,
-              collective: bool = True) -> Any:
+              collective: bool = True, allow_expansion: bool = False) -> Any:
     """The whole checkpoint as new values: nested containers of full tensors and plain values.
-    ``collective=False``: read by this process alone while the other ranks do not call."""
+    ``collective=False``: read by this process alone while the other ranks do not call.
+    Tensors taking more than 4 times the distinct bytes the checkpoint's chunks read (a manifest
+    placing many tensors on the same bytes; tied weights take 2 times) raise ExpansionError
+    before any is allocated, unless ``allow_expansion=True``."""
     with _scope(collective), liveness.operation("load_dict", path):
         result, _ = restore(None, path, strict=True, verify=verify, allow_pickle=allow_pickle, io_threads=io_threads,
-                            storage_options=storage_options)
+                            storage_options=storage_options, allow_expansion=allow_expansion)
     return result

@@ -52,13 +52,13 @@ import torch
 from resurgo.api import DEFAULT_IO_THREADS, load_dict
 from resurgo.errors import (
     CheckpointExistsError,
-    ExpansionError,
     KeyMismatchError,
     MemoryBudgetError,
     StorageError,
     UnsupportedValueError,
 )
 from resurgo.format import dtypes, values
+from resurgo.format.expansion import MAX_EXPANSION, distinct_bytes, expansion_error
 from resurgo.format.manifest import Manifest
 from resurgo.format.safetensors_file import METADATA as SAFETENSORS_PRODUCER, HeaderEntry, build_header, read_header
 from resurgo.format.tree import iter_values
@@ -76,10 +76,6 @@ from resurgo.storage.ownership import FILE
 TARGETS = ("safetensors", "hf", "torch", "dcp")
 DEFAULT_MEMORY_BUDGET = 1 << 30
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # "5GB", the default of transformers and huggingface_hub
-# The most tensor bytes a conversion writes per distinct stored byte without allow_expansion:
-# tied weights saved once double a tensor's bytes; a manifest placing many chunks on the same bytes
-# multiplies them.
-MAX_EXPANSION = 4
 SAFETENSORS_RESERVED = "__metadata__"
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -221,33 +217,13 @@ def _to_safetensors(ckpt: Checkpoint, manifest: Manifest, dst: Path, to: str, on
         raw_dtype_keys=raw_keys, seconds=seconds)
 
 
-def stored_bytes(manifest: Manifest) -> int:
-    """The distinct bytes the manifest's chunks read: per file, the union of their byte ranges."""
-    ranges: dict[str, list[tuple[int, int]]] = {}
-    for entry in manifest.tensors.values():
-        for chunk in entry.chunks:
-            for file, start, stop in chunk.spans:
-                ranges.setdefault(file, []).append((start, stop))
-    total = 0
-    for spans in ranges.values():
-        end = None
-        for start, stop in sorted(spans):
-            if end is None or start >= end:
-                total, end = total + stop - start, stop
-            elif stop > end:
-                total, end = total + stop - end, stop
-    return total
-
-
 def check_expansion(manifest: Manifest, src: str | os.PathLike) -> None:
     """ExpansionError when the tensors take more than MAX_EXPANSION times the distinct bytes stored."""
     written = sum(tensor_nbytes(e) for e in manifest.tensors.values())
-    stored = stored_bytes(manifest)
+    stored = distinct_bytes(manifest)
     if written > MAX_EXPANSION * stored:
-        raise ExpansionError(
-            f"{src}: its {len(manifest.tensors)} tensors take {written} bytes, {written / max(1, stored):.1f} times "
-            f"the {stored} distinct bytes their chunks read (more than {MAX_EXPANSION} times is refused: chunks of "
-            "several tensors share bytes); pass allow_expansion=True (--allow-expansion) if the checkpoint is trusted")
+        raise expansion_error(src, f"its {len(manifest.tensors)} tensors take", written, stored,
+                              "pass allow_expansion=True (--allow-expansion)")
 
 
 def check_free_space(dst: str | os.PathLike, need: int, what: str) -> None:
@@ -452,8 +428,9 @@ def _to_torch(src: str | os.PathLike, storage_options: dict | None, ckpt: Checkp
     seconds: dict[str, float] = {}
     try:
         t0 = time.perf_counter()
+        # convert checked the expansion already, or was allowed it
         state = weights_only_plain(load_dict(src, verify=True, allow_pickle=allow_pickle, io_threads=threads,
-                                             storage_options=storage_options))
+                                             storage_options=storage_options, allow_expansion=True))
         t1 = time.perf_counter()
         with open(output.path(), "x+b") as f:
             torch.save(state, f)
@@ -526,8 +503,9 @@ def _to_dcp(src: str | os.PathLike, storage_options: dict | None, ckpt: Checkpoi
     output = AtomicOutput(dst, directory=True, overwrite=overwrite, owned=_dcp_owned)
     try:
         t0 = time.perf_counter()
+        # convert checked the expansion already, or was allowed it
         state = weights_only_plain(load_dict(src, verify=True, allow_pickle=allow_pickle, io_threads=threads,
-                                             storage_options=storage_options))
+                                             storage_options=storage_options, allow_expansion=True))
         items, skipped = dcp_items(state, only, str(ckpt.path))
         t1 = time.perf_counter()
         with warnings.catch_warnings():  # no_dist is the point here: one process writes the whole state

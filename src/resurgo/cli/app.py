@@ -26,6 +26,7 @@ from resurgo.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    ExpansionError,
     ManifestError,
     MemoryBudgetError,
     NotACheckpointError,
@@ -46,6 +47,7 @@ EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
     (ManifestError, EXIT_DAMAGED),
     (CheckpointExistsError, EXIT_USAGE),
     (MemoryBudgetError, EXIT_USAGE),
+    (ExpansionError, EXIT_USAGE),  # an output many times its input, without --allow-expansion
     (CheckpointNotFoundError, EXIT_UNAVAILABLE),
     (NotACheckpointError, EXIT_UNAVAILABLE),  # and IncompleteCheckpointError
     (StorageError, EXIT_UNAVAILABLE),

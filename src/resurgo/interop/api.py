@@ -115,7 +115,7 @@ def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source:
     ``only``: a pattern or list of patterns (:func:`select`); only the tensors and values whose
     keys match are read and written. ``allow_expansion``: write tensors that take more than
     ``MAX_EXPANSION`` (4) times the bytes of the source files they are read from (a stride-0 tensor
-    such as ``torch.ones(1).expand(n)``); refused with ImportSpecError otherwise.
+    such as ``torch.ones(1).expand(n)``); refused with ExpansionError otherwise.
     """
     t0 = time.perf_counter()
     budget = None if memory_budget is None else parse_size(memory_budget, "memory_budget")

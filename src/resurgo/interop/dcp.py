@@ -34,7 +34,7 @@ from resurgo.errors import (
     UnsupportedValueError,
 )
 from resurgo.format import dtypes
-from resurgo.interop.source_files import check_relative, resolve_inside
+from resurgo.interop.source_files import check_relative, open_file_inside, resolve_inside
 from resurgo.interop.spec import Box, ImportSpec, Piece, PickledObject, TensorSpec, row_major_strides
 from resurgo.interop.torch_file import MAX_PICKLE_BYTES, ZIP_ERRORS, ZipSlice, member_start, read_archive
 from resurgo.interop.unpickle import TensorRef, dcp_metadata_allowed, restricted_load, shown
@@ -53,7 +53,8 @@ def read_metadata(root: Path) -> Any:
     path = root / METADATA
     if not path.is_file():
         raise NotACheckpointError(f"{root}: not a DCP checkpoint (no {METADATA} file; dcp.save writes it last)")
-    data = resolve_inside(root, METADATA, "the DCP metadata").read_bytes()
+    with open_file_inside(resolve_inside(root, METADATA, "the DCP metadata")) as f:
+        data = f.read()
     md = restricted_load(data, str(path), dcp_metadata_allowed(), "a torch.distributed.checkpoint .metadata")
     if not (isinstance(md, Metadata) and isinstance(getattr(md, "state_dict_metadata", None), dict)
             and isinstance(getattr(md, "storage_data", None), dict)):
@@ -145,7 +146,7 @@ class _DistcpFiles:
                 raise CorruptCheckpointError(
                     f"{path}: missing; {self.root / METADATA} places {what} in it (was one rank's file not copied?)"
                 ) from None
-            self._open[rel] = open(real, "rb")  # noqa: SIM115 - closed by close()
+            self._open[rel] = open_file_inside(real)  # closed by close()
         f = self._open[rel]
         size = os.fstat(f.fileno()).st_size
         if info.offset < 0 or info.length < 0 or info.offset + info.length > size:

@@ -46,9 +46,9 @@ from resurgo.errors import (
 )
 from resurgo.format import dtypes
 from resurgo.format.tree import path_key
-from resurgo.interop.source_files import resolve_inside
+from resurgo.interop.source_files import open_file_inside, resolve_inside
 from resurgo.interop.spec import Box, Flat, ImportSpec, Piece, Source, TensorSpec, row_major_strides
-from resurgo.interop.torch_file import read_objects
+from resurgo.interop.torch_file import ZIP_ERRORS, read_objects
 from resurgo.interop.unpickle import DEEPSPEED, TensorRef, shown
 
 HOLDS = "a DeepSpeed checkpoint file"
@@ -88,7 +88,8 @@ def find_tag_dir(root: Path) -> tuple[Path, str]:
         raise CheckpointNotFoundError(f"{root}: not found")
     for latest in (root / "latest", root / "latest_universal"):  # the latter: ds_to_universal's
         if latest.is_file():
-            raw = resolve_inside(root, latest.name, "the tag file").read_bytes()[:MAX_TAG_BYTES]
+            with open_file_inside(resolve_inside(root, latest.name, "the tag file")) as f:
+                raw = f.read(MAX_TAG_BYTES)
             tag = raw.decode("utf-8", errors="replace").strip()
             if not tag or "/" in tag or tag in (".", ".."):
                 raise CorruptCheckpointError(f"{latest}: holds {tag!r}, not the name of a checkpoint folder")
@@ -108,8 +109,10 @@ def spec_from_deepspeed(directory: str | Path) -> ImportSpec:
     except ResurgoError:
         raise
     except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as e:
-        # DeepSpeed's files are dicts of whatever its version put there: a field of another type
-        # than the one read is a file resurgo cannot read, named with what was found.
+        # DeepSpeed's files are dicts of whatever its version put there; the fields read are checked
+        # where they are read, and what a field of another type can still raise on the way (arithmetic
+        # or indexing with it: TypeError, KeyError, IndexError, OverflowError; a method it lacks:
+        # AttributeError; a spec it makes invalid: ValueError) is a file resurgo cannot read.
         raise CorruptCheckpointError(f"{directory}: not a DeepSpeed checkpoint of a layout resurgo reads: a field "
                                      f"holds another type than DeepSpeed writes ({type(e).__name__}: {e!s:.300})"
                                      ) from None
@@ -124,9 +127,14 @@ def _spec_from_deepspeed(root: Path) -> ImportSpec:
         except CheckpointNotFoundError:
             raise CorruptCheckpointError(f"{folder / name}: missing ({folder} lacks this file; was one rank's file "
                                          "not copied?)") from None
-        if not zipfile.is_zipfile(path):
-            raise CorruptCheckpointError(f"{path}: not a readable torch.save archive (no zip directory at its end); "
-                                         "the file is truncated or damaged")
+        with open_file_inside(path) as f:
+            try:
+                archive = zipfile.is_zipfile(f)
+            except ZIP_ERRORS:  # an end record naming several disks, ...
+                archive = False
+            if not archive:
+                raise CorruptCheckpointError(f"{path}: not a readable torch.save archive (no zip directory at its "
+                                             "end); the file is truncated or damaged")
         obj, prefix = read_objects(path, DEEPSPEED, HOLDS)
         if not isinstance(obj, holds):
             raise CorruptCheckpointError(f"{path}: holds a {type(obj).__name__}, not what DeepSpeed writes there")
@@ -190,7 +198,12 @@ def _groups(model: _File) -> tuple[list[list[tuple[str, tuple[int, ...]]]], dict
     shapes = _get(model, "param_shapes", list)
     if not all(isinstance(g, dict) for g in shapes):
         raise CorruptCheckpointError(f"{model.rel}: param_shapes is not a list of dicts")
-    groups = [[(str(n), tuple(int(d) for d in s)) for n, s in g.items()] for g in shapes]
+    for g, group in enumerate(shapes):
+        for name, shape in group.items():
+            if not isinstance(shape, (list, tuple)) or not all(type(d) is int and d >= 0 for d in shape):
+                raise CorruptCheckpointError(f"{model.rel}: param_shapes group {g} gives {shown(name, 100)} the shape "
+                                             f"{shown(shape, 120)}, expected a torch.Size of non-negative ints")
+    groups = [[(str(n), tuple(s)) for n, s in g.items()] for g in shapes]
     # The optimizer's parameter numbers: DeepSpeed's order, the client optimizer's (param_shapes lists
     # the trained parameters group by group as the optimizer holds them).
     return groups, {name: i for i, (name, _) in enumerate(p for g in groups for p in g)}

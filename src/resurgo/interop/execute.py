@@ -33,6 +33,7 @@ import torch
 from resurgo.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    ExpansionError,
     ImportSpecError,
     MemoryBudgetError,
     PickleNotAllowedError,
@@ -40,7 +41,8 @@ from resurgo.errors import (
 )
 from resurgo.conversion import check_free_space
 from resurgo.format import dtypes
-from resurgo.interop.source_files import resolve_inside
+from resurgo.format.expansion import MAX_EXPANSION
+from resurgo.interop.source_files import open_file_inside, open_inside, resolve_inside
 from resurgo.interop.spec import ImportSpec, Piece, Source, TensorSpec, row_major_strides, span_elements
 from resurgo.interop.torch_file import ZIP_ERRORS, member_start
 from resurgo.layout.shards import LocalPiece, Pieces
@@ -53,9 +55,6 @@ from resurgo.storage.direct_io import BOUNCE_BYTES
 from resurgo.storage.open import is_url, local_path
 
 DEFAULT_MEMORY_BUDGET = 1 << 30
-# The most tensor bytes an import writes per byte of its source files without allow_expansion: tied
-# weights double a tensor's bytes; a stride-0 view (torch.ones(1).expand(n)) multiplies them by n.
-MAX_EXPANSION = 4
 WRITER_BYTES = SLICE_BYTES + BOUNCE_BYTES  # what one writer thread holds: its slice and its aligned write buffer
 
 
@@ -115,7 +114,7 @@ class _Sources:
         if member is None:
             return _Region(path, 0, size, str(shown))
         try:
-            with open(path, "rb") as f, zipfile.ZipFile(f) as z:
+            with open_file_inside(path) as f, zipfile.ZipFile(f) as z:
                 info = z.getinfo(member)
                 start = member_start(f, info, str(shown))
         except KeyError:
@@ -138,13 +137,14 @@ class _Sources:
         region = self.region(src.file, src.member)
         start = region.start + src.offset
         if region.path not in self._maps:
-            self._maps[region.path] = np.memmap(region.path, dtype=np.uint8, mode="c")
+            with open_file_inside(region.path) as f:  # the mapping outlives the descriptor
+                self._maps[region.path] = np.memmap(f, dtype=np.uint8, mode="c")
         flat = torch.from_numpy(self._maps[region.path][start: start + span * size]).view(tdtype)
         strides = tuple(src.strides) if src.strides is not None else row_major_strides(shape)
         view = flat.as_strided(tuple(shape), strides)
         if view.is_contiguous():
             if region.path not in self._fds:
-                self._fds[region.path] = os.open(region.path, os.O_RDONLY)
+                self._fds[region.path] = open_inside(region.path)
                 os.posix_fadvise(self._fds[region.path], 0, 0, os.POSIX_FADV_SEQUENTIAL)
             self._streams[id(view)] = (view, _FileStream(view, self._fds[region.path], start, region.name))
         return view
@@ -256,7 +256,7 @@ def _load_objects(spec: ImportSpec, sources: _Sources, allow_pickle: bool) -> di
             raise CorruptCheckpointError(
                 f"{region.name}: object {key!r} needs bytes [{obj.offset}, {obj.offset + obj.length}) but it holds "
                 f"{region.size} bytes; the source file is truncated or the spec is wrong")
-        with open(region.path, "rb") as f:
+        with open_file_inside(region.path) as f:
             f.seek(obj.offset)
             data = f.read(obj.length)
         try:
@@ -272,7 +272,7 @@ def _tensor_bytes(t: TensorSpec) -> int:
 
 
 def _check_expansion(spec: ImportSpec, sources: _Sources, root: str | os.PathLike) -> None:
-    """ImportSpecError when the tensors would take more than :data:`MAX_EXPANSION` times the bytes
+    """ExpansionError when the tensors would take more than :data:`MAX_EXPANSION` times the bytes
     of the source files they are read from (pieces with stride 0, or many pieces on the same
     bytes), naming the tensors that expand most and by how much."""
     written = sum(_tensor_bytes(t) for t in spec.tensors)
@@ -288,7 +288,7 @@ def _check_expansion(spec: ImportSpec, sources: _Sources, root: str | os.PathLik
                       f"{spanned(t)} bytes of its source"
                       f"{' (strides ' + str(t.pieces[0].strides) + ')' if t.pieces and t.pieces[0].strides else ''}"
                       for t in worst)
-    raise ImportSpecError(
+    raise ExpansionError(
         f"{root}: the import would write {written} bytes of tensors from {source} bytes of source files, "
         f"{written / max(1, source):.1f} times as many (more than {MAX_EXPANSION} times is refused): {named}; "
         "pass allow_expansion=True (--allow-expansion) if the source is trusted and the size intended")
@@ -325,7 +325,7 @@ def execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, *
     """Write the checkpoint ``dst`` from the sources under ``root`` as ``spec`` (validated) says.
     The spec's ``objects`` are unpickled only with ``allow_pickle`` (PickleNotAllowedError otherwise).
     Tensors of more than :data:`MAX_EXPANSION` times the source files' bytes are written only with
-    ``allow_expansion`` (ImportSpecError otherwise); a local ``dst`` whose filesystem has too little
+    ``allow_expansion`` (ExpansionError otherwise); a local ``dst`` whose filesystem has too little
     free space for them raises StorageError first."""
     t_start = time.perf_counter()
     budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget

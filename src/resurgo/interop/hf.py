@@ -22,7 +22,7 @@ from resurgo.errors import (
 )
 from resurgo.format import dtypes
 from resurgo.format.safetensors_file import read_header
-from resurgo.interop.source_files import resolve_inside
+from resurgo.interop.source_files import open_file_inside, resolve_inside
 from resurgo.interop.spec import Box, ImportSpec, Piece, TensorSpec
 from resurgo.interop.torch_file import spec_from_torch_file
 
@@ -81,7 +81,7 @@ def _safetensors_tensors(root: Path, rel: str) -> list[TensorSpec]:
     path = root / rel
     real = _shard_path(root, rel)
     try:
-        with open(real, "rb") as f:
+        with open_file_inside(real) as f:
             header = read_header(f.read(8), f.read)
     except FileNotFoundError:
         raise NotACheckpointError(f"{path}: shard named by the index not found") from None

@@ -6,6 +6,10 @@ directory: a path whose real location lies elsewhere, or that is not a regular f
 ImportSpecError naming the source, the entry and where it leads. The directory the caller names
 is trusted as given (it is resolved first); only what it holds is not.
 
+A path is checked, then opened: :func:`open_inside` opens the very file checked (not a link, and
+the kernel names it by the checked path), so a folder or file swapped for a link to elsewhere in
+between is a StorageError, never a read outside.
+
 One exception is structural, not a flag: a Hugging Face cache snapshot
 (``<cache>/models--<org>--<name>/snapshots/<revision>/``) holds its files as symlinks into its
 repository's blob store (``../../blobs/<hash>``), so for a source directory of that shape the
@@ -14,6 +18,7 @@ repository's ``blobs/`` folder is inside too, and nothing else of the cache is.
 
 from __future__ import annotations
 
+import io
 import os
 import stat
 from pathlib import Path, PurePosixPath
@@ -85,3 +90,38 @@ def resolve_inside(root: str | os.PathLike, rel: object, what: str) -> Path:
     if not stat.S_ISREG(mode):
         raise ImportSpecError(f"{base / rel}: {what}: not a regular file")
     return Path(full)
+
+
+def open_inside(path: Path) -> int:
+    """A read-only descriptor of the file ``path`` that :func:`resolve_inside` returned, checked to
+    be that file still: opened without following a link, a regular file, and (where ``/proc``
+    says) at that very path. StorageError when the source changed between the check and the open."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{path}: not found (was the source changed during the import?)") from None
+    except OSError as e:  # ELOOP: the file became a link after it was checked
+        raise StorageError(f"{path}: could not be opened as the file checked ({e.strerror or e}); "
+                           "was the source changed during the import?") from None
+    try:
+        now = _opened_path(fd)
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or (now is not None and now != str(path)):
+            raise StorageError(f"{path}: opened as {now or 'something else'}, not the file checked inside the source; "
+                               "was the source changed during the import?")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_file_inside(path: Path) -> io.BufferedReader:
+    """:func:`open_inside` as a binary file object."""
+    return os.fdopen(open_inside(path), "rb")
+
+
+def _opened_path(fd: int) -> str | None:
+    """Where the kernel says the open file ``fd`` is (Linux), None where it cannot say."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None

@@ -29,6 +29,7 @@ from resurgo.errors import (
 )
 from resurgo.format import dtypes
 from resurgo.format.tree import path_key
+from resurgo.interop.source_files import open_file_inside
 from resurgo.interop.spec import Box, ImportSpec, Piece, TensorSpec, row_major_strides
 from resurgo.interop.unpickle import TORCH_SAVE, TensorRef, restricted_load
 from resurgo.layout.box import ChunkBox
@@ -120,17 +121,18 @@ def read_objects(path: Path, allowed: Mapping[tuple[str, str], Any] = TORCH_SAVE
     """(the unpickled structure with TensorRefs for tensors, the archive's prefix)."""
     if not path.is_file():
         raise CheckpointNotFoundError(f"{path}: torch.save file not found")
-    if not zipfile.is_zipfile(path):
-        raise UnsupportedValueError(f"{path}: not a zip-format torch.save file (the legacy format is not supported; "
-                                    "load it with torch and save it again)")
-    try:
-        with zipfile.ZipFile(path) as z:
-            return read_archive(z, str(path), allowed, holds)
-    except ResurgoError:
-        raise
-    except ZIP_ERRORS as e:
-        raise CorruptCheckpointError(f"{path}: not a readable zip archive ({type(e).__name__}: {e!s:.300}); "
-                                     "was it truncated or damaged?") from None
+    with open_file_inside(path) as f:  # the file checked inside its source, still
+        try:
+            if not zipfile.is_zipfile(f):  # which raises, for an end record naming several disks
+                raise UnsupportedValueError(f"{path}: not a zip-format torch.save file (the legacy format is not "
+                                            "supported; load it with torch and save it again)")
+            with zipfile.ZipFile(f) as z:
+                return read_archive(z, str(path), allowed, holds)
+        except ResurgoError:
+            raise
+        except ZIP_ERRORS as e:
+            raise CorruptCheckpointError(f"{path}: not a readable zip archive ({type(e).__name__}: {e!s:.300}); "
+                                         "was it truncated or damaged?") from None
 
 
 def spec_from_torch_file(path: str | Path, rel: str | None = None) -> ImportSpec:

@@ -31,6 +31,7 @@ from resurgo.errors import (
     ResurgoError,
 )
 from resurgo.format import checksum
+from resurgo.format.expansion import distinct_bytes
 from resurgo.format.manifest import Manifest
 from resurgo.pipeline import consistent, data_files, inflight
 from resurgo.pipeline.buffers import writable_bytes
@@ -48,7 +49,7 @@ from resurgo.wording import plural
 def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool, allow_pickle: bool,
             io_threads: int, storage_options: dict | None = None,
             ignore_mismatched: bool = False, share_reads: bool | None = None,
-            peers: PeerFiles | None = None) -> tuple[Any, LoadReport]:
+            peers: PeerFiles | None = None, allow_expansion: bool = False) -> tuple[Any, LoadReport]:
     """Plan, check and read everything, then fill the target (see :func:`_restore`). A
     CorruptCheckpointError says which of this rank's target tensors were loaded and which were
     left untouched."""
@@ -57,7 +58,8 @@ def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool,
     try:
         return _restore(target, path, strict=strict, verify=verify, allow_pickle=allow_pickle, io_threads=io_threads,
                         storage_options=storage_options, ignore_mismatched=ignore_mismatched,
-                        share_reads=share_reads, peers=peers, loaded=loaded, planned=planned)
+                        share_reads=share_reads, peers=peers, loaded=loaded, planned=planned,
+                        allow_expansion=allow_expansion)
     except CorruptCheckpointError as e:
         comm = dist_comm.current()
         raise _naming_keys(e, planned[0] if planned else [], loaded, comm.rank if comm.size > 1 else None) from e
@@ -90,7 +92,8 @@ def _some(keys: list[str], most: int = 8) -> str:
 def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool, allow_pickle: bool,
              io_threads: int, storage_options: dict | None = None,
              ignore_mismatched: bool = False, share_reads: bool | None = None,
-             peers: PeerFiles | None = None, loaded: set[str], planned: list[list[Destination]]) -> tuple[Any, LoadReport]:
+             peers: PeerFiles | None = None, loaded: set[str], planned: list[list[Destination]],
+             allow_expansion: bool = False) -> tuple[Any, LoadReport]:
     """Plan, check and read everything, then fill the target. In a distributed job every rank reads
     only what its own layout needs; if any rank fails before the target is touched, all raise.
     ``share_reads``: bytes several ranks need are read once and sent (:mod:`resurgo.pipeline.shared_read`);
@@ -98,7 +101,9 @@ def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool
     loads its node's directory of ``path``, and the files it lacks are read from the peers named
     (:mod:`resurgo.pipeline.peer_read`); every rank passes one (an empty one where its node holds
     every file); the ranks do not share reads. ``loaded`` gets the keys of the tensors filled,
-    ``planned`` the destinations of the last attempt planned."""
+    ``planned`` the destinations of the last attempt planned. New tensors (those the target does
+    not hold) taking more than MAX_EXPANSION times the distinct bytes the checkpoint's chunks read
+    are refused before they are allocated (ExpansionError), unless ``allow_expansion``."""
     t_start = time.perf_counter()
     comm = dist_comm.current()
     sharing = comm.size > 1 and share_reads is not False and peers is None
@@ -107,7 +112,8 @@ def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool
 
     # Ranks may load their own copies (a root per node): the checkpoint's name must match, not its path.
     names, call = call_note(share_reads=share_reads, checkpoint=os.path.basename(os.fspath(path).rstrip("/")),
-                     strict=strict, allow_pickle=allow_pickle, ignore_mismatched=ignore_mismatched)
+                     strict=strict, allow_pickle=allow_pickle, ignore_mismatched=ignore_mismatched,
+                     allow_expansion=allow_expansion)
     seen: list[bytes] = []  # the manifest this attempt read
     indexes_read: dict[str, int] = {}
 
@@ -134,8 +140,14 @@ def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool
                 data_files.check_sizes(ckpt, manifest)  # before any allocation
             else:
                 peers.check_sizes(ckpt, {name: f.bytes for name, f in manifest.files.items()})
+            def stored_bytes() -> int:  # asked only if the load needs a new tensor
+                if not manifest.indexed or whole:
+                    return distinct_bytes(manifest)
+                return distinct_bytes(resolve_for(ckpt, manifest, None, indexes_read))  # every chunk counts
+
             restorer = Restorer(manifest, allow_pickle=allow_pickle, strict=strict, rank=comm.rank, world=comm.size,
-                                source=str(ckpt.path), ignore_mismatched=ignore_mismatched)
+                                source=str(ckpt.path), ignore_mismatched=ignore_mismatched,
+                                stored_bytes=None if allow_expansion else stored_bytes)
             result = restorer.restore(target)
             if strict and (restorer.missing or restorer.unexpected):
                 raise KeyMismatchError(_key_mismatch_message(ckpt, restorer.missing, restorer.unexpected),

@@ -29,6 +29,7 @@ from resurgo.errors import (
     naming_checkpoint,
 )
 from resurgo.format import dtypes, values
+from resurgo.format.expansion import MAX_EXPANSION, entry_bytes, expansion_error
 from resurgo.format.manifest import Manifest, TensorEntry
 from resurgo.format.tree import MAX_TREE_DEPTH, path_key
 from resurgo.layout.box import ChunkBox
@@ -73,7 +74,13 @@ class Restorer:
     world: int = 1
     source: str = "checkpoint"
     ignore_mismatched: bool = False
+    # The distinct bytes the checkpoint's chunks read, asked once, when a new tensor is first needed;
+    # new tensors are refused beyond MAX_EXPANSION times it (None: no limit, the caller allowed it).
+    stored_bytes: Callable[[], int] | None = None
+    fresh_bytes: int = 0  # the bytes of the new tensors planned so far
     _seen: set = field(default_factory=set)
+    _fresh_limit: int | None = None
+    _stored: int = 0
 
     # -- public ---------------------------------------------------------------------------------
     def restore(self, target: Any) -> Any:
@@ -289,9 +296,24 @@ class Restorer:
             return target
         if target is not None and (isinstance(target, (Mapping, list, tuple)) or is_stateful(target)):
             raise TypeMismatchError(f"{self._at(path)}: the checkpoint holds a tensor, the target a {type(target).__name__}")
+        self._count_fresh(key, entry)  # before allocating
         fresh = new_array(entry)
         self.destinations.append(Destination(key, entry, fresh))
         return fresh
+
+    def _count_fresh(self, key: str, entry: TensorEntry) -> None:
+        """ExpansionError when a new tensor for ``key`` would take the new tensors beyond
+        MAX_EXPANSION times the distinct bytes stored (a manifest placing many tensors on the same
+        bytes); the caller's own tensors are not counted: they cost the file nothing."""
+        self.fresh_bytes += entry_bytes(entry)
+        if self.stored_bytes is None:
+            return
+        if self._fresh_limit is None:
+            self._stored = self.stored_bytes()
+            self._fresh_limit = MAX_EXPANSION * self._stored
+        if self.fresh_bytes > self._fresh_limit:
+            raise expansion_error(self.source, f"key {key!r}: the new tensors the load would allocate take",
+                                  self.fresh_bytes, self._stored, "pass allow_expansion=True")
 
     def _mismatch(self, error: Exception, key: str, target: Array) -> Array:
         if not self.ignore_mismatched:
