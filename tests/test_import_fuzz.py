@@ -12,7 +12,7 @@ replaced by a symlink to a copy outside the source. ``resurgo.import_checkpoint`
 - open no file outside the source and the destination's folder (an audit hook watches ``open``);
 - leave nothing in the destination's folder when it refuses;
 - spend at most 1 s of CPU (the sources are about 10 KB; 1 s more per MB), and never take the process's peak memory
-  (its maximum resident set) more than 300 MB above where it was before the first example;
+  (its resident set's high-water mark, reset before each example) more than 300 MB above where it was;
 - when it succeeds, write a checkpoint that ``resurgo.load_dict`` reads.
 
 The default run takes about half a minute; ``-m slow`` runs each property with 1000 examples.
@@ -24,7 +24,6 @@ import io
 import json
 import os
 import pickle
-import resource
 import shutil
 import struct
 import sys
@@ -299,9 +298,21 @@ FIXTURES: dict[str, Callable[[Path], None]] = {"dcp": _dcp_fixture, "torch": _to
                                                "deepspeed": _deepspeed_fixture, "spec": _spec_fixture}
 
 
-def _max_rss() -> int:
-    """The process's peak resident set so far, in bytes (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+def _status_bytes(field: str) -> int:
+    """A memory line of /proc/self/status ("VmRSS:", "VmHWM:"), in bytes."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field):
+                return int(line.split()[1]) << 10
+    raise KeyError(field)
+
+
+def _reset_peak() -> int:
+    """Make the peak resident set (VmHWM) the current one, so that it measures one attempt alone
+    and not what earlier tests of the same process left; returns the current resident set."""
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+    return _status_bytes("VmRSS:")
 
 
 class Bench:
@@ -314,7 +325,6 @@ class Bench:
         self.outcomes: dict[str, dict[str, int]] = {name: {} for name in FIXTURES}
         self.largest: dict[str, tuple[int, float, int]] = {}  # source bytes, CPU seconds, peak growth
         self.slowest: dict[str, tuple[int, float, str]] = {}  # source bytes, CPU seconds, outcome
-        self.rss_before = _max_rss()
 
     def fresh(self, name: str) -> Path:
         src = self.base / "work" / name
@@ -346,6 +356,7 @@ class Bench:
         out.mkdir()
         size = sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
         _WATCH["roots"], _WATCH["outside"] = (os.path.realpath(src), os.path.realpath(out)), []
+        rss_before = _reset_peak()
         cpu = time.process_time()
         try:
             resurgo.import_checkpoint(target, out / "ckpt", **args)
@@ -357,7 +368,7 @@ class Bench:
             outcome = "ok"
         finally:
             cpu = time.process_time() - cpu
-            peak = _max_rss() - self.rss_before
+            peak = _status_bytes("VmHWM:") - rss_before
             _WATCH["roots"] = None
         assert not _WATCH["outside"], f"opened files outside the source: {_WATCH['outside']}"
         assert cpu < CPU_SECONDS * (1 + size / (1 << 20)), f"{cpu:.2f} s of CPU for a {size}-byte source"
@@ -378,7 +389,6 @@ def bench(tmp_path_factory):
     b = Bench(tmp_path_factory.mktemp("import-fuzz"))
     for name in FIXTURES:  # the pristine sources import, and every lazy import is done before measuring
         assert b.attempt(name, b.fresh(name)) == "ok"
-    b.rss_before = _max_rss()
     yield b
     print("\nimport fuzz outcomes:", json.dumps(b.outcomes), "\nlargest source (bytes, CPU s, peak RSS growth bytes):",
           json.dumps(b.largest), "\nslowest (bytes, CPU s, outcome):", json.dumps(b.slowest))
