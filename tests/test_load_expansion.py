@@ -106,3 +106,26 @@ def test_verify_reads_a_range_shared_by_many_tensors_once_and_names_each_when_da
     report = verify_checkpoint(path)
     damaged = [p for p in report.problems if "does not match its checksum" in p]
     assert len(damaged) == 51 and any("'y49'" in p for p in damaged)  # a failed range is checked for each
+
+
+def test_verify_refuses_chunks_overlapping_at_shifted_offsets_without_hashing_them(tmp_path):
+    """Spans that overlap at other offsets cannot be read once for all: 100 copies of a 512 KiB
+    tensor, each shifted 4 bytes further into a 1 MiB one, would make verify hash 50 MiB more for
+    each 512 KiB of manifest-declared data. It reports the expansion and reads nothing."""
+    path = tmp_path / "c"
+    resurgo.save({"x": torch.arange(float(1 << 18)), "y": torch.zeros(1 << 17)}, path)
+    doc = json.loads((path / "manifest.json").read_bytes())
+    del doc["manifest_checksum"]
+    (x_chunk,), (y_chunk,) = doc["tensors"]["x"]["chunks"], doc["tensors"]["y"]["chunks"]
+    assert x_chunk["file"] == y_chunk["file"]
+    start = x_chunk["byte_range"][0]
+    for i in range(200):
+        doc["tensors"][f"y{i}"] = entry = json.loads(json.dumps(doc["tensors"]["y"]))
+        entry["chunks"][0]["byte_range"] = [start + 4 * i, start + 4 * i + (1 << 19)]
+        doc["tree"]["items"].append([f"y{i}", {"type": "tensor", "key": f"y{i}"}])
+    (path / "manifest.json").write_bytes(resealed(json.dumps(doc).encode()))
+    report = verify_checkpoint(path)
+    assert not report.ok and report.bytes_read == 0
+    assert "overlapping at shifted offsets" in report.problems[0] and str(path) in report.problems[0]
+    with pytest.raises(ExpansionError):
+        resurgo.load_dict(path)

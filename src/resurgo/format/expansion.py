@@ -47,6 +47,14 @@ def distinct_bytes(manifest: Manifest) -> int:
     return total
 
 
+def span_bytes(manifest: Manifest) -> int:
+    """The bytes of the manifest's distinct chunk spans: what checking every chunk reads when a span
+    several chunks share whole is read once (tied weights), but spans that overlap at other offsets
+    are each read in full."""
+    spans = {span for entry in manifest.tensors.values() for chunk in entry.chunks for span in chunk.spans}
+    return sum(stop - start for _, start, stop in spans)
+
+
 def expansion_error(source: str | os.PathLike, what: str, taken: int, distinct: int, consent: str) -> ExpansionError:
     """The refusal of ``what`` (e.g. "its 51 tensors take") ``taken`` bytes read from ``distinct``
     stored bytes; ``consent`` says how to allow it."""
