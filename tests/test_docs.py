@@ -35,6 +35,18 @@ def test_every_snippet_names_its_context():
     assert len(ALL) >= 10  # the extraction finds the blocks (README 3, guide 7, format 1)
 
 
+def test_step_names_in_the_docs_are_the_ones_the_manager_and_gc_read():
+    """A checkpoint named step_{n:08d} is listed by `resurgo ls` but is no step to `gc` or the
+    manager: every step name a snippet writes has the padding theirs has."""
+    import re
+
+    from resurgo.manager.catalog import STEP_DIGITS
+
+    widths = {(s.name, w) for s in ALL for w in re.findall(r"step_\{[^}:]*:0(\d+)d\}", s.code)}
+    assert widths, "no snippet names a checkpoint step_{...}"
+    assert {w for _, w in widths} == {str(STEP_DIGITS)}, sorted(widths)
+
+
 def test_extraction_reads_markers(tmp_path):
     doc = tmp_path / "x.md"
     doc.write_text("text\n<!-- doc-test: training -->\n```python\na = 1\n```\n```python\nb = 2\n```\n")
