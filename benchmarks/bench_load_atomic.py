@@ -87,7 +87,8 @@ def worker(path: str, size_mib: float, seed: int, io_threads: int, in_place: boo
 class Worker:
     def __init__(self, name: str, src: Path, args: argparse.Namespace, path: Path, in_place: bool = False):
         self.name = name
-        env = {**os.environ, "PYTHONPATH": str(src)}
+        # src first; what PYTHONPATH held stays after it (dependencies installed outside a venv)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(src), os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--worker", str(path), "--size-mib", str(args.size_mib), "--seed", str(args.seed),
              "--io-threads", str(args.io_threads)] + (["--in-place"] if in_place else []),
