@@ -37,6 +37,7 @@ from resurgo.dist import liveness
 from resurgo.errors import CorruptCheckpointError
 from resurgo.format import checksum, dtypes
 from resurgo.format.manifest import Manifest, TensorEntry
+from resurgo.gcpause import collector_paused
 from resurgo.pipeline.buffers import as_copyable, typed_view, writable_bytes
 from resurgo.pipeline.data_files import open_data_file
 from resurgo.plan.load_plan import MAX_PIECE_BYTES, BoxCopy, ReadOp, ReadPart, Scatter, Target, plan_reads
@@ -174,12 +175,10 @@ class _PlanReading:
                 self._check_part(op, part, view, part.first_block)
         return time.perf_counter() - t0
 
-    def check_part(self, op: ReadOp, part: ReadPart, view: memoryview) -> float:
-        """Verify the bytes of one part of ``op``; seconds hashing."""
-        t0 = time.perf_counter()
+    def check_bytes(self, op: ReadOp, part: ReadPart, view: memoryview) -> None:
+        """Verify the bytes of one part of ``op`` (when this reading verifies)."""
         if self.verify:
             self._check_part(op, part, view, part.first_block)
-        return time.perf_counter() - t0
 
     def _check_part(self, op: ReadOp, part: ReadPart, view: memoryview, first_block: int) -> None:
         """Bytes of ``part`` from block ``first_block`` of its chunk on match their checksums."""
@@ -217,6 +216,7 @@ class _PlanReading:
         return time.perf_counter() - t0
 
 
+@collector_paused()
 def read_destinations(ckpt: Checkpoint, manifest: Manifest, destinations: list[Destination],
                       verify: bool = True, threads: int = 4, loaded: set[str] | None = None,
                       atomic: bool = True) -> ReadResult:
@@ -262,6 +262,7 @@ def task_extent(task: ReadTask, header_bytes: int) -> tuple[int, tuple[int, ...]
     return start, tuple(lengths)
 
 
+@collector_paused()  # an object per op and part, all kept until the end: see resurgo.gcpause
 def read_ops(ckpt: Checkpoint, manifest: Manifest, entries: dict[str, TensorEntry], bufs: list[np.ndarray],
              ops: list[ReadOp], verify: bool = True, threads: int = 4,
              handles: dict[str, ReadHandle] | None = None, tasks: list[ReadTask] | None = None,
@@ -315,14 +316,19 @@ def read_ops(ckpt: Checkpoint, manifest: Manifest, entries: dict[str, TensorEntr
     return ReadResult(sum(op.length for op in ops), sorted({op.file for op in ops}), seconds)
 
 
+# Parts hashed, then filled, together: about what a core's cache holds, so that the copy reads
+# bytes the hash just brought in, and the lock is taken once per group rather than per part.
+GROUP_BYTES = 512 << 10
+
+
 class _Units:
     """Verify-then-fill scheduling of one plan's requests (see the module). The unit is a tensor:
     it is filled once every part of every request reading it verified. Workers take jobs from one
-    queue: verifying a request (queued first to last), part by part, or filling a verified part
-    of a tensor whose last part verified in another request (queued at the front, so a verified
-    tensor is filled before more is read). The part that completes its tensor is filled at once by
-    the thread that hashed it, while its bytes are in cache: a tensor of one part (most tensors of
-    a state, many to a request) is copied straight after its hash. After a failure no part is
+    queue: verifying a request (queued first to last), a group of parts at a time, or filling a
+    verified part of a tensor whose last part verified in another request (queued at the front, so
+    a verified tensor is filled before more is read). The parts that complete their tensors are
+    filled at once by the thread that hashed them, while their bytes are in cache: a group of
+    small tensors (most tensors of a state, many to a request) is copied straight after its hash. After a failure no part is
     verified any more; the tensors already verified are still filled, so each tensor ends either
     loaded or untouched."""
 
@@ -378,38 +384,79 @@ class _Units:
 
     def _check(self, i: int) -> None:
         t_read, held = self.reading.fetch(self.tasks[i])
-        t_hash = t_copy = 0.0
+        times = [0.0, 0.0]  # hashing, copying
         try:
+            group: list[tuple[ReadOp, ReadPart, memoryview]] = []
+            size = 0
             for op, views in zip(self.tasks[i].ops, held):
                 for part, view in zip(op.parts, views):
-                    if self.error is not None:  # another request failed: verify no more
-                        return
-                    t_hash += self.reading.check_part(op, part, view)
-                    key = part.key
-                    with self.cond:
-                        self.unverified[key] -= 1
-                        if self.unverified[key]:
-                            self.waiting.setdefault(key, []).append((part, view))
-                            continue
-                        others = self.waiting.pop(key, ())
-                        if others:
-                            self.queue.extendleft((None, (key, p, v)) for p, v in others)
-                            self.cond.notify_all()
-                    t_copy += self._fill(key, part, view)
+                    group.append((op, part, view))
+                    size += part.length
+                    if size >= GROUP_BYTES:
+                        if not self._verify_and_fill(group, times):
+                            return
+                        group, size = [], 0
+            if group:
+                self._verify_and_fill(group, times)
         finally:
             del held
             with self.cond:
                 self.seconds[0] += t_read
-                self.seconds[1] += t_hash
-                self.seconds[2] += t_copy
+                self.seconds[1] += times[0]
+                self.seconds[2] += times[1]
+
+    def _verify_and_fill(self, group: list[tuple[ReadOp, ReadPart, memoryview]], times: list[float]) -> bool:
+        """Verify a group of parts read together, then fill those whose tensor they complete;
+        False once a request has failed (this one or another: verify no more). The group's
+        bytes are still in cache when they are copied, and the bookkeeping takes the lock once."""
+        if self.error is not None:
+            return False
+        failure: CorruptCheckpointError | None = None
+        t0 = time.perf_counter()
+        verified = len(group)
+        for j, (op, part, view) in enumerate(group):
+            try:
+                self.reading.check_bytes(op, part, view)
+            except CorruptCheckpointError as e:
+                failure, verified = e, j
+                break
+        t1 = time.perf_counter()
+        ready: list[tuple[ReadPart, memoryview]] = []
+        with self.cond:
+            for _, part, view in group[:verified]:
+                key = part.key
+                self.unverified[key] -= 1
+                if self.unverified[key]:
+                    self.waiting.setdefault(key, []).append((part, view))
+                    continue
+                others = self.waiting.pop(key, ())
+                if others:
+                    self.queue.extendleft((None, (key, p, v)) for p, v in others)
+                    self.cond.notify_all()
+                ready.append((part, view))
+        for part, view in ready:
+            self.reading.place_part(part, view)
+        t2 = time.perf_counter()
+        if ready:
+            self._filled([part.key for part, _ in ready])
+        times[0] += t1 - t0
+        times[1] += t2 - t1
+        if failure is not None:
+            raise failure
+        return True
 
     def _fill(self, key: str, part: ReadPart, view: memoryview) -> float:
         t_copy = self.reading.place_part(part, view)
-        with self.cond:
-            self.unfilled[key] -= 1
-            if not self.unfilled[key]:
-                self.loaded.add(key)
+        self._filled([key])
         return t_copy
+
+    def _filled(self, keys: list[str]) -> None:
+        """One part of each of ``keys`` is in place; a tensor whose last part that was is loaded."""
+        with self.cond:
+            for key in keys:
+                self.unfilled[key] -= 1
+                if not self.unfilled[key]:
+                    self.loaded.add(key)
 
 
 def _slices(task: ReadTask, start: int, data: memoryview) -> list[list[memoryview]]:
