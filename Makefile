@@ -21,7 +21,7 @@ DS_PYTEST := PYTHONPATH=$(DS_SITE) DS_ACCELERATOR=cpu DS_BUILD_OPS=0 $(BIN)/pyth
 TT_SITE := .torchtitan-site
 TT_PYTEST := PYTHONPATH=$(CURDIR)/$(TT_SITE) $(BIN)/python -m pytest -q -m torchtitan
 
-.PHONY: demo study study-full study-frameworks demo-kill test test-slow test-deepspeed test-torchtitan bench bench-async bench-overhead bench-s3 bench-import bench-incremental bench-planning bench-memory bench-shared install clean
+.PHONY: demo study study-full study-frameworks demo-kill test test-slow test-deepspeed test-torchtitan bench bench-async bench-overhead bench-s3 bench-import bench-incremental bench-planning bench-memory bench-shared docs docs-build install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -106,6 +106,14 @@ bench-s3: $(STAMP)
 # The memory tier (4 gloo ranks on 2 simulated nodes) against a local-disk save and S3 (SeaweedFS).
 bench-memory: $(STAMP)
 	$(BIN)/python benchmarks/bench_memory_tier.py
+
+# The documentation site (mkdocs-material, API reference by mkdocstrings): `make docs` serves it at
+# http://127.0.0.1:8000; `make docs-build` builds it into site/, strict (tests/test_api_docs.py does too).
+docs: $(STAMP)
+	$(BIN)/mkdocs serve
+
+docs-build: $(STAMP)
+	$(BIN)/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV)

@@ -1,4 +1,4 @@
-"""The Python snippets of README.md and docs/*.md, and the small world each one runs in.
+"""The Python snippets of README.md and docs/**/*.md, and the small world each one runs in.
 
 Every ```python block must be preceded by a marker line ``<!-- doc-test: CONTEXT -->`` naming the
 context it runs in (tests/test_docs.py fails on a block without one):
@@ -36,7 +36,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def doc_files(root: Path = ROOT) -> list[Path]:
+    """README.md and every page under docs/, at any depth: a new page is covered without a change here."""
+    return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+
+
+DOCS = doc_files()
 CONTEXTS = ("standalone", "training", "kill-resume", "distributed", "s3", "lightning", "transformers", "accelerate",
             "torchtitan")
 MARKER = re.compile(r"^<!-- doc-test: ([a-z0-9-]+) -->$")

@@ -1,4 +1,4 @@
-"""Every Python snippet in README.md and docs/ runs, so the documentation cannot drift from the code.
+"""Every Python snippet in README.md and every page under docs/ runs, so the documentation cannot drift from the code.
 
 The contexts a snippet runs in are described in tests/doc_snippets.py. A snippet that implies a
 resume (context ``kill-resume``) is killed with SIGKILL mid-training and resumed, and must end
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from doc_snippets import (ACCELERATE_PRELUDE, CONTEXTS, DISTRIBUTED_EPILOGUE, DISTRIBUTED_PRELUDE,
+from doc_snippets import (ACCELERATE_PRELUDE, CONTEXTS, DOCS, ROOT, DISTRIBUTED_EPILOGUE, DISTRIBUTED_PRELUDE,
                           KILL_RESUME_EPILOGUE, LIGHTNING_PRELUDE, S3_SUBSTITUTIONS, TRAINING_PRELUDE,
-                          TORCHTITAN_EPILOGUE, TRANSFORMERS_PRELUDE, Snippet, snippets)
+                          TORCHTITAN_EPILOGUE, TRANSFORMERS_PRELUDE, Snippet, doc_files, snippets)
 
 ALL = snippets()
 KILL_AT = 250  # train_step calls: after the checkpoints of steps 100 and 200 were started
@@ -32,7 +32,20 @@ def by_context(context: str) -> list:
 def test_every_snippet_names_its_context():
     unmarked = [s.name for s in ALL if s.context not in CONTEXTS]
     assert not unmarked, f"python blocks without a known '<!-- doc-test: ... -->' marker: {unmarked}"
-    assert len(ALL) >= 10  # the extraction finds the blocks (README 3, guide 7, format 1)
+    assert len(ALL) >= 10  # the extraction finds the blocks (README 2, the guide's pages 12, format 1)
+
+
+def test_snippets_are_looked_for_in_the_readme_and_every_page_at_any_depth(tmp_path):
+    (tmp_path / "docs" / "deep" / "er").mkdir(parents=True)
+    for rel in ("README.md", "docs/a.md", "docs/deep/er/b.md", "docs/notes.txt"):
+        (tmp_path / rel).write_text("<!-- doc-test: standalone -->\n```python\nx = 1\n```\n")
+    found = doc_files(tmp_path)
+    assert [str(f.relative_to(tmp_path)) for f in found] == ["README.md", "docs/a.md", "docs/deep/er/b.md"]
+    assert [(s.file, s.context, s.code) for s in snippets(found)] == [(f, "standalone", "x = 1\n") for f in found]
+    # the real list: every page the site is built from, and the README
+    assert set(DOCS) == {ROOT / "README.md", *(ROOT / "docs").rglob("*.md")}
+    assert {s.file.name for s in ALL} >= {"README.md", "getting-started.md", "exact-resume.md", "async.md",
+                                         "manager.md", "incremental.md", "distributed.md", "storage.md"}
 
 
 def test_step_names_in_the_docs_are_the_ones_the_manager_and_gc_read():

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from resurgo.conversion import convert
     from resurgo.diff import CheckpointDiff, diff_checkpoints
     from resurgo.layout.shards import FlatShard, Shard
-    from resurgo.manager import CheckpointManager, Tier, daly_interval
+    from resurgo.manager import CheckpointManager, MemoryTier, Tier, daly_interval
     from resurgo.interop.api import import_checkpoint
     from resurgo.reports import ConvertReport, ImportReport, LoadReport, SaveReport
     from resurgo.state.elastic_loader import elastic_state

@@ -10,7 +10,7 @@ from the manifest), then the tensors' bytes, a batch within ``memory_budget`` at
 ``to="torch"`` holds the whole state in memory, and so does ``to="dcp"`` (DCP's writer takes the
 state dict as objects, and one directory is written by one ``dcp.save``).
 
-What each target keeps (docs/guide.md, "Converting"):
+What each target keeps (docs/convert.md):
 - safetensors: every tensor under its flat key; in ``__metadata__``, the plain non-tensor values
   (None, bool, int, str, finite float) as one JSON object under ``resurgo.values``, the step and
   the user metadata; other values (bytes, complex, NaN, numpy scalars, pickles, ...) are dropped

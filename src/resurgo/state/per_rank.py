@@ -1,7 +1,7 @@
 """Values that differ between ranks (RNG states, rank-local counters): saved once per rank.
 
 Wrap such a value in :class:`PerRank` to have every rank's copy kept; plain values that differ
-between ranks are detected and kept per rank anyway (see docs/guide.md). On load by the same
+between ranks are detected and kept per rank anyway (see docs/distributed.md). On load by the same
 number of ranks, each rank gets its own value back. With another number of ranks, ``on_resize``
 decides: it receives every saved rank's value, the new rank and the new world size and returns
 this rank's value; without it the load raises WorldSizeMismatchError (nothing silently reused or
