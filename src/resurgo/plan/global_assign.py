@@ -23,7 +23,7 @@ from resurgo.format import dtypes
 from resurgo.format.tree import per_rank_key
 from resurgo.layout.box import ChunkBox, FlatRange, Place, place_order
 from resurgo.layout.grid import grid_cells
-from resurgo.plan.global_checks import _check_tiling, _meta
+from resurgo.plan.global_checks import agreed_meta, check_tiling
 from resurgo.plan.global_types import GlobalPlan, PlanWrites, RankDecl, RankWrite, TensorDecl, TensorMeta
 from resurgo.plan.save_plan import WriteItem
 
@@ -33,8 +33,11 @@ from resurgo.plan.save_plan import WriteItem
 REGULAR_FROM = 16
 
 
-def _plan_tensors(decls: list[RankDecl], block_bytes_for: Callable[[int, int], int], tree: dict,
-                  per_rank: set[str], regular_from: int = REGULAR_FROM, own: Collection[str] = frozenset()) -> GlobalPlan:
+def plan_tensors(decls: list[RankDecl], block_bytes_for: Callable[[int, int], int], tree: dict,
+                 per_rank: set[str], regular_from: int = REGULAR_FROM, own: Collection[str] = frozenset()) -> GlobalPlan:
+    """The plan of ``tree``'s tensors: each per-rank tensor (``per_rank``; ``own``, those under a
+    PerRank, whose holders may differ in dtype and shape) written whole by its rank, every other
+    tensor's chunks validated and assigned (see :func:`plan_global`)."""
     regular = len(decls) >= regular_from
     tensors: dict[str, TensorMeta] = {}
     writes: list[list[RankWrite]] = [[] for _ in decls]
@@ -44,7 +47,7 @@ def _plan_tensors(decls: list[RankDecl], block_bytes_for: Callable[[int, int], i
     for i, (key, ranks, held) in enumerate(_by_key(decls, keys)):
         if key in per_rank:  # saved once per rank; under a PerRank, each of its own dtype and shape
             if key not in own:
-                _meta(key, ranks, held)
+                agreed_meta(key, ranks, held)
             for r, t in zip(ranks, held):
                 if t.sharded:
                     raise ShardingError(f"tensor {key!r}: sharded, but it sits in a part of the state that differs "
@@ -56,7 +59,7 @@ def _plan_tensors(decls: list[RankDecl], block_bytes_for: Callable[[int, int], i
                 whole = ChunkBox.whole(meta.shape)
                 writes[r].append(RankWrite(WriteItem(k, k, meta.dtype, whole, whole.numel * itemsize, block), key, whole))
             continue
-        meta = table.metas[i] if table is not None else _meta(key, ranks, held)
+        meta = table.metas[i] if table is not None else agreed_meta(key, ranks, held)
         itemsize = dtypes.itemsize(meta.dtype)
         row_bytes = math.prod(meta.shape[1:]) * itemsize  # one index of the first dimension
         block = block_bytes_for(math.prod(meta.shape) * itemsize, row_bytes)
@@ -120,7 +123,7 @@ def listed_chunks(key: str, shape: tuple[int, ...], ranks: list[int], held: list
     for r, t in zip(ranks, held):
         for p in t.places:
             owners.setdefault(p, []).append(r)
-    _check_tiling(key, shape, owners)
+    check_tiling(key, shape, owners)
     ordered = sorted(owners, key=place_order)
     return Chunks(tuple(ordered), tuple(p.numel for p in ordered), tuple(tuple(sorted(set(owners[p]))) for p in ordered))
 

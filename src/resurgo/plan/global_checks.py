@@ -140,7 +140,17 @@ def _check_same_tensors(nodes: list[Any]) -> None:
 
 
 # -- tensors -------------------------------------------------------------------------------------
+def merge_declared(decls: list[RankDecl]) -> tuple[dict, set[str], set[str]]:
+    """:func:`merge_trees` over the ranks' declarations, a tensor whose compared replicas differ
+    kept per rank: the tree, the keys of the tensors saved per rank, and those of them under a
+    PerRank (each rank's own)."""
+    own: set[str] = set()
+    tree, per_rank = merge_trees([d.tree for d in decls], _differing_replicas(decls), own)
+    return tree, per_rank, own
+
+
 def _differing_replicas(decls: list[RankDecl]) -> set[str]:
+    """The keys of the tensors whose replicas' digests (small plain tensors) differ between ranks."""
     seen: dict[str, str | None] = {}
     out = set()
     for d in decls:  # most tensors carry no digest: those are skipped in C
@@ -180,7 +190,10 @@ def _group(texts: dict[int, str]) -> dict[str, list[int]]:
     return groups
 
 
-def _check_tiling(key: str, shape: tuple[int, ...], owners: dict[Place, list[int]]) -> None:
+def check_tiling(key: str, shape: tuple[int, ...], owners: dict[Place, list[int]]) -> None:
+    """Raise ShardingError unless the declared places (``owners``: each place's ranks) cover the
+    tensor exactly once, naming what is wrong: a place outside the shape, block and flat shards
+    mixed, an overlap, or a hole."""
     places = list(owners)
     if covers_exactly_once(places, shape):
         return
@@ -214,7 +227,8 @@ def _find_overlap(places: list[Place]) -> tuple[Place, Place] | None:
 _DIGEST = operator.attrgetter("digest")
 
 
-def _meta(key: str, ranks: list[int], held: list[TensorDecl]) -> TensorMeta:
+def agreed_meta(key: str, ranks: list[int], held: list[TensorDecl]) -> TensorMeta:
+    """The meta every holder of ``key`` declares (see :func:`_check_consistent` for the errors)."""
     first = held[0]
     if all(_all_equal(list(map(operator.attrgetter(a), held))) for a in ("kind", "dtype", "shape")):
         return TensorMeta(first.kind, first.dtype, first.shape)

@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from resurgo.gcpause import collector_paused
-from resurgo.plan.global_assign import REGULAR_FROM, Chunks, _plan_tensors, listed_chunks, regular_chunks
-from resurgo.plan.global_checks import _differing_replicas, merge_trees
+from resurgo.plan.global_assign import REGULAR_FROM, Chunks, listed_chunks, plan_tensors, regular_chunks
+from resurgo.plan.global_checks import merge_declared, merge_trees
 from resurgo.plan.global_types import (GlobalPlan, PlanWrites, RankDecl, RankWrite, TensorDecl, TensorMeta,
                                        layout_fingerprint)
 from resurgo.plan.plan_cache import SMALL_VALUES_BYTES, PlanCache, RankSummary, per_rank_places
@@ -48,6 +48,5 @@ def plan_global(decls: list[RankDecl], block_bytes_for: Callable[[int, int], int
     jobs, take the general path (:func:`listed_chunks`). Both give the same plan.
     """
     with collector_paused():  # an object per chunk, all kept: see resurgo.gcpause
-        own: set[str] = set()
-        tree, per_rank = merge_trees([d.tree for d in decls], _differing_replicas(decls), own)
-        return _plan_tensors(decls, block_bytes_for, tree, per_rank, regular_from, own)
+        tree, per_rank, own = merge_declared(decls)
+        return plan_tensors(decls, block_bytes_for, tree, per_rank, regular_from, own)

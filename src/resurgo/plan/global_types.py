@@ -49,7 +49,7 @@ def _place_code(place: Place) -> list:
     return ["flat", place.start, place.stop]
 
 
-def _digest(value: Any) -> str:
+def canonical_digest(value: Any) -> str:
     """xxh3-128 of a canonical JSON encoding: equal on every process for equal values."""
     return xxhash.xxh3_128_hexdigest(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
 
@@ -58,8 +58,8 @@ def layout_fingerprint(tensors: tuple[TensorDecl, ...]) -> str:
     """A digest of what a plan depends on in these declarations: keys (in order), kinds, dtypes,
     shapes, places, whether a tensor is sharded and whether it is compared across ranks; not the
     compared digests themselves (values, not layout)."""
-    return _digest([[t.key, t.kind, t.dtype, list(t.shape), [_place_code(p) for p in t.places], t.sharded,
-                     t.digest is not None] for t in tensors])
+    return canonical_digest([[t.key, t.kind, t.dtype, list(t.shape), [_place_code(p) for p in t.places], t.sharded,
+                             t.digest is not None] for t in tensors])
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from resurgo.gcpause import collector_paused
-from resurgo.plan.global_assign import _plan_tensors
-from resurgo.plan.global_checks import _differing_replicas, merge_trees
-from resurgo.plan.global_types import GlobalPlan, RankDecl, _digest
+from resurgo.plan.global_assign import plan_tensors
+from resurgo.plan.global_checks import merge_declared, merge_trees
+from resurgo.plan.global_types import GlobalPlan, RankDecl, canonical_digest
 
 
 class PlanCache:
@@ -45,14 +45,13 @@ class PlanCache:
         """:func:`plan_global`, or its reuse. ``block_rule`` identifies ``block_bytes_for`` (e.g. the
         fixed block size asked for, or None for the default rule)."""
         with collector_paused():
-            own: set[str] = set()
-            tree, per_rank = merge_trees([d.tree for d in decls], _differing_replicas(decls), own)
+            tree, per_rank, own = merge_declared(decls)
             key = (tuple(d.layout for d in decls), frozenset(per_rank), block_rule)
             if key == self._key and self._plan is not None:
                 self.hits += 1
                 return GlobalPlan(tree, self._plan.tensors, self._plan.writes)
             self._key, self._plan = None, None  # a failed plan leaves nothing to reuse
-            plan = _plan_tensors(decls, block_bytes_for, tree, per_rank, own=own)
+            plan = plan_tensors(decls, block_bytes_for, tree, per_rank, own=own)
             self._key, self._plan = key, plan
             return plan
 
@@ -65,7 +64,7 @@ class PlanCache:
     def hold(self, plan_id: str, plan: GlobalPlan, per_rank: frozenset[str]) -> None:
         """Every rank, with each plan it receives: the basis of its next :meth:`summarize`."""
         places = per_rank_places(plan.tree)
-        self._held = _Held(plan_id, _digest([plan_id, [list(p) for p in places]]), places, per_rank, plan)
+        self._held = _Held(plan_id, canonical_digest([plan_id, [list(p) for p in places]]), places, per_rank, plan)
 
     def summarize(self, decl: RankDecl) -> RankSummary:
         """This rank's summary against the plan it holds (an empty ``basis`` when it holds none,
@@ -82,7 +81,7 @@ class PlanCache:
         if len(json.dumps([values, digests], separators=(",", ":"))) > SMALL_VALUES_BYTES:
             return unusable
         others = [[t.key, t.digest] for t in decl.tensors if t.digest is not None and t.key not in held.per_rank]
-        shared = _digest([_replace_at(decl.tree, held.places, [None] * len(held.places)), others])
+        shared = canonical_digest([_replace_at(decl.tree, held.places, [None] * len(held.places)), others])
         return RankSummary(held.basis, decl.layout, shared, values, digests)
 
     def reuse(self, tree: dict, summaries: list[RankSummary], block_rule: Hashable) -> dict | None:
@@ -143,7 +142,7 @@ class _Held:
 
 def _key_id(key: tuple) -> str:
     layouts, per_rank, block_rule = key
-    return _digest([list(layouts), sorted(per_rank), repr(block_rule)])
+    return canonical_digest([list(layouts), sorted(per_rank), repr(block_rule)])
 
 
 def per_rank_places(tree: dict) -> tuple[tuple, ...]:
