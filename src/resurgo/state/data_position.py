@@ -77,7 +77,7 @@ from resurgo.state.elastic_loader import (
 from resurgo.state.elastic_sampler import ElasticSampler, EpochPass
 from resurgo.state.per_rank import PerRank
 from resurgo.state.rng import carry_over_rng
-from resurgo.state.stateful_loader import _epoch_length, _length, _refuse_live_iterator, _rng_guarded_class
+from resurgo.state.stateful_loader import epoch_length, loader_length, refuse_live_iterator, rng_guarded_class
 from resurgo.wording import plural
 
 __all__ = ["track_dataloader", "is_tracked", "mark_epoch_finished"]
@@ -303,7 +303,7 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
 
     # -- iteration ---------------------------------------------------------------------------
     def __len__(self) -> int:
-        return _epoch_length(self)
+        return epoch_length(self)
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         pos = _position(self)
@@ -447,87 +447,25 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
         pos = _position(self)
         # No local reference to the iterator: the error's traceback would keep it alive.
         if pos.live is not None and pos.live() is not None and pos.epoch_active:
-            _refuse_live_iterator(self._resurgo_base_class.__name__, f"{plural(pos.batches_yielded, 'batch', 'batches')} handed out")
+            refuse_live_iterator(self._resurgo_base_class.__name__, f"{plural(pos.batches_yielded, 'batch', 'batches')} handed out")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume at the saved position on the next ``iter()`` (nothing is read until then)."""
         self._resurgo_before_load()
         sd = dict(state_dict)
-        version = sd.get("version", _FORMAT_VERSION)
-        if version != _FORMAT_VERSION:
-            raise TypeMismatchError(f"dataloader.version: expected {_FORMAT_VERSION}, got {version!r}")
-        missing = [k for k in ("epoch_rng", "batches_yielded", "epoch_active") if k not in sd]
-        if missing:
-            raise TypeMismatchError(f"dataloader: state has no {', '.join(missing)}; not a DataLoader position")
-        epoch_rng = _own(sd["epoch_rng"])
-        rng: dict[str, Any] = {
-            "torch": _as_uint8(epoch_rng["torch"], "epoch_rng.torch").clone(),
-            "generators": {k: _as_uint8(v, f"epoch_rng.generators.{k}").clone()
-                           for k, v in (epoch_rng.get("generators") or {}).items()},
-        }
-        now = {k: _as_uint8(v, f"generators.{k}") for k, v in (_own(sd.get("generators")) or {}).items()}
-        # Fail now, not at the next iter(), if the loader is built differently.
-        gens = _generators(self)
-        for key, saved in (("epoch_rng.generators", rng["generators"]), ("generators", now)):
-            if set(saved) != set(gens):
-                raise TypeMismatchError(
-                    f"dataloader.{key}: the checkpoint has generators {sorted(saved)}, this DataLoader "
-                    f"has {sorted(gens)}; build the loader the same way as when saving"
-                )
-        n = sd["batches_yielded"]
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise TypeMismatchError(f"dataloader.batches_yielded: expected an int >= 0, got {n!r}")
+        _check_version(sd)
+        rng, now, gens = _loaded_rngs(self, sd)
+        n = _batches_yielded(sd)
         elastic = find_elastic_sampler(self)
-        if (elastic is not None) != ("elastic" in sd):
-            raise TypeMismatchError(
-                "dataloader.elastic: the checkpoint "
-                + ("has no ElasticSampler position, this DataLoader's sampler is an ElasticSampler"
-                   if elastic is not None else
-                   "has an ElasticSampler position, this DataLoader's sampler is not an ElasticSampler")
-                + "; build the loader the same way as when saving")
-        distributed = find_sampler(self, DistributedSampler)
-        if distributed is not None and "distributed_num_replicas" in sd \
-                and sd["distributed_num_replicas"] != distributed.num_replicas:
-            # Its position is a per-rank count: on another number of ranks the replay would take
-            # other samples (some twice, some never).
-            message = (f"dataloader.distributed_num_replicas: saved by {plural(sd['distributed_num_replicas'], 'rank')}, "
-                       f"this DistributedSampler has num_replicas={distributed.num_replicas}; a DistributedSampler's "
-                       "position is per rank and cannot change the number of ranks")
-            if self._resurgo_on_world_size_change == "warn":
-                warnings.warn(f"{message}: not loaded, the next epoch starts a new pass (resurgo.ElasticSampler "
-                              "keeps a position that loads on any number of ranks)", RuntimeWarning, stacklevel=2)
-                return
-            raise DataPositionError(f"{message}: use resurgo.ElasticSampler")
-        sampler_epoch = sd.get("distributed_epoch")
-        if sampler_epoch is not None and (isinstance(sampler_epoch, bool) or not isinstance(sampler_epoch, int)):
-            raise TypeMismatchError(f"dataloader.distributed_epoch: expected an int, got {sampler_epoch!r}")
-        epoch_finished = sd.get(EPOCH_FINISHED, False)
-        if not isinstance(epoch_finished, bool):
-            raise TypeMismatchError(f"dataloader.{EPOCH_FINISHED}: expected a bool, got {epoch_finished!r}")
-        finished = False  # saved once the epoch's last batch was handed out, or marked finished
+        _check_sampler_kind(elastic, sd)
+        if _refused_world_size(self, sd):
+            return
+        sampler_epoch, epoch_finished = _epoch_marks(sd)
+        elastic_loaded: dict[str, Any] | None = None
         if elastic is not None:
-            elastic_loaded = dict(sd["elastic"])
-            elastic.load_state_dict(elastic_loaded)  # validates before anything below changes
-            if epoch_finished:  # the loop ended the epoch here: its rest is consumed
-                elastic_loaded = elastic.position(elastic_loaded["epoch"], elastic_loaded["num_samples"])
-                elastic.load_state_dict(elastic_loaded)
-            finished = elastic_loaded["consumed"] >= elastic_loaded["num_samples"]
-            if finished and self._resurgo_finished_epoch == "next":
-                # The next epoch from its start, so that the sampler's length (which a loop may
-                # read before iter(), as Lightning does) is a whole epoch's, not the finished one's 0.
-                elastic_loaded = elastic.position(elastic_loaded["epoch"] + 1, 0)
-                elastic.load_state_dict(elastic_loaded)
+            elastic_loaded, finished = _load_elastic(self, elastic, sd["elastic"], epoch_finished)
         else:
-            length = _length(self)
-            finished = epoch_finished or n >= (length or n + 1)
-            if epoch_finished and self._resurgo_finished_epoch == "empty":
-                # The rest of the epoch is empty: the resume skips every batch of it.
-                if length is None:
-                    raise DataPositionError(
-                        f"dataloader.{EPOCH_FINISHED}: the position marks its epoch finished, and this "
-                        f"{self._resurgo_base_class.__name__} has no length, so the rest of that epoch cannot be skipped; "
-                        "track it with finished_epoch='next' to resume at the next epoch")
-                n = max(n, length)
+            n, finished = _count_finished(self, n, epoch_finished)
         pos = _position(self)
         pos.generation += 1  # an iterator already handed out no longer moves the position
         pos.epoch_rng = rng
@@ -549,6 +487,119 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
             for name, g in gens.items():
                 g.set_state(now[name])
 
+
+# -- the steps of a tracked loader's load_state_dict, in order: each checks before anything changes
+def _check_version(sd: dict[str, Any]) -> None:
+    version = sd.get("version", _FORMAT_VERSION)
+    if version != _FORMAT_VERSION:
+        raise TypeMismatchError(f"dataloader.version: expected {_FORMAT_VERSION}, got {version!r}")
+    missing = [k for k in ("epoch_rng", "batches_yielded", "epoch_active") if k not in sd]
+    if missing:
+        raise TypeMismatchError(f"dataloader: state has no {', '.join(missing)}; not a DataLoader position")
+
+
+def _loaded_rngs(loader: DataLoader, sd: dict[str, Any]
+                 ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Generator]]:
+    """The saved epoch-start RNG states (copies), the generators' saved current states, and the
+    loader's generators, which must be those saved."""
+    epoch_rng = _own(sd["epoch_rng"])
+    rng: dict[str, Any] = {
+        "torch": _as_uint8(epoch_rng["torch"], "epoch_rng.torch").clone(),
+        "generators": {k: _as_uint8(v, f"epoch_rng.generators.{k}").clone()
+                       for k, v in (epoch_rng.get("generators") or {}).items()},
+    }
+    now = {k: _as_uint8(v, f"generators.{k}") for k, v in (_own(sd.get("generators")) or {}).items()}
+    # Fail now, not at the next iter(), if the loader is built differently.
+    gens = _generators(loader)
+    for key, saved in (("epoch_rng.generators", rng["generators"]), ("generators", now)):
+        if set(saved) != set(gens):
+            raise TypeMismatchError(
+                f"dataloader.{key}: the checkpoint has generators {sorted(saved)}, this DataLoader "
+                f"has {sorted(gens)}; build the loader the same way as when saving"
+            )
+    return rng, now, gens
+
+
+def _batches_yielded(sd: dict[str, Any]) -> int:
+    n = sd["batches_yielded"]
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise TypeMismatchError(f"dataloader.batches_yielded: expected an int >= 0, got {n!r}")
+    return n
+
+
+def _check_sampler_kind(elastic: ElasticSampler | None, sd: dict[str, Any]) -> None:
+    if (elastic is not None) != ("elastic" in sd):
+        raise TypeMismatchError(
+            "dataloader.elastic: the checkpoint "
+            + ("has no ElasticSampler position, this DataLoader's sampler is an ElasticSampler"
+               if elastic is not None else
+               "has an ElasticSampler position, this DataLoader's sampler is not an ElasticSampler")
+            + "; build the loader the same way as when saving")
+
+
+def _refused_world_size(loader: Any, sd: dict[str, Any]) -> bool:
+    """True (after a warning) when a DistributedSampler's position saved by another number of ranks
+    is not loaded; DataPositionError when the loader is to raise."""
+    distributed = find_sampler(loader, DistributedSampler)
+    if distributed is None or "distributed_num_replicas" not in sd \
+            or sd["distributed_num_replicas"] == distributed.num_replicas:
+        return False
+    # Its position is a per-rank count: on another number of ranks the replay would take
+    # other samples (some twice, some never).
+    message = (f"dataloader.distributed_num_replicas: saved by {plural(sd['distributed_num_replicas'], 'rank')}, "
+               f"this DistributedSampler has num_replicas={distributed.num_replicas}; a DistributedSampler's "
+               "position is per rank and cannot change the number of ranks")
+    if loader._resurgo_on_world_size_change == "warn":
+        warnings.warn(f"{message}: not loaded, the next epoch starts a new pass (resurgo.ElasticSampler "
+                      "keeps a position that loads on any number of ranks)", RuntimeWarning, stacklevel=3)
+        return True
+    raise DataPositionError(f"{message}: use resurgo.ElasticSampler")
+
+
+def _epoch_marks(sd: dict[str, Any]) -> tuple[int | None, bool]:
+    """The DistributedSampler's epoch of the pass (None without one), and whether the loop marked
+    the epoch finished."""
+    sampler_epoch = sd.get("distributed_epoch")
+    if sampler_epoch is not None and (isinstance(sampler_epoch, bool) or not isinstance(sampler_epoch, int)):
+        raise TypeMismatchError(f"dataloader.distributed_epoch: expected an int, got {sampler_epoch!r}")
+    epoch_finished = sd.get(EPOCH_FINISHED, False)
+    if not isinstance(epoch_finished, bool):
+        raise TypeMismatchError(f"dataloader.{EPOCH_FINISHED}: expected a bool, got {epoch_finished!r}")
+    return sampler_epoch, epoch_finished
+
+
+def _load_elastic(loader: Any, elastic: ElasticSampler, saved: Any, epoch_finished: bool) -> tuple[dict[str, Any], bool]:
+    """Load the ElasticSampler's global position (validated first): the position loaded, and
+    whether its epoch was finished (every sample consumed, or marked finished)."""
+    elastic_loaded = dict(saved)
+    elastic.load_state_dict(elastic_loaded)  # validates before anything below changes
+    if epoch_finished:  # the loop ended the epoch here: its rest is consumed
+        elastic_loaded = elastic.position(elastic_loaded["epoch"], elastic_loaded["num_samples"])
+        elastic.load_state_dict(elastic_loaded)
+    finished = elastic_loaded["consumed"] >= elastic_loaded["num_samples"]
+    if finished and loader._resurgo_finished_epoch == "next":
+        # The next epoch from its start, so that the sampler's length (which a loop may
+        # read before iter(), as Lightning does) is a whole epoch's, not the finished one's 0.
+        elastic_loaded = elastic.position(elastic_loaded["epoch"] + 1, 0)
+        elastic.load_state_dict(elastic_loaded)
+    return elastic_loaded, finished
+
+
+def _count_finished(loader: Any, n: int, epoch_finished: bool) -> tuple[int, bool]:
+    """Without an ElasticSampler: the batches to skip on resume (every batch of an epoch marked
+    finished, for ``finished_epoch="empty"``), and whether the epoch was finished (its last batch
+    handed out, or marked finished)."""
+    length = loader_length(loader)
+    finished = epoch_finished or n >= (length or n + 1)
+    if epoch_finished and loader._resurgo_finished_epoch == "empty":
+        # The rest of the epoch is empty: the resume skips every batch of it.
+        if length is None:
+            raise DataPositionError(
+                f"dataloader.{EPOCH_FINISHED}: the position marks its epoch finished, and this "
+                f"{loader._resurgo_base_class.__name__} has no length, so the rest of that epoch cannot be skipped; "
+                "track it with finished_epoch='next' to resume at the next epoch")
+        n = max(n, length)
+    return n, finished
 
 def _own(value: Any) -> Any:
     """This rank's value of a per-rank entry (a plain value passes through)."""
@@ -658,7 +709,7 @@ def track_dataloader(loader: DataLoader, *, on_world_size_change: str | None = N
     if callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None)):
         if isinstance(loader, DataLoader):
             kept = getattr(type(loader), "_resurgo_finished_epoch", "empty")
-            loader.__class__ = _rng_guarded_class(type(loader), finished_epoch or kept)
+            loader.__class__ = rng_guarded_class(type(loader), finished_epoch or kept)
         return loader
     if not isinstance(loader, DataLoader):
         raise UnsupportedValueError(

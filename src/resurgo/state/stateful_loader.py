@@ -35,7 +35,7 @@ from resurgo.state.elastic_loader import (
 )
 
 
-def _epoch_length(loader: Any) -> int:
+def epoch_length(loader: Any) -> int:
     """A resumable loader's length: the batches of its epoch. With an ElasticSampler, a whole epoch's
     on this world size even while a resumed pass yields only the rest of it, as a plain DataLoader's
     length is its epoch's while a mid-epoch resume skips the batches before the checkpoint (a loop
@@ -46,7 +46,7 @@ def _epoch_length(loader: Any) -> int:
     return whole if whole is not None else loader._resurgo_base_class.__len__(loader)
 
 
-def _refuse_live_iterator(loader: str, progress: str) -> None:
+def refuse_live_iterator(loader: str, progress: str) -> None:
     # A loaded position applies to the next iter(): an iterator made before the load would go on
     # from where it is, silently training on the wrong batches.
     raise DataPositionError(
@@ -55,7 +55,7 @@ def _refuse_live_iterator(loader: str, progress: str) -> None:
         "that iterator first)")
 
 
-def _length(loader: DataLoader) -> int | None:
+def loader_length(loader: DataLoader) -> int | None:
     """The number of batches of an epoch, if the loader knows it."""
     try:
         return len(loader)
@@ -100,7 +100,7 @@ def _guarded_before_load(self: Any) -> None:
     ref = self.__dict__.get(_LIVE)
     # No local reference to the iterator: the error's traceback would keep it alive.
     if ref is not None and ref() is not None and not ref().exhausted:
-        _refuse_live_iterator(self._resurgo_base_class.__name__, "its position is not the loaded one")
+        refuse_live_iterator(self._resurgo_base_class.__name__, "its position is not the loaded one")
 
 
 def _guarded_load_state_dict(self: Any, state_dict: Any) -> Any:
@@ -138,7 +138,7 @@ def _at_epoch_end(loader: Any, state_dict: Any) -> bool:
         handed_out = state_dict[SNAPSHOT][SNAPSHOT_STEP] + state_dict.get(STEPS_SINCE_SNAPSHOT, 0)
     else:
         return False
-    length = _length(loader)
+    length = loader_length(loader)
     return isinstance(handed_out, int) and length is not None and handed_out >= length > 0
 
 
@@ -173,7 +173,7 @@ def _guarded_base_iter(self: Any) -> Any:
     return _without_rng_draws(self, lambda: self._resurgo_base_class.__iter__(self))
 
 
-def _rng_guarded_class(cls: type, finished_epoch: str = "empty") -> type:
+def rng_guarded_class(cls: type, finished_epoch: str = "empty") -> type:
     """A subclass of a loader with its own state_dict whose first iter() after a load draws no RNG."""
     if cls in _GUARDED_CLASSES.values():
         cls = getattr(cls, "_resurgo_base_class")
@@ -182,7 +182,7 @@ def _rng_guarded_class(cls: type, finished_epoch: str = "empty") -> type:
     if guarded is None:
         guarded = type(f"Resumable{cls.__name__}", (cls,), {
             "__iter__": _guarded_iter,
-            "__len__": _epoch_length,
+            "__len__": epoch_length,
             "load_state_dict": _guarded_load_state_dict,
             "_resurgo_before_load": _guarded_before_load,
             "__module__": __name__,
