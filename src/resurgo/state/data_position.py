@@ -683,9 +683,13 @@ def track_dataloader(loader: DataLoader, *, on_world_size_change: str | None = N
                      finished_epoch: str | None = None) -> DataLoader:
     """Make ``loader`` resumable in place and return it (the same object).
 
-    Its class becomes a subclass with ``state_dict()``/``load_state_dict()``; iteration is
-    unchanged. Call it before the first ``iter()`` of an epoch that should be resumable. Loaders
-    that already have ``state_dict()`` (torchdata's ``StatefulDataLoader``) are returned as is.
+    Its ``__class__`` is replaced, in place, by a subclass of its class (made once per class, named
+    ``Tracked<Class>``) with ``state_dict()``/``load_state_dict()``; iteration is unchanged and
+    ``isinstance`` checks against its own class still hold. Call it before the first ``iter()`` of
+    an epoch that should be resumable. A DataLoader that has its own ``state_dict()`` (torchdata's
+    ``StatefulDataLoader``) keeps it, and its class becomes ``Resumable<Class>``, which guards its
+    first ``iter()`` after a load (:mod:`resurgo.state.stateful_loader`). Any other object with
+    ``state_dict()``/``load_state_dict()`` is returned as is, its class unchanged.
     ``on_world_size_change``: what a load of a DistributedSampler's position saved by another
     number of ranks does: ``"raise"`` (the default, DataPositionError) or ``"warn"`` (a
     RuntimeWarning, and nothing is loaded: the next ``iter()`` starts a new pass).
