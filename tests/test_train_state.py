@@ -193,6 +193,27 @@ def test_components_are_attributes_and_loader_is_tracked() -> None:
     assert "TrainState(model=Linear" in repr(ts)
 
 
+def test_the_loaders_class_is_replaced_in_place_as_documented() -> None:
+    # TrainState's docstring: a DataLoader's __class__ becomes a subclass of its class (Tracked...,
+    # or Resumable... for one with its own state_dict); any other Stateful is used as it is.
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    class Position:
+        def state_dict(self) -> dict:
+            return {}
+
+        def load_state_dict(self, sd: dict) -> None:
+            pass
+
+    for cls, name in ((DataLoader, "TrackedDataLoader"), (StatefulDataLoader, "ResumableStatefulDataLoader")):
+        loader = cls(TensorDataset(torch.zeros(4, 2)), batch_size=2)
+        ts = TrainState(dataloader=loader, rng=False)
+        assert ts.dataloader is loader
+        assert type(loader).__name__ == name and type(loader).__bases__ == (cls,)
+    other = Position()
+    assert TrainState(dataloader=other, rng=False).dataloader is other and type(other) is Position
+
+
 class Counter:
     """A Stateful extra whose load draws random numbers: the RNG must still be restored exactly."""
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.markup import escape
@@ -11,6 +11,9 @@ from rich.markup import escape
 from resurgo.cli.app import fail_cleanly
 from resurgo.cli.render import console as make_console
 from resurgo.errors import CheckpointNotFoundError, StorageError
+
+if TYPE_CHECKING:  # the study (torch, models) is imported only when it runs
+    from resurgo.study.experiments import StudyConfig
 
 
 def _names(text: Optional[str]) -> Optional[tuple[str, ...]]:
@@ -27,6 +30,42 @@ def _check_writable(directory: Path) -> None:
             pass
     except OSError as e:
         raise StorageError(f"{directory}: cannot write there ({e.strerror or e}); choose another --out") from None
+
+
+def _study_config(quick: bool, models: Optional[str], mechanisms: Optional[str], ranks: Optional[str],
+                  width: Optional[int], threads: Optional[int], repeats: Optional[int], data: Optional[Path],
+                  steps: Optional[int], frameworks: Optional[str]) -> StudyConfig:
+    """The study's configuration: the preset, with each option given replacing its part."""
+    from dataclasses import replace
+
+    from resurgo.study.experiments import full_config, quick_config, with_steps
+
+    cfg = quick_config() if quick else full_config()
+    chosen_models = _names(models)
+    if chosen_models is not None:
+        cfg = replace(cfg, models=chosen_models,
+                      scale_models=tuple(m for m in cfg.scale_models if m in chosen_models) or chosen_models[:1])
+    chosen_mechanisms = _names(mechanisms)
+    if chosen_mechanisms is not None:
+        cfg = replace(cfg, mechanisms=chosen_mechanisms)
+    if ranks is not None:
+        try:
+            cfg = replace(cfg, scale_worlds=tuple(int(n) for n in _names(ranks) or ()))
+        except ValueError:
+            raise typer.BadParameter(f"--ranks takes comma-separated integers, got {ranks!r}") from None
+    if width is not None:
+        cfg = replace(cfg, width=width)
+    if threads is not None:
+        cfg = replace(cfg, threads=threads)
+    if repeats is not None:
+        cfg = replace(cfg, cost_repeats=repeats)
+    if data is not None:
+        cfg = replace(cfg, data_dir=str(data))
+    if steps is not None:
+        cfg = with_steps(cfg, steps)
+    if frameworks is not None:
+        cfg = replace(cfg, frameworks=tuple(n for n in _names(frameworks) or () if n != "pytorch"))
+    return cfg
 
 
 def study(
@@ -53,40 +92,14 @@ def study(
 ) -> None:
     """Reproduce the checkpointing study (cost, formats and sizes, scale, determinism) with ResNet-50
     and VGG-16 on CIFAR-10-shaped data, for torch.save, DCP, safetensors and resurgo."""
-    from dataclasses import replace
-
     from rich.progress import TimeElapsedColumn
 
-    from resurgo.study.experiments import full_config, quick_config, run_study, with_steps
+    from resurgo.study.experiments import run_study
     from resurgo.study.report import REPORT, require_matplotlib, write_outputs
 
     with fail_cleanly():
         require_matplotlib()  # before minutes of training, not after
-        cfg = quick_config() if quick else full_config()
-        chosen_models = _names(models)
-        if chosen_models is not None:
-            cfg = replace(cfg, models=chosen_models,
-                          scale_models=tuple(m for m in cfg.scale_models if m in chosen_models) or chosen_models[:1])
-        chosen_mechanisms = _names(mechanisms)
-        if chosen_mechanisms is not None:
-            cfg = replace(cfg, mechanisms=chosen_mechanisms)
-        if ranks is not None:
-            try:
-                cfg = replace(cfg, scale_worlds=tuple(int(n) for n in _names(ranks) or ()))
-            except ValueError:
-                raise typer.BadParameter(f"--ranks takes comma-separated integers, got {ranks!r}") from None
-        if width is not None:
-            cfg = replace(cfg, width=width)
-        if threads is not None:
-            cfg = replace(cfg, threads=threads)
-        if repeats is not None:
-            cfg = replace(cfg, cost_repeats=repeats)
-        if data is not None:
-            cfg = replace(cfg, data_dir=str(data))
-        if steps is not None:
-            cfg = with_steps(cfg, steps)
-        if frameworks is not None:
-            cfg = replace(cfg, frameworks=tuple(n for n in _names(frameworks) or () if n != "pytorch"))
+        cfg = _study_config(quick, models, mechanisms, ranks, width, threads, repeats, data, steps, frameworks)
         cfg.check()
         if data is not None and not data.is_dir():
             raise CheckpointNotFoundError(f"{data}: no such directory (--data takes a local CIFAR-10 python copy, "

@@ -191,50 +191,14 @@ def start_async_save(state: Any, path: str | os.PathLike, *, overwrite: bool, al
                         storage_options=storage_options, save_info=save_info, base=base, incremental=incremental,
                         node_local=node_local, call=(("call", "async_save"), ("fallback", fallback)))
     handle = AsyncSaveHandle(str(path))
-    comm = prep.comm
     sources: dict[str, np.ndarray] = {}
     digests: dict[str, list[str]] = {}
-
-    def stage() -> tuple[tuple[list[str], list[str], CopyBatch | None, DeviceOrder | None], bool]:
-        """This rank's budget check and snapshot; its note: whether it is over its budget."""
-        needed = sum(staging_bytes(leaf.nbytes) for leaf in prep.leaves.values())
-        if memory_budget is not None and needed > memory_budget:
-            if fallback == "raise":
-                raise MemoryBudgetError(
-                    f"{path}: the snapshot needs {needed} bytes of staging memory on rank {comm.rank}, the budget "
-                    f"is {memory_budget}; raise memory_budget, or pass fallback='sync' to save synchronously")
-            return ([], [], None, None), True
-        faults.point("async.stage")
-        eager, deferred = _split(prep, guard)
-        t0 = time.perf_counter()
-        _pool.retain_only(prep.leaves)
-        layout = chunk_file_offsets(prep.plan)
-        order = DeviceOrder(_pool)
-
-        def batch(keys: list[str], hashed: bool) -> CopyBatch:
-            tasks = []
-            for key in keys:
-                offset, chunk_block = layout[key]
-                staged = _pool.stage(prep.leaves[key], order, offset, chunk_block if hashed else 0)
-                sources[key] = staged.flat
-                tasks += staged.tasks
-                if staged.digests is not None:
-                    digests[key] = staged.digests
-            return CopyBatch(tasks)
-
-        # The guard's copy runs beside training, so it also hashes each block while in cache; the
-        # call's copy stays a bare memmove, the shortest stall (hashing there made it 1.18-1.25x a copy).
-        background = batch(deferred, hashed=True)
-        batch(eager, hashed=False).finish()
-        order.training_waits()  # kernels queued after the call wait for its device copies
-        prep.seconds["stage"] = time.perf_counter() - t0
-        return (eager, deferred, background, order), False
-
     # Every rank's budget check and snapshot are agreed: one rank over its budget, or failing to
     # stage, makes every rank raise its error (or, over a budget with fallback="sync", every rank
     # save synchronously); only the staging's owner removes it.
     try:
-        (eager, deferred, background, order), over = comm.agree_noting(stage)
+        (_, deferred, background, order), over = prep.comm.agree_noting(
+            lambda: _snapshot(prep, path, guard, memory_budget, fallback, sources, digests))
     except BaseException:
         if prep.owns_staging:
             prep.staging.abort()
@@ -243,60 +207,117 @@ def start_async_save(state: Any, path: str | os.PathLike, *, overwrite: bool, al
         return _finish_synchronously(handle, prep, t_start, on_commit)
     assert background is not None and order is not None
     if deferred:
-        hook = _guard_hook(guard)
-
-        def before_step() -> None:
-            # Take over what the background has not copied yet, at full speed, rather than wait.
-            if hook.pending is before_step:
-                hook.pending = None  # in the training thread: the next save may re-arm it
-            if handle.staged():
-                return
-            try:
-                background.finish()
-            except BaseException:
-                pass  # the save has failed; the background thread reports it, training goes on
-            order.training_waits()  # step()'s kernels wait for the device copies, not forward's
-            handle.mark_staged()
-        hook.pending = before_step
+        _arm_step_hook(guard, handle, background, order)
     else:
         handle.mark_staged()
+    behind = background if deferred else None
+    _start_background(handle, path, t_start,
+                      lambda: _commit_in_background(prep, handle, behind, sources, digests, t_start, on_commit))
+    return handle
+
+
+def _snapshot(prep: PreparedSave, path: str | os.PathLike, guard: Any, memory_budget: int | None, fallback: str,
+              sources: dict[str, np.ndarray], digests: dict[str, list[str]]
+              ) -> tuple[tuple[list[str], list[str], CopyBatch | None, DeviceOrder | None], bool]:
+    """This rank's budget check and snapshot; its note: whether it is over its budget. Fills
+    ``sources`` (each key's staged bytes) and ``digests`` (the block hashes the copy made)."""
+    needed = sum(staging_bytes(leaf.nbytes) for leaf in prep.leaves.values())
+    if memory_budget is not None and needed > memory_budget:
+        if fallback == "raise":
+            raise MemoryBudgetError(
+                f"{path}: the snapshot needs {needed} bytes of staging memory on rank {prep.comm.rank}, the budget "
+                f"is {memory_budget}; raise memory_budget, or pass fallback='sync' to save synchronously")
+        return ([], [], None, None), True
+    faults.point("async.stage")
+    eager, deferred = _split(prep, guard)
+    t0 = time.perf_counter()
+    _pool.retain_only(prep.leaves)
+    layout = chunk_file_offsets(prep.plan)
+    order = DeviceOrder(_pool)
+
+    def batch(keys: list[str], hashed: bool) -> CopyBatch:
+        tasks = []
+        for key in keys:
+            offset, chunk_block = layout[key]
+            staged = _pool.stage(prep.leaves[key], order, offset, chunk_block if hashed else 0)
+            sources[key] = staged.flat
+            tasks += staged.tasks
+            if staged.digests is not None:
+                digests[key] = staged.digests
+        return CopyBatch(tasks)
+
+    # The guard's copy runs beside training, so it also hashes each block while in cache; the
+    # call's copy stays a bare memmove, the shortest stall (hashing there made it 1.18-1.25x a copy).
+    background = batch(deferred, hashed=True)
+    batch(eager, hashed=False).finish()
+    order.training_waits()  # kernels queued after the call wait for its device copies
+    prep.seconds["stage"] = time.perf_counter() - t0
+    return (eager, deferred, background, order), False
+
+
+def _arm_step_hook(guard: Any, handle: AsyncSaveHandle, background: CopyBatch, order: DeviceOrder) -> None:
+    """Arm ``guard.step()``'s pre-hook for this save: it finishes the guard's copy before the step."""
+    hook = _guard_hook(guard)
+
+    def before_step() -> None:
+        # Take over what the background has not copied yet, at full speed, rather than wait.
+        if hook.pending is before_step:
+            hook.pending = None  # in the training thread: the next save may re-arm it
+        if handle.staged():
+            return
+        try:
+            background.finish()
+        except BaseException:
+            pass  # the save has failed; the background thread reports it, training goes on
+        order.training_waits()  # step()'s kernels wait for the device copies, not forward's
+        handle.mark_staged()
+    hook.pending = before_step
+
+
+def _commit_in_background(prep: PreparedSave, handle: AsyncSaveHandle, behind: CopyBatch | None,
+                          sources: dict[str, np.ndarray], digests: dict[str, list[str]], t_start: float,
+                          on_commit: Callable[[SaveReport], None] | None) -> None:
+    """The background thread's work: the guard's copy (``behind``, when it has one), then the
+    write and commit; the outcome goes to ``handle``."""
+    staging_failed: BaseException | None = None  # given to every rank by the write's agreement
+    try:
+        if behind is not None:
+            # At the caller's priority: step() needs this copy soon, and at a lower one it
+            # ran only once step() took it over (on a CPU-bound 2-core loop, measured).
+            t1 = time.perf_counter()
+            try:
+                faults.point("async.copy")  # the guard's copy, beside training
+                behind.run()
+                behind.wait()
+                _pool.synchronize()  # staged() means landed: step() then waits for nothing
+            finally:
+                prep.seconds["stage_background"] = time.perf_counter() - t1
+                handle.mark_staged()  # even on failure: never leave the optimizer waiting
+        _lower_priority()  # writing and hashing yield to training
+        _pool.synchronize()
+    except BaseException as e:  # noqa: BLE001 - raised in the write phase, agreed by every rank
+        staging_failed = e
+    try:
+        report = write_and_commit(prep, sources, digests, failed_before=staging_failed)
+        report.seconds["stall"] = handle.stall_seconds
+        report.seconds["total"] = time.perf_counter() - t_start
+    except BaseException as e:  # reported by wait(), the next save, or at exit
+        try:
+            if prep.owns_staging:
+                prep.staging.abort()
+        finally:
+            handle.failed(e)
+    else:
+        _notify(on_commit, report)
+        handle.committed(report)
+
+
+def _start_background(handle: AsyncSaveHandle, path: str | os.PathLike, t_start: float, work: Callable[[], None]) -> None:
+    """Run ``work`` in the save's thread, registered as the save in flight; the stall ends here."""
 
     def run() -> None:
         with liveness.operation("async save", path):
-            commit_in_background()
-
-    def commit_in_background() -> None:
-        staging_failed: BaseException | None = None  # given to every rank by the write's agreement
-        try:
-            if deferred:
-                # At the caller's priority: step() needs this copy soon, and at a lower one it
-                # ran only once step() took it over (on a CPU-bound 2-core loop, measured).
-                t1 = time.perf_counter()
-                try:
-                    faults.point("async.copy")  # the guard's copy, beside training
-                    background.run()
-                    background.wait()
-                    _pool.synchronize()  # staged() means landed: step() then waits for nothing
-                finally:
-                    prep.seconds["stage_background"] = time.perf_counter() - t1
-                    handle.mark_staged()  # even on failure: never leave the optimizer waiting
-            _lower_priority()  # writing and hashing yield to training
-            _pool.synchronize()
-        except BaseException as e:  # noqa: BLE001 - raised in the write phase, agreed by every rank
-            staging_failed = e
-        try:
-            report = write_and_commit(prep, sources, digests, failed_before=staging_failed)
-            report.seconds["stall"] = handle.stall_seconds
-            report.seconds["total"] = time.perf_counter() - t_start
-        except BaseException as e:  # reported by wait(), the next save, or at exit
-            try:
-                if prep.owns_staging:
-                    prep.staging.abort()
-            finally:
-                handle.failed(e)
-        else:
-            _notify(on_commit, report)
-            handle.committed(report)
+            work()
 
     # Not a daemon: the interpreter joins it before exiting, so an in-flight save always commits.
     thread = threading.Thread(target=run, name="resurgo-async-save", daemon=False)
@@ -304,8 +325,6 @@ def start_async_save(state: Any, path: str | os.PathLike, *, overwrite: bool, al
     inflight.register(handle)
     handle.stall_seconds = time.perf_counter() - t_start  # before start(): the report reads it
     thread.start()
-    return handle
-
 
 def _split(prep: PreparedSave, guard: Any) -> tuple[list[str], list[str]]:
     """(keys copied during the call, keys the background copies before ``guard.step()``)."""

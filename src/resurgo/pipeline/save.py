@@ -265,22 +265,9 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
     arg_names, note = call_note(path=where, step=step, overwrite=bool(overwrite),
                                 base=None if base is None else os.fspath(base), incremental=bool(incremental),
                                 allow_pickle=bool(allow_pickle), **dict(call))
-
-    def local() -> tuple[dict, dict[str, TensorLeaf], RankDecl, RankSummary | None, bool]:
-        check_metadata(metadata, step)
-        check_metadata(save_info, step, "save_info")
-        tree, leaves, pickled = flatten_state(state, allow_pickle=allow_pickle)
-        decl = RankDecl(tree, tuple(_declare(leaf, comm.size > 1) for leaf in leaves.values()))
-        return tree, leaves, decl, _plans.summarize(decl) if comm.size > 1 else None, pickled
-
-    tree, leaves, decl, summary, pickled = comm.agree(local)
-    block_rule: Any = block_bytes
-    if block_bytes is not None:
-        block_fn: Callable[[int, int], int] = lambda n, row_bytes: block_bytes
-    elif incremental or base is not None:
-        block_fn, block_rule = checksum.incremental_block_bytes_for, "incremental"
-    else:
-        block_fn = checksum.block_bytes_for
+    tree, leaves, decl, summary, pickled = comm.agree(
+        lambda: _flatten_and_declare(state, allow_pickle, metadata, save_info, step, comm.size > 1))
+    block_fn, block_rule = _checksum_blocks(block_bytes, incremental or base is not None)
 
     def coordinate(gathered: list[tuple[Any, ...]] | None) -> _Decided | None:
         """Rank 0: the plan (or, from summaries, the merged tree of the plan every rank holds), then
@@ -302,33 +289,13 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
         staging = None if node_local else open_checkpoint(path, storage_options).stage(overwrite, declared_files)
         return _Decided(plan, merged, plan_id, per_rank, any(p for _, p, *_ in gathered), staging, index)
 
-    decided = None
-    if summary is not None:  # a summary first: the plan every rank holds may still do
-        summaries = comm.gather((summary, pickled, note))
-        decided = comm.broadcast(comm.agree(lambda: coordinate(summaries)))
-    if decided is None:  # no plan held, or it changed: every rank sends its declarations
-        full = comm.gather((decl, pickled))
-        decided = comm.broadcast(comm.agree(lambda: coordinate(full)))
-    assert decided is not None
+    decided = _agree_on_plan(comm, summary, decl, pickled, note, coordinate)
     pickled, staging, index = decided.pickled, decided.staging, decided.index  # staging: a copy of rank 0's (it pickles)
-    if decided.plan is None:
-        assert decided.tree is not None
-        plan = _plans.reused(decided.tree)
-    else:
-        plan = decided.plan
-        _plans.hold(decided.plan_id, plan, decided.per_rank)
+    plan = _take_plan(decided)
     if node_local is not None:  # one staging per node, opened by its leader once the plan is known
-        def open_here() -> Staging:
-            node_local.before_stage(plan)
-            return open_checkpoint(path, storage_options).stage(overwrite, declared_files)
-
-        staging = open_node_staging(comm, node_local.leader, open_here)
+        staging = _node_staging(comm, node_local, plan, path, storage_options, overwrite)
     assert staging is not None
-    writes = plan.writes[comm.rank]
-    if index is not None:
-        writes = tuple(_reuse_blocks(w, index) for w in writes)
-    own = {w.item.name: _write_leaf(leaves[w.local_key], w) for w in writes}
-    files = plan_files([w.item for w in writes], rank=comm.rank, max_files=max(1, io_threads), tag=staging.file_tag)
+    own, files = _rank_writes(plan, comm.rank, index, leaves, io_threads, staging.file_tag)
     if step is None:  # the state's own step counter, when it has one at its top
         step = top_level_step(plan.tree)
     # A job of several ranks writes version 4: its metadata stays O(tensors) in the manifest. Saves
@@ -339,6 +306,76 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
                         files, staging, comm,
                         {"flatten": time.perf_counter() - t0}, index, incremental or base is not None, node_local,
                         plan if indexed else None)
+
+
+def _flatten_and_declare(state: Any, allow_pickle: bool, metadata: dict | None, save_info: dict | None,
+                         step: int | None, distributed: bool
+                         ) -> tuple[dict, dict[str, TensorLeaf], RankDecl, RankSummary | None, bool]:
+    """This rank's part before planning: the metadata checked, the state flattened, its
+    declarations and (in a job of several ranks) their summary against the plan it holds."""
+    check_metadata(metadata, step)
+    check_metadata(save_info, step, "save_info")
+    tree, leaves, pickled = flatten_state(state, allow_pickle=allow_pickle)
+    decl = RankDecl(tree, tuple(_declare(leaf, distributed) for leaf in leaves.values()))
+    return tree, leaves, decl, _plans.summarize(decl) if distributed else None, pickled
+
+
+def _checksum_blocks(block_bytes: int | None, incremental: bool) -> tuple[Callable[[int, int], int], Any]:
+    """The checksum block size rule of a save's chunks, and what identifies it to the plan cache:
+    ``block_bytes`` when given, else small blocks for a save taking part in reuse, else the default."""
+    block_rule: Any = block_bytes
+    if block_bytes is not None:
+        block_fn: Callable[[int, int], int] = lambda n, row_bytes: block_bytes
+    elif incremental:
+        block_fn, block_rule = checksum.incremental_block_bytes_for, "incremental"
+    else:
+        block_fn = checksum.block_bytes_for
+    return block_fn, block_rule
+
+
+def _agree_on_plan(comm: Comm, summary: RankSummary | None, decl: RankDecl, pickled: bool, note: Any,
+                   coordinate: Callable[[list[tuple[Any, ...]] | None], _Decided | None]) -> _Decided:
+    """Every rank's copy of rank 0's decision: from the summaries when the plan every rank holds
+    still does, else from every rank's declarations."""
+    decided = None
+    if summary is not None:  # a summary first: the plan every rank holds may still do
+        summaries = comm.gather((summary, pickled, note))
+        decided = comm.broadcast(comm.agree(lambda: coordinate(summaries)))
+    if decided is None:  # no plan held, or it changed: every rank sends its declarations
+        full = comm.gather((decl, pickled))
+        decided = comm.broadcast(comm.agree(lambda: coordinate(full)))
+    assert decided is not None
+    return decided
+
+
+def _take_plan(decided: _Decided) -> GlobalPlan:
+    """The plan rank 0 decided, held for the next save's summary (or the held one, reused)."""
+    if decided.plan is None:
+        assert decided.tree is not None
+        return _plans.reused(decided.tree)
+    _plans.hold(decided.plan_id, decided.plan, decided.per_rank)
+    return decided.plan
+
+
+def _node_staging(comm: Comm, node_local: NodeLocal, plan: GlobalPlan, path: str | os.PathLike,
+                       storage_options: dict | None, overwrite: bool) -> Staging:
+    """This node's staging, opened by its leader once the plan is known."""
+    def open_here() -> Staging:
+        node_local.before_stage(plan)
+        return open_checkpoint(path, storage_options).stage(overwrite, declared_files)
+
+    return open_node_staging(comm, node_local.leader, open_here)
+
+
+def _rank_writes(plan: GlobalPlan, rank: int, index: BaseIndex | None, leaves: dict[str, TensorLeaf],
+                 io_threads: int, file_tag: str) -> tuple[dict[str, TensorLeaf], SavePlan]:
+    """This rank's writes (their blocks aligned with the base's, when it has one) and its files."""
+    writes = plan.writes[rank]
+    if index is not None:
+        writes = tuple(_reuse_blocks(w, index) for w in writes)
+    own = {w.item.name: _write_leaf(leaves[w.local_key], w) for w in writes}
+    files = plan_files([w.item for w in writes], rank=rank, max_files=max(1, io_threads), tag=file_tag)
+    return own, files
 
 
 class LazySources(Mapping):

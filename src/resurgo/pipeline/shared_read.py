@@ -215,15 +215,7 @@ class SharedLoad:
         peer = comm.global_rank
 
         errors: list[BaseException] = []
-        pending: list[Any] = []  # (request, buffer, peer): buffers kept alive until their transfer is done
-        landing: dict[int, np.ndarray] = {}  # message index (its tag) -> where its bytes go here
-        for tag, m in enumerate(plan.messages):
-            if comm.rank == m.reader or comm.rank in m.receivers:
-                landing[tag] = self._landing(m)
-        for tag, m in enumerate(plan.messages):
-            if comm.rank in m.receivers:
-                pending.append((dist.irecv(torch.from_numpy(landing[tag]), src=peer(m.reader), group=comm.group,
-                                           tag=tag), landing[tag], peer(m.reader)))
+        landing, pending = self._post_receives(comm, plan)
         results: list[ReadResult] = []
 
         def read(bufs: list[np.ndarray], ops: list[ReadOp], threads: int, targets: bool = False) -> None:
@@ -254,15 +246,7 @@ class SharedLoad:
         if mine:
             with ThreadPoolExecutor(max_workers=max(1, self.threads), thread_name_prefix="resurgo-share") as pool:
                 list(pool.map(read_and_send, mine))
-        self.from_memory = []
-        from_storage: list[ReadOp] = []
-        for op in self.ops:  # an op is split where its parts switch between taken, memory and storage
-            at = op.file_offset
-            for part in op.parts:
-                if not self._taken(part):
-                    held = op.file in self.memory and self.memory[op.file].holds(at, part.length)
-                    (self.from_memory if held else from_storage).append(ReadOp(op.file, at, part.length, (part,)))
-                at += part.length
+        from_storage = self._split_rest()
         # A tensor that gets some bytes from memory is filled by finish(), once every rank verified
         # its part: its bytes from storage are held in memory too, so a failure leaves it untouched.
         mixed = {part.key for op in self.from_memory for part in op.parts}
@@ -293,6 +277,38 @@ class SharedLoad:
         seconds["total"] = time.perf_counter() - t_start
         return ReadResult(sum(r.bytes_read for r in results), sorted({f for r in results for f in r.files}), seconds,
                           bytes_received=self.bytes_received)
+
+    def _post_receives(self, comm: Comm, plan: SharePlan) -> tuple[dict[int, np.ndarray], list[Any]]:
+        """Where each message this rank reads or receives lands (by its index, its tag), and the
+        receives posted: (request, buffer, peer), buffers kept alive until their transfer is done."""
+        import torch
+        import torch.distributed as dist
+
+        peer = comm.global_rank
+        pending: list[Any] = []
+        landing: dict[int, np.ndarray] = {}
+        for tag, m in enumerate(plan.messages):
+            if comm.rank == m.reader or comm.rank in m.receivers:
+                landing[tag] = self._landing(m)
+        for tag, m in enumerate(plan.messages):
+            if comm.rank in m.receivers:
+                pending.append((dist.irecv(torch.from_numpy(landing[tag]), src=peer(m.reader), group=comm.group,
+                                           tag=tag), landing[tag], peer(m.reader)))
+        return landing, pending
+
+    def _split_rest(self) -> list[ReadOp]:
+        """The parts of this rank's ops that no message takes straight into a target, as ops: those
+        whose bytes are held in memory into :attr:`from_memory`, those to read from storage returned."""
+        self.from_memory = []
+        from_storage: list[ReadOp] = []
+        for op in self.ops:  # an op is split where its parts switch between taken, memory and storage
+            at = op.file_offset
+            for part in op.parts:
+                if not self._taken(part):
+                    held = op.file in self.memory and self.memory[op.file].holds(at, part.length)
+                    (self.from_memory if held else from_storage).append(ReadOp(op.file, at, part.length, (part,)))
+                at += part.length
+        return from_storage
 
     def _landing(self, m: Message) -> np.ndarray:
         """Where message ``m``'s bytes go on this rank: straight into the target when it is one

@@ -32,7 +32,7 @@ whose stream is not a function of the epoch-start RNG, and random augmentation i
 workers (their RNG lives in the worker processes) are not reproduced exactly.
 ``torchdata``'s ``StatefulDataLoader`` has its own ``state_dict``; it keeps it, and only its first
 ``iter()`` after a load is guarded so that the base seed it redraws (then overwrites with the saved
-one) does not shift the restored RNG streams.
+one) does not shift the restored RNG streams (:mod:`resurgo.state.stateful_loader`).
 
 With an :class:`~resurgo.state.elastic_sampler.ElasticSampler` (as ``sampler=`` or inside
 ``batch_sampler=``), the state also has ``"elastic"``: the sampler's global position as of the
@@ -68,21 +68,16 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from resurgo.errors import DataPositionError, TypeMismatchError, UnsupportedValueError
 from resurgo.state.elastic_loader import (
-    NUM_YIELDED,
     ITERATOR_FINISHED,
-    SNAPSHOT,
-    SNAPSHOT_STEP,
-    STEPS_SINCE_SNAPSHOT,
-    epoch_batches,
     find_elastic_sampler,
     find_sampler,
     is_stateful_dataloader,
-    prepare_stateful_load,
     samples_per_batch,
 )
 from resurgo.state.elastic_sampler import ElasticSampler, EpochPass
 from resurgo.state.per_rank import PerRank
 from resurgo.state.rng import carry_over_rng
+from resurgo.state.stateful_loader import epoch_length, loader_length, refuse_live_iterator, rng_guarded_class
 from resurgo.wording import plural
 
 __all__ = ["track_dataloader", "is_tracked", "mark_epoch_finished"]
@@ -308,7 +303,7 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
 
     # -- iteration ---------------------------------------------------------------------------
     def __len__(self) -> int:
-        return _epoch_length(self)
+        return epoch_length(self)
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         pos = _position(self)
@@ -452,87 +447,25 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
         pos = _position(self)
         # No local reference to the iterator: the error's traceback would keep it alive.
         if pos.live is not None and pos.live() is not None and pos.epoch_active:
-            _refuse_live_iterator(self._resurgo_base_class.__name__, f"{plural(pos.batches_yielded, 'batch', 'batches')} handed out")
+            refuse_live_iterator(self._resurgo_base_class.__name__, f"{plural(pos.batches_yielded, 'batch', 'batches')} handed out")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume at the saved position on the next ``iter()`` (nothing is read until then)."""
         self._resurgo_before_load()
         sd = dict(state_dict)
-        version = sd.get("version", _FORMAT_VERSION)
-        if version != _FORMAT_VERSION:
-            raise TypeMismatchError(f"dataloader.version: expected {_FORMAT_VERSION}, got {version!r}")
-        missing = [k for k in ("epoch_rng", "batches_yielded", "epoch_active") if k not in sd]
-        if missing:
-            raise TypeMismatchError(f"dataloader: state has no {', '.join(missing)}; not a DataLoader position")
-        epoch_rng = _own(sd["epoch_rng"])
-        rng: dict[str, Any] = {
-            "torch": _as_uint8(epoch_rng["torch"], "epoch_rng.torch").clone(),
-            "generators": {k: _as_uint8(v, f"epoch_rng.generators.{k}").clone()
-                           for k, v in (epoch_rng.get("generators") or {}).items()},
-        }
-        now = {k: _as_uint8(v, f"generators.{k}") for k, v in (_own(sd.get("generators")) or {}).items()}
-        # Fail now, not at the next iter(), if the loader is built differently.
-        gens = _generators(self)
-        for key, saved in (("epoch_rng.generators", rng["generators"]), ("generators", now)):
-            if set(saved) != set(gens):
-                raise TypeMismatchError(
-                    f"dataloader.{key}: the checkpoint has generators {sorted(saved)}, this DataLoader "
-                    f"has {sorted(gens)}; build the loader the same way as when saving"
-                )
-        n = sd["batches_yielded"]
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise TypeMismatchError(f"dataloader.batches_yielded: expected an int >= 0, got {n!r}")
+        _check_version(sd)
+        rng, now, gens = _loaded_rngs(self, sd)
+        n = _batches_yielded(sd)
         elastic = find_elastic_sampler(self)
-        if (elastic is not None) != ("elastic" in sd):
-            raise TypeMismatchError(
-                "dataloader.elastic: the checkpoint "
-                + ("has no ElasticSampler position, this DataLoader's sampler is an ElasticSampler"
-                   if elastic is not None else
-                   "has an ElasticSampler position, this DataLoader's sampler is not an ElasticSampler")
-                + "; build the loader the same way as when saving")
-        distributed = find_sampler(self, DistributedSampler)
-        if distributed is not None and "distributed_num_replicas" in sd \
-                and sd["distributed_num_replicas"] != distributed.num_replicas:
-            # Its position is a per-rank count: on another number of ranks the replay would take
-            # other samples (some twice, some never).
-            message = (f"dataloader.distributed_num_replicas: saved by {plural(sd['distributed_num_replicas'], 'rank')}, "
-                       f"this DistributedSampler has num_replicas={distributed.num_replicas}; a DistributedSampler's "
-                       "position is per rank and cannot change the number of ranks")
-            if self._resurgo_on_world_size_change == "warn":
-                warnings.warn(f"{message}: not loaded, the next epoch starts a new pass (resurgo.ElasticSampler "
-                              "keeps a position that loads on any number of ranks)", RuntimeWarning, stacklevel=2)
-                return
-            raise DataPositionError(f"{message}: use resurgo.ElasticSampler")
-        sampler_epoch = sd.get("distributed_epoch")
-        if sampler_epoch is not None and (isinstance(sampler_epoch, bool) or not isinstance(sampler_epoch, int)):
-            raise TypeMismatchError(f"dataloader.distributed_epoch: expected an int, got {sampler_epoch!r}")
-        epoch_finished = sd.get(EPOCH_FINISHED, False)
-        if not isinstance(epoch_finished, bool):
-            raise TypeMismatchError(f"dataloader.{EPOCH_FINISHED}: expected a bool, got {epoch_finished!r}")
-        finished = False  # saved once the epoch's last batch was handed out, or marked finished
+        _check_sampler_kind(elastic, sd)
+        if _refused_world_size(self, sd):
+            return
+        sampler_epoch, epoch_finished = _epoch_marks(sd)
+        elastic_loaded: dict[str, Any] | None = None
         if elastic is not None:
-            elastic_loaded = dict(sd["elastic"])
-            elastic.load_state_dict(elastic_loaded)  # validates before anything below changes
-            if epoch_finished:  # the loop ended the epoch here: its rest is consumed
-                elastic_loaded = elastic.position(elastic_loaded["epoch"], elastic_loaded["num_samples"])
-                elastic.load_state_dict(elastic_loaded)
-            finished = elastic_loaded["consumed"] >= elastic_loaded["num_samples"]
-            if finished and self._resurgo_finished_epoch == "next":
-                # The next epoch from its start, so that the sampler's length (which a loop may
-                # read before iter(), as Lightning does) is a whole epoch's, not the finished one's 0.
-                elastic_loaded = elastic.position(elastic_loaded["epoch"] + 1, 0)
-                elastic.load_state_dict(elastic_loaded)
+            elastic_loaded, finished = _load_elastic(self, elastic, sd["elastic"], epoch_finished)
         else:
-            length = _length(self)
-            finished = epoch_finished or n >= (length or n + 1)
-            if epoch_finished and self._resurgo_finished_epoch == "empty":
-                # The rest of the epoch is empty: the resume skips every batch of it.
-                if length is None:
-                    raise DataPositionError(
-                        f"dataloader.{EPOCH_FINISHED}: the position marks its epoch finished, and this "
-                        f"{self._resurgo_base_class.__name__} has no length, so the rest of that epoch cannot be skipped; "
-                        "track it with finished_epoch='next' to resume at the next epoch")
-                n = max(n, length)
+            n, finished = _count_finished(self, n, epoch_finished)
         pos = _position(self)
         pos.generation += 1  # an iterator already handed out no longer moves the position
         pos.epoch_rng = rng
@@ -555,25 +488,118 @@ class _TrackedDataLoaderMixin(_MixinBase):  # type: ignore[misc,valid-type]
                 g.set_state(now[name])
 
 
-def _epoch_length(loader: Any) -> int:
-    """A resumable loader's length: the batches of its epoch. With an ElasticSampler, a whole epoch's
-    on this world size even while a resumed pass yields only the rest of it, as a plain DataLoader's
-    length is its epoch's while a mid-epoch resume skips the batches before the checkpoint (a loop
-    that reads the length after loading, as Lightning does, counts the resumed epoch's batches
-    from its start)."""
-    elastic = find_elastic_sampler(loader)
-    whole = epoch_batches(loader, elastic) if elastic is not None else None
-    return whole if whole is not None else loader._resurgo_base_class.__len__(loader)
+# -- the steps of a tracked loader's load_state_dict, in order: each checks before anything changes
+def _check_version(sd: dict[str, Any]) -> None:
+    version = sd.get("version", _FORMAT_VERSION)
+    if version != _FORMAT_VERSION:
+        raise TypeMismatchError(f"dataloader.version: expected {_FORMAT_VERSION}, got {version!r}")
+    missing = [k for k in ("epoch_rng", "batches_yielded", "epoch_active") if k not in sd]
+    if missing:
+        raise TypeMismatchError(f"dataloader: state has no {', '.join(missing)}; not a DataLoader position")
 
 
-def _refuse_live_iterator(loader: str, progress: str) -> None:
-    # A loaded position applies to the next iter(): an iterator made before the load would go on
-    # from where it is, silently training on the wrong batches.
-    raise DataPositionError(
-        f"dataloader: this {loader}'s iterator was created before the load ({progress}); it would not move to "
-        "the loaded data position. Call resurgo.load before iter(loader) / the for loop (or finish or drop "
-        "that iterator first)")
+def _loaded_rngs(loader: DataLoader, sd: dict[str, Any]
+                 ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Generator]]:
+    """The saved epoch-start RNG states (copies), the generators' saved current states, and the
+    loader's generators, which must be those saved."""
+    epoch_rng = _own(sd["epoch_rng"])
+    rng: dict[str, Any] = {
+        "torch": _as_uint8(epoch_rng["torch"], "epoch_rng.torch").clone(),
+        "generators": {k: _as_uint8(v, f"epoch_rng.generators.{k}").clone()
+                       for k, v in (epoch_rng.get("generators") or {}).items()},
+    }
+    now = {k: _as_uint8(v, f"generators.{k}") for k, v in (_own(sd.get("generators")) or {}).items()}
+    # Fail now, not at the next iter(), if the loader is built differently.
+    gens = _generators(loader)
+    for key, saved in (("epoch_rng.generators", rng["generators"]), ("generators", now)):
+        if set(saved) != set(gens):
+            raise TypeMismatchError(
+                f"dataloader.{key}: the checkpoint has generators {sorted(saved)}, this DataLoader "
+                f"has {sorted(gens)}; build the loader the same way as when saving"
+            )
+    return rng, now, gens
 
+
+def _batches_yielded(sd: dict[str, Any]) -> int:
+    n = sd["batches_yielded"]
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise TypeMismatchError(f"dataloader.batches_yielded: expected an int >= 0, got {n!r}")
+    return n
+
+
+def _check_sampler_kind(elastic: ElasticSampler | None, sd: dict[str, Any]) -> None:
+    if (elastic is not None) != ("elastic" in sd):
+        raise TypeMismatchError(
+            "dataloader.elastic: the checkpoint "
+            + ("has no ElasticSampler position, this DataLoader's sampler is an ElasticSampler"
+               if elastic is not None else
+               "has an ElasticSampler position, this DataLoader's sampler is not an ElasticSampler")
+            + "; build the loader the same way as when saving")
+
+
+def _refused_world_size(loader: Any, sd: dict[str, Any]) -> bool:
+    """True (after a warning) when a DistributedSampler's position saved by another number of ranks
+    is not loaded; DataPositionError when the loader is to raise."""
+    distributed = find_sampler(loader, DistributedSampler)
+    if distributed is None or "distributed_num_replicas" not in sd \
+            or sd["distributed_num_replicas"] == distributed.num_replicas:
+        return False
+    # Its position is a per-rank count: on another number of ranks the replay would take
+    # other samples (some twice, some never).
+    message = (f"dataloader.distributed_num_replicas: saved by {plural(sd['distributed_num_replicas'], 'rank')}, "
+               f"this DistributedSampler has num_replicas={distributed.num_replicas}; a DistributedSampler's "
+               "position is per rank and cannot change the number of ranks")
+    if loader._resurgo_on_world_size_change == "warn":
+        warnings.warn(f"{message}: not loaded, the next epoch starts a new pass (resurgo.ElasticSampler "
+                      "keeps a position that loads on any number of ranks)", RuntimeWarning, stacklevel=3)
+        return True
+    raise DataPositionError(f"{message}: use resurgo.ElasticSampler")
+
+
+def _epoch_marks(sd: dict[str, Any]) -> tuple[int | None, bool]:
+    """The DistributedSampler's epoch of the pass (None without one), and whether the loop marked
+    the epoch finished."""
+    sampler_epoch = sd.get("distributed_epoch")
+    if sampler_epoch is not None and (isinstance(sampler_epoch, bool) or not isinstance(sampler_epoch, int)):
+        raise TypeMismatchError(f"dataloader.distributed_epoch: expected an int, got {sampler_epoch!r}")
+    epoch_finished = sd.get(EPOCH_FINISHED, False)
+    if not isinstance(epoch_finished, bool):
+        raise TypeMismatchError(f"dataloader.{EPOCH_FINISHED}: expected a bool, got {epoch_finished!r}")
+    return sampler_epoch, epoch_finished
+
+
+def _load_elastic(loader: Any, elastic: ElasticSampler, saved: Any, epoch_finished: bool) -> tuple[dict[str, Any], bool]:
+    """Load the ElasticSampler's global position (validated first): the position loaded, and
+    whether its epoch was finished (every sample consumed, or marked finished)."""
+    elastic_loaded = dict(saved)
+    elastic.load_state_dict(elastic_loaded)  # validates before anything below changes
+    if epoch_finished:  # the loop ended the epoch here: its rest is consumed
+        elastic_loaded = elastic.position(elastic_loaded["epoch"], elastic_loaded["num_samples"])
+        elastic.load_state_dict(elastic_loaded)
+    finished = elastic_loaded["consumed"] >= elastic_loaded["num_samples"]
+    if finished and loader._resurgo_finished_epoch == "next":
+        # The next epoch from its start, so that the sampler's length (which a loop may
+        # read before iter(), as Lightning does) is a whole epoch's, not the finished one's 0.
+        elastic_loaded = elastic.position(elastic_loaded["epoch"] + 1, 0)
+        elastic.load_state_dict(elastic_loaded)
+    return elastic_loaded, finished
+
+
+def _count_finished(loader: Any, n: int, epoch_finished: bool) -> tuple[int, bool]:
+    """Without an ElasticSampler: the batches to skip on resume (every batch of an epoch marked
+    finished, for ``finished_epoch="empty"``), and whether the epoch was finished (its last batch
+    handed out, or marked finished)."""
+    length = loader_length(loader)
+    finished = epoch_finished or n >= (length or n + 1)
+    if epoch_finished and loader._resurgo_finished_epoch == "empty":
+        # The rest of the epoch is empty: the resume skips every batch of it.
+        if length is None:
+            raise DataPositionError(
+                f"dataloader.{EPOCH_FINISHED}: the position marks its epoch finished, and this "
+                f"{loader._resurgo_base_class.__name__} has no length, so the rest of that epoch cannot be skipped; "
+                "track it with finished_epoch='next' to resume at the next epoch")
+        n = max(n, length)
+    return n, finished
 
 def _own(value: Any) -> Any:
     """This rank's value of a per-rank entry (a plain value passes through)."""
@@ -606,14 +632,6 @@ def _position(loader: Any) -> _Position:
     return pos
 
 
-def _length(loader: DataLoader) -> int | None:
-    """The number of batches of an epoch, if the loader knows it."""
-    try:
-        return len(loader)
-    except TypeError:
-        return None
-
-
 def _tracked_class(cls: type, on_world_size_change: str = "raise", finished_epoch: str = "empty") -> type:
     key = (cls, on_world_size_change, finished_epoch)
     tracked = _TRACKED_CLASSES.get(key)
@@ -633,139 +651,6 @@ def _tracked_class(cls: type, on_world_size_change: str = "raise", finished_epoc
         })
         _TRACKED_CLASSES[key] = tracked
     return tracked
-
-
-_GUARDED_CLASSES: dict[tuple[type, str], type] = {}
-_RESUMING = "_resurgo_resuming"
-
-
-class _WatchedIterator:
-    """A StatefulDataLoader's iterator, watched: whether it is still held and not exhausted."""
-
-    def __init__(self, it: Any) -> None:
-        self._it = it
-        self.exhausted = False
-
-    def __iter__(self) -> _WatchedIterator:
-        return self
-
-    def __next__(self) -> Any:
-        try:
-            return next(self._it)
-        except StopIteration:
-            self.exhausted = True
-            raise
-
-    def __len__(self) -> int:
-        return len(self._it)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "_it":
-            raise AttributeError(name)
-        return getattr(self._it, name)
-
-
-_LIVE = "_resurgo_live"
-
-
-def _guarded_before_load(self: Any) -> None:
-    ref = self.__dict__.get(_LIVE)
-    # No local reference to the iterator: the error's traceback would keep it alive.
-    if ref is not None and ref() is not None and not ref().exhausted:
-        _refuse_live_iterator(self._resurgo_base_class.__name__, "its position is not the loaded one")
-
-
-def _guarded_load_state_dict(self: Any, state_dict: Any) -> Any:
-    _guarded_before_load(self)
-    elastic = find_elastic_sampler(self)
-    if elastic is not None and isinstance(state_dict, dict):
-        # torchdata replays the batches since its last snapshot: on another world size those would
-        # be other samples, so there they become part of the global position instead.
-        state_dict = prepare_stateful_load(state_dict, elastic, samples_per_batch(self))
-    finished = isinstance(state_dict, dict) and state_dict.get(ITERATOR_FINISHED) is True
-    if finished or (self._resurgo_finished_epoch == "next" and _at_epoch_end(self, state_dict)):
-        # Saved with its iterator finished, or at the epoch's last batch: the next iter() starts
-        # the next epoch, as the uninterrupted run's did, drawing its seeds as that one did. Built
-        # now (the loaded samplers and datasets take their saved states) without drawing; marked
-        # finished, so that iter() builds or resets a new one.
-        result = self._resurgo_base_class.load_state_dict(self, {**state_dict, ITERATOR_FINISHED: True})
-        _without_rng_draws(self, lambda: setattr(self, "_iterator", self._get_iterator()))
-        if elastic is not None:
-            # The loaded pass is the finished epoch's: the next iter() starts the next epoch, and
-            # the sampler's length (read before iter(), as Lightning does) is a whole epoch's.
-            elastic.load_state_dict(elastic.position(elastic.epoch + 1, 0))
-        return result
-    result = self._resurgo_base_class.load_state_dict(self, state_dict)
-    self.__dict__[_RESUMING] = True
-    return result
-
-
-def _at_epoch_end(loader: Any, state_dict: Any) -> bool:
-    """True if a StatefulDataLoader's state was taken once every batch of its epoch was handed out."""
-    if not isinstance(state_dict, dict):
-        return False
-    if NUM_YIELDED in state_dict:  # no workers
-        handed_out = state_dict[NUM_YIELDED]
-    elif isinstance(state_dict.get(SNAPSHOT), dict) and SNAPSHOT_STEP in state_dict[SNAPSHOT]:
-        handed_out = state_dict[SNAPSHOT][SNAPSHOT_STEP] + state_dict.get(STEPS_SINCE_SNAPSHOT, 0)
-    else:
-        return False
-    length = _length(loader)
-    return isinstance(handed_out, int) and length is not None and handed_out >= length > 0
-
-
-def _without_rng_draws(loader: Any, build: Any) -> Any:
-    """``build()`` with the sources of a loader's base seed (the global CPU RNG, its generator)
-    set back afterwards."""
-    cpu = torch.get_rng_state()
-    gen = getattr(loader, "generator", None)
-    gen_state = gen.get_state() if isinstance(gen, torch.Generator) else None
-    try:
-        return build()
-    finally:
-        torch.set_rng_state(cpu)
-        if gen is not None and gen_state is not None:
-            gen.set_state(gen_state)
-
-
-def _guarded_iter(self: Any) -> Any:
-    watched = _WatchedIterator(_guarded_base_iter(self))
-    self.__dict__[_LIVE] = weakref.ref(watched)
-    return watched
-
-
-def _guarded_base_iter(self: Any) -> Any:
-    # A resumed StatefulDataLoader (torchdata 0.11) draws a fresh base seed from the global RNG
-    # (or its generator) and then overwrites it with the saved one; the uninterrupted run made that
-    # draw before the checkpoint, so the restored RNG streams must not see it again.
-    if not self.__dict__.pop(_RESUMING, False):
-        return self._resurgo_base_class.__iter__(self)
-    # Only the sources of that base seed are guarded: the sampler's generator is legitimately
-    # set from the checkpoint while the iterator is built.
-    return _without_rng_draws(self, lambda: self._resurgo_base_class.__iter__(self))
-
-
-def _rng_guarded_class(cls: type, finished_epoch: str = "empty") -> type:
-    """A subclass of a loader with its own state_dict whose first iter() after a load draws no RNG."""
-    if cls in _GUARDED_CLASSES.values():
-        cls = getattr(cls, "_resurgo_base_class")
-    key = (cls, finished_epoch)
-    guarded = _GUARDED_CLASSES.get(key)
-    if guarded is None:
-        guarded = type(f"Resumable{cls.__name__}", (cls,), {
-            "__iter__": _guarded_iter,
-            "__len__": _epoch_length,
-            "load_state_dict": _guarded_load_state_dict,
-            "_resurgo_before_load": _guarded_before_load,
-            "__module__": __name__,
-            "__qualname__": f"Resumable{cls.__qualname__}",
-            "__doc__": cls.__doc__,
-            "_resurgo_base_class": cls,
-            "_resurgo_finished_epoch": finished_epoch,
-            "__slots__": (),
-        })
-        _GUARDED_CLASSES[key] = guarded
-    return guarded
 
 
 def mark_epoch_finished(loader: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -798,9 +683,13 @@ def track_dataloader(loader: DataLoader, *, on_world_size_change: str | None = N
                      finished_epoch: str | None = None) -> DataLoader:
     """Make ``loader`` resumable in place and return it (the same object).
 
-    Its class becomes a subclass with ``state_dict()``/``load_state_dict()``; iteration is
-    unchanged. Call it before the first ``iter()`` of an epoch that should be resumable. Loaders
-    that already have ``state_dict()`` (torchdata's ``StatefulDataLoader``) are returned as is.
+    Its ``__class__`` is replaced, in place, by a subclass of its class (made once per class, named
+    ``Tracked<Class>``) with ``state_dict()``/``load_state_dict()``; iteration is unchanged and
+    ``isinstance`` checks against its own class still hold. Call it before the first ``iter()`` of
+    an epoch that should be resumable. A DataLoader that has its own ``state_dict()`` (torchdata's
+    ``StatefulDataLoader``) keeps it, and its class becomes ``Resumable<Class>``, which guards its
+    first ``iter()`` after a load (:mod:`resurgo.state.stateful_loader`). Any other object with
+    ``state_dict()``/``load_state_dict()`` is returned as is, its class unchanged.
     ``on_world_size_change``: what a load of a DistributedSampler's position saved by another
     number of ranks does: ``"raise"`` (the default, DataPositionError) or ``"warn"`` (a
     RuntimeWarning, and nothing is loaded: the next ``iter()`` starts a new pass).
@@ -824,7 +713,7 @@ def track_dataloader(loader: DataLoader, *, on_world_size_change: str | None = N
     if callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None)):
         if isinstance(loader, DataLoader):
             kept = getattr(type(loader), "_resurgo_finished_epoch", "empty")
-            loader.__class__ = _rng_guarded_class(type(loader), finished_epoch or kept)
+            loader.__class__ = rng_guarded_class(type(loader), finished_epoch or kept)
         return loader
     if not isinstance(loader, DataLoader):
         raise UnsupportedValueError(

@@ -27,11 +27,17 @@ class TrainState:
 
     ``TrainState(model=m, optimizer=opt, dataloader=loader, step=0)``: every part is optional.
     ``rng=True`` (the default) captures the process-global RNGs (see :class:`RNGState`); pass
-    ``rng=False`` to leave them out. A plain ``DataLoader`` is made resumable in place (see
-    :func:`resurgo.state.data_position.track_dataloader`): create the TrainState before
-    iterating it. Extras are Statefuls or plain values (numbers, strings, tensors, containers);
+    ``rng=False`` to leave them out. Extras are Statefuls or plain values (numbers, strings, tensors, containers);
     plain extras are attributes: ``ts.step += 1`` is saved, and after a load ``ts.step`` holds the
     restored value.
+
+    ``dataloader=``: a ``DataLoader`` is made resumable in place, and its class changes: its
+    ``__class__`` is replaced by a subclass of its class (``Tracked<Class>``; ``Resumable<Class>``
+    for one with its own ``state_dict()``, such as torchdata's ``StatefulDataLoader``), so that
+    ``ts.dataloader is loader`` and ``isinstance(loader, <its class>)`` still holds, while
+    ``type(loader)`` is the subclass (see :func:`resurgo.state.data_position.track_dataloader`).
+    Create the TrainState before iterating the loader. Any other object with
+    ``state_dict()``/``load_state_dict()`` is used as it is.
     """
 
     def __init__(self, model: Any = None, optimizer: Any = None, scheduler: Any = None,

@@ -241,7 +241,6 @@ def render_frameworks(results: dict) -> str:
 def render_markdown(results: dict) -> str:
     cfg, env = results["config"], results["environment"]
     cores = env.get("cpu_count")
-    models = list(results["determinism"])
     out: list[str] = []
     out.append("# resurgo study: the cost, formats, scale and determinism of checkpointing\n")
     out.append(
@@ -259,7 +258,15 @@ def render_markdown(results: dict) -> str:
     if results.get("frameworks"):
         out.append(render_frameworks(results))
 
-    # Table I
+    for section in (_cost_section, _formats_section, _scale_section, _determinism_section):
+        out.extend(section(results))
+    return "\n".join(out)
+
+
+def _cost_section(results: dict) -> list[str]:
+    """Section 1: the cost of checkpointing (Table I, Figure 1)."""
+    out: list[str] = []
+    cfg = results["config"]
     out.append("## 1. Cost of checkpointing (Table I)\n")
     out.append(f"Per mechanism and repetition, the job trains {cfg['cost_steps']} steps without checkpoints, "
                f"then {cfg['cost_steps']} steps with a checkpoint every {cfg['checkpoint_every']} steps, back to "
@@ -277,8 +284,12 @@ def render_markdown(results: dict) -> str:
     out.append(_table(["model", "mechanism", "train, no ckpt (s)", "train with ckpt (s)", "checkpoints per run",
                        "blocked per ckpt (s)", "extra (s)", "overhead %"], rows) + "\n")
     out.append(f"![Figure 1: overhead of checkpointing]({COST_PLOT})\n")
+    return out
 
-    # Table II
+
+def _formats_section(results: dict) -> list[str]:
+    """Section 2: formats and sizes (Table II) and the notes on loading running code."""
+    out: list[str] = []
     out.append("## 2. Formats and sizes (Table II)\n")
     out.append("One checkpoint of the trained job per mechanism and repetition, saved alone (*save s*: until "
                "complete) and loaded back (*load s*), median [min, max]. *Raw* is the bytes of the tensors the "
@@ -305,8 +316,14 @@ def render_markdown(results: dict) -> str:
     out.append("\n\\* torch>=2.6 loads with `weights_only=True` by default, which refuses arbitrary "
                "objects; with `weights_only=False` (needed when a checkpoint holds other objects) or an "
                "older torch, loading runs code from the file.\n")
+    return out
 
-    # Table III
+
+def _scale_section(results: dict) -> list[str]:
+    """Section 3: scale (Table III, Figure 4)."""
+    out: list[str] = []
+    cfg = results["config"]
+    cores = results["environment"].get("cpu_count")
     out.append("## 3. Scale (Table III)\n")
     worlds = sorted({r["ranks"] for r in results["scale"]})
     if not worlds:
@@ -325,8 +342,14 @@ def render_markdown(results: dict) -> str:
         out.append(_table(["model", "ranks", "global batch", "mechanism", "train, no ckpt (s)",
                            "train with ckpt (s)", "blocked per ckpt (s)", "extra (s)", "overhead %"], rows) + "\n")
         out.append(f"![Figure 4: time blocked per checkpoint by number of ranks]({SCALE_PLOT})\n")
+    return out
 
-    # Figures 2 and 3
+
+def _determinism_section(results: dict) -> list[str]:
+    """Section 4: determinism after a restart (Figures 2 and 3)."""
+    out: list[str] = []
+    cfg = results["config"]
+    models = list(results["determinism"])
     out.append("## 4. Determinism (Figures 2 and 3)\n")
     out.append(f"An uninterrupted run of {cfg['det_steps']} steps checkpoints with every mechanism at step "
                f"{cfg['det_restart']}. For each mechanism, fresh objects are built as a new training script "
@@ -352,8 +375,7 @@ def render_markdown(results: dict) -> str:
                    "steps); the figures show PyTorch's.\n")
     for i, model in enumerate(models):
         out.append(f"![Figure {i + 2}: {_model(model)} loss after restart]({determinism_plot_name(i, model)})\n")
-    return "\n".join(out)
-
+    return out
 
 def write_outputs(results: dict, out: Path) -> list[Path]:
     """results.json, the PNG plots and report.md into ``out``; the paths written."""
