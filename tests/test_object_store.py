@@ -26,14 +26,8 @@ from resurgo.errors import (
 )
 from resurgo.pipeline.verify import verify_checkpoint
 from resurgo.storage import retry
-from resurgo.storage.fsspec_store import (
-    RANGE_SPLIT_BYTES,
-    ObjectCheckpoint,
-    ObjectReadHandle,
-    S3MultipartWriteHandle,
-    split_url,
-    split_views,
-)
+from resurgo.storage.fsspec_store import RANGE_SPLIT_BYTES, ObjectCheckpoint, ObjectReadHandle, split_url
+from resurgo.storage.s3 import S3MultipartWriteHandle, split_views
 from seaweed import ACCESS_KEY, SECRET_KEY
 
 
