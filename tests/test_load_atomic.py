@@ -22,7 +22,8 @@ from resurgo.format.manifest import parse_manifest
 from resurgo.pipeline.reader import place_destinations, plan_tasks, read_ops
 from resurgo.plan.load_plan import plan_reads
 from resurgo.state.unflatten import Restorer
-from resurgo.storage.local import CheckpointDir, ReadHandle
+from resurgo.storage.local import CheckpointDir
+from resurgo.storage.local_files import ReadHandle
 
 
 def _sixteen() -> dict[str, torch.Tensor]:

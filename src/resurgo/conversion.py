@@ -69,7 +69,7 @@ from resurgo.plan.convert_plan import HF_INDEX_FILE, is_hf_output_file, plan_sha
 from resurgo.reports import ConvertReport
 from resurgo.state.per_rank import PerRank
 from resurgo.storage.base import Checkpoint
-from resurgo.storage.local import AtomicOutput
+from resurgo.storage.atomic_output import AtomicOutput
 from resurgo.storage.open import is_url, local_path, open_checkpoint
 from resurgo.storage.ownership import FILE
 

@@ -76,7 +76,7 @@ class Outgoing(Protocol):
 
 
 class Mapped(Protocol):
-    """A file's bytes in memory (:class:`resurgo.storage.local.MappedFile`): sent from, or
+    """A file's bytes in memory (:class:`resurgo.storage.local_files.MappedFile`): sent from, or
     received into, in place."""
 
     view: memoryview

@@ -1,5 +1,6 @@
 """Storage backends and the commit protocol. Knows nothing of tensors: only files and bytes."""
 
-from resurgo.storage.local import CheckpointDir, LocalStaging, ReadHandle, WriteHandle
+from resurgo.storage.local import CheckpointDir, LocalStaging
+from resurgo.storage.local_files import ReadHandle, WriteHandle
 
 __all__ = ["CheckpointDir", "LocalStaging", "ReadHandle", "WriteHandle"]

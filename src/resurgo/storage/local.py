@@ -26,7 +26,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
-import mmap
 import os
 import shutil
 import stat
@@ -35,8 +34,6 @@ import uuid
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-
-import numpy as np
 
 from resurgo.errors import (
     CheckpointExistsError,
@@ -53,7 +50,8 @@ from resurgo.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
 from resurgo.storage import ownership
 from resurgo.storage.base import DATA_DIR, Listing, check_size
 from resurgo.storage.direct_io import DirectWriteHandle
-from resurgo.storage.ownership import DeclaredFiles, Owned
+from resurgo.storage.local_files import MappedFile, ReadHandle, WriteHandle, open_for_read
+from resurgo.storage.ownership import DeclaredFiles
 from resurgo.storage.spare_pages import SparePages
 
 assert ownership.MANIFEST == MANIFEST_NAME
@@ -63,7 +61,7 @@ TRASH_TAG = "trash-"  # after TMP_MARKER: a checkpoint renamed away to be delete
 _RENAME_EXCHANGE = 2
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -72,7 +70,6 @@ def _fsync_dir(path: Path) -> None:
 
 
 _MEMORY_FS = frozenset({"tmpfs", "ramfs"})
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux
 
 
 def in_memory_fs(path: Path, mounts: str = "/proc/self/mounts") -> bool:
@@ -92,87 +89,6 @@ def in_memory_fs(path: Path, mounts: str = "/proc/self/mounts") -> bool:
     except OSError:
         return False
     return kind in _MEMORY_FS
-
-
-class MappedFile:
-    """A data file's bytes mapped into this process's memory: a new file of a known size to fill
-    in place (``create=True``: the blocks are allocated first, so a full filesystem raises
-    StorageError here rather than a SIGBUS mid-copy), or an existing one to read (a private
-    mapping: nothing written to ``view`` reaches the file). ``view``: the bytes; ``fsync`` makes
-    a new file durable; ``close`` unmaps once nothing holds ``view`` any more. ``reuse``: the new
-    file is one already at ``path`` (spare pages taken over), cut or grown to ``size``.
-
-    A new file is mapped with its pages populated at once (one call, instead of a fault per page
-    as the bytes arrive)."""
-
-    def __init__(self, path: Path, label: str, *, create: bool = False, size: int = 0, reuse: bool = False):
-        self.path, self.label = path, label
-        try:
-            if create:
-                flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0) | (0 if reuse else os.O_CREAT | os.O_EXCL)
-                fd = os.open(path, flags, 0o644)
-            else:
-                fd = _open_for_read(path, label)
-        except OSError as e:
-            if isinstance(e, ResurgoError):
-                raise
-            raise StorageError(e.errno, f"{label}: cannot open: {e.strerror}") from None
-        try:
-            if create:
-                if reuse:
-                    os.ftruncate(fd, size)
-                self._allocate(fd, size)
-            else:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
-                    raise CorruptCheckpointError(f"{label}: not a regular file")
-                size = st.st_size
-            self.size = size
-            self._map: mmap.mmap | None = None
-            if size and create:
-                self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE,
-                                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            elif size:
-                self._map = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
-        except OSError as e:
-            if isinstance(e, ResurgoError):
-                raise
-            raise StorageError(e.errno, f"{label}: cannot map {size} bytes: {e.strerror}") from None
-        finally:
-            os.close(fd)  # the mapping keeps the file
-        self.view = memoryview(self._map) if self._map is not None else memoryview(bytearray())
-
-    @staticmethod
-    def _allocate(fd: int, size: int) -> None:
-        if size == 0:
-            return
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as e:
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                raise
-            os.ftruncate(fd, size)  # no fallocate here: the blocks come as they are written
-
-    def fsync(self) -> None:
-        try:
-            if self._map is not None:
-                self._map.flush()  # msync: nothing to do in memory, the write-back on a disk
-            fd = os.open(self.path, os.O_RDONLY)
-            try:
-                os.fsync(fd)  # the file's size and blocks
-            finally:
-                os.close(fd)
-        except OSError as e:
-            raise StorageError(e.errno, f"{self.label}: fsync failed: {e.strerror}") from None
-
-    def close(self) -> None:
-        try:
-            self.view.release()
-            if self._map is not None:
-                self._map.close()
-        except BufferError:  # something over the bytes is still alive: unmapped when it goes
-            pass
-        self._map = None
 
 
 def _exchange(a: str, b: str, dir_fd: int) -> bool:
@@ -226,7 +142,7 @@ def _replace_directory(tmp: Path, final: Path, prove: Prove) -> None:
                       "which resurgo did not write; it is left there", RuntimeWarning, stacklevel=3)
 
 
-def _publish(tmp: Path, final: Path, overwrite: bool, doing: str, prove: Prove | None) -> None:
+def publish(tmp: Path, final: Path, overwrite: bool, doing: str, prove: Prove | None) -> None:
     """Rename the finished ``tmp`` (a durable file or directory) onto ``final``, replacing an
     existing one atomically when ``overwrite`` (a directory only when ``prove`` accepts it), then
     fsync the parent. ``doing`` names the operation in the message when ``final`` appeared meanwhile."""
@@ -241,10 +157,10 @@ def _publish(tmp: Path, final: Path, overwrite: bool, doing: str, prove: Prove |
             os.replace(tmp, final)  # atomic for a file
     else:
         os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
 
 
-def _open_child(parent_fd: int, name: str, where: Path, doing: str) -> int:
+def open_child(parent_fd: int, name: str, where: Path, doing: str) -> int:
     """The directory ``name`` of ``parent_fd`` opened without following a link (FileNotFoundError
     when absent, ForeignFilesError when a link or not a directory)."""
     try:
@@ -262,7 +178,7 @@ def prove_checkpoint_at(parent_fd: int, name: str, where: Path, declared_files: 
     is all resurgo's: its manifest read and its entries listed through one descriptor of it; else
     ForeignFilesError. A staging directory's leftovers are resurgo's (see ownership)."""
     try:
-        fd = _open_child(parent_fd, name, where, doing)
+        fd = open_child(parent_fd, name, where, doing)
         try:
             raw = ownership.read_regular(fd, MANIFEST_NAME, MAX_MANIFEST_BYTES)
         except BaseException:
@@ -302,7 +218,7 @@ def prove_with(prove: Prove, path: Path) -> None:
         os.close(parent_fd)
 
 
-def _through(dir_fd: int, name: str) -> Path:
+def through(dir_fd: int, name: str) -> Path:
     """A path that reaches the entry ``name`` of the open directory ``dir_fd`` without resolving
     the directory's own path again (Linux's /proc/self/fd)."""
     return Path(f"/proc/self/fd/{dir_fd}/{name}")
@@ -493,157 +409,6 @@ class LocalRoot:
                 self.spares.keep_at(data_fd, rel[len(DATA_DIR) + 1:])
 
 
-class WriteHandle(DirectWriteHandle):
-    """A new file written with ordinary buffered writes (manifests, conversions); writes loop
-    until every byte is written."""
-
-    def __init__(self, path: Path, label: str | None = None):
-        super().__init__(path, label, direct=False)
-
-
-def _open_for_read(path: Path, rel: str) -> int:
-    try:  # O_NONBLOCK: opening a FIFO planted in place of a data file must not hang
-        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{path}: data file {rel!r} listed in the manifest is missing") from None
-    except OSError as e:
-        raise StorageError(e.errno, f"{path}: cannot open data file {rel!r}: {e.strerror}") from None
-
-
-class ReadHandle:
-    """A data file opened for positional reads (thread-safe: pread keeps no file position).
-    ``fd``: already open (the handle owns it), else ``path`` is opened."""
-
-    def __init__(self, path: Path, rel: str, fd: int | None = None):
-        self.rel = rel
-        self.fd = _open_for_read(path, rel) if fd is None else fd
-        st = os.fstat(self.fd)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(self.fd)
-            self.fd = -1
-            raise CorruptCheckpointError(f"{path}: data file {rel!r} is not a regular file")
-        self.size = st.st_size
-        self._lock = threading.Lock()
-        self._map: mmap.mmap | None = None
-        self._bytes: memoryview | None = None
-        self._address = 0
-
-    def read_into(self, offset: int, buf: memoryview) -> None:
-        self.read_into_many(offset, [buf])
-
-    def view(self, offset: int, n: int) -> memoryview:
-        """Bytes ``[offset, offset + n)`` of the file where the page cache holds them, without a
-        copy: a read-only shared mapping, the range's pages populated first in one call that lets
-        other threads run, not a fault per page. A loader hashes them there, then copies them
-        into place: the same passes over memory as reading into place and hashing there. (The
-        file must keep its size meanwhile: a data file truncated under a live mapping faults the
-        process, as any mapped read does.)"""
-        address, data = self._mapping(offset, n)
-        _populate(address + offset, n, f"data file {self.rel!r} bytes {offset}..{offset + n}")
-        return data[offset : offset + n]
-
-    def cached(self, offset: int, n: int) -> bool:
-        """Whether the page cache seems to hold ``[offset, offset + n)``: its first, middle and
-        last pages do (mincore of the mapping; all of them would cost a walk of every page). Pages
-        faulted in from disk are read a readaround window at a time, far slower than one large
-        read: a reader prefetches bytes not cached (:meth:`prefetch`) before it views them."""
-        address, _ = self._mapping(offset, n)
-        libc = _libc()
-        if not n or libc is None:
-            return libc is not None
-        vec = ctypes.c_ubyte(0)
-        for at in (offset, offset + n // 2, offset + n - 1):
-            page = (address + at) // mmap.PAGESIZE * mmap.PAGESIZE
-            if libc.mincore(ctypes.c_void_p(page), ctypes.c_size_t(1), ctypes.byref(vec)) != 0 or not vec.value & 1:
-                return False
-        return True
-
-    def prefetch(self, offset: int, n: int) -> None:
-        """Ask the disk for ``[offset, offset + n)`` as one readahead (posix_fadvise WILLNEED),
-        without waiting: :meth:`view` then waits for those pages, not for small reads of its own."""
-        os.posix_fadvise(self.fd, offset, n, os.POSIX_FADV_WILLNEED)
-
-    def _mapping(self, offset: int, n: int) -> tuple[int, memoryview]:
-        """The file's mapping (made on first use) and its address; ``[offset, offset + n)`` must
-        lie in the file."""
-        if offset < 0 or offset + n > self.size:
-            raise CorruptCheckpointError(f"data file {self.rel!r}: ends at byte {self.size}, before the data the manifest lists")
-        if not self.size:
-            return 0, memoryview(b"")
-        with self._lock:
-            if self._bytes is None:
-                if self.fd < 0:
-                    raise ValueError(f"data file {self.rel!r}: read after close")
-                self._map = mmap.mmap(self.fd, self.size, prot=mmap.PROT_READ)
-                self._bytes = memoryview(self._map)
-                self._address = int(np.frombuffer(self._map, dtype=np.uint8).ctypes.data)
-            return self._address, self._bytes
-
-    def read_into_many(self, offset: int, bufs: list[memoryview]) -> None:
-        """Fill ``bufs`` in order from the contiguous file range starting at ``offset`` (preadv)."""
-        views = [memoryview(b).cast("B") for b in bufs if len(b)]
-        while views:
-            n = os.preadv(self.fd, views, offset)
-            if n == 0:
-                raise CorruptCheckpointError(f"data file {self.rel!r}: ends at byte {offset}, before the data the manifest lists")
-            offset += n
-            while views and n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            if n:
-                views[0] = views[0][n:]
-
-    def read_at(self, offset: int, n: int) -> bytes:
-        """Up to ``n`` bytes at ``offset`` (fewer at the end of the file)."""
-        return os.pread(self.fd, n, offset)
-
-    def close(self) -> None:
-        if self._bytes is not None:
-            try:
-                self._bytes.release()
-                assert self._map is not None
-                self._map.close()
-            except BufferError:  # a view of the bytes is still alive: unmapped when it goes
-                pass
-            self._bytes = self._map = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-_MADV_POPULATE_READ = 22  # Linux 5.14+
-_populating = [True]  # False once the kernel refused: pages then fault in as they are read
-
-
-def _populate(address: int, n: int, what: str) -> None:
-    """Map the pages of ``[address, address + n)`` (a read-only file mapping) in one madvise call,
-    reading those not cached; through ctypes, which lets other threads run meanwhile."""
-    if not n or not _populating[0]:
-        return
-    start = address // mmap.PAGESIZE * mmap.PAGESIZE
-    libc = _libc()
-    if libc is None or libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(address + n - start),
-                                    _MADV_POPULATE_READ) == 0:
-        return
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
-        _populating[0] = False
-        return
-    raise StorageError(err, f"{what}: cannot read: {os.strerror(err)}")
-
-
-_libc_handle: list = []
-
-
-def _libc() -> ctypes.CDLL | None:
-    if not _libc_handle:
-        try:
-            _libc_handle.append(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True))
-        except OSError:
-            _libc_handle.append(None)
-    return _libc_handle[0]
-
-
 class CheckpointDir:
     """A checkpoint path on the local filesystem: read side and the start of a save."""
 
@@ -797,7 +562,7 @@ class PinnedCheckpointDir(CheckpointDir):
             self._pin()
             path = self.resolve(rel)  # a symlink may not lead out of the checkpoint
             try:
-                fd = _open_for_read(path, rel)
+                fd = open_for_read(path, rel)
             except CorruptCheckpointError:
                 self._raise_if_replaced(rel)
                 raise
@@ -926,9 +691,9 @@ class LocalStaging:
                 h.fsync()
             finally:
                 h.close()
-            _fsync_dir(self.tmp / "data")
-            _fsync_dir(self.tmp)
-            _publish(self.tmp, self.final, self.overwrite, "saving", self._prove)
+            fsync_dir(self.tmp / "data")
+            fsync_dir(self.tmp)
+            publish(self.tmp, self.final, self.overwrite, "saving", self._prove)
         except OSError as e:
             if isinstance(e, ResurgoError):
                 raise
@@ -936,101 +701,3 @@ class LocalStaging:
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-class AtomicOutput:
-    """A file or a directory of files that appears at ``final`` only once complete (conversions).
-
-    Everything is written under a temporary sibling (``.<name>.resurgo-tmp-<id>``: the same
-    filesystem, so the final rename is atomic), fsynced, then renamed onto ``final``; replacing
-    an existing output (``overwrite=True``) swaps it atomically like a checkpoint. A crash or an
-    error leaves at worst the temporary sibling, never a half-written file under the final name.
-    A directory is replaced only when every entry in it is one ``owned`` accepts (what this kind of
-    output writes), a file only when ``owned_file`` recognises it as one this kind of output wrote
-    (its producer mark); else ForeignFilesError, before anything is written, and again just before
-    the swap.
-    """
-
-    def __init__(self, final: str | os.PathLike, *, directory: bool, overwrite: bool, owned: Owned | None = None,
-                 owned_file: Callable[[Path], bool] | None = None):
-        self.final = Path(final)
-        self.directory = directory
-        self.overwrite = overwrite
-        self.owned: Owned = owned or (lambda rel, kind: False)
-        self.owned_file = owned_file
-        kind = "directory" if directory else "file"
-        if self.final.exists() or self.final.is_symlink():
-            if not overwrite:
-                raise CheckpointExistsError(f"{self.final}: already exists; pass overwrite=True (--overwrite) to replace it")
-            if self.final.is_dir() != directory or self.final.is_symlink():
-                raise CheckpointExistsError(
-                    f"{self.final}: exists and is not a {kind}; refusing to replace it with a {kind}")
-            if directory:
-                prove_with(self._prove, self.final)
-            else:
-                self._prove_file()
-        parent = self.final.parent
-        self.tmp = parent / f".{self.final.name}{TMP_MARKER}{uuid.uuid4().hex[:12]}"
-        try:
-            parent.mkdir(parents=True, exist_ok=True)
-            if directory:
-                self.tmp.mkdir()
-        except OSError as e:
-            raise StorageError(e.errno, f"{self.final}: cannot create a temporary {kind}: {e.strerror}") from None
-
-    def _prove(self, parent_fd: int, name: str, final: Path) -> ownership.Proof:
-        """Every entry of the directory ``name`` of ``parent_fd`` (``final``) is this output's (by
-        name, and by content where ``owned_file`` is given, each file read through the descriptor
-        of its folder), else ForeignFilesError; the proof, whose entries are the only ones the
-        replacement deletes."""
-        owned_file = self.owned_file
-        check = None if owned_file is None else lambda dir_fd, entry: owned_file(_through(dir_fd, entry))
-        try:
-            proof = ownership.Proof(_open_child(parent_fd, name, final, "replace it"), self.owned, check)
-        except OSError as e:
-            if isinstance(e, ResurgoError):
-                raise
-            raise StorageError(e.errno, f"{final}: cannot list it: {e.strerror}") from None
-        try:
-            ownership.refuse_foreign(final, proof.foreign(), "replace it")
-        except BaseException:
-            proof.close()
-            raise
-        return proof
-
-    def _prove_file(self) -> None:
-        if self.owned_file is None or not self.owned_file(self.final):
-            raise ForeignFilesError(
-                f"{self.final}: exists and is not a file resurgo wrote (it lacks the mark resurgo's conversions "
-                f"leave in their output); refusing to replace it, nothing was changed. Remove it yourself, or "
-                f"convert into another path")
-
-    def path(self, rel: str | None = None) -> Path:
-        """Where to write: the temporary file itself, or ``rel`` inside the temporary directory."""
-        return self.tmp if rel is None else self.tmp / rel
-
-    def create(self, rel: str | None = None) -> WriteHandle:
-        label = f"{self.final} (writing {rel})" if rel else f"{self.final} (writing)"
-        try:
-            return WriteHandle(self.path(rel), label=label)
-        except OSError as e:
-            raise StorageError(e.errno, f"{label}: cannot create the file: {e.strerror}") from None
-
-    def publish(self) -> None:
-        """Make the files durable (each was fsynced by its writer), then rename onto ``final``."""
-        try:
-            if self.directory:
-                _fsync_dir(self.tmp)
-            elif self.final.is_file() and not self.final.is_symlink():
-                self._prove_file()  # it may have been replaced since the start
-            _publish(self.tmp, self.final, self.overwrite, "converting", self._prove)
-        except OSError as e:
-            if isinstance(e, ResurgoError):
-                raise
-            raise StorageError(e.errno, f"{self.final}: publishing the output failed: {e.strerror}") from None
-
-    def abort(self) -> None:
-        if self.tmp.is_dir():
-            shutil.rmtree(self.tmp, ignore_errors=True)
-        else:
-            self.tmp.unlink(missing_ok=True)
