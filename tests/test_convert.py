@@ -46,7 +46,7 @@ from resurgo.pipeline.buffers import as_copyable
 from resurgo.plan.convert_plan import plan_batches, plan_shards, shard_file_names
 from resurgo.state.flatten import flatten_state
 from resurgo.storage.fsspec_store import split_url
-from resurgo.storage.local import TMP_MARKER
+from resurgo.format.manifest import TMP_MARKER
 from dist_harness import run_ranks
 from dist_workers import reference
 from helpers import bits_equal, random_tensor, sealed_manifest

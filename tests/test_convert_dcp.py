@@ -25,7 +25,7 @@ import resurgo
 from resurgo.cli import app
 from resurgo.conversion import is_dcp_output_file, weights_only_plain
 from resurgo.errors import CheckpointExistsError, KeyMismatchError, MemoryBudgetError, UnsupportedValueError
-from resurgo.storage.local import TMP_MARKER
+from resurgo.format.manifest import TMP_MARKER
 from dcp_workers import build
 from dist_harness import run_ranks
 from helpers import bits_equal, random_tensor

@@ -40,7 +40,7 @@ import torch
 from resurgo.manager.catalog import COMMITTED, TEMPORARY, TRASH_TAG, scan
 from resurgo.pipeline.verify import verify_checkpoint
 from resurgo.storage import direct_io, local
-from resurgo.storage.local import TMP_MARKER
+from resurgo.format.manifest import TMP_MARKER
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from kill_resume_worker import parse_losses  # noqa: E402

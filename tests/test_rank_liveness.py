@@ -17,7 +17,7 @@ import torch
 
 import resurgo
 from resurgo.dist import liveness
-from resurgo.storage.local import TMP_MARKER as TMP
+from resurgo.format.manifest import TMP_MARKER as TMP
 from resurgo.errors import RankFailedError, UnsupportedValueError
 from dist_harness import run_ranks
 from liveness_workers import C0, C1, full

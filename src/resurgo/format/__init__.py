@@ -1,1 +1,3 @@
-"""On-disk format (version 2, sealed manifests only): manifest schema, safetensors data files, checksums, dtype names."""
+"""On-disk format: manifest schema (versioned; the versions this release reads are
+:data:`resurgo.format.manifest.READABLE_VERSIONS`, sealed manifests only), safetensors data files,
+checksums, dtype names."""

@@ -29,13 +29,14 @@ from resurgo.format.index import declared_names, index_file_name
 from resurgo.format.manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
+    TMP_MARKER,
     Manifest,
     declared_files,
     parse_manifest,
     split_reference,
 )
 from resurgo.storage.base import Listing, Root
-from resurgo.storage.local import TMP_MARKER, TRASH_TAG
+from resurgo.storage.local import TRASH_TAG
 from resurgo.storage.open import open_root
 
 COMMITTED, INCOMPLETE, TEMPORARY, CORRUPT = "committed", "incomplete", "temporary", "corrupt"

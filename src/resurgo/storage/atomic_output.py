@@ -13,8 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from resurgo.errors import CheckpointExistsError, ForeignFilesError, ResurgoError, StorageError
+from resurgo.format.manifest import TMP_MARKER
 from resurgo.storage import ownership
-from resurgo.storage.local import TMP_MARKER, fsync_dir, open_child, prove_with, publish, through
+from resurgo.storage.local import fsync_dir, open_child, prove_with, publish, through
 from resurgo.storage.local_files import WriteHandle
 from resurgo.storage.ownership import Owned
 

@@ -46,7 +46,7 @@ from resurgo.errors import (
     ResurgoError,
     StorageError,
 )
-from resurgo.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
+from resurgo.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, TMP_MARKER
 from resurgo.storage import ownership
 from resurgo.storage.base import DATA_DIR, Listing, check_size
 from resurgo.storage.direct_io import DirectWriteHandle
@@ -56,7 +56,6 @@ from resurgo.storage.spare_pages import SparePages
 
 assert ownership.MANIFEST == MANIFEST_NAME
 
-TMP_MARKER = ".resurgo-tmp-"
 TRASH_TAG = "trash-"  # after TMP_MARKER: a checkpoint renamed away to be deleted
 _RENAME_EXCHANGE = 2
 
