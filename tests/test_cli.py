@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import os
 import pickle
@@ -467,4 +468,5 @@ def test_study_checks_its_output_directory_before_drawing_anything(tmp_path: Pat
     result = runner.invoke(app, ["study", "--quick", "--out", str(blocker / "results")])
     assert result.exit_code == 4
     assert result.stdout == ""  # no progress bar drawn first
-    assert result.stderr.startswith(f"error: {blocker / 'results'}: cannot write there")
+    assert result.stderr == (f"error: [Errno {errno.ENOTDIR}] {blocker / 'results'}: cannot write there: "
+                             f"{os.strerror(errno.ENOTDIR)}; choose another --out\n")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 
 import numpy as np
 import pytest
@@ -305,3 +307,30 @@ def test_every_error_is_exported_documented_and_has_an_exit_code():
         if not issubclass(cls, Warning):  # a warning ends no command
             assert exit_code_of(cls("x")) in (2, 3, 4), name
     assert exit_code_of(resurgo.ExpansionError("x")) == EXIT_USAGE
+
+
+def test_storage_error_names_the_place_what_failed_the_reason_and_the_errno():
+    from resurgo.errors import StorageError, storage_error
+
+    err = storage_error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), "/ck/data/a.safetensors",
+                        "write failed after 4096 bytes", "free some space and save again")
+    assert type(err) is StorageError and err.errno == errno.ENOSPC
+    assert str(err) == (f"[Errno {errno.ENOSPC}] /ck/data/a.safetensors: write failed after 4096 bytes: "
+                        f"{os.strerror(errno.ENOSPC)}; free some space and save again")
+    bare = storage_error(OSError("the link changed"), "/src/m.pt", "could not be resolved")
+    assert bare.errno is None and str(bare) == "/src/m.pt: could not be resolved: the link changed"
+
+
+def test_every_oserror_becomes_a_storage_error_through_the_one_helper():
+    """No handler of an OSError in src/ builds a StorageError by hand: each calls storage_error,
+    so that every such message names the place, what failed and the system's reason alike."""
+    import ast
+    from pathlib import Path
+
+    by_hand = []
+    for path in sorted((Path(__file__).parents[1] / "src" / "resurgo").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ExceptHandler) and node.type is not None and "OSError" in ast.unparse(node.type):
+                by_hand += [f"{path.name}:{call.lineno}" for stmt in node.body for call in ast.walk(stmt)
+                            if isinstance(call, ast.Call) and ast.unparse(call.func) == "StorageError"]
+    assert by_hand == []

@@ -56,6 +56,7 @@ from resurgo.errors import (
     MemoryBudgetError,
     StorageError,
     UnsupportedValueError,
+    storage_error,
 )
 from resurgo.format import dtypes, values
 from resurgo.format.expansion import MAX_EXPANSION, distinct_bytes, expansion_error
@@ -142,7 +143,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, memory_b
     try:
         same = not is_url(src) and os.path.realpath(dst) == os.path.realpath(local_path(src))
     except OSError as e:  # a symlink on the way replaced while it was followed (EINVAL)
-        raise StorageError(e.errno, f"{dst}: could not be resolved ({e.strerror}); was it changed meanwhile?") from None
+        raise storage_error(e, dst, "could not be resolved", "was it changed meanwhile?") from None
     if same:
         raise CheckpointExistsError(f"{dst}: is the source checkpoint; convert into another path")
     data_files.check_sizes(ckpt, manifest)  # before any output exists

@@ -101,6 +101,16 @@ class StorageError(ResurgoError, OSError):
     """The storage backend failed (disk full, permission denied, I/O error)."""
 
 
+def storage_error(e: OSError, where: object, what: str, then: str = "") -> StorageError:
+    """The StorageError to raise for the OSError ``e``, met at ``where`` (a path, a URL, a label
+    naming the file) when ``what`` failed (``"cannot open"``, ``"fsync failed after 4096 bytes"``):
+    the message ``<where>: <what>: <the system's reason>``, then ``; <then>`` (what to check or do)
+    when given; ``e``'s errno, so the message reads ``[Errno N] ...`` as for any OSError."""
+    reason = e.strerror or str(e) or type(e).__name__
+    message = f"{where}: {what}: {reason}" + (f"; {then}" if then else "")
+    return StorageError(e.errno, message) if e.errno is not None else StorageError(message)
+
+
 class CheckpointReplacedError(StorageError):
     """The checkpoint was replaced (saved over) again and again while being read, so no complete
     version of it could be read; a single replacement is retried and never reported."""

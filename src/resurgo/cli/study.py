@@ -10,7 +10,7 @@ from rich.markup import escape
 
 from resurgo.cli.app import fail_cleanly
 from resurgo.cli.render import console as make_console
-from resurgo.errors import CheckpointNotFoundError, StorageError
+from resurgo.errors import CheckpointNotFoundError, storage_error
 
 if TYPE_CHECKING:  # the study (torch, models) is imported only when it runs
     from resurgo.study.experiments import StudyConfig
@@ -29,7 +29,7 @@ def _check_writable(directory: Path) -> None:
         with tempfile.TemporaryFile(dir=directory):
             pass
     except OSError as e:
-        raise StorageError(f"{directory}: cannot write there ({e.strerror or e}); choose another --out") from None
+        raise storage_error(e, directory, "cannot write there", "choose another --out") from None
 
 
 def _study_config(quick: bool, models: Optional[str], mechanisms: Optional[str], ranks: Optional[str],

@@ -23,7 +23,7 @@ import os
 import stat
 from pathlib import Path, PurePosixPath
 
-from resurgo.errors import CheckpointNotFoundError, ImportSpecError, StorageError
+from resurgo.errors import CheckpointNotFoundError, ImportSpecError, StorageError, storage_error
 
 # The cache folders huggingface_hub creates per repository: models--, datasets--, spaces--.
 _HF_REPO_PREFIXES = ("models--", "datasets--", "spaces--")
@@ -46,7 +46,7 @@ def real_root(root: str | os.PathLike) -> Path:
     try:
         return Path(os.path.realpath(root))
     except OSError as e:  # a component swapped while it was resolved
-        raise StorageError(f"{root}: could not be resolved ({e.strerror or e})") from None
+        raise storage_error(e, root, "could not be resolved") from None
 
 
 def allowed_areas(root: Path) -> tuple[Path, ...]:
@@ -74,8 +74,8 @@ def resolve_inside(root: str | os.PathLike, rel: object, what: str) -> Path:
     try:
         full = os.path.realpath(os.path.join(base, rel))
     except OSError as e:  # a symlink swapped for a file while it was followed (EINVAL from readlink)
-        raise StorageError(f"{base / rel}: {what}: could not be resolved ({e.strerror or e}); "
-                           "was the source changed during the import?") from None
+        raise storage_error(e, base / rel, f"{what}: could not be resolved",
+                            "was the source changed during the import?") from None
     areas = allowed_areas(base)
     if not any(_within(full, a) for a in areas):
         allowed = " or ".join(str(a) for a in areas)
@@ -86,7 +86,7 @@ def resolve_inside(root: str | os.PathLike, rel: object, what: str) -> Path:
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{base / rel}: {what}: not found") from None
     except OSError as e:
-        raise StorageError(f"{base / rel}: {what}: {e.strerror or e}") from None
+        raise storage_error(e, base / rel, what) from None
     if not stat.S_ISREG(mode):
         raise ImportSpecError(f"{base / rel}: {what}: not a regular file")
     return Path(full)
@@ -101,8 +101,8 @@ def open_inside(path: Path) -> int:
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{path}: not found (was the source changed during the import?)") from None
     except OSError as e:  # ELOOP: the file became a link after it was checked
-        raise StorageError(f"{path}: could not be opened as the file checked ({e.strerror or e}); "
-                           "was the source changed during the import?") from None
+        raise storage_error(e, path, "could not be opened as the file checked",
+                            "was the source changed during the import?") from None
     try:
         now = _opened_path(fd)
         if not stat.S_ISREG(os.fstat(fd).st_mode) or (now is not None and now != str(path)):

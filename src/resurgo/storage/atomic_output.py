@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from resurgo.errors import CheckpointExistsError, ForeignFilesError, ResurgoError, StorageError
+from resurgo.errors import CheckpointExistsError, ForeignFilesError, ResurgoError, storage_error
 from resurgo.format.manifest import TMP_MARKER
 from resurgo.storage import ownership
 from resurgo.storage.local import fsync_dir, open_child, prove_with, publish, through
@@ -58,7 +58,7 @@ class AtomicOutput:
             if directory:
                 self.tmp.mkdir()
         except OSError as e:
-            raise StorageError(e.errno, f"{self.final}: cannot create a temporary {kind}: {e.strerror}") from None
+            raise storage_error(e, self.final, f"cannot create a temporary {kind}") from None
 
     def _prove(self, parent_fd: int, name: str, final: Path) -> ownership.Proof:
         """Every entry of the directory ``name`` of ``parent_fd`` (``final``) is this output's (by
@@ -72,7 +72,7 @@ class AtomicOutput:
         except OSError as e:
             if isinstance(e, ResurgoError):
                 raise
-            raise StorageError(e.errno, f"{final}: cannot list it: {e.strerror}") from None
+            raise storage_error(e, final, "cannot list it") from None
         try:
             ownership.refuse_foreign(final, proof.foreign(), "replace it")
         except BaseException:
@@ -96,7 +96,7 @@ class AtomicOutput:
         try:
             return WriteHandle(self.path(rel), label=label)
         except OSError as e:
-            raise StorageError(e.errno, f"{label}: cannot create the file: {e.strerror}") from None
+            raise storage_error(e, label, "cannot create the file") from None
 
     def publish(self) -> None:
         """Make the files durable (each was fsynced by its writer), then rename onto ``final``."""
@@ -109,7 +109,7 @@ class AtomicOutput:
         except OSError as e:
             if isinstance(e, ResurgoError):
                 raise
-            raise StorageError(e.errno, f"{self.final}: publishing the output failed: {e.strerror}") from None
+            raise storage_error(e, self.final, "publishing the output failed") from None
 
     def abort(self) -> None:
         if self.tmp.is_dir():

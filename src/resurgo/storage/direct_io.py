@@ -27,7 +27,7 @@ from typing import Literal
 import numpy as np
 
 from resurgo import faults
-from resurgo.errors import StorageError
+from resurgo.errors import storage_error
 
 ALIGN = 4096
 BOUNCE_BYTES = 2 << 20  # a multiple of ALIGN; large enough for full-speed device writes
@@ -155,7 +155,7 @@ class DirectWriteHandle:
                 self._write_all(view[done:])
         except OSError as e:
             # count what reached the file, not what waits in the bounce buffer
-            raise StorageError(e.errno, f"{self.label}: write failed after {self._flushed} bytes: {e.strerror}") from None
+            raise storage_error(e, self.label, f"write failed after {self._flushed} bytes") from None
         self.bytes_written += len(view)
 
     def _write_all(self, view: memoryview) -> None:
@@ -222,11 +222,11 @@ class DirectWriteHandle:
             if self.reuse:
                 os.ftruncate(self.fd, self._flushed)  # a longer file's old tail goes
         except OSError as e:
-            raise StorageError(e.errno, f"{self.label}: write failed after {self._flushed} bytes: {e.strerror}") from None
+            raise storage_error(e, self.label, f"write failed after {self._flushed} bytes") from None
         try:
             os.fsync(self.fd)
         except OSError as e:
-            raise StorageError(e.errno, f"{self.label}: fsync failed: {e.strerror}") from None
+            raise storage_error(e, self.label, "fsync failed") from None
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -44,7 +44,7 @@ from resurgo.errors import (
     IncompleteCheckpointError,
     NotACheckpointError,
     ResurgoError,
-    StorageError,
+    storage_error,
 )
 from resurgo.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, TMP_MARKER
 from resurgo.storage import ownership
@@ -189,7 +189,7 @@ def prove_checkpoint_at(parent_fd: int, name: str, where: Path, declared_files: 
     except OSError as e:
         if isinstance(e, (ResurgoError, FileNotFoundError)):
             raise
-        raise StorageError(e.errno, f"{where}: cannot list it: {e.strerror}") from None
+        raise storage_error(e, where, "cannot list it") from None
     try:
         ownership.refuse_foreign(where, proof.foreign(), doing, claim.why)
     except BaseException:
@@ -208,7 +208,7 @@ def prove_with(prove: Prove, path: Path) -> None:
     try:
         parent_fd, name = _open_parent(path)
     except OSError as e:
-        raise StorageError(e.errno, f"{path.parent}: cannot open it: {e.strerror}") from None
+        raise storage_error(e, path.parent, "cannot open it") from None
     try:
         prove(parent_fd, name, path).close()
     except FileNotFoundError:
@@ -231,7 +231,7 @@ def remove_checkpoint_dir(path: Path, proof: ownership.Proof) -> None:
     try:
         left = proof.remove_from(*proof.at)
     except OSError as e:
-        raise StorageError(e.errno, f"{path}: could not be deleted: {e.filename}: {e.strerror}") from None
+        raise storage_error(e, path, f"could not be deleted: {e.filename}") from None
     ownership.refuse_foreign(path, left, "delete it (the rest of it was deleted)")
 
 
@@ -355,7 +355,7 @@ class LocalRoot:
         except OSError as e:
             if e.errno in (errno.ELOOP, errno.ENOTDIR):
                 raise ForeignFilesError(f"{path}: a folder above it is a link or a file; refusing to delete it") from None
-            raise StorageError(e.errno, f"{path}: cannot open the folder holding it: {e.strerror}") from None
+            raise storage_error(e, path, "cannot open the folder holding it") from None
         try:
             try:
                 proof = prove_checkpoint_at(parent_fd, leaf, path, declared_files, "delete it")
@@ -380,7 +380,7 @@ class LocalRoot:
         except FileNotFoundError:
             return False
         except OSError as e:
-            raise StorageError(e.errno, f"{path}: cannot rename it away for deletion: {e.strerror}") from None
+            raise storage_error(e, path, "cannot rename it away for deletion") from None
         if not proof.holds_at(parent_fd, trash):  # replaced between the proof and the rename
             raise ForeignFilesError(
                 f"{path}: was replaced while being deleted; nothing was deleted, and what was renamed to "
@@ -388,7 +388,7 @@ class LocalRoot:
         try:
             os.fsync(parent_fd)  # the rename is durable before any file goes
         except OSError as e:
-            raise StorageError(e.errno, f"{path.parent}: fsync failed after renaming {leaf} away: {e.strerror}") from None
+            raise storage_error(e, path.parent, f"fsync failed after renaming {leaf} away") from None
         if self.spares is not None:
             self._keep_pages(proof)
         proof.at = (parent_fd, trash)
@@ -462,8 +462,8 @@ class CheckpointDir:
             root = os.path.realpath(self.path)
             full = os.path.realpath(os.path.join(root, rel))
         except OSError as e:  # a symlink on the way replaced by a file while it was followed (EINVAL)
-            raise StorageError(e.errno, f"{self.path}: path {rel[:200]!r} could not be resolved ({e.strerror}); "
-                                        "was the checkpoint changed while it was read?") from None
+            raise storage_error(e, self.path, f"path {rel[:200]!r} could not be resolved",
+                                "was the checkpoint changed while it was read?") from None
         if os.path.isabs(rel) or not full.startswith(root + os.sep):
             raise CorruptCheckpointError(f"{self.path}: path {rel[:200]!r} leaves the checkpoint directory")
         return Path(full)
@@ -508,7 +508,7 @@ class CheckpointDir:
             tmp = parent / f".{self.path.name}{TMP_MARKER}{uuid.uuid4().hex[:12]}"
             (tmp / "data").mkdir(parents=True)
         except OSError as e:
-            raise StorageError(e.errno, f"{self.path}: cannot create a temporary directory: {e.strerror}") from None
+            raise storage_error(e, self.path, "cannot create a temporary directory") from None
         return LocalStaging(self.path, tmp, overwrite, declared_files)
 
 
@@ -605,7 +605,7 @@ class PinnedCheckpointDir(CheckpointDir):
                 self._raise_if_replaced(rel)
                 raise CorruptCheckpointError(f"{path}: data file {rel!r} listed in the manifest is missing") from None
             except OSError as e:
-                raise StorageError(e.errno, f"{path}: cannot open data file {rel!r}: {e.strerror}") from None
+                raise storage_error(e, path, f"cannot open data file {rel!r}") from None
             if not stat.S_ISREG(st.st_mode):
                 raise CorruptCheckpointError(f"{path}: data file {rel!r} is not a regular file")
             check_size(self.path, rel, st.st_size, expected)
@@ -643,7 +643,7 @@ class LocalStaging:
             return DirectWriteHandle(self.tmp / rel, label=f"{self.final} (saving {rel})", direct=not self._in_memory,
                                      reuse=reuse)
         except OSError as e:
-            raise StorageError(e.errno, f"{self.final}: cannot create {rel}: {e.strerror}") from None
+            raise storage_error(e, self.final, f"cannot create {rel}") from None
 
     def create_mapped(self, rel: str, size: int) -> MappedFile:
         """A new data file of ``size`` bytes mapped into memory, to be filled in place (a replica
@@ -679,7 +679,7 @@ class LocalStaging:
                 finally:
                     os.close(fd)
         except OSError as e:
-            raise StorageError(e.errno, f"{self.final}: cannot take {rel} from {source}: {e.strerror}") from None
+            raise storage_error(e, self.final, f"cannot take {rel} from {source}") from None
 
     def commit(self, manifest: bytes) -> None:
         """Write the manifest last, make everything durable, and publish atomically."""
@@ -696,7 +696,7 @@ class LocalStaging:
         except OSError as e:
             if isinstance(e, ResurgoError):
                 raise
-            raise StorageError(e.errno, f"{self.final}: commit failed: {e.strerror}") from None
+            raise storage_error(e, self.final, "commit failed") from None
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)

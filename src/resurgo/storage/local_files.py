@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from resurgo.errors import CorruptCheckpointError, ResurgoError, StorageError
+from resurgo.errors import CorruptCheckpointError, ResurgoError, storage_error
 from resurgo.storage.direct_io import DirectWriteHandle
 
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux
@@ -37,7 +37,7 @@ def open_for_read(path: Path, rel: str) -> int:
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path}: data file {rel!r} listed in the manifest is missing") from None
     except OSError as e:
-        raise StorageError(e.errno, f"{path}: cannot open data file {rel!r}: {e.strerror}") from None
+        raise storage_error(e, path, f"cannot open data file {rel!r}") from None
 
 
 class MappedFile:
@@ -62,7 +62,7 @@ class MappedFile:
         except OSError as e:
             if isinstance(e, ResurgoError):
                 raise
-            raise StorageError(e.errno, f"{label}: cannot open: {e.strerror}") from None
+            raise storage_error(e, label, "cannot open") from None
         try:
             if create:
                 if reuse:
@@ -83,7 +83,7 @@ class MappedFile:
         except OSError as e:
             if isinstance(e, ResurgoError):
                 raise
-            raise StorageError(e.errno, f"{label}: cannot map {size} bytes: {e.strerror}") from None
+            raise storage_error(e, label, f"cannot map {size} bytes") from None
         finally:
             os.close(fd)  # the mapping keeps the file
         self.view = memoryview(self._map) if self._map is not None else memoryview(bytearray())
@@ -109,7 +109,7 @@ class MappedFile:
             finally:
                 os.close(fd)
         except OSError as e:
-            raise StorageError(e.errno, f"{self.label}: fsync failed: {e.strerror}") from None
+            raise storage_error(e, self.label, "fsync failed") from None
 
     def close(self) -> None:
         try:
@@ -240,7 +240,7 @@ def _populate(address: int, n: int, what: str) -> None:
     if err in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
         _populating[0] = False
         return
-    raise StorageError(err, f"{what}: cannot read: {os.strerror(err)}")
+    raise storage_error(OSError(err, os.strerror(err)), what, "cannot read")
 
 
 _libc_handle: list = []

@@ -22,7 +22,7 @@ import stat
 import uuid
 from pathlib import Path
 
-from resurgo.errors import StorageError
+from resurgo.errors import storage_error
 
 SPARE_DIR = ".resurgo-spare-pages"
 _POOL_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
@@ -53,7 +53,7 @@ class SparePages:
         except FileNotFoundError:
             return []
         except OSError as e:
-            raise StorageError(e.errno, f"{self.path}: cannot list the spare pages: {e.strerror}") from None
+            raise storage_error(e, self.path, "cannot list the spare pages") from None
         return sorted(found, reverse=True)
 
     def nbytes(self) -> int:
@@ -75,7 +75,7 @@ class SparePages:
         except FileNotFoundError:
             return False
         except OSError as e:
-            raise StorageError(e.errno, f"{name}: cannot move it into {self.path}: {e.strerror}") from None
+            raise storage_error(e, name, f"cannot move it into {self.path}") from None
         return True
 
     def take(self, dest: Path, size: int | None = None) -> bool:
@@ -93,7 +93,7 @@ class SparePages:
             except FileNotFoundError:
                 continue
             except OSError as e:
-                raise StorageError(e.errno, f"{dest}: cannot take {self.path / name} over: {e.strerror}") from None
+                raise storage_error(e, dest, f"cannot take {self.path / name} over") from None
         return False
 
     def clear(self) -> None:
@@ -104,7 +104,7 @@ class SparePages:
         except FileNotFoundError:
             return
         except OSError as e:
-            raise StorageError(e.errno, f"{self.path}: cannot open the spare pages: {e.strerror}") from None
+            raise storage_error(e, self.path, "cannot open the spare pages") from None
         try:
             with os.scandir(pool) as it:
                 names = [e.name for e in it
@@ -115,7 +115,7 @@ class SparePages:
                 except FileNotFoundError:
                     pass
         except OSError as e:
-            raise StorageError(e.errno, f"{self.path}: cannot delete the spare pages: {e.strerror}") from None
+            raise storage_error(e, self.path, "cannot delete the spare pages") from None
         finally:
             os.close(pool)
 
