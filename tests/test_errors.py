@@ -321,6 +321,28 @@ def test_storage_error_names_the_place_what_failed_the_reason_and_the_errno():
     assert bare.errno is None and str(bare) == "/src/m.pt: could not be resolved: the link changed"
 
 
+def test_storage_errors_turns_only_a_foreign_oserror_into_a_storage_error():
+    from resurgo.errors import CheckpointExistsError, StorageError, storage_errors
+
+    with pytest.raises(StorageError) as caught:
+        with storage_errors("/ck", "commit failed", "save again"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+    assert caught.value.errno == errno.EIO and caught.value.__cause__ is None
+    assert str(caught.value) == f"[Errno {errno.EIO}] /ck: commit failed: {os.strerror(errno.EIO)}; save again"
+    mine = CheckpointExistsError("/ck: appeared while saving")
+    with pytest.raises(CheckpointExistsError) as kept:
+        with storage_errors("/ck", "commit failed"):
+            raise mine
+    assert kept.value is mine
+    with pytest.raises(FileNotFoundError) as missing:
+        with storage_errors("/ck", "cannot list it", passing=FileNotFoundError):
+            raise FileNotFoundError(errno.ENOENT, "gone")
+    assert type(missing.value) is FileNotFoundError
+    with pytest.raises(ValueError):
+        with storage_errors("/ck", "commit failed"):
+            raise ValueError("not an OSError")
+
+
 def test_every_oserror_becomes_a_storage_error_through_the_one_helper():
     """No handler of an OSError in src/ builds a StorageError by hand: each calls storage_error,
     so that every such message names the place, what failed and the system's reason alike."""

@@ -566,7 +566,7 @@ def test_a_path_that_cannot_be_resolved_is_a_storage_error(tmp_path, monkeypatch
         return real(path, *args, **kwargs)
 
     monkeypatch.setattr(local.os.path, "realpath", racing)
-    with pytest.raises(StorageError, match="could not be resolved .*Invalid argument.*changed while it was read"):
+    with pytest.raises(StorageError, match="could not be resolved: Invalid argument; was the checkpoint changed while it was read"):
         resurgo.load_dict(tmp_path / "c")
     report = verify_checkpoint(tmp_path / "c")  # verify reports what it cannot read
     assert not report.ok and "could not be resolved" in " ".join(report.problems)

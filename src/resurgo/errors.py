@@ -111,6 +111,23 @@ def storage_error(e: OSError, where: object, what: str, then: str = "") -> Stora
     return StorageError(e.errno, message) if e.errno is not None else StorageError(message)
 
 
+class storage_errors:
+    """Within this block, an OSError becomes :func:`storage_error`'s StorageError for ``where``
+    and ``what`` (and ``then``); a ResurgoError, or an error of the ``passing`` types, goes
+    through unchanged (a caller handles a missing file itself, say)."""
+
+    def __init__(self, where: object, what: str, then: str = "",
+                 passing: type[BaseException] | tuple[type[BaseException], ...] = ()):
+        self.where, self.what, self.then, self.passing = where, what, then, passing
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, e: BaseException | None, tb: object) -> None:
+        if isinstance(e, OSError) and not isinstance(e, ResurgoError) and not isinstance(e, self.passing):
+            raise storage_error(e, self.where, self.what, self.then) from None
+
+
 class CheckpointReplacedError(StorageError):
     """The checkpoint was replaced (saved over) again and again while being read, so no complete
     version of it could be read; a single replacement is retried and never reported."""

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from resurgo.errors import CheckpointExistsError, ForeignFilesError, ResurgoError, storage_error
+from resurgo.errors import CheckpointExistsError, ForeignFilesError, storage_error, storage_errors
 from resurgo.format.manifest import TMP_MARKER
 from resurgo.storage import ownership
 from resurgo.storage.local import fsync_dir, open_child, prove_with, publish, through
@@ -67,12 +67,8 @@ class AtomicOutput:
         replacement deletes."""
         owned_file = self.owned_file
         check = None if owned_file is None else lambda dir_fd, entry: owned_file(through(dir_fd, entry))
-        try:
+        with storage_errors(final, "cannot list it"):
             proof = ownership.Proof(open_child(parent_fd, name, final, "replace it"), self.owned, check)
-        except OSError as e:
-            if isinstance(e, ResurgoError):
-                raise
-            raise storage_error(e, final, "cannot list it") from None
         try:
             ownership.refuse_foreign(final, proof.foreign(), "replace it")
         except BaseException:
@@ -100,16 +96,12 @@ class AtomicOutput:
 
     def publish(self) -> None:
         """Make the files durable (each was fsynced by its writer), then rename onto ``final``."""
-        try:
+        with storage_errors(self.final, "publishing the output failed"):
             if self.directory:
                 fsync_dir(self.tmp)
             elif self.final.is_file() and not self.final.is_symlink():
                 self._prove_file()  # it may have been replaced since the start
             publish(self.tmp, self.final, self.overwrite, "converting", self._prove)
-        except OSError as e:
-            if isinstance(e, ResurgoError):
-                raise
-            raise storage_error(e, self.final, "publishing the output failed") from None
 
     def abort(self) -> None:
         if self.tmp.is_dir():

@@ -43,8 +43,8 @@ from resurgo.errors import (
     ForeignFilesError,
     IncompleteCheckpointError,
     NotACheckpointError,
-    ResurgoError,
     storage_error,
+    storage_errors,
 )
 from resurgo.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, TMP_MARKER
 from resurgo.storage import ownership
@@ -176,7 +176,7 @@ def prove_checkpoint_at(parent_fd: int, name: str, where: Path, declared_files: 
     """The proof that the checkpoint directory ``name`` of ``parent_fd`` (``where``, for messages)
     is all resurgo's: its manifest read and its entries listed through one descriptor of it; else
     ForeignFilesError. A staging directory's leftovers are resurgo's (see ownership)."""
-    try:
+    with storage_errors(where, "cannot list it", passing=FileNotFoundError):
         fd = open_child(parent_fd, name, where, doing)
         try:
             raw = ownership.read_regular(fd, MANIFEST_NAME, MAX_MANIFEST_BYTES)
@@ -186,10 +186,6 @@ def prove_checkpoint_at(parent_fd: int, name: str, where: Path, declared_files: 
         temporary = is_temporary(where)
         claim = ownership.Claim(raw, declared_files, str(where), leftovers=temporary, staging=temporary)
         proof = ownership.Proof(fd, claim)
-    except OSError as e:
-        if isinstance(e, (ResurgoError, FileNotFoundError)):
-            raise
-        raise storage_error(e, where, "cannot list it") from None
     try:
         ownership.refuse_foreign(where, proof.foreign(), doing, claim.why)
     except BaseException:
@@ -683,7 +679,7 @@ class LocalStaging:
 
     def commit(self, manifest: bytes) -> None:
         """Write the manifest last, make everything durable, and publish atomically."""
-        try:
+        with storage_errors(self.final, "commit failed"):
             h = WriteHandle(self.tmp / MANIFEST_NAME, label=f"{self.final} (saving {MANIFEST_NAME})")
             try:
                 h.write(memoryview(manifest))
@@ -693,10 +689,6 @@ class LocalStaging:
             fsync_dir(self.tmp / "data")
             fsync_dir(self.tmp)
             publish(self.tmp, self.final, self.overwrite, "saving", self._prove)
-        except OSError as e:
-            if isinstance(e, ResurgoError):
-                raise
-            raise storage_error(e, self.final, "commit failed") from None
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)

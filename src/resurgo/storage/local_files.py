@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from resurgo.errors import CorruptCheckpointError, ResurgoError, storage_error
+from resurgo.errors import CorruptCheckpointError, ResurgoError, storage_error, storage_errors
 from resurgo.storage.direct_io import DirectWriteHandle
 
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux
@@ -53,16 +53,12 @@ class MappedFile:
 
     def __init__(self, path: Path, label: str, *, create: bool = False, size: int = 0, reuse: bool = False):
         self.path, self.label = path, label
-        try:
+        with storage_errors(label, "cannot open"):
             if create:
                 flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0) | (0 if reuse else os.O_CREAT | os.O_EXCL)
                 fd = os.open(path, flags, 0o644)
             else:
                 fd = open_for_read(path, label)
-        except OSError as e:
-            if isinstance(e, ResurgoError):
-                raise
-            raise storage_error(e, label, "cannot open") from None
         try:
             if create:
                 if reuse:
