@@ -1,6 +1,6 @@
 """Outputs that appear only once complete: a file or a directory of files written under a
-temporary sibling, then renamed onto its final name (conversions and imports write through it).
-Replacing an existing output goes through the same proofs and atomic swap as a checkpoint
+temporary sibling, then renamed onto its final name (conversions write through it). Replacing an
+existing output goes through the same proofs and atomic swap as a checkpoint
 (:mod:`resurgo.storage.local`).
 """
 

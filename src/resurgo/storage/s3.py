@@ -22,6 +22,7 @@ BODY_READ_BYTES = 1 << 20  # a response body is read into its destination this m
 
 
 def is_s3(fs: Any) -> bool:
+    """Whether ``fs`` is s3fs's filesystem (told by name: s3fs is imported only where used)."""
     return type(fs).__name__ == "S3FileSystem"
 
 
@@ -29,8 +30,8 @@ def get_into(fs: Any, full: str, rel: str, url: str, offset: int, views: list[me
              range_bytes: int) -> None:
     """Fill ``views`` (laid end to end from ``offset``) from the object ``full``: ranged GETs of
     at most ``range_bytes``, sent concurrently, each response body read straight into the part of
-    ``views`` it covers. A failed range cancels the others
-    (nothing writes into the buffers once this returns or raises); the whole read is retried."""
+    ``views`` it covers. A failed range cancels the others (nothing writes into the buffers once
+    this returns or raises); the whole read is retried."""
     bucket, key, version = fs.split_path(full)
     extra = {"VersionId": version} if version else {}
     ranges = split_views(offset, views, range_bytes)
