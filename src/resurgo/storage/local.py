@@ -577,14 +577,7 @@ class PinnedCheckpointDir(CheckpointDir):
     def read_manifest_bytes(self) -> bytes:
         self._pin()
         self.manifest_path()  # what the path is, if not a checkpoint
-        fd, parts, offset = self._open_pinned(MANIFEST_NAME), [], 0
-        while offset <= MAX_MANIFEST_BYTES:  # pread: the cached descriptor keeps no position
-            part = os.pread(fd, 1 << 24, offset)
-            if not part:
-                break
-            parts.append(part)
-            offset += len(part)
-        return b"".join(parts)
+        return ownership.read_from_start(self._open_pinned(MANIFEST_NAME), MAX_MANIFEST_BYTES)
 
     def open_read(self, rel: str) -> ReadHandle:
         return ReadHandle(self.path / rel, rel, fd=os.dup(self._open_pinned(rel)))

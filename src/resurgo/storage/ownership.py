@@ -129,16 +129,23 @@ def read_regular(dir_fd: int, name: str, limit: int) -> bytes | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
             return None
-        parts, offset = [], 0
-        while offset <= limit:
-            part = os.pread(fd, 1 << 24, offset)
-            if not part:
-                break
-            parts.append(part)
-            offset += len(part)
-        return b"".join(parts)
+        return read_from_start(fd, limit)
     finally:
         os.close(fd)
+
+
+def read_from_start(fd: int, limit: int) -> bytes:
+    """The bytes of the open file ``fd`` from its start to its end, or until more than ``limit``
+    were read (a file longer than ``limit`` then reads as longer). pread: a shared descriptor keeps
+    its position."""
+    parts, offset = [], 0
+    while offset <= limit:
+        part = os.pread(fd, 1 << 24, offset)
+        if not part:
+            break
+        parts.append(part)
+        offset += len(part)
+    return b"".join(parts)
 
 
 def _identity(st: os.stat_result) -> tuple[int, int]:
