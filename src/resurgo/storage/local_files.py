@@ -149,27 +149,6 @@ class ReadHandle:
         _populate(address + offset, n, f"data file {self.rel!r} bytes {offset}..{offset + n}")
         return data[offset : offset + n]
 
-    def cached(self, offset: int, n: int) -> bool:
-        """Whether the page cache seems to hold ``[offset, offset + n)``: its first, middle and
-        last pages do (mincore of the mapping; all of them would cost a walk of every page). Pages
-        faulted in from disk are read a readaround window at a time, far slower than one large
-        read: a reader prefetches bytes not cached (:meth:`prefetch`) before it views them."""
-        address, _ = self._mapping(offset, n)
-        libc = _libc()
-        if not n or libc is None:
-            return libc is not None
-        vec = ctypes.c_ubyte(0)
-        for at in (offset, offset + n // 2, offset + n - 1):
-            page = (address + at) // mmap.PAGESIZE * mmap.PAGESIZE
-            if libc.mincore(ctypes.c_void_p(page), ctypes.c_size_t(1), ctypes.byref(vec)) != 0 or not vec.value & 1:
-                return False
-        return True
-
-    def prefetch(self, offset: int, n: int) -> None:
-        """Ask the disk for ``[offset, offset + n)`` as one readahead (posix_fadvise WILLNEED),
-        without waiting: :meth:`view` then waits for those pages, not for small reads of its own."""
-        os.posix_fadvise(self.fd, offset, n, os.POSIX_FADV_WILLNEED)
-
     def _mapping(self, offset: int, n: int) -> tuple[int, memoryview]:
         """The file's mapping (made on first use) and its address; ``[offset, offset + n)`` must
         lie in the file."""
