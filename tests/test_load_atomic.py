@@ -7,6 +7,7 @@ saved tensor, bitwise) and those it left untouched (each equal to what it held b
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 
 import numpy as np
@@ -23,7 +24,6 @@ from resurgo.pipeline.reader import place_destinations, plan_tasks, read_ops
 from resurgo.plan.load_plan import plan_reads
 from resurgo.state.unflatten import Restorer
 from resurgo.storage.local import CheckpointDir
-from resurgo.storage.local_files import ReadHandle
 
 
 def _sixteen() -> dict[str, torch.Tensor]:
@@ -46,14 +46,20 @@ def _check_split(error: CorruptCheckpointError, keys: list[str], target: dict, b
 @pytest.mark.parametrize("damaged", ["t05", "t15"])
 @pytest.mark.parametrize("cached", [True, False])
 def test_damaged_tensor_is_untouched(tmp_path, monkeypatch, io_threads, damaged, cached):
-    """Bytes the page cache holds are hashed where they are; others are first asked of the disk
-    as one readahead (``cached`` False: every read takes that way)."""
-    if not cached:
-        monkeypatch.setattr(ReadHandle, "cached", lambda self, offset, n: False)
+    """Bytes the page cache holds are hashed where they are; others are faulted in through the
+    mapping first (``cached`` False: the data files are dropped from the page cache)."""
     saved = _sixteen()
     path = tmp_path / "ck"
     resurgo.save({"model": saved, "step": 3}, path)
     data_file = flip_stored_bit(path, f"model.{damaged}")
+    if not cached:
+        for f in (path / "data").iterdir():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
     target = {"model": {k: torch.full_like(v, -1.0) for k, v in saved.items()}, "step": 0}
     before = copy.deepcopy(target)
     with pytest.raises(CorruptCheckpointError) as info:
