@@ -5,7 +5,8 @@
 
 from resurgo.manager.daly import daly_interval
 from resurgo.manager.full_policy import FullEvery, FullSavePolicy, IncrementalContext
-from resurgo.manager.manager import MTBF_ENV, CheckpointManager
+from resurgo.manager.config import MTBF_ENV
+from resurgo.manager.manager import CheckpointManager
 from resurgo.manager.memory import MemoryTier
 from resurgo.manager.policies import (
     AllOf,

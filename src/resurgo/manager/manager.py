@@ -18,23 +18,18 @@ import signal
 import threading
 import time
 import warnings
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from resurgo.api import DEFAULT_IO_THREADS, AsyncSaveHandle, async_save, load, read_manifest, save
+from resurgo.api import DEFAULT_IO_THREADS, AsyncSaveHandle, async_save, read_manifest, save
 from resurgo.errors import (
     CheckpointExistsError,
-    CheckpointNotFoundError,
     CorruptCheckpointError,
     ForeignFilesError,
-    ManifestError,
-    NotACheckpointError,
     ResurgoError,
     ResurgoWarning,
-    StorageError,
     UnsupportedValueError,
 )
 from resurgo import faults
@@ -48,15 +43,16 @@ from resurgo.manager.catalog import (
     CORRUPT,
     INCOMPLETE,
     TEMPORARY,
-    Entry,
     checkpoint_name,
     classify,
     references_by_step,
     remove,
     scan,
 )
+from resurgo.manager.config import MTBF_ENV, compose_tiers, mtbf_from
 from resurgo.manager.daly import daly_interval
 from resurgo.manager.full_policy import FullEvery, FullSavePolicy, IncrementalContext
+from resurgo.manager.janitor import Janitor, remove_leftover
 from resurgo.manager.policies import (
     AnyOf,
     AtSteps,
@@ -66,6 +62,7 @@ from resurgo.manager.policies import (
     SaveContext,
     SavePolicy,
 )
+from resurgo.manager.restore import FATAL, OK, UNREADABLE, try_load
 from resurgo.manager.retention import (
     KeepAny,
     KeepLast,
@@ -77,109 +74,24 @@ from resurgo.manager.retention import (
     steps_to_delete,
 )
 from resurgo.manager.memory import MemoryNodes, MemoryTier, Refill
+from resurgo.manager.saving import plain_metrics
 from resurgo.manager.tiers import Tier
 from resurgo.pipeline import inflight
 from resurgo.pipeline.async_save import start_async_save
 from resurgo.pipeline.collective import NodeLocal
 from resurgo.pipeline.save import LazySources, prepare_save, write_and_commit
 from resurgo.pipeline.copy import copy_checkpoint, data_files, share_of
-from resurgo.pipeline.load import restore as restore_into
-from resurgo.pipeline.peer_read import PeerFiles
 from resurgo.pipeline.manifest_read import read_manifest_of
 from resurgo.pipeline.verify import verify_checkpoint
 from resurgo.pipeline.save import read_base_manifest
 from resurgo.storage.base import Root
 from resurgo.storage.open import open_checkpoint, open_root
 
+__all__ = ["CheckpointManager", "MTBF_ENV"]
+
 log = logging.getLogger("resurgo.manager")
 
-MTBF_ENV = "RESURGO_MTBF_SECONDS"
 COST_SMOOTHING = 0.3  # weight of the newest measurement in the running estimate of δ
-
-# A checkpoint that cannot be read: restore tries an older one. Any other error (the caller's
-# state has other keys, dtypes or shapes) is the caller's to fix and is raised at once.
-_UNREADABLE = (NotACheckpointError, ManifestError, CorruptCheckpointError, CheckpointNotFoundError, StorageError)
-_OK, _UNREADABLE_HERE, _FATAL = 0, 1, 2
-
-
-class _Janitor:
-    """Runs jobs one after another in a background thread that lives only while there is work.
-
-    Not a daemon: an interpreter exiting normally finishes the deletions it started (they are
-    crash-safe anyway). Errors are kept for the owner's thread to report.
-    """
-
-    def __init__(self) -> None:
-        self._jobs: deque[Callable[[], None]] = deque()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._errors: list[BaseException] = []
-
-    def submit(self, job: Callable[[], None]) -> None:
-        with self._lock:
-            self._jobs.append(job)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="resurgo-manager-janitor", daemon=False)
-                self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                if not self._jobs:
-                    self._thread = None
-                    return
-                job = self._jobs.popleft()
-            try:
-                job()
-            except Exception as e:  # noqa: BLE001 - reported by the owner's next call
-                with self._lock:
-                    self._errors.append(e)
-
-    def join(self) -> None:
-        while True:
-            with self._lock:
-                thread = self._thread
-            if thread is None:
-                return
-            thread.join()
-
-    def take_errors(self) -> list[BaseException]:
-        with self._lock:
-            errors, self._errors = self._errors, []
-        return errors
-
-
-def _plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float | None]:
-    """Metrics as JSON numbers (0-d tensors and numpy scalars too); NaN and inf become None."""
-    if metrics is None:
-        return {}
-    if not isinstance(metrics, Mapping):
-        raise UnsupportedValueError(f"metrics must be a mapping of names to numbers, not {type(metrics).__name__}")
-    out: dict[str, float | None] = {}
-    for name, value in metrics.items():
-        if not isinstance(name, str):
-            raise UnsupportedValueError(f"metrics: names must be str, not {name!r}")
-        try:
-            number = float(value.item() if hasattr(value, "item") else value)
-        except (TypeError, ValueError, RuntimeError):
-            raise UnsupportedValueError(f"metrics[{name!r}]: expected a number, got {type(value).__name__}") from None
-        out[name] = number if math.isfinite(number) else None
-    return out
-
-
-def _mtbf_from(mtbf: float | None) -> float:
-    if mtbf is not None:
-        return mtbf
-    raw = os.environ.get(MTBF_ENV)
-    if raw is None:
-        raise ValueError(f"interval='auto' needs the mean time between failures: pass mtbf= (seconds) or set {MTBF_ENV}")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{MTBF_ENV}={raw!r} is not a number of seconds") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{MTBF_ENV}={raw!r}: must be a positive number of seconds")
-    return value
 
 
 class CheckpointManager:
@@ -234,7 +146,7 @@ class CheckpointManager:
                  incremental: bool | FullSavePolicy = False, collective_timeout: float | None = None) -> None:
         if collective_timeout is not None:  # before the first collective: the groups take it too
             liveness.set_collective_timeout(collective_timeout)
-        self.tiers: list[Any] = self._compose_tiers(root, storage_options, tiers)
+        self.tiers: list[Any] = compose_tiers(root, storage_options, tiers)
         # Made collectively over the control channel, in the same order on every rank.
         self._memory = MemoryNodes(self.tiers[0], dist_comm.current("control")) if isinstance(
             self.tiers[0], MemoryTier) else None
@@ -277,7 +189,7 @@ class CheckpointManager:
         self._preempt_requested = False
         self._should_stop = False
         self._unreadable_steps: set[int] = set()  # found corrupt by restore: never counted by retention
-        self._janitor = _Janitor()
+        self._janitor = Janitor()
         # Steps whose copy to a durable tier is queued: the fast tier's retention must keep them
         # until the copy has read them (a later step's retention may run before the copy does).
         self._copies_pending: dict[int, int] = {}
@@ -294,7 +206,7 @@ class CheckpointManager:
                 # Of a save, copy or deletion that was interrupted (where saves write in place:
                 # a checkpoint without manifest; one job per root, so none is still running).
                 if entry.status == TEMPORARY or (entry.status == INCOMPLETE and store.saves_in_place):
-                    self._janitor.submit(functools.partial(self._remove_leftover, store, entry))
+                    self._janitor.submit(functools.partial(remove_leftover, store, entry))
 
     def _cleans(self, tier: int) -> bool:
         """Whether this rank removes leftovers and applies retention in ``tier``: rank 0, or in a
@@ -302,24 +214,6 @@ class CheckpointManager:
         if tier == 0 and self._memory is not None:
             return self._memory.is_leader
         return self._rank == 0
-
-    @staticmethod
-    def _compose_tiers(root: str | os.PathLike | None, storage_options: dict | None,
-                       tiers: Iterable[Tier | MemoryTier] | None) -> list[Any]:
-        if tiers is None:
-            if root is None:
-                raise ValueError("CheckpointManager needs a root (a directory or a URL) or tiers=[...]")
-            return [Tier(root, storage_options=storage_options)]
-        if root is not None or storage_options is not None:
-            raise ValueError("pass either root (and storage_options) or tiers=[...], not both")
-        found = list(tiers)
-        if not found or not all(isinstance(t, Tier) or (i == 0 and isinstance(t, MemoryTier))
-                                for i, t in enumerate(found)):
-            raise ValueError(f"tiers must be a non-empty list of resurgo.manager.Tier (a MemoryTier first, if "
-                             f"any), not {found!r}")
-        if found[0].every_steps is not None:
-            raise ValueError("the first tier takes every save: every_steps applies to the later tiers only")
-        return found
 
     # -- configuration ----------------------------------------------------------------------------
     def _describe_retention(self) -> dict[str, Any]:
@@ -345,7 +239,7 @@ class CheckpointManager:
         if interval is not None:
             if interval != "auto":
                 raise ValueError(f"interval must be 'auto' or None, not {interval!r} (for a fixed time use every_seconds=)")
-            self._daly = DalyInterval(_mtbf_from(mtbf))
+            self._daly = DalyInterval(mtbf_from(mtbf))
             parts.append(self._daly)
         elif mtbf is not None:
             raise ValueError("mtbf= is used with interval='auto' only")
@@ -428,14 +322,14 @@ class CheckpointManager:
         failures = []
         for s, tier in candidates:
             path = self.path_for(s, tier)
-            outcome, error = self._try_load(state, path, s, strict, self._roots[tier].storage_options)
+            outcome, error = try_load(state, path, s, strict, self._roots[tier].storage_options)
             (outcome,) = agreement.max_over_ranks([outcome])
-            if outcome == _OK:
+            if outcome == OK:
                 self._restored(path, s, tier)
                 return s
             if error is None:  # it loaded here, not on another rank
                 error = CorruptCheckpointError(f"{path}: could not be restored on another rank (see its error)")
-            if outcome == _FATAL or (step is not None and (s, tier) == candidates[-1]):
+            if outcome == FATAL or (step is not None and (s, tier) == candidates[-1]):
                 raise error
             warnings.warn(f"resurgo: not restoring {path}: {error}; trying an older checkpoint, this one is left "
                           f"in place", stacklevel=3)
@@ -463,14 +357,14 @@ class CheckpointManager:
                          "" if step is None else f" {step}")
                 return None
             peers = self._memory.open_for_load(comm, rebuild)
-        except _UNREADABLE as e:
+        except UNREADABLE as e:
             warnings.warn(f"resurgo: not restoring from memory ({self._memory.root}): {e}; trying the durable "
                           "tiers", stacklevel=4)
             return None
         s, path = rebuild.step, self.path_for(rebuild.step)
-        outcome, error = self._try_load(state, path, s, strict, None, peers)
+        outcome, error = try_load(state, path, s, strict, None, peers)
         (outcome,) = agreement.max_over_ranks([outcome])
-        if outcome == _OK:
+        if outcome == OK:
             self._restored(path, s, 0)
             # The nodes that lacked files get them after the restore returns, before the next save.
             self._refill = self._memory.refill(dist_comm.current(), rebuild)
@@ -479,7 +373,7 @@ class CheckpointManager:
             return s
         if error is None:
             error = CorruptCheckpointError(f"{path}: could not be restored on another rank (see its error)")
-        if outcome == _FATAL:
+        if outcome == FATAL:
             raise error
         warnings.warn(f"resurgo: not restoring {path} from memory: {error}; trying the durable tiers", stacklevel=4)
         self._unreadable_steps.add(s)
@@ -513,24 +407,6 @@ class CheckpointManager:
                     warnings.warn(f"resurgo: not restoring {entry.location}: {entry.status}: {entry.detail}; left "
                                   "in place (see `resurgo ls`, remove with `resurgo gc`)", stacklevel=3)
         return sorted(candidates, key=lambda c: (-c[0], c[1]))
-
-    @staticmethod
-    def _try_load(state: Any, path: Path | str, step: int, strict: bool, storage_options: dict | None,
-                  peers: PeerFiles | None = None) -> tuple[int, ResurgoError | None]:
-        try:
-            if peers is None:
-                report = load(state, path, strict=strict, verify=True, storage_options=storage_options)
-            else:  # the files this rank's node lacks are read from peers' memory
-                _, report = restore_into(state, path, strict=strict, verify=True, allow_pickle=False,
-                                         io_threads=DEFAULT_IO_THREADS, peers=peers)
-        except _UNREADABLE as e:
-            return _UNREADABLE_HERE, e
-        except ResurgoError as e:
-            return _FATAL, e
-        if report.step != step:
-            return _UNREADABLE_HERE, CorruptCheckpointError(
-                f"{path}: its manifest says step {report.step}, its name says step {step}")
-        return _OK, None
 
     def _restored(self, path: Path | str, step: int, tier: int) -> None:
         self._last_save_step = step
@@ -581,7 +457,7 @@ class CheckpointManager:
     def _save(self, step: int, state: Any, metrics: Mapping[str, Any] | None) -> None:
         t_start = time.monotonic()
         path = self.path_for(step)
-        metadata = {"metrics": _plain_metrics(metrics)}  # the state's; the save's own figures go apart
+        metadata = {"metrics": plain_metrics(metrics)}  # the state's; the save's own figures go apart
         save_info = {"save_cost_seconds": self._save_cost, **self._retention_record}
         self._wait_commit()  # the previous save: its error is raised here, its retention starts
         overwrite = self._make_way(path, step)
@@ -881,11 +757,6 @@ class CheckpointManager:
         keep = self.tiers[tier].keep_last
         if keep is not None and comm.rank == 0:
             self._apply_retention(step, frozenset(), tier, KeepLast(keep))
-
-    @staticmethod
-    def _remove_leftover(store: Root, entry: Entry) -> None:
-        log.info("removing leftover %s", entry.location)
-        remove(store, entry.name)
 
     # -- preemption signals -----------------------------------------------------------------------
     def _install_signal_handlers(self, signals: tuple[int, ...]) -> None:

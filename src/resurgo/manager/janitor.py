@@ -1,0 +1,67 @@
+"""The manager's janitor: one background thread for deletions and tier copies, and the removal of
+the staging leftovers (interrupted saves, copies and deletions) a root holds when a manager starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+
+from resurgo.manager.catalog import Entry, remove
+from resurgo.storage.base import Root
+
+log = logging.getLogger("resurgo.manager")
+
+
+class Janitor:
+    """Runs jobs one after another in a background thread that lives only while there is work.
+
+    Not a daemon: an interpreter exiting normally finishes the deletions it started (they are
+    crash-safe anyway). Errors are kept for the owner's thread to report.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: deque[Callable[[], None]] = deque()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._errors: list[BaseException] = []
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            self._jobs.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="resurgo-manager-janitor", daemon=False)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._jobs:
+                    self._thread = None
+                    return
+                job = self._jobs.popleft()
+            try:
+                job()
+            except Exception as e:  # noqa: BLE001 - reported by the owner's next call
+                with self._lock:
+                    self._errors.append(e)
+
+    def join(self) -> None:
+        while True:
+            with self._lock:
+                thread = self._thread
+            if thread is None:
+                return
+            thread.join()
+
+    def take_errors(self) -> list[BaseException]:
+        with self._lock:
+            errors, self._errors = self._errors, []
+        return errors
+
+
+def remove_leftover(store: Root, entry: Entry) -> None:
+    log.info("removing leftover %s", entry.location)
+    remove(store, entry.name)
