@@ -20,7 +20,6 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from resurgo.api import DEFAULT_IO_THREADS, AsyncSaveHandle, async_save, read_manifest, save
@@ -53,6 +52,7 @@ from resurgo.manager.config import MTBF_ENV, compose_tiers, mtbf_from
 from resurgo.manager.daly import daly_interval
 from resurgo.manager.full_policy import FullEvery, FullSavePolicy, IncrementalContext
 from resurgo.manager.janitor import Janitor, remove_leftover
+from resurgo.manager.preemption import Preemption
 from resurgo.manager.policies import (
     AnyOf,
     AtSteps,
@@ -186,7 +186,6 @@ class CheckpointManager:
         self._last_save_step: int | None = None
         self._last_save_time = time.monotonic()
         self._save_cost: float | None = None
-        self._preempt_requested = False
         self._should_stop = False
         self._unreadable_steps: set[int] = set()  # found corrupt by restore: never counted by retention
         self._janitor = Janitor()
@@ -197,8 +196,7 @@ class CheckpointManager:
         self._copy_errors: list[BaseException] = []  # raised by the next call, agreed (_agree_on_background)
         self._deletion_errors: list[str] = []  # warned on every rank by the next agreement
         self._closed = False
-        self._previous_handlers: dict[int, Any] = {}
-        self._install_signal_handlers(tuple(signals))
+        self._preemption = Preemption(tuple(signals))
         for tier, store in enumerate(self._roots):
             if not self._cleans(tier):
                 continue
@@ -284,7 +282,7 @@ class CheckpointManager:
 
     def notify_preemption(self) -> None:
         """Ask for a save-and-stop at the next ``maybe_save``, as a preemption signal does."""
-        self._preempt_requested = True
+        self._preemption.request()
 
     # -- restore ----------------------------------------------------------------------------------
     def restore(self, state: Any, step: int | None = None, *, strict: bool = True) -> int | None:
@@ -429,13 +427,13 @@ class CheckpointManager:
         self._check_open()
         self._reap()
         ctx = SaveContext(step=step, now=time.monotonic(), last_save_step=self._last_save_step,
-                          last_save_time=self._last_save_time, preempted=self._preempt_requested,
+                          last_save_time=self._last_save_time, preempted=self._preemption.requested,
                           save_cost=self._save_cost)
         wanted = self.save_policy.should_save(ctx) if self.save_policy is not None else False
         preempted, wanted = self._agree_on_background([ctx.preempted, wanted])
         fresh = step != self._last_save_step  # never the same step twice (e.g. right after a restore)
         if preempted:
-            self._preempt_requested = False
+            self._preemption.clear()
             if fresh:
                 self._save(step, state, metrics)
             self._wait_commit()
@@ -758,35 +756,6 @@ class CheckpointManager:
         if keep is not None and comm.rank == 0:
             self._apply_retention(step, frozenset(), tier, KeepLast(keep))
 
-    # -- preemption signals -----------------------------------------------------------------------
-    def _install_signal_handlers(self, signals: tuple[int, ...]) -> None:
-        if not signals:
-            return
-        if threading.current_thread() is not threading.main_thread():
-            warnings.warn("resurgo: CheckpointManager created outside the main thread: no preemption signal "
-                          "handler installed (Python allows them on the main thread only); call "
-                          "notify_preemption() yourself", stacklevel=3)
-            return
-        for sig in signals:
-            self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        # Only a flag here: a signal handler runs between two bytecodes of the training loop.
-        self._preempt_requested = True
-        previous = self._previous_handlers.get(signum)
-        # Chain to a Python handler installed before us (logging, another manager), but not to
-        # default actions: terminating (SIG_DFL) or raising KeyboardInterrupt would defeat the save.
-        if callable(previous) and previous is not signal.default_int_handler:
-            previous(signum, frame)
-
-    def _restore_signal_handlers(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig, previous in self._previous_handlers.items():
-            if signal.getsignal(sig) == self._on_signal:  # only if nobody replaced ours since
-                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
-        self._previous_handlers.clear()
-
     # -- lifecycle --------------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
@@ -822,7 +791,7 @@ class CheckpointManager:
         finally:
             self._janitor.join()
             self._reap(now=True)  # the last deletions: no later call agrees them
-            self._restore_signal_handlers()
+            self._preemption.uninstall()
             self._closed = True
 
     def __enter__(self) -> "CheckpointManager":
