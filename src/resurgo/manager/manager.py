@@ -15,7 +15,6 @@ import logging
 import math
 import os
 import signal
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -35,7 +34,6 @@ from resurgo import faults
 from resurgo.dist import comm as dist_comm
 from resurgo.dist import liveness
 from resurgo.dist.call import call_note, check_same
-from resurgo.format.manifest import declared_files
 from resurgo.manager import agreement
 from resurgo.manager.catalog import (
     COMMITTED,
@@ -44,7 +42,6 @@ from resurgo.manager.catalog import (
     TEMPORARY,
     checkpoint_name,
     classify,
-    references_by_step,
     remove,
     scan,
 )
@@ -53,6 +50,7 @@ from resurgo.manager.daly import daly_interval
 from resurgo.manager.full_policy import FullEvery, FullSavePolicy, IncrementalContext
 from resurgo.manager.janitor import Janitor, remove_leftover
 from resurgo.manager.preemption import Preemption
+from resurgo.manager.prune import prune
 from resurgo.manager.policies import (
     AnyOf,
     AtSteps,
@@ -66,26 +64,21 @@ from resurgo.manager.restore import FATAL, OK, UNREADABLE, try_load
 from resurgo.manager.retention import (
     KeepAny,
     KeepLast,
-    Kept,
     RetentionPolicy,
     policy_spec,
-    referencing,
     shortcut_policy,
-    steps_to_delete,
 )
 from resurgo.manager.memory import MemoryNodes, MemoryTier, Refill
 from resurgo.manager.saving import plain_metrics
+from resurgo.manager.tier_copy import TierCopies
 from resurgo.manager.tiers import Tier
 from resurgo.pipeline import inflight
 from resurgo.pipeline.async_save import start_async_save
 from resurgo.pipeline.collective import NodeLocal
 from resurgo.pipeline.save import LazySources, prepare_save, write_and_commit
-from resurgo.pipeline.copy import copy_checkpoint, data_files, share_of
-from resurgo.pipeline.manifest_read import read_manifest_of
-from resurgo.pipeline.verify import verify_checkpoint
 from resurgo.pipeline.save import read_base_manifest
 from resurgo.storage.base import Root
-from resurgo.storage.open import open_checkpoint, open_root
+from resurgo.storage.open import open_root
 
 __all__ = ["CheckpointManager", "MTBF_ENV"]
 
@@ -175,9 +168,8 @@ class CheckpointManager:
         self._guard = guard
         self._io_threads = io_threads
         self._rank, self._world_size = agreement.world()
-        # The tier copies' collectives run in the janitor thread, on a gloo group of their own,
-        # made here, on the training thread, where every rank builds its manager in the same order.
-        self._copy_comm = dist_comm.current("copy") if len(self.tiers) > 1 else dist_comm.Comm(0, 1)
+        self._janitor = Janitor()
+        self._copies = TierCopies(self.tiers, self._roots, self._janitor, self._memory)
         self._pending: AsyncSaveHandle | None = None
         self._refill: Refill | None = None  # a restore's re-replication to nodes that lacked files
         self._pending_step: int | None = None
@@ -188,12 +180,6 @@ class CheckpointManager:
         self._save_cost: float | None = None
         self._should_stop = False
         self._unreadable_steps: set[int] = set()  # found corrupt by restore: never counted by retention
-        self._janitor = Janitor()
-        # Steps whose copy to a durable tier is queued: the fast tier's retention must keep them
-        # until the copy has read them (a later step's retention may run before the copy does).
-        self._copies_pending: dict[int, int] = {}
-        self._copies_lock = threading.Lock()
-        self._copy_errors: list[BaseException] = []  # raised by the next call, agreed (_agree_on_background)
         self._deletion_errors: list[str] = []  # warned on every rank by the next agreement
         self._closed = False
         self._preemption = Preemption(tuple(signals))
@@ -592,10 +578,7 @@ class CheckpointManager:
                 self._wait_commit()
             except BaseException as e:  # noqa: BLE001 - agreed with the other ranks, then raised
                 return e
-        with self._copies_lock:
-            if self._copy_errors:
-                return self._copy_errors.pop(0)
-        return None
+        return self._copies.take_error()
 
     def _agree_on_background(self, flags: list[bool]) -> list[bool]:
         """``flags`` OR-ed over the ranks, in the same collective that agrees on background
@@ -628,8 +611,7 @@ class CheckpointManager:
             except BaseException:  # noqa: BLE001 - the same failure, raised already
                 pass
         self._janitor.join()
-        with self._copies_lock:
-            self._copy_errors.clear()
+        self._copies.take_errors()
 
     def _wait_commit(self) -> None:
         handle, step = self._pending, self._pending_step
@@ -646,13 +628,7 @@ class CheckpointManager:
     def _committed(self, step: int) -> None:
         log.info("committed step %d", step)
         self._base_step, self._since_full = step, self._pending_chain
-        # Copies first: retention may then delete the source. Every rank queues them, in commit
-        # order, since each copies its share (collectives of the "copy" channel, in the janitor).
-        for tier in range(1, len(self.tiers)):
-            if self.tiers[tier].selects(step):
-                with self._copies_lock:
-                    self._copies_pending[step] = self._copies_pending.get(step, 0) + 1
-                self._janitor.submit(functools.partial(self._copy_to_tier, step, tier))
+        self._copies.queue(step)  # before retention, which may then delete the source
         if not self._cleans(0):
             return
         if self.retention is not None:
@@ -664,97 +640,15 @@ class CheckpointManager:
         """The first tier's retention, named "retention" to the other ranks should this one fall
         silent in it (a deletion stuck on storage)."""
         with liveness.operation("retention", self.root):
-            self._apply_retention(just_committed, unreadable)
+            prune(self._store, self.retention, just_committed, unreadable=unreadable,
+                  held=self._memory.committed_steps if self._memory is not None else None,
+                  in_use=self._in_use, keep_damaged=True)
 
-    def _apply_retention(self, just_committed: int, unreadable: frozenset[int], tier: int = 0,
-                         retention: RetentionPolicy | None = None) -> None:
-        store = self._roots[tier]
-        entries = scan(store)
-        # A memory tier's node directory is committed with only the files its node holds (on more
-        # than two nodes, not all): the listing calls it corrupt (files missing), it is not.
-        held = self._memory.committed_steps() if tier == 0 and self._memory is not None else frozenset()
-        committed = [Kept(e.step, e.metrics) for e in entries
-                     if (e.status == COMMITTED or e.step in held) and e.step is not None and e.step not in unreadable]
-        protect: tuple[int, ...] = (just_committed,)
-        if tier == 0:
-            with self._copies_lock:
-                protect += tuple(self._copies_pending)
-            base = self._base_step  # the base of the save that may be running now
-            # Unreadable and corrupt ones are never deleted here: what they reference stays too.
-            protect += ((base,) if base is not None else ()) + tuple(
-                e.step for e in entries if e.step is not None and (e.step in unreadable or (
-                    e.status == CORRUPT and e.step not in held)))
-        refused: list[ForeignFilesError] = []
-        refs = references_by_step(entries)
-        kept = {e.step for e in entries if e.step is not None}
-        for s in steps_to_delete(committed, retention or self.retention, protect=protect, references=refs):
-            if referencing(s, kept, refs):  # one whose deletion was refused still references it
-                continue
-            log.info("deleting step %d (%s)", s, self.path_for(s, tier))
-            try:
-                if remove(store, checkpoint_name(s)):
-                    log.info("deleted step %d", s)
-                kept.discard(s)
-            except ForeignFilesError as e:  # left in place; the others still go
-                refused.append(e)
-        if refused:
-            raise refused[0]
-
-    def _copy_to_tier(self, step: int, tier: int) -> None:
-        """Copy the fast tier's checkpoint of ``step`` to ``tier``, verify the copy there (every
-        checksum, read back from that tier), then apply that tier's retention."""
-        try:
-            self._copy_to_tier_now(step, tier)
-        except Exception as e:  # noqa: BLE001 - raised by the next call, on every rank
-            with self._copies_lock:
-                self._copy_errors.append(e)
-        finally:
-            with self._copies_lock:
-                left = self._copies_pending.get(step, 1) - 1
-                if left > 0:
-                    self._copies_pending[step] = left
-                else:
-                    self._copies_pending.pop(step, None)
-
-    def _copy_to_tier_now(self, step: int, tier: int) -> None:
-        """Collective over the "copy" channel: every rank copies and verifies its share of the files."""
-        comm = self._copy_comm
-        store, source = self._roots[tier], self.path_for(step)
-        dest = self.path_for(step, tier)
-
-        def make_way() -> bool:  # rank 0 decides; the other ranks follow
-            if comm.rank != 0:
-                return False
-            existing = classify(store, step)
-            if existing is not None and existing.status == COMMITTED:
-                return True
-            if existing is not None:
-                remove(store, existing.name)  # an interrupted copy
-            return False
-
-        if comm.broadcast(comm.agree(make_way)):
-            return
-        log.info("copying step %d to %s", step, dest)
-        with liveness.operation("tier copy", dest):
-            copy_checkpoint(source, dest, src_options=self._store.storage_options, dst_options=store.storage_options,
-                            comm=comm, declared_files=declared_files,
-                            share=self._memory.copy_share(step) if self._memory is not None else None)
-
-        def verify_mine() -> list[str]:
-            manifest = read_manifest_of(open_checkpoint(dest, store.storage_options))
-            return verify_checkpoint(dest, storage_options=store.storage_options,
-                                     files=share_of(data_files(manifest), comm)).problems
-
-        problems = [p for ps in comm.all_gather(comm.agree(verify_mine)) for p in ps]
-        if problems:
-            if comm.rank == 0:
-                remove(store, checkpoint_name(step))
-            raise CorruptCheckpointError(f"{dest}: the copy of step {step} does not verify ({problems[0]}); "
-                                         "it was removed")
-        log.info("copied and verified step %d in %s", step, dest)
-        keep = self.tiers[tier].keep_last
-        if keep is not None and comm.rank == 0:
-            self._apply_retention(step, frozenset(), tier, KeepLast(keep))
+    def _in_use(self) -> tuple[int, ...]:
+        """Steps the first tier's retention keeps whatever it says: those a queued copy still
+        reads, and the base of the save that may be running now."""
+        base = self._base_step
+        return self._copies.pending() + ((base,) if base is not None else ())
 
     # -- lifecycle --------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -775,9 +669,8 @@ class CheckpointManager:
             raise
         self._reap()
         # Every rank's copies ended (each failed on every rank, agreed): raised here without a collective.
-        with self._copies_lock:
-            failure = self._copy_errors.pop(0) if self._copy_errors else None
-            self._copy_errors.clear()
+        failures = self._copies.take_errors()
+        failure = failures[0] if failures else None
         if failure is not None:
             self._should_stop = True
             raise failure
