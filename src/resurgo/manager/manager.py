@@ -26,9 +26,7 @@ from resurgo.errors import (
     CheckpointExistsError,
     CorruptCheckpointError,
     ForeignFilesError,
-    ResurgoError,
     ResurgoWarning,
-    UnsupportedValueError,
 )
 from resurgo import faults
 from resurgo.dist import comm as dist_comm
@@ -47,7 +45,8 @@ from resurgo.manager.catalog import (
 )
 from resurgo.manager.config import MTBF_ENV, compose_tiers, mtbf_from
 from resurgo.manager.daly import daly_interval
-from resurgo.manager.full_policy import FullEvery, FullSavePolicy, IncrementalContext
+from resurgo.manager.chain import IncrementalChain, full_save_policy
+from resurgo.manager.full_policy import FullSavePolicy
 from resurgo.manager.janitor import Janitor, remove_leftover
 from resurgo.manager.preemption import Preemption
 from resurgo.manager.prune import prune
@@ -76,7 +75,6 @@ from resurgo.pipeline import inflight
 from resurgo.pipeline.async_save import start_async_save
 from resurgo.pipeline.collective import NodeLocal
 from resurgo.pipeline.save import LazySources, prepare_save, write_and_commit
-from resurgo.pipeline.save import read_base_manifest
 from resurgo.storage.base import Root
 from resurgo.storage.open import open_root
 
@@ -154,16 +152,7 @@ class CheckpointManager:
         parts = [p for p in (retention, shortcuts) if p is not None]
         self.retention: RetentionPolicy | None = parts[0] if len(parts) == 1 else KeepAny(*parts) if parts else None
         self._retention_record = self._describe_retention()
-        if not (isinstance(incremental, bool) or isinstance(incremental, FullSavePolicy)):
-            raise TypeError(f"incremental must be True, False or a full-save policy (full(ctx) -> bool), "
-                            f"not {incremental!r}")
-        self.full_policy: FullSavePolicy | None = FullEvery() if incremental is True else incremental or None
-        if self.full_policy is not None and self._memory is not None:
-            raise UnsupportedValueError("incremental saves do not go to a MemoryTier (each node holds its own "
-                                        "directory, which a later save cannot reference); pass incremental=False")
-        self._base_step: int | None = None  # the checkpoint the next incremental save references
-        self._since_full = 0  # incremental saves since the base's last full save
-        self._pending_chain = 0  # the next value of _since_full, once the pending save commits
+        self._chain = IncrementalChain(full_save_policy(incremental, self._memory is not None))
         self.async_save = bool(async_save)
         self._guard = guard
         self._io_threads = io_threads
@@ -238,6 +227,11 @@ class CheckpointManager:
         work failed (an asynchronous save's write or commit, a tier copy: raised on every rank by
         the next call): end the loop."""
         return self._should_stop
+
+    @property
+    def full_policy(self) -> FullSavePolicy | None:
+        """When an incremental save is made in full instead (None: every save is full)."""
+        return self._chain.full_policy
 
     @property
     def save_cost_seconds(self) -> float | None:
@@ -397,10 +391,7 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         manifest = read_manifest(path, storage_options=self._roots[tier].storage_options)
         if tier == 0:  # the base of the next incremental save
-            chain = manifest.save_info.get("incremental", {})
-            since = chain.get("saves_since_full") if isinstance(chain, dict) else None
-            self._base_step = step
-            self._since_full = since if type(since) is int and since >= 0 else 0
+            self._chain.restored(step, manifest.save_info)
         cost = manifest.save_info.get("save_cost_seconds", manifest.metadata.get("save_cost_seconds"))
         if isinstance(cost, (int, float)) and not isinstance(cost, bool) and math.isfinite(cost) and cost >= 0:
             self._save_cost = float(cost)  # the interval survives restarts without a measuring save
@@ -445,11 +436,11 @@ class CheckpointManager:
         save_info = {"save_cost_seconds": self._save_cost, **self._retention_record}
         self._wait_commit()  # the previous save: its error is raised here, its retention starts
         overwrite = self._make_way(path, step)
-        base = self._choose_base(step)
-        if self.full_policy is not None:
-            self._pending_chain = 0 if base is None else self._since_full + 1
-            save_info["incremental"] = {"saves_since_full": self._pending_chain}
-        incremental = self.full_policy is not None
+        base = self._chain.choose_base(step, self.path_for, self._store.storage_options, self._unreadable_steps)
+        chain = self._chain.begin(base)
+        if chain is not None:
+            save_info["incremental"] = chain
+        incremental = self._chain.incremental
         log.info("saving step %d to %s%s", step, path, f" (base {base})" if base is not None else "")
         if self._memory is not None:
             self._save_to_memory(step, state, path, metadata, save_info, overwrite)
@@ -495,21 +486,6 @@ class CheckpointManager:
         write_and_commit(prep, LazySources(prep.leaves))
         self._announce_commit(step, path)
         self._committed(step)
-
-    def _choose_base(self, step: int) -> Path | str | None:
-        """The base of an incremental save of ``step``: the checkpoint this manager last committed
-        or restored in its first tier, unless the full-save policy asks for a full save."""
-        base = self._base_step
-        if self.full_policy is None or base is None or base == step or base in self._unreadable_steps:
-            return None
-        path = self.path_for(base)
-        try:
-            manifest = read_base_manifest(path, self._store.storage_options)
-        except ResurgoError as e:  # gone or damaged since: a full save does not need it
-            log.warning("not using step %d as a base (%s): saving step %d in full", base, e, step)
-            return None
-        ctx = IncrementalContext(self._since_full, manifest.tensor_bytes, sum(manifest.referenced_bytes.values()))
-        return None if self.full_policy.full(ctx) else path
 
     def _make_way(self, path: Path | str, step: int) -> bool:
         """Whether the save must replace something already at ``path`` (it warns what). Something
@@ -627,7 +603,7 @@ class CheckpointManager:
 
     def _committed(self, step: int) -> None:
         log.info("committed step %d", step)
-        self._base_step, self._since_full = step, self._pending_chain
+        self._chain.committed(step)
         self._copies.queue(step)  # before retention, which may then delete the source
         if not self._cleans(0):
             return
@@ -647,7 +623,7 @@ class CheckpointManager:
     def _in_use(self) -> tuple[int, ...]:
         """Steps the first tier's retention keeps whatever it says: those a queued copy still
         reads, and the base of the save that may be running now."""
-        base = self._base_step
+        base = self._chain.base_step
         return self._copies.pending() + ((base,) if base is not None else ())
 
     # -- lifecycle --------------------------------------------------------------------------------
