@@ -24,18 +24,14 @@ from typing import Any
 from resurgo.api import DEFAULT_IO_THREADS, AsyncSaveHandle, async_save, read_manifest, save
 from resurgo.errors import (
     CheckpointExistsError,
-    CorruptCheckpointError,
     ForeignFilesError,
     ResurgoWarning,
 )
-from resurgo import faults
 from resurgo.dist import comm as dist_comm
 from resurgo.dist import liveness
-from resurgo.dist.call import call_note, check_same
 from resurgo.manager import agreement
 from resurgo.manager.catalog import (
     COMMITTED,
-    CORRUPT,
     INCOMPLETE,
     TEMPORARY,
     checkpoint_name,
@@ -59,7 +55,7 @@ from resurgo.manager.policies import (
     SaveContext,
     SavePolicy,
 )
-from resurgo.manager.restore import FATAL, OK, UNREADABLE, try_load
+from resurgo.manager.restore import Restorer
 from resurgo.manager.retention import (
     KeepAny,
     KeepLast,
@@ -67,7 +63,7 @@ from resurgo.manager.retention import (
     policy_spec,
     shortcut_policy,
 )
-from resurgo.manager.memory import MemoryNodes, MemoryTier, Refill
+from resurgo.manager.memory import MemoryNodes, MemoryTier
 from resurgo.manager.saving import plain_metrics
 from resurgo.manager.tier_copy import TierCopies
 from resurgo.manager.tiers import Tier
@@ -157,10 +153,10 @@ class CheckpointManager:
         self._guard = guard
         self._io_threads = io_threads
         self._rank, self._world_size = agreement.world()
+        self._restorer = Restorer(self._roots, self._memory, self._rank)
         self._janitor = Janitor()
         self._copies = TierCopies(self.tiers, self._roots, self._janitor, self._memory)
         self._pending: AsyncSaveHandle | None = None
-        self._refill: Refill | None = None  # a restore's re-replication to nodes that lacked files
         self._pending_step: int | None = None
         self._on_commit = on_commit
         self._latest_committed: int | None = None  # written by the committing thread: one int, atomic
@@ -276,115 +272,7 @@ class CheckpointManager:
         """
         self._check_open()
         with liveness.operation("restore", self.root):  # what the others name if this rank falls silent
-            return self._restore(state, step, strict)
-
-    def _restore(self, state: Any, step: int | None, strict: bool) -> int | None:
-        if self._memory is not None:
-            restored = self._restore_from_memory(state, step, strict)
-            if restored is not None:
-                return restored
-        def choose() -> tuple[None, list[tuple[int, int]] | None]:
-            """Rank 0's candidates (its refusal of ``step``, raised on every rank, unless the ranks'
-            arguments differ: that is raised first)."""
-            mine = None
-            faults.point("manager.restore")
-            if self._rank == 0:
-                mine = self._explicit_candidates(step) if step is not None else self._restore_candidates()
-            return None, mine
-
-        names, call = call_note(step=step, strict=strict)
-        _, notes = dist_comm.current("control").agree_noting(
-            choose, call, lambda calls: check_same("restore", str(self.root), names, calls))
-        candidates = notes[0]
-        assert candidates is not None
-        failures = []
-        for s, tier in candidates:
-            path = self.path_for(s, tier)
-            outcome, error = try_load(state, path, s, strict, self._roots[tier].storage_options)
-            (outcome,) = agreement.max_over_ranks([outcome])
-            if outcome == OK:
-                self._restored(path, s, tier)
-                return s
-            if error is None:  # it loaded here, not on another rank
-                error = CorruptCheckpointError(f"{path}: could not be restored on another rank (see its error)")
-            if outcome == FATAL or (step is not None and (s, tier) == candidates[-1]):
-                raise error
-            warnings.warn(f"resurgo: not restoring {path}: {error}; trying an older checkpoint, this one is left "
-                          f"in place", stacklevel=3)
-            if tier == 0:
-                self._unreadable_steps.add(s)
-            failures.append(s)
-        if not candidates:
-            return None
-        raise CorruptCheckpointError(
-            f"{self.root}: none of the committed checkpoints could be restored (steps {failures}; the warnings say "
-            "why). Repair or remove them (`resurgo verify`, `resurgo gc`), or start without restore.")
-
-    def _restore_from_memory(self, state: Any, step: int | None, strict: bool) -> int | None:
-        """Restore the newest step (or ``step``) the nodes' memory can rebuild: each node first
-        receives the files it lacks from a peer, then every rank loads from its own node's root.
-        None when memory holds no such step, or it cannot be loaded (warned): the durable tiers
-        are tried next."""
-        assert self._memory is not None
-        comm = dist_comm.current("control")
-        inflight.settle("wait")  # an earlier restore's re-replication writes the same directories
-        try:
-            rebuild = self._memory.rebuild(comm, step)
-            if rebuild is None:
-                log.info("no step%s complete in the nodes' memory: trying the durable tiers",
-                         "" if step is None else f" {step}")
-                return None
-            peers = self._memory.open_for_load(comm, rebuild)
-        except UNREADABLE as e:
-            warnings.warn(f"resurgo: not restoring from memory ({self._memory.root}): {e}; trying the durable "
-                          "tiers", stacklevel=4)
-            return None
-        s, path = rebuild.step, self.path_for(rebuild.step)
-        outcome, error = try_load(state, path, s, strict, None, peers)
-        (outcome,) = agreement.max_over_ranks([outcome])
-        if outcome == OK:
-            self._restored(path, s, 0)
-            # The nodes that lacked files get them after the restore returns, before the next save.
-            self._refill = self._memory.refill(dist_comm.current(), rebuild)
-            if self._refill is not None:
-                inflight.register(self._refill)
-            return s
-        if error is None:
-            error = CorruptCheckpointError(f"{path}: could not be restored on another rank (see its error)")
-        if outcome == FATAL:
-            raise error
-        warnings.warn(f"resurgo: not restoring {path} from memory: {error}; trying the durable tiers", stacklevel=4)
-        self._unreadable_steps.add(s)
-        return None
-
-    def _durable(self, tier: int) -> bool:
-        """Whether restore looks in ``tier`` by listing it (a memory tier is asked collectively)."""
-        return not (tier == 0 and self._memory is not None)
-
-    def _explicit_candidates(self, step: int) -> list[tuple[int, int]]:
-        """``step`` in each tier that holds it committed, the fast tier first (else the fast tier's
-        path, whose load then names what is wrong)."""
-        found = [(step, i) for i, store in enumerate(self._roots)
-                 if self._durable(i) and (e := classify(store, step)) is not None and e.status == COMMITTED]
-        return found or [(step, 0 if self._durable(0) else len(self._roots) - 1)]
-
-    def _restore_candidates(self) -> list[tuple[int, int]]:
-        """Committed (step, tier) pairs, newest step first and, for one step, the fast tier first;
-        warns about each incomplete or corrupt checkpoint."""
-        candidates = []
-        for tier, store in enumerate(self._roots):
-            if not self._durable(tier):
-                continue
-            for entry in scan(store):
-                assert entry.step is not None
-                if entry.status == COMMITTED:
-                    candidates.append((entry.step, tier))
-                elif entry.status in (INCOMPLETE, CORRUPT):
-                    if entry.status == CORRUPT and tier == 0:
-                        self._unreadable_steps.add(entry.step)
-                    warnings.warn(f"resurgo: not restoring {entry.location}: {entry.status}: {entry.detail}; left "
-                                  "in place (see `resurgo ls`, remove with `resurgo gc`)", stacklevel=3)
-        return sorted(candidates, key=lambda c: (-c[0], c[1]))
+            return self._restorer.restore(state, step, strict, self._unreadable_steps, self._restored)
 
     def _restored(self, path: Path | str, step: int, tier: int) -> None:
         self._last_save_step = step
@@ -634,9 +522,7 @@ class CheckpointManager:
     def wait(self) -> None:
         """Block until the save in flight is committed (raising its error), deletions are done,
         and a restore's re-replication to nodes that came back empty is done."""
-        if self._refill is not None:
-            self._refill.wait()
-            self._refill = None
+        self._restorer.wait_refill()
         try:
             self._wait_commit()
             self._janitor.join()
