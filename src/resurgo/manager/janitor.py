@@ -4,12 +4,13 @@ the staging leftovers (interrupted saves, copies and deletions) a root holds whe
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import deque
 from collections.abc import Callable
 
-from resurgo.manager.catalog import Entry, remove
+from resurgo.manager.catalog import INCOMPLETE, TEMPORARY, Entry, remove, scan
 from resurgo.storage.base import Root
 
 log = logging.getLogger("resurgo.manager")
@@ -60,6 +61,14 @@ class Janitor:
         with self._lock:
             errors, self._errors = self._errors, []
         return errors
+
+    def clear_leftovers(self, store: Root) -> None:
+        """Queue the removal of what an interrupted save, copy or deletion left in ``store`` (where
+        saves write in place: a checkpoint without manifest; one job per root, so none is still
+        running)."""
+        for entry in scan(store):
+            if entry.status == TEMPORARY or (entry.status == INCOMPLETE and store.saves_in_place):
+                self.submit(functools.partial(remove_leftover, store, entry))
 
 
 def remove_leftover(store: Root, entry: Entry) -> None:

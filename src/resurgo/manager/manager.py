@@ -10,7 +10,6 @@ manager removes temporary directories it finds there when it starts.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
@@ -22,48 +21,22 @@ from pathlib import Path
 from typing import Any
 
 from resurgo.api import DEFAULT_IO_THREADS, AsyncSaveHandle, async_save, read_manifest, save
-from resurgo.errors import (
-    CheckpointExistsError,
-    ForeignFilesError,
-    ResurgoWarning,
-)
+from resurgo.errors import CheckpointExistsError, ForeignFilesError, ResurgoWarning
 from resurgo.dist import comm as dist_comm
 from resurgo.dist import liveness
 from resurgo.manager import agreement
-from resurgo.manager.catalog import (
-    COMMITTED,
-    INCOMPLETE,
-    TEMPORARY,
-    checkpoint_name,
-    classify,
-    remove,
-    scan,
-)
-from resurgo.manager.config import MTBF_ENV, compose_tiers, mtbf_from
-from resurgo.manager.daly import daly_interval
+from resurgo.manager.catalog import COMMITTED, INCOMPLETE, checkpoint_name, classify, remove, scan
 from resurgo.manager.chain import IncrementalChain, full_save_policy
+from resurgo.manager.config import MTBF_ENV, compose_policy, compose_retention, compose_tiers, describe_retention
+from resurgo.manager.daly import daly_interval
 from resurgo.manager.full_policy import FullSavePolicy
-from resurgo.manager.janitor import Janitor, remove_leftover
+from resurgo.manager.janitor import Janitor
+from resurgo.manager.memory import MemoryNodes, MemoryTier
+from resurgo.manager.policies import SaveContext, SavePolicy
 from resurgo.manager.preemption import Preemption
 from resurgo.manager.prune import prune
-from resurgo.manager.policies import (
-    AnyOf,
-    AtSteps,
-    DalyInterval,
-    EveryNSteps,
-    EverySeconds,
-    SaveContext,
-    SavePolicy,
-)
 from resurgo.manager.restore import Restorer
-from resurgo.manager.retention import (
-    KeepAny,
-    KeepLast,
-    RetentionPolicy,
-    policy_spec,
-    shortcut_policy,
-)
-from resurgo.manager.memory import MemoryNodes, MemoryTier
+from resurgo.manager.retention import RetentionPolicy
 from resurgo.manager.saving import plain_metrics
 from resurgo.manager.tier_copy import TierCopies
 from resurgo.manager.tiers import Tier
@@ -141,13 +114,9 @@ class CheckpointManager:
                                    else open_root(t.root, t.storage_options) for i, t in enumerate(self.tiers)]
         self._store: Root = self._roots[0]
         self.root: Path | str = self._store.path
-        if keep_last is None and self.tiers[0].keep_last is not None:
-            keep_last = self.tiers[0].keep_last
-        self.save_policy = self._compose_policy(policy, every_steps, every_seconds, at_steps, interval, mtbf)
-        shortcuts = shortcut_policy(keep_last, keep_every, keep_best)
-        parts = [p for p in (retention, shortcuts) if p is not None]
-        self.retention: RetentionPolicy | None = parts[0] if len(parts) == 1 else KeepAny(*parts) if parts else None
-        self._retention_record = self._describe_retention()
+        self.save_policy, self._daly = compose_policy(policy, every_steps, every_seconds, at_steps, interval, mtbf)
+        self.retention = compose_retention(retention, keep_last, keep_every, keep_best, self.tiers[0])
+        self._retention_record = describe_retention(self.retention, self.tiers, self._roots)
         self._chain = IncrementalChain(full_save_policy(incremental, self._memory is not None))
         self.async_save = bool(async_save)
         self._guard = guard
@@ -169,13 +138,8 @@ class CheckpointManager:
         self._closed = False
         self._preemption = Preemption(tuple(signals))
         for tier, store in enumerate(self._roots):
-            if not self._cleans(tier):
-                continue
-            for entry in scan(store):
-                # Of a save, copy or deletion that was interrupted (where saves write in place:
-                # a checkpoint without manifest; one job per root, so none is still running).
-                if entry.status == TEMPORARY or (entry.status == INCOMPLETE and store.saves_in_place):
-                    self._janitor.submit(functools.partial(remove_leftover, store, entry))
+            if self._cleans(tier):
+                self._janitor.clear_leftovers(store)
 
     def _cleans(self, tier: int) -> bool:
         """Whether this rank removes leftovers and applies retention in ``tier``: rank 0, or in a
@@ -183,38 +147,6 @@ class CheckpointManager:
         if tier == 0 and self._memory is not None:
             return self._memory.is_leader
         return self._rank == 0
-
-    # -- configuration ----------------------------------------------------------------------------
-    def _describe_retention(self) -> dict[str, Any]:
-        """What each checkpoint's save_info records of the retention rules, for `resurgo gc`. The
-        copies in durable tiers are byte copies, so every tier's rules are recorded with its root."""
-        record: dict[str, Any] = {"retention": policy_spec(self.retention)}
-        if len(self.tiers) > 1:
-            record["tiers"] = [{"root": store.name, "retention": policy_spec(self.retention) if i == 0 else
-                                policy_spec(KeepLast(t.keep_last) if t.keep_last is not None else None)}
-                               for i, (store, t) in enumerate(zip(self._roots, self.tiers))]
-        return record
-
-    def _compose_policy(self, policy: SavePolicy | None, every_steps: int | None, every_seconds: float | None,
-                        at_steps: Iterable[int] | None, interval: str | None, mtbf: float | None) -> SavePolicy | None:
-        parts: list[SavePolicy] = [policy] if policy is not None else []
-        if every_steps is not None:
-            parts.append(EveryNSteps(every_steps))
-        if every_seconds is not None:
-            parts.append(EverySeconds(every_seconds))
-        if at_steps is not None:
-            parts.append(AtSteps(at_steps))
-        self._daly: DalyInterval | None = None
-        if interval is not None:
-            if interval != "auto":
-                raise ValueError(f"interval must be 'auto' or None, not {interval!r} (for a fixed time use every_seconds=)")
-            self._daly = DalyInterval(mtbf_from(mtbf))
-            parts.append(self._daly)
-        elif mtbf is not None:
-            raise ValueError("mtbf= is used with interval='auto' only")
-        if not parts:
-            return None  # saves happen on preemption and by save() only
-        return parts[0] if len(parts) == 1 else AnyOf(*parts)
 
     # -- public state -----------------------------------------------------------------------------
     @property
