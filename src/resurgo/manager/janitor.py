@@ -1,5 +1,6 @@
-"""The manager's janitor: one background thread for deletions and tier copies, and the removal of
-the staging leftovers (interrupted saves, copies and deletions) a root holds when a manager starts.
+"""The manager's janitor: one background thread for deletions and tier copies, the removal of the
+staging leftovers (interrupted saves, copies and deletions) a root holds when a manager starts,
+and the warning of the deletions' errors, the same on every rank.
 """
 
 from __future__ import annotations
@@ -7,9 +8,12 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import warnings
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 
+from resurgo.errors import ResurgoWarning
 from resurgo.manager.catalog import INCOMPLETE, TEMPORARY, Entry, remove, scan
 from resurgo.storage.base import Root
 
@@ -74,3 +78,35 @@ class Janitor:
 def remove_leftover(store: Root, entry: Entry) -> None:
     log.info("removing leftover %s", entry.location)
     remove(store, entry.name)
+
+
+class DeletionErrors:
+    """The errors of ``janitor``'s jobs (deletions: retention runs on one rank per root), warned
+    once as one ResurgoWarning, the same text on every rank."""
+
+    def __init__(self, janitor: Janitor, root: Path | str, world_size: int) -> None:
+        self._janitor, self._root, self._world_size = janitor, root, world_size
+        self._errors: list[str] = []  # warned on every rank by the next agreement
+
+    def reap(self, now: bool = False) -> None:
+        """Take the janitor's errors. Alone, or ``now`` (closing: no collective left to agree
+        them in), warn them here; else every rank warns them alike once the next agreement has
+        gathered them (:meth:`take`, then :meth:`warn`)."""
+        self._errors += [f"{type(e).__name__}: {e}" for e in self._janitor.take_errors()]
+        if now or self._world_size == 1:
+            self.warn([list(self._errors)], stacklevel=4)
+            self._errors.clear()
+
+    def take(self) -> list[str]:
+        """This rank's errors not yet warned, for an agreement to gather."""
+        errors, self._errors = self._errors, []
+        return errors
+
+    def warn(self, errors: list[list[str]], stacklevel: int) -> None:
+        """One ResurgoWarning for every rank's deletion errors (the same text on every rank)."""
+        lines = [f"{'' if len(errors) == 1 else f'rank {r}: '}{e}" for r, es in enumerate(errors) for e in es]
+        if lines:
+            warnings.warn(f"resurgo: retention in {self._root} could not delete everything it chose ({'; '.join(lines)}); "
+                          "the checkpoints saved are committed and what was not deleted stays in place (retention "
+                          "tries again after the next commit, `resurgo gc` removes it by hand); should_stop is not set",
+                          ResurgoWarning, stacklevel=stacklevel)

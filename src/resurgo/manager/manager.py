@@ -21,23 +21,22 @@ from pathlib import Path
 from typing import Any
 
 from resurgo.api import DEFAULT_IO_THREADS, AsyncSaveHandle, async_save, read_manifest, save
-from resurgo.errors import CheckpointExistsError, ForeignFilesError, ResurgoWarning
 from resurgo.dist import comm as dist_comm
 from resurgo.dist import liveness
 from resurgo.manager import agreement
-from resurgo.manager.catalog import COMMITTED, INCOMPLETE, checkpoint_name, classify, remove, scan
+from resurgo.manager.catalog import COMMITTED, checkpoint_name, scan
 from resurgo.manager.chain import IncrementalChain, full_save_policy
 from resurgo.manager.config import MTBF_ENV, compose_policy, compose_retention, compose_tiers, describe_retention
 from resurgo.manager.daly import daly_interval
 from resurgo.manager.full_policy import FullSavePolicy
-from resurgo.manager.janitor import Janitor
+from resurgo.manager.janitor import DeletionErrors, Janitor
 from resurgo.manager.memory import MemoryNodes, MemoryTier
 from resurgo.manager.policies import SaveContext, SavePolicy
 from resurgo.manager.preemption import Preemption
 from resurgo.manager.prune import prune
 from resurgo.manager.restore import Restorer
 from resurgo.manager.retention import RetentionPolicy
-from resurgo.manager.saving import plain_metrics
+from resurgo.manager.saving import make_way, plain_metrics
 from resurgo.manager.tier_copy import TierCopies
 from resurgo.manager.tiers import Tier
 from resurgo.pipeline import inflight
@@ -134,7 +133,7 @@ class CheckpointManager:
         self._save_cost: float | None = None
         self._should_stop = False
         self._unreadable_steps: set[int] = set()  # found corrupt by restore: never counted by retention
-        self._deletion_errors: list[str] = []  # warned on every rank by the next agreement
+        self._deletions = DeletionErrors(self._janitor, self.root, self._world_size)
         self._closed = False
         self._preemption = Preemption(tuple(signals))
         for tier, store in enumerate(self._roots):
@@ -222,7 +221,7 @@ class CheckpointManager:
         """Save if the policy says so, or a preemption is pending (then also wait for the commit
         and set ``should_stop``). True when a save was started. Every rank calls it."""
         self._check_open()
-        self._reap()
+        self._deletions.reap()
         ctx = SaveContext(step=step, now=time.monotonic(), last_save_step=self._last_save_step,
                           last_save_time=self._last_save_time, preempted=self._preemption.requested,
                           save_cost=self._save_cost)
@@ -245,7 +244,7 @@ class CheckpointManager:
     def save(self, step: int, state: Any, metrics: Mapping[str, Any] | None = None) -> None:
         """Save now, whatever the policy (asynchronously unless ``async_save=False``)."""
         self._check_open()
-        self._reap()
+        self._deletions.reap()
         self._agree_on_background([])
         self._save(step, state, metrics)
 
@@ -255,7 +254,7 @@ class CheckpointManager:
         metadata = {"metrics": plain_metrics(metrics)}  # the state's; the save's own figures go apart
         save_info = {"save_cost_seconds": self._save_cost, **self._retention_record}
         self._wait_commit()  # the previous save: its error is raised here, its retention starts
-        overwrite = self._make_way(path, step)
+        overwrite = make_way(self._store, path, step, self._rank, self._janitor)
         base = self._chain.choose_base(step, self.path_for, self._store.storage_options, self._unreadable_steps)
         chain = self._chain.begin(base)
         if chain is not None:
@@ -307,35 +306,6 @@ class CheckpointManager:
         self._announce_commit(step, path)
         self._committed(step)
 
-    def _make_way(self, path: Path | str, step: int) -> bool:
-        """Whether the save must replace something already at ``path`` (it warns what). Something
-        resurgo cannot prove it wrote is not warned about: the save's staging refuses it, on every
-        rank (ForeignFilesError), before anything is written."""
-        if classify(self._store, step) is None:
-            return False
-        self._janitor.join()  # no deletion of this very path may still be running
-        entry = classify(self._store, step)
-        if entry is None:
-            return False
-        users = [e.location for e in scan(self._store) if e.status == COMMITTED and entry.name in e.referenced]
-        if users:
-            raise CheckpointExistsError(
-                f"{path}: step {step} is already saved, and {users[0]}" + (f" (and {len(users) - 1} more)" if len(users) > 1 else "")
-                + " references its data files: replacing it would break them. Delete the later checkpoints "
-                "(resurgo gc --keep-last, or by hand) or save to another root")
-        try:
-            remove(self._store, entry.name, dry_run=True)
-        except ForeignFilesError:
-            return True
-        if entry.status == INCOMPLETE and self._store.saves_in_place:
-            if self._rank == 0:  # who stages the save; a save of ours that died: its token would refuse it
-                remove(self._store, entry.name)
-            return False
-        detail = f": {entry.detail}" if entry.detail else ""
-        warnings.warn(f"resurgo: replacing {path} ({entry.status}{detail}) with a new save of step {step}; "
-                      "the replacement is atomic", stacklevel=4)
-        return True
-
     def _announce_commit(self, step: int, path: Path | str) -> None:
         """In the thread that committed ``step``: publish it, then call ``on_commit`` (warned if it raises)."""
         self._latest_committed = step
@@ -346,24 +316,6 @@ class CheckpointManager:
         except Exception as e:  # noqa: BLE001 - the checkpoint is committed whatever the callback does
             warnings.warn(f"resurgo: on_commit({step}, {str(path)!r}) raised {type(e).__name__}: {e}",
                           RuntimeWarning, stacklevel=2)
-
-    def _reap(self, now: bool = False) -> None:
-        """Take the deletions' errors (retention runs on one rank per root). Alone, or ``now``
-        (closing: no collective left to agree them in), warn them here; else every rank warns them
-        alike once the next agreement has gathered them (:meth:`_agree_on_background`)."""
-        self._deletion_errors += [f"{type(e).__name__}: {e}" for e in self._janitor.take_errors()]
-        if now or self._world_size == 1:
-            self._warn_deletions([list(self._deletion_errors)], stacklevel=4)
-            self._deletion_errors.clear()
-
-    def _warn_deletions(self, errors: list[list[str]], stacklevel: int) -> None:
-        """One ResurgoWarning for every rank's deletion errors (the same text on every rank)."""
-        lines = [f"{'' if len(errors) == 1 else f'rank {r}: '}{e}" for r, es in enumerate(errors) for e in es]
-        if lines:
-            warnings.warn(f"resurgo: retention in {self.root} could not delete everything it chose ({'; '.join(lines)}); "
-                          "the checkpoints saved are committed and what was not deleted stays in place (retention "
-                          "tries again after the next commit, `resurgo gc` removes it by hand); should_stop is not set",
-                          ResurgoWarning, stacklevel=stacklevel)
 
     def _background_failure(self) -> BaseException | None:
         """This rank's background failure known now: a finished asynchronous save's error, or a
@@ -387,10 +339,9 @@ class CheckpointManager:
             return None, [bool(f) for f in flags]
 
         # A deletion's error (rank-local) travels with this agreement, even from a failing rank.
-        deletions, self._deletion_errors = list(self._deletion_errors), []
         try:
             _, notes = dist_comm.current("control").agree_noting(
-                check, deletions, lambda everyone: self._warn_deletions(everyone, stacklevel=6))
+                check, self._deletions.take(), lambda everyone: self._deletions.warn(everyone, stacklevel=6))
         except BaseException:
             self._should_stop = True
             self._forget_background()
@@ -461,7 +412,7 @@ class CheckpointManager:
         except BaseException:
             self._should_stop = True
             raise
-        self._reap()
+        self._deletions.reap()
         # Every rank's copies ended (each failed on every rank, agreed): raised here without a collective.
         failures = self._copies.take_errors()
         failure = failures[0] if failures else None
@@ -477,7 +428,7 @@ class CheckpointManager:
             self.wait()
         finally:
             self._janitor.join()
-            self._reap(now=True)  # the last deletions: no later call agrees them
+            self._deletions.reap(now=True)  # the last deletions: no later call agrees them
             self._preemption.uninstall()
             self._closed = True
 
