@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from resurgo.api import DEFAULT_IO_THREADS, AsyncSaveHandle, async_save, read_manifest, save
+from resurgo.api import DEFAULT_IO_THREADS, AsyncSaveHandle, read_manifest
 from resurgo.dist import comm as dist_comm
 from resurgo.dist import liveness
 from resurgo.manager import agreement
@@ -36,13 +36,9 @@ from resurgo.manager.preemption import Preemption
 from resurgo.manager.prune import prune
 from resurgo.manager.restore import Restorer
 from resurgo.manager.retention import RetentionPolicy
-from resurgo.manager.saving import make_way, plain_metrics
+from resurgo.manager.saving import SaveSettings, make_way, plain_metrics, start_save
 from resurgo.manager.tier_copy import TierCopies
 from resurgo.manager.tiers import Tier
-from resurgo.pipeline import inflight
-from resurgo.pipeline.async_save import start_async_save
-from resurgo.pipeline.collective import NodeLocal
-from resurgo.pipeline.save import LazySources, prepare_save, write_and_commit
 from resurgo.storage.base import Root
 from resurgo.storage.open import open_root
 
@@ -261,20 +257,13 @@ class CheckpointManager:
             save_info["incremental"] = chain
         incremental = self._chain.incremental
         log.info("saving step %d to %s%s", step, path, f" (base {base})" if base is not None else "")
-        if self._memory is not None:
-            self._save_to_memory(step, state, path, metadata, save_info, overwrite)
-        elif self.async_save:
-            self._pending = async_save(state, path, step=step, metadata=metadata, save_info=save_info, overwrite=overwrite,
-                                       guard=self._guard, io_threads=self._io_threads,
-                                       storage_options=self._store.storage_options,
-                                       on_commit=lambda _report: self._announce_commit(step, path),
-                                       base=base, incremental=incremental)
-            self._pending_step = step
-            log.info("staged step %d; writing in the background", step)
+        handle = start_save(state, path, step, SaveSettings(self.async_save, self._guard, self._io_threads,
+                                                            self._store.storage_options, self._memory),
+                            metadata=metadata, save_info=save_info, overwrite=overwrite, base=base,
+                            incremental=incremental, on_commit=lambda: self._announce_commit(step, path))
+        if handle is not None:
+            self._pending, self._pending_step = handle, step
         else:
-            save(state, path, step=step, metadata=metadata, save_info=save_info, overwrite=overwrite,
-                 io_threads=self._io_threads,
-                 storage_options=self._store.storage_options, base=base, incremental=incremental)
             self._announce_commit(step, path)
             self._committed(step)
         cost = time.monotonic() - t_start  # the stall of an async save, the whole of a sync one
@@ -283,28 +272,6 @@ class CheckpointManager:
         self._last_save_step = step
         self._last_save_time = time.monotonic()
         self._unreadable_steps.discard(step)
-
-    def _save_to_memory(self, step: int, state: Any, path: Path | str, metadata: dict, save_info: dict,
-                        overwrite: bool) -> None:
-        """Save into this node's memory root; the save replicates to other nodes before each node
-        commits (:mod:`resurgo.manager.memory`)."""
-        assert self._memory is not None
-        node: NodeLocal = self._memory.node_local(step, dist_comm.current)
-        if self.async_save:
-            self._pending = start_async_save(
-                state, path, overwrite=overwrite, allow_pickle=False, step=step, metadata=metadata,
-                io_threads=self._io_threads, block_bytes=None, storage_options=None, save_info=save_info,
-                guard=self._guard, if_busy="wait", memory_budget=None, fallback="raise",
-                on_commit=lambda _report: self._announce_commit(step, path), node_local=node)
-            self._pending_step = step
-            log.info("staged step %d; writing and replicating in the background", step)
-            return
-        inflight.settle(if_busy="wait")
-        prep = prepare_save(state, path, overwrite=overwrite, allow_pickle=False, step=step, metadata=metadata,
-                            io_threads=self._io_threads, block_bytes=None, save_info=save_info, node_local=node)
-        write_and_commit(prep, LazySources(prep.leaves))
-        self._announce_commit(step, path)
-        self._committed(step)
 
     def _announce_commit(self, step: int, path: Path | str) -> None:
         """In the thread that committed ``step``: publish it, then call ``on_commit`` (warned if it raises)."""

@@ -1,19 +1,31 @@
-"""The pieces of one save of the manager: its metrics as JSON numbers, and making way for it where
-its step is already saved (replacing what resurgo wrote, refusing what later checkpoints reference).
+"""One save of the manager into its first tier: its metrics as JSON numbers, making way for it where
+its step is already saved (replacing what resurgo wrote, refusing what later checkpoints
+reference), and the save itself, synchronous or not, into a root or the nodes' memory.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from resurgo.api import AsyncSaveHandle, async_save, save
+from resurgo.dist import comm as dist_comm
 from resurgo.errors import CheckpointExistsError, ForeignFilesError, UnsupportedValueError
 from resurgo.manager.catalog import COMMITTED, INCOMPLETE, classify, remove, scan
 from resurgo.manager.janitor import Janitor
+from resurgo.manager.memory import MemoryNodes
+from resurgo.pipeline import inflight
+from resurgo.pipeline.async_save import start_async_save
+from resurgo.pipeline.collective import NodeLocal
+from resurgo.pipeline.save import LazySources, prepare_save, write_and_commit
 from resurgo.storage.base import Root
+
+log = logging.getLogger("resurgo.manager")
 
 
 def plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float | None]:
@@ -62,3 +74,57 @@ def make_way(store: Root, path: Path | str, step: int, rank: int, janitor: Janit
     warnings.warn(f"resurgo: replacing {path} ({entry.status}{detail}) with a new save of step {step}; "
                   "the replacement is atomic", stacklevel=4)
     return True
+
+
+@dataclass(frozen=True)
+class SaveSettings:
+    """How a manager saves: asynchronously or not, with which guard and I/O threads, into a root
+    with these storage options, or into the nodes' ``memory``."""
+
+    asynchronous: bool
+    guard: Any
+    io_threads: int
+    storage_options: dict | None
+    memory: MemoryNodes | None
+
+
+def start_save(state: Any, path: Path | str, step: int, settings: SaveSettings, *, metadata: dict,
+               save_info: dict, overwrite: bool, base: Path | str | None, incremental: bool,
+               on_commit: Callable[[], None]) -> AsyncSaveHandle | None:
+    """Save ``state`` as ``step`` at ``path``: the handle of an asynchronous save (``on_commit``
+    is called in the thread that commits it), or None once a synchronous one is committed."""
+    if settings.memory is not None:
+        return _save_to_memory(state, path, step, settings, settings.memory, metadata, save_info, overwrite,
+                               on_commit)
+    if settings.asynchronous:
+        handle = async_save(state, path, step=step, metadata=metadata, save_info=save_info, overwrite=overwrite,
+                            guard=settings.guard, io_threads=settings.io_threads,
+                            storage_options=settings.storage_options,
+                            on_commit=lambda _report: on_commit(), base=base, incremental=incremental)
+        log.info("staged step %d; writing in the background", step)
+        return handle
+    save(state, path, step=step, metadata=metadata, save_info=save_info, overwrite=overwrite,
+         io_threads=settings.io_threads, storage_options=settings.storage_options, base=base,
+         incremental=incremental)
+    return None
+
+
+def _save_to_memory(state: Any, path: Path | str, step: int, settings: SaveSettings, memory: MemoryNodes,
+                    metadata: dict, save_info: dict, overwrite: bool,
+                    on_commit: Callable[[], None]) -> AsyncSaveHandle | None:
+    """Save into this node's memory root; the save replicates to other nodes before each node
+    commits (:mod:`resurgo.manager.memory`)."""
+    node: NodeLocal = memory.node_local(step, dist_comm.current)
+    if settings.asynchronous:
+        handle = start_async_save(
+            state, path, overwrite=overwrite, allow_pickle=False, step=step, metadata=metadata,
+            io_threads=settings.io_threads, block_bytes=None, storage_options=None, save_info=save_info,
+            guard=settings.guard, if_busy="wait", memory_budget=None, fallback="raise",
+            on_commit=lambda _report: on_commit(), node_local=node)
+        log.info("staged step %d; writing and replicating in the background", step)
+        return handle
+    inflight.settle(if_busy="wait")
+    prep = prepare_save(state, path, overwrite=overwrite, allow_pickle=False, step=step, metadata=metadata,
+                        io_threads=settings.io_threads, block_bytes=None, save_info=save_info, node_local=node)
+    write_and_commit(prep, LazySources(prep.leaves))
+    return None
