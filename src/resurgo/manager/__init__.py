@@ -1,4 +1,5 @@
-"""The checkpoint manager: save policies, retention, restore, preemption (see ``manager.py``).
+"""The checkpoint manager: save policies, retention, restore, tiers, preemption (``manager.py``
+orchestrates; its docstring lists the module of each concern).
 
 ``CheckpointManager``, ``Tier``, ``MemoryTier`` and ``daly_interval`` are also exported by the ``resurgo`` package.
 """

@@ -1,13 +1,24 @@
-"""CheckpointManager: when to save, what to keep, what to restore, and what to do on preemption.
+"""CheckpointManager: the orchestration of when to save, what to keep, what to restore, and what
+to do on preemption.
 
 The manager owns one root directory of checkpoints named by step (see
-:mod:`resurgo.manager.catalog`). It composes the pieces of this package: save policies decide at
-each ``maybe_save``, retention policies choose what to delete after each commit, deletions run
-in a background thread and are crash-safe (:meth:`resurgo.storage.base.Root.remove`), and in a multi-rank
-job the ranks agree on every decision (:mod:`resurgo.manager.agreement`). One job per root: the
-manager removes temporary directories it finds there when it starts.
-"""
+:mod:`resurgo.manager.catalog`), or one per tier. It holds the order of events and the state
+between calls; each concern is a module of this package:
 
+- :mod:`~resurgo.manager.config`: the keyword arguments composed into tiers and policies;
+- :mod:`~resurgo.manager.saving`: one save (making way for it, the save paths);
+- :mod:`~resurgo.manager.chain`: the incremental chain (the base of the next save);
+- :mod:`~resurgo.manager.restore`: which checkpoint to restore, loaded on every rank;
+- :mod:`~resurgo.manager.prune`: retention applied to a root;
+- :mod:`~resurgo.manager.tier_copy`: copies to the durable tiers;
+- :mod:`~resurgo.manager.janitor`: the background thread, leftovers and deletion errors;
+- :mod:`~resurgo.manager.preemption`: the signal handlers.
+
+Deletions and copies run in the janitor thread and are crash-safe
+(:meth:`resurgo.storage.base.Root.remove`); in a multi-rank job the ranks agree on every decision
+(:mod:`resurgo.manager.agreement`), and a background failure is raised on every rank by the next
+call. One job per root: the manager removes temporary directories it finds there when it starts.
+"""
 from __future__ import annotations
 
 import logging
@@ -349,7 +360,7 @@ class CheckpointManager:
             unreadable = frozenset(self._unreadable_steps)
             self._janitor.submit(lambda: self._retain(step, unreadable))
 
-    # -- background clean-up and copies (janitor thread) -------------------------------------------
+    # -- retention (janitor thread) ---------------------------------------------------------------
     def _retain(self, just_committed: int, unreadable: frozenset[int]) -> None:
         """The first tier's retention, named "retention" to the other ranks should this one fall
         silent in it (a deletion stuck on storage)."""
