@@ -16,7 +16,7 @@ import pytest
 MANAGER = Path(__file__).resolve().parents[1] / "src" / "resurgo" / "manager"
 MODULES = sorted(MANAGER.glob("*.py"))
 MAX_FUNCTION_LINES = 80
-MAX_ORCHESTRATION_LINES = 450  # manager.py: the CheckpointManager class and its docstring
+MAX_ORCHESTRATION_LINES = 500  # manager.py: the CheckpointManager class and its docstring
 
 
 def functions(tree: ast.AST) -> list[tuple[str, int]]:
