@@ -344,7 +344,7 @@ def retention_failures(rank: int, world: int, tmp: str) -> dict:
     import warnings
 
     from resurgo.manager import CheckpointManager
-    from resurgo.manager import manager as manager_module
+    from resurgo.manager import prune as prune_module
     from resurgo.manager.catalog import checkpoint_name
 
     root = Path(tmp)
@@ -369,13 +369,13 @@ def retention_failures(rank: int, world: int, tmp: str) -> dict:
     mgr._janitor.join()
     if rank == 0:
         (root / checkpoint_name(1) / "notes.txt").unlink()
-        real = manager_module.remove
+        real = prune_module.remove
 
         def failing(store, name, **options):
-            manager_module.remove = real  # once
+            prune_module.remove = real  # once
             raise OSError(errno.EIO, "Input/output error", name)
 
-        manager_module.remove = failing
+        prune_module.remove = failing
     mgr.save(4, st)  # the warning of step 3's retention (step 1 still refused) is raised here
     mgr._janitor.join()
     call("oserror", lambda: mgr.maybe_save(5, st))  # no policy: nothing saved, the outcome agreed

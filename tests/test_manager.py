@@ -348,7 +348,7 @@ def test_sigterm_saves_at_the_next_maybe_save_whatever_the_policy_and_sets_shoul
         assert committed_steps(tmp_path) == [8]  # committed before maybe_save returned
         assert mgr.maybe_save(9, state_at(9)) is False  # the flag was consumed
         mgr.close()
-        assert signal.getsignal(signal.SIGTERM) is not mgr._on_signal
+        assert signal.getsignal(signal.SIGTERM) != mgr._preemption.on_signal
         os.kill(os.getpid(), signal.SIGTERM)
         assert calls == [signal.SIGTERM] * 2  # our handler is gone, the previous one is back
     finally:

@@ -1,11 +1,13 @@
-"""The checkpoint manager: save policies, retention, restore, preemption (see ``manager.py``).
+"""The checkpoint manager: save policies, retention, restore, tiers, preemption (``manager.py``
+orchestrates; its docstring lists the module of each concern).
 
 ``CheckpointManager``, ``Tier``, ``MemoryTier`` and ``daly_interval`` are also exported by the ``resurgo`` package.
 """
 
 from resurgo.manager.daly import daly_interval
 from resurgo.manager.full_policy import FullEvery, FullSavePolicy, IncrementalContext
-from resurgo.manager.manager import MTBF_ENV, CheckpointManager
+from resurgo.manager.config import MTBF_ENV
+from resurgo.manager.manager import CheckpointManager
 from resurgo.manager.memory import MemoryTier
 from resurgo.manager.policies import (
     AllOf,

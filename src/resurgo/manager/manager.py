@@ -1,185 +1,63 @@
-"""CheckpointManager: when to save, what to keep, what to restore, and what to do on preemption.
+"""CheckpointManager: the orchestration of when to save, what to keep, what to restore, and what
+to do on preemption.
 
 The manager owns one root directory of checkpoints named by step (see
-:mod:`resurgo.manager.catalog`). It composes the pieces of this package: save policies decide at
-each ``maybe_save``, retention policies choose what to delete after each commit, deletions run
-in a background thread and are crash-safe (:meth:`resurgo.storage.base.Root.remove`), and in a multi-rank
-job the ranks agree on every decision (:mod:`resurgo.manager.agreement`). One job per root: the
-manager removes temporary directories it finds there when it starts.
-"""
+:mod:`resurgo.manager.catalog`), or one per tier. It holds the order of events and the state
+between calls; each concern is a module of this package:
 
+- :mod:`~resurgo.manager.config`: the keyword arguments composed into tiers and policies;
+- :mod:`~resurgo.manager.saving`: one save (making way for it, the save paths);
+- :mod:`~resurgo.manager.chain`: the incremental chain (the base of the next save);
+- :mod:`~resurgo.manager.restore`: which checkpoint to restore, loaded on every rank;
+- :mod:`~resurgo.manager.prune`: retention applied to a root;
+- :mod:`~resurgo.manager.tier_copy`: copies to the durable tiers;
+- :mod:`~resurgo.manager.janitor`: the background thread, leftovers and deletion errors;
+- :mod:`~resurgo.manager.preemption`: the signal handlers.
+
+Deletions and copies run in the janitor thread and are crash-safe
+(:meth:`resurgo.storage.base.Root.remove`); in a multi-rank job the ranks agree on every decision
+(:mod:`resurgo.manager.agreement`), and a background failure is raised on every rank by the next
+call. One job per root: the manager removes temporary directories it finds there when it starts.
+"""
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
 import signal
-import threading
 import time
 import warnings
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
-from resurgo.api import DEFAULT_IO_THREADS, AsyncSaveHandle, async_save, load, read_manifest, save
-from resurgo.errors import (
-    CheckpointExistsError,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    ForeignFilesError,
-    ManifestError,
-    NotACheckpointError,
-    ResurgoError,
-    ResurgoWarning,
-    StorageError,
-    UnsupportedValueError,
-)
-from resurgo import faults
+from resurgo.api import DEFAULT_IO_THREADS, AsyncSaveHandle, read_manifest
 from resurgo.dist import comm as dist_comm
 from resurgo.dist import liveness
-from resurgo.dist.call import call_note, check_same
-from resurgo.format.manifest import declared_files
 from resurgo.manager import agreement
-from resurgo.manager.catalog import (
-    COMMITTED,
-    CORRUPT,
-    INCOMPLETE,
-    TEMPORARY,
-    Entry,
-    checkpoint_name,
-    classify,
-    references_by_step,
-    remove,
-    scan,
-)
+from resurgo.manager.catalog import COMMITTED, checkpoint_name, scan
+from resurgo.manager.chain import IncrementalChain, full_save_policy
+from resurgo.manager.config import MTBF_ENV, compose_policy, compose_retention, compose_tiers, describe_retention
 from resurgo.manager.daly import daly_interval
-from resurgo.manager.full_policy import FullEvery, FullSavePolicy, IncrementalContext
-from resurgo.manager.policies import (
-    AnyOf,
-    AtSteps,
-    DalyInterval,
-    EveryNSteps,
-    EverySeconds,
-    SaveContext,
-    SavePolicy,
-)
-from resurgo.manager.retention import (
-    KeepAny,
-    KeepLast,
-    Kept,
-    RetentionPolicy,
-    policy_spec,
-    referencing,
-    shortcut_policy,
-    steps_to_delete,
-)
-from resurgo.manager.memory import MemoryNodes, MemoryTier, Refill
+from resurgo.manager.full_policy import FullSavePolicy
+from resurgo.manager.janitor import DeletionErrors, Janitor
+from resurgo.manager.memory import MemoryNodes, MemoryTier
+from resurgo.manager.policies import SaveContext, SavePolicy
+from resurgo.manager.preemption import Preemption
+from resurgo.manager.prune import prune
+from resurgo.manager.restore import Restorer
+from resurgo.manager.retention import RetentionPolicy
+from resurgo.manager.saving import SaveSettings, make_way, plain_metrics, start_save
+from resurgo.manager.tier_copy import TierCopies
 from resurgo.manager.tiers import Tier
-from resurgo.pipeline import inflight
-from resurgo.pipeline.async_save import start_async_save
-from resurgo.pipeline.collective import NodeLocal
-from resurgo.pipeline.save import LazySources, prepare_save, write_and_commit
-from resurgo.pipeline.copy import copy_checkpoint, data_files, share_of
-from resurgo.pipeline.load import restore as restore_into
-from resurgo.pipeline.peer_read import PeerFiles
-from resurgo.pipeline.manifest_read import read_manifest_of
-from resurgo.pipeline.verify import verify_checkpoint
-from resurgo.pipeline.save import read_base_manifest
 from resurgo.storage.base import Root
-from resurgo.storage.open import open_checkpoint, open_root
+from resurgo.storage.open import open_root
+
+__all__ = ["CheckpointManager", "MTBF_ENV"]
 
 log = logging.getLogger("resurgo.manager")
 
-MTBF_ENV = "RESURGO_MTBF_SECONDS"
 COST_SMOOTHING = 0.3  # weight of the newest measurement in the running estimate of δ
-
-# A checkpoint that cannot be read: restore tries an older one. Any other error (the caller's
-# state has other keys, dtypes or shapes) is the caller's to fix and is raised at once.
-_UNREADABLE = (NotACheckpointError, ManifestError, CorruptCheckpointError, CheckpointNotFoundError, StorageError)
-_OK, _UNREADABLE_HERE, _FATAL = 0, 1, 2
-
-
-class _Janitor:
-    """Runs jobs one after another in a background thread that lives only while there is work.
-
-    Not a daemon: an interpreter exiting normally finishes the deletions it started (they are
-    crash-safe anyway). Errors are kept for the owner's thread to report.
-    """
-
-    def __init__(self) -> None:
-        self._jobs: deque[Callable[[], None]] = deque()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._errors: list[BaseException] = []
-
-    def submit(self, job: Callable[[], None]) -> None:
-        with self._lock:
-            self._jobs.append(job)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="resurgo-manager-janitor", daemon=False)
-                self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                if not self._jobs:
-                    self._thread = None
-                    return
-                job = self._jobs.popleft()
-            try:
-                job()
-            except Exception as e:  # noqa: BLE001 - reported by the owner's next call
-                with self._lock:
-                    self._errors.append(e)
-
-    def join(self) -> None:
-        while True:
-            with self._lock:
-                thread = self._thread
-            if thread is None:
-                return
-            thread.join()
-
-    def take_errors(self) -> list[BaseException]:
-        with self._lock:
-            errors, self._errors = self._errors, []
-        return errors
-
-
-def _plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float | None]:
-    """Metrics as JSON numbers (0-d tensors and numpy scalars too); NaN and inf become None."""
-    if metrics is None:
-        return {}
-    if not isinstance(metrics, Mapping):
-        raise UnsupportedValueError(f"metrics must be a mapping of names to numbers, not {type(metrics).__name__}")
-    out: dict[str, float | None] = {}
-    for name, value in metrics.items():
-        if not isinstance(name, str):
-            raise UnsupportedValueError(f"metrics: names must be str, not {name!r}")
-        try:
-            number = float(value.item() if hasattr(value, "item") else value)
-        except (TypeError, ValueError, RuntimeError):
-            raise UnsupportedValueError(f"metrics[{name!r}]: expected a number, got {type(value).__name__}") from None
-        out[name] = number if math.isfinite(number) else None
-    return out
-
-
-def _mtbf_from(mtbf: float | None) -> float:
-    if mtbf is not None:
-        return mtbf
-    raw = os.environ.get(MTBF_ENV)
-    if raw is None:
-        raise ValueError(f"interval='auto' needs the mean time between failures: pass mtbf= (seconds) or set {MTBF_ENV}")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{MTBF_ENV}={raw!r} is not a number of seconds") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{MTBF_ENV}={raw!r}: must be a positive number of seconds")
-    return value
 
 
 class CheckpointManager:
@@ -234,7 +112,7 @@ class CheckpointManager:
                  incremental: bool | FullSavePolicy = False, collective_timeout: float | None = None) -> None:
         if collective_timeout is not None:  # before the first collective: the groups take it too
             liveness.set_collective_timeout(collective_timeout)
-        self.tiers: list[Any] = self._compose_tiers(root, storage_options, tiers)
+        self.tiers: list[Any] = compose_tiers(root, storage_options, tiers)
         # Made collectively over the control channel, in the same order on every rank.
         self._memory = MemoryNodes(self.tiers[0], dist_comm.current("control")) if isinstance(
             self.tiers[0], MemoryTier) else None
@@ -242,59 +120,32 @@ class CheckpointManager:
                                    else open_root(t.root, t.storage_options) for i, t in enumerate(self.tiers)]
         self._store: Root = self._roots[0]
         self.root: Path | str = self._store.path
-        if keep_last is None and self.tiers[0].keep_last is not None:
-            keep_last = self.tiers[0].keep_last
-        self.save_policy = self._compose_policy(policy, every_steps, every_seconds, at_steps, interval, mtbf)
-        shortcuts = shortcut_policy(keep_last, keep_every, keep_best)
-        parts = [p for p in (retention, shortcuts) if p is not None]
-        self.retention: RetentionPolicy | None = parts[0] if len(parts) == 1 else KeepAny(*parts) if parts else None
-        self._retention_record = self._describe_retention()
-        if not (isinstance(incremental, bool) or isinstance(incremental, FullSavePolicy)):
-            raise TypeError(f"incremental must be True, False or a full-save policy (full(ctx) -> bool), "
-                            f"not {incremental!r}")
-        self.full_policy: FullSavePolicy | None = FullEvery() if incremental is True else incremental or None
-        if self.full_policy is not None and self._memory is not None:
-            raise UnsupportedValueError("incremental saves do not go to a MemoryTier (each node holds its own "
-                                        "directory, which a later save cannot reference); pass incremental=False")
-        self._base_step: int | None = None  # the checkpoint the next incremental save references
-        self._since_full = 0  # incremental saves since the base's last full save
-        self._pending_chain = 0  # the next value of _since_full, once the pending save commits
+        self.save_policy, self._daly = compose_policy(policy, every_steps, every_seconds, at_steps, interval, mtbf)
+        self.retention = compose_retention(retention, keep_last, keep_every, keep_best, self.tiers[0])
+        self._retention_record = describe_retention(self.retention, self.tiers, self._roots)
+        self._chain = IncrementalChain(full_save_policy(incremental, self._memory is not None))
         self.async_save = bool(async_save)
         self._guard = guard
         self._io_threads = io_threads
         self._rank, self._world_size = agreement.world()
-        # The tier copies' collectives run in the janitor thread, on a gloo group of their own,
-        # made here, on the training thread, where every rank builds its manager in the same order.
-        self._copy_comm = dist_comm.current("copy") if len(self.tiers) > 1 else dist_comm.Comm(0, 1)
+        self._restorer = Restorer(self._roots, self._memory, self._rank)
+        self._janitor = Janitor()
+        self._copies = TierCopies(self.tiers, self._roots, self._janitor, self._memory)
         self._pending: AsyncSaveHandle | None = None
-        self._refill: Refill | None = None  # a restore's re-replication to nodes that lacked files
         self._pending_step: int | None = None
         self._on_commit = on_commit
         self._latest_committed: int | None = None  # written by the committing thread: one int, atomic
         self._last_save_step: int | None = None
         self._last_save_time = time.monotonic()
         self._save_cost: float | None = None
-        self._preempt_requested = False
         self._should_stop = False
         self._unreadable_steps: set[int] = set()  # found corrupt by restore: never counted by retention
-        self._janitor = _Janitor()
-        # Steps whose copy to a durable tier is queued: the fast tier's retention must keep them
-        # until the copy has read them (a later step's retention may run before the copy does).
-        self._copies_pending: dict[int, int] = {}
-        self._copies_lock = threading.Lock()
-        self._copy_errors: list[BaseException] = []  # raised by the next call, agreed (_agree_on_background)
-        self._deletion_errors: list[str] = []  # warned on every rank by the next agreement
+        self._deletions = DeletionErrors(self._janitor, self.root, self._world_size)
         self._closed = False
-        self._previous_handlers: dict[int, Any] = {}
-        self._install_signal_handlers(tuple(signals))
+        self._preemption = Preemption(tuple(signals))
         for tier, store in enumerate(self._roots):
-            if not self._cleans(tier):
-                continue
-            for entry in scan(store):
-                # Of a save, copy or deletion that was interrupted (where saves write in place:
-                # a checkpoint without manifest; one job per root, so none is still running).
-                if entry.status == TEMPORARY or (entry.status == INCOMPLETE and store.saves_in_place):
-                    self._janitor.submit(functools.partial(self._remove_leftover, store, entry))
+            if self._cleans(tier):
+                self._janitor.clear_leftovers(store)
 
     def _cleans(self, tier: int) -> bool:
         """Whether this rank removes leftovers and applies retention in ``tier``: rank 0, or in a
@@ -303,56 +154,6 @@ class CheckpointManager:
             return self._memory.is_leader
         return self._rank == 0
 
-    @staticmethod
-    def _compose_tiers(root: str | os.PathLike | None, storage_options: dict | None,
-                       tiers: Iterable[Tier | MemoryTier] | None) -> list[Any]:
-        if tiers is None:
-            if root is None:
-                raise ValueError("CheckpointManager needs a root (a directory or a URL) or tiers=[...]")
-            return [Tier(root, storage_options=storage_options)]
-        if root is not None or storage_options is not None:
-            raise ValueError("pass either root (and storage_options) or tiers=[...], not both")
-        found = list(tiers)
-        if not found or not all(isinstance(t, Tier) or (i == 0 and isinstance(t, MemoryTier))
-                                for i, t in enumerate(found)):
-            raise ValueError(f"tiers must be a non-empty list of resurgo.manager.Tier (a MemoryTier first, if "
-                             f"any), not {found!r}")
-        if found[0].every_steps is not None:
-            raise ValueError("the first tier takes every save: every_steps applies to the later tiers only")
-        return found
-
-    # -- configuration ----------------------------------------------------------------------------
-    def _describe_retention(self) -> dict[str, Any]:
-        """What each checkpoint's save_info records of the retention rules, for `resurgo gc`. The
-        copies in durable tiers are byte copies, so every tier's rules are recorded with its root."""
-        record: dict[str, Any] = {"retention": policy_spec(self.retention)}
-        if len(self.tiers) > 1:
-            record["tiers"] = [{"root": store.name, "retention": policy_spec(self.retention) if i == 0 else
-                                policy_spec(KeepLast(t.keep_last) if t.keep_last is not None else None)}
-                               for i, (store, t) in enumerate(zip(self._roots, self.tiers))]
-        return record
-
-    def _compose_policy(self, policy: SavePolicy | None, every_steps: int | None, every_seconds: float | None,
-                        at_steps: Iterable[int] | None, interval: str | None, mtbf: float | None) -> SavePolicy | None:
-        parts: list[SavePolicy] = [policy] if policy is not None else []
-        if every_steps is not None:
-            parts.append(EveryNSteps(every_steps))
-        if every_seconds is not None:
-            parts.append(EverySeconds(every_seconds))
-        if at_steps is not None:
-            parts.append(AtSteps(at_steps))
-        self._daly: DalyInterval | None = None
-        if interval is not None:
-            if interval != "auto":
-                raise ValueError(f"interval must be 'auto' or None, not {interval!r} (for a fixed time use every_seconds=)")
-            self._daly = DalyInterval(_mtbf_from(mtbf))
-            parts.append(self._daly)
-        elif mtbf is not None:
-            raise ValueError("mtbf= is used with interval='auto' only")
-        if not parts:
-            return None  # saves happen on preemption and by save() only
-        return parts[0] if len(parts) == 1 else AnyOf(*parts)
-
     # -- public state -----------------------------------------------------------------------------
     @property
     def should_stop(self) -> bool:
@@ -360,6 +161,11 @@ class CheckpointManager:
         work failed (an asynchronous save's write or commit, a tier copy: raised on every rank by
         the next call): end the loop."""
         return self._should_stop
+
+    @property
+    def full_policy(self) -> FullSavePolicy | None:
+        """When an incremental save is made in full instead (None: every save is full)."""
+        return self._chain.full_policy
 
     @property
     def save_cost_seconds(self) -> float | None:
@@ -390,7 +196,7 @@ class CheckpointManager:
 
     def notify_preemption(self) -> None:
         """Ask for a save-and-stop at the next ``maybe_save``, as a preemption signal does."""
-        self._preempt_requested = True
+        self._preemption.request()
 
     # -- restore ----------------------------------------------------------------------------------
     def restore(self, state: Any, step: int | None = None, *, strict: bool = True) -> int | None:
@@ -404,143 +210,14 @@ class CheckpointManager:
         """
         self._check_open()
         with liveness.operation("restore", self.root):  # what the others name if this rank falls silent
-            return self._restore(state, step, strict)
-
-    def _restore(self, state: Any, step: int | None, strict: bool) -> int | None:
-        if self._memory is not None:
-            restored = self._restore_from_memory(state, step, strict)
-            if restored is not None:
-                return restored
-        def choose() -> tuple[None, list[tuple[int, int]] | None]:
-            """Rank 0's candidates (its refusal of ``step``, raised on every rank, unless the ranks'
-            arguments differ: that is raised first)."""
-            mine = None
-            faults.point("manager.restore")
-            if self._rank == 0:
-                mine = self._explicit_candidates(step) if step is not None else self._restore_candidates()
-            return None, mine
-
-        names, call = call_note(step=step, strict=strict)
-        _, notes = dist_comm.current("control").agree_noting(
-            choose, call, lambda calls: check_same("restore", str(self.root), names, calls))
-        candidates = notes[0]
-        assert candidates is not None
-        failures = []
-        for s, tier in candidates:
-            path = self.path_for(s, tier)
-            outcome, error = self._try_load(state, path, s, strict, self._roots[tier].storage_options)
-            (outcome,) = agreement.max_over_ranks([outcome])
-            if outcome == _OK:
-                self._restored(path, s, tier)
-                return s
-            if error is None:  # it loaded here, not on another rank
-                error = CorruptCheckpointError(f"{path}: could not be restored on another rank (see its error)")
-            if outcome == _FATAL or (step is not None and (s, tier) == candidates[-1]):
-                raise error
-            warnings.warn(f"resurgo: not restoring {path}: {error}; trying an older checkpoint, this one is left "
-                          f"in place", stacklevel=3)
-            if tier == 0:
-                self._unreadable_steps.add(s)
-            failures.append(s)
-        if not candidates:
-            return None
-        raise CorruptCheckpointError(
-            f"{self.root}: none of the committed checkpoints could be restored (steps {failures}; the warnings say "
-            "why). Repair or remove them (`resurgo verify`, `resurgo gc`), or start without restore.")
-
-    def _restore_from_memory(self, state: Any, step: int | None, strict: bool) -> int | None:
-        """Restore the newest step (or ``step``) the nodes' memory can rebuild: each node first
-        receives the files it lacks from a peer, then every rank loads from its own node's root.
-        None when memory holds no such step, or it cannot be loaded (warned): the durable tiers
-        are tried next."""
-        assert self._memory is not None
-        comm = dist_comm.current("control")
-        inflight.settle("wait")  # an earlier restore's re-replication writes the same directories
-        try:
-            rebuild = self._memory.rebuild(comm, step)
-            if rebuild is None:
-                log.info("no step%s complete in the nodes' memory: trying the durable tiers",
-                         "" if step is None else f" {step}")
-                return None
-            peers = self._memory.open_for_load(comm, rebuild)
-        except _UNREADABLE as e:
-            warnings.warn(f"resurgo: not restoring from memory ({self._memory.root}): {e}; trying the durable "
-                          "tiers", stacklevel=4)
-            return None
-        s, path = rebuild.step, self.path_for(rebuild.step)
-        outcome, error = self._try_load(state, path, s, strict, None, peers)
-        (outcome,) = agreement.max_over_ranks([outcome])
-        if outcome == _OK:
-            self._restored(path, s, 0)
-            # The nodes that lacked files get them after the restore returns, before the next save.
-            self._refill = self._memory.refill(dist_comm.current(), rebuild)
-            if self._refill is not None:
-                inflight.register(self._refill)
-            return s
-        if error is None:
-            error = CorruptCheckpointError(f"{path}: could not be restored on another rank (see its error)")
-        if outcome == _FATAL:
-            raise error
-        warnings.warn(f"resurgo: not restoring {path} from memory: {error}; trying the durable tiers", stacklevel=4)
-        self._unreadable_steps.add(s)
-        return None
-
-    def _durable(self, tier: int) -> bool:
-        """Whether restore looks in ``tier`` by listing it (a memory tier is asked collectively)."""
-        return not (tier == 0 and self._memory is not None)
-
-    def _explicit_candidates(self, step: int) -> list[tuple[int, int]]:
-        """``step`` in each tier that holds it committed, the fast tier first (else the fast tier's
-        path, whose load then names what is wrong)."""
-        found = [(step, i) for i, store in enumerate(self._roots)
-                 if self._durable(i) and (e := classify(store, step)) is not None and e.status == COMMITTED]
-        return found or [(step, 0 if self._durable(0) else len(self._roots) - 1)]
-
-    def _restore_candidates(self) -> list[tuple[int, int]]:
-        """Committed (step, tier) pairs, newest step first and, for one step, the fast tier first;
-        warns about each incomplete or corrupt checkpoint."""
-        candidates = []
-        for tier, store in enumerate(self._roots):
-            if not self._durable(tier):
-                continue
-            for entry in scan(store):
-                assert entry.step is not None
-                if entry.status == COMMITTED:
-                    candidates.append((entry.step, tier))
-                elif entry.status in (INCOMPLETE, CORRUPT):
-                    if entry.status == CORRUPT and tier == 0:
-                        self._unreadable_steps.add(entry.step)
-                    warnings.warn(f"resurgo: not restoring {entry.location}: {entry.status}: {entry.detail}; left "
-                                  "in place (see `resurgo ls`, remove with `resurgo gc`)", stacklevel=3)
-        return sorted(candidates, key=lambda c: (-c[0], c[1]))
-
-    @staticmethod
-    def _try_load(state: Any, path: Path | str, step: int, strict: bool, storage_options: dict | None,
-                  peers: PeerFiles | None = None) -> tuple[int, ResurgoError | None]:
-        try:
-            if peers is None:
-                report = load(state, path, strict=strict, verify=True, storage_options=storage_options)
-            else:  # the files this rank's node lacks are read from peers' memory
-                _, report = restore_into(state, path, strict=strict, verify=True, allow_pickle=False,
-                                         io_threads=DEFAULT_IO_THREADS, peers=peers)
-        except _UNREADABLE as e:
-            return _UNREADABLE_HERE, e
-        except ResurgoError as e:
-            return _FATAL, e
-        if report.step != step:
-            return _UNREADABLE_HERE, CorruptCheckpointError(
-                f"{path}: its manifest says step {report.step}, its name says step {step}")
-        return _OK, None
+            return self._restorer.restore(state, step, strict, self._unreadable_steps, self._restored)
 
     def _restored(self, path: Path | str, step: int, tier: int) -> None:
         self._last_save_step = step
         self._last_save_time = time.monotonic()
         manifest = read_manifest(path, storage_options=self._roots[tier].storage_options)
         if tier == 0:  # the base of the next incremental save
-            chain = manifest.save_info.get("incremental", {})
-            since = chain.get("saves_since_full") if isinstance(chain, dict) else None
-            self._base_step = step
-            self._since_full = since if type(since) is int and since >= 0 else 0
+            self._chain.restored(step, manifest.save_info)
         cost = manifest.save_info.get("save_cost_seconds", manifest.metadata.get("save_cost_seconds"))
         if isinstance(cost, (int, float)) and not isinstance(cost, bool) and math.isfinite(cost) and cost >= 0:
             self._save_cost = float(cost)  # the interval survives restarts without a measuring save
@@ -551,15 +228,15 @@ class CheckpointManager:
         """Save if the policy says so, or a preemption is pending (then also wait for the commit
         and set ``should_stop``). True when a save was started. Every rank calls it."""
         self._check_open()
-        self._reap()
+        self._deletions.reap()
         ctx = SaveContext(step=step, now=time.monotonic(), last_save_step=self._last_save_step,
-                          last_save_time=self._last_save_time, preempted=self._preempt_requested,
+                          last_save_time=self._last_save_time, preempted=self._preemption.requested,
                           save_cost=self._save_cost)
         wanted = self.save_policy.should_save(ctx) if self.save_policy is not None else False
         preempted, wanted = self._agree_on_background([ctx.preempted, wanted])
         fresh = step != self._last_save_step  # never the same step twice (e.g. right after a restore)
         if preempted:
-            self._preempt_requested = False
+            self._preemption.clear()
             if fresh:
                 self._save(step, state, metrics)
             self._wait_commit()
@@ -574,37 +251,30 @@ class CheckpointManager:
     def save(self, step: int, state: Any, metrics: Mapping[str, Any] | None = None) -> None:
         """Save now, whatever the policy (asynchronously unless ``async_save=False``)."""
         self._check_open()
-        self._reap()
+        self._deletions.reap()
         self._agree_on_background([])
         self._save(step, state, metrics)
 
     def _save(self, step: int, state: Any, metrics: Mapping[str, Any] | None) -> None:
         t_start = time.monotonic()
         path = self.path_for(step)
-        metadata = {"metrics": _plain_metrics(metrics)}  # the state's; the save's own figures go apart
+        metadata = {"metrics": plain_metrics(metrics)}  # the state's; the save's own figures go apart
         save_info = {"save_cost_seconds": self._save_cost, **self._retention_record}
         self._wait_commit()  # the previous save: its error is raised here, its retention starts
-        overwrite = self._make_way(path, step)
-        base = self._choose_base(step)
-        if self.full_policy is not None:
-            self._pending_chain = 0 if base is None else self._since_full + 1
-            save_info["incremental"] = {"saves_since_full": self._pending_chain}
-        incremental = self.full_policy is not None
+        overwrite = make_way(self._store, path, step, self._rank, self._janitor)
+        base = self._chain.choose_base(step, self.path_for, self._store.storage_options, self._unreadable_steps)
+        chain = self._chain.begin(base)
+        if chain is not None:
+            save_info["incremental"] = chain
+        incremental = self._chain.incremental
         log.info("saving step %d to %s%s", step, path, f" (base {base})" if base is not None else "")
-        if self._memory is not None:
-            self._save_to_memory(step, state, path, metadata, save_info, overwrite)
-        elif self.async_save:
-            self._pending = async_save(state, path, step=step, metadata=metadata, save_info=save_info, overwrite=overwrite,
-                                       guard=self._guard, io_threads=self._io_threads,
-                                       storage_options=self._store.storage_options,
-                                       on_commit=lambda _report: self._announce_commit(step, path),
-                                       base=base, incremental=incremental)
-            self._pending_step = step
-            log.info("staged step %d; writing in the background", step)
+        handle = start_save(state, path, step, SaveSettings(self.async_save, self._guard, self._io_threads,
+                                                            self._store.storage_options, self._memory),
+                            metadata=metadata, save_info=save_info, overwrite=overwrite, base=base,
+                            incremental=incremental, on_commit=lambda: self._announce_commit(step, path))
+        if handle is not None:
+            self._pending, self._pending_step = handle, step
         else:
-            save(state, path, step=step, metadata=metadata, save_info=save_info, overwrite=overwrite,
-                 io_threads=self._io_threads,
-                 storage_options=self._store.storage_options, base=base, incremental=incremental)
             self._announce_commit(step, path)
             self._committed(step)
         cost = time.monotonic() - t_start  # the stall of an async save, the whole of a sync one
@@ -613,72 +283,6 @@ class CheckpointManager:
         self._last_save_step = step
         self._last_save_time = time.monotonic()
         self._unreadable_steps.discard(step)
-
-    def _save_to_memory(self, step: int, state: Any, path: Path | str, metadata: dict, save_info: dict,
-                        overwrite: bool) -> None:
-        """Save into this node's memory root; the save replicates to other nodes before each node
-        commits (:mod:`resurgo.manager.memory`)."""
-        assert self._memory is not None
-        node: NodeLocal = self._memory.node_local(step, dist_comm.current)
-        if self.async_save:
-            self._pending = start_async_save(
-                state, path, overwrite=overwrite, allow_pickle=False, step=step, metadata=metadata,
-                io_threads=self._io_threads, block_bytes=None, storage_options=None, save_info=save_info,
-                guard=self._guard, if_busy="wait", memory_budget=None, fallback="raise",
-                on_commit=lambda _report: self._announce_commit(step, path), node_local=node)
-            self._pending_step = step
-            log.info("staged step %d; writing and replicating in the background", step)
-            return
-        inflight.settle(if_busy="wait")
-        prep = prepare_save(state, path, overwrite=overwrite, allow_pickle=False, step=step, metadata=metadata,
-                            io_threads=self._io_threads, block_bytes=None, save_info=save_info, node_local=node)
-        write_and_commit(prep, LazySources(prep.leaves))
-        self._announce_commit(step, path)
-        self._committed(step)
-
-    def _choose_base(self, step: int) -> Path | str | None:
-        """The base of an incremental save of ``step``: the checkpoint this manager last committed
-        or restored in its first tier, unless the full-save policy asks for a full save."""
-        base = self._base_step
-        if self.full_policy is None or base is None or base == step or base in self._unreadable_steps:
-            return None
-        path = self.path_for(base)
-        try:
-            manifest = read_base_manifest(path, self._store.storage_options)
-        except ResurgoError as e:  # gone or damaged since: a full save does not need it
-            log.warning("not using step %d as a base (%s): saving step %d in full", base, e, step)
-            return None
-        ctx = IncrementalContext(self._since_full, manifest.tensor_bytes, sum(manifest.referenced_bytes.values()))
-        return None if self.full_policy.full(ctx) else path
-
-    def _make_way(self, path: Path | str, step: int) -> bool:
-        """Whether the save must replace something already at ``path`` (it warns what). Something
-        resurgo cannot prove it wrote is not warned about: the save's staging refuses it, on every
-        rank (ForeignFilesError), before anything is written."""
-        if classify(self._store, step) is None:
-            return False
-        self._janitor.join()  # no deletion of this very path may still be running
-        entry = classify(self._store, step)
-        if entry is None:
-            return False
-        users = [e.location for e in scan(self._store) if e.status == COMMITTED and entry.name in e.referenced]
-        if users:
-            raise CheckpointExistsError(
-                f"{path}: step {step} is already saved, and {users[0]}" + (f" (and {len(users) - 1} more)" if len(users) > 1 else "")
-                + " references its data files: replacing it would break them. Delete the later checkpoints "
-                "(resurgo gc --keep-last, or by hand) or save to another root")
-        try:
-            remove(self._store, entry.name, dry_run=True)
-        except ForeignFilesError:
-            return True
-        if entry.status == INCOMPLETE and self._store.saves_in_place:
-            if self._rank == 0:  # who stages the save; a save of ours that died: its token would refuse it
-                remove(self._store, entry.name)
-            return False
-        detail = f": {entry.detail}" if entry.detail else ""
-        warnings.warn(f"resurgo: replacing {path} ({entry.status}{detail}) with a new save of step {step}; "
-                      "the replacement is atomic", stacklevel=4)
-        return True
 
     def _announce_commit(self, step: int, path: Path | str) -> None:
         """In the thread that committed ``step``: publish it, then call ``on_commit`` (warned if it raises)."""
@@ -691,24 +295,6 @@ class CheckpointManager:
             warnings.warn(f"resurgo: on_commit({step}, {str(path)!r}) raised {type(e).__name__}: {e}",
                           RuntimeWarning, stacklevel=2)
 
-    def _reap(self, now: bool = False) -> None:
-        """Take the deletions' errors (retention runs on one rank per root). Alone, or ``now``
-        (closing: no collective left to agree them in), warn them here; else every rank warns them
-        alike once the next agreement has gathered them (:meth:`_agree_on_background`)."""
-        self._deletion_errors += [f"{type(e).__name__}: {e}" for e in self._janitor.take_errors()]
-        if now or self._world_size == 1:
-            self._warn_deletions([list(self._deletion_errors)], stacklevel=4)
-            self._deletion_errors.clear()
-
-    def _warn_deletions(self, errors: list[list[str]], stacklevel: int) -> None:
-        """One ResurgoWarning for every rank's deletion errors (the same text on every rank)."""
-        lines = [f"{'' if len(errors) == 1 else f'rank {r}: '}{e}" for r, es in enumerate(errors) for e in es]
-        if lines:
-            warnings.warn(f"resurgo: retention in {self.root} could not delete everything it chose ({'; '.join(lines)}); "
-                          "the checkpoints saved are committed and what was not deleted stays in place (retention "
-                          "tries again after the next commit, `resurgo gc` removes it by hand); should_stop is not set",
-                          ResurgoWarning, stacklevel=stacklevel)
-
     def _background_failure(self) -> BaseException | None:
         """This rank's background failure known now: a finished asynchronous save's error, or a
         tier copy's. Each is already agreed by the ranks of its own collectives, but each rank
@@ -718,10 +304,7 @@ class CheckpointManager:
                 self._wait_commit()
             except BaseException as e:  # noqa: BLE001 - agreed with the other ranks, then raised
                 return e
-        with self._copies_lock:
-            if self._copy_errors:
-                return self._copy_errors.pop(0)
-        return None
+        return self._copies.take_error()
 
     def _agree_on_background(self, flags: list[bool]) -> list[bool]:
         """``flags`` OR-ed over the ranks, in the same collective that agrees on background
@@ -734,10 +317,9 @@ class CheckpointManager:
             return None, [bool(f) for f in flags]
 
         # A deletion's error (rank-local) travels with this agreement, even from a failing rank.
-        deletions, self._deletion_errors = list(self._deletion_errors), []
         try:
             _, notes = dist_comm.current("control").agree_noting(
-                check, deletions, lambda everyone: self._warn_deletions(everyone, stacklevel=6))
+                check, self._deletions.take(), lambda everyone: self._deletions.warn(everyone, stacklevel=6))
         except BaseException:
             self._should_stop = True
             self._forget_background()
@@ -754,8 +336,7 @@ class CheckpointManager:
             except BaseException:  # noqa: BLE001 - the same failure, raised already
                 pass
         self._janitor.join()
-        with self._copies_lock:
-            self._copy_errors.clear()
+        self._copies.take_errors()
 
     def _wait_commit(self) -> None:
         handle, step = self._pending, self._pending_step
@@ -771,150 +352,28 @@ class CheckpointManager:
 
     def _committed(self, step: int) -> None:
         log.info("committed step %d", step)
-        self._base_step, self._since_full = step, self._pending_chain
-        # Copies first: retention may then delete the source. Every rank queues them, in commit
-        # order, since each copies its share (collectives of the "copy" channel, in the janitor).
-        for tier in range(1, len(self.tiers)):
-            if self.tiers[tier].selects(step):
-                with self._copies_lock:
-                    self._copies_pending[step] = self._copies_pending.get(step, 0) + 1
-                self._janitor.submit(functools.partial(self._copy_to_tier, step, tier))
+        self._chain.committed(step)
+        self._copies.queue(step)  # before retention, which may then delete the source
         if not self._cleans(0):
             return
         if self.retention is not None:
             unreadable = frozenset(self._unreadable_steps)
             self._janitor.submit(lambda: self._retain(step, unreadable))
 
-    # -- background clean-up and copies (janitor thread) -------------------------------------------
+    # -- retention (janitor thread) ---------------------------------------------------------------
     def _retain(self, just_committed: int, unreadable: frozenset[int]) -> None:
         """The first tier's retention, named "retention" to the other ranks should this one fall
         silent in it (a deletion stuck on storage)."""
         with liveness.operation("retention", self.root):
-            self._apply_retention(just_committed, unreadable)
+            prune(self._store, self.retention, just_committed, unreadable=unreadable,
+                  held=self._memory.committed_steps if self._memory is not None else None,
+                  in_use=self._in_use, keep_damaged=True)
 
-    def _apply_retention(self, just_committed: int, unreadable: frozenset[int], tier: int = 0,
-                         retention: RetentionPolicy | None = None) -> None:
-        store = self._roots[tier]
-        entries = scan(store)
-        # A memory tier's node directory is committed with only the files its node holds (on more
-        # than two nodes, not all): the listing calls it corrupt (files missing), it is not.
-        held = self._memory.committed_steps() if tier == 0 and self._memory is not None else frozenset()
-        committed = [Kept(e.step, e.metrics) for e in entries
-                     if (e.status == COMMITTED or e.step in held) and e.step is not None and e.step not in unreadable]
-        protect: tuple[int, ...] = (just_committed,)
-        if tier == 0:
-            with self._copies_lock:
-                protect += tuple(self._copies_pending)
-            base = self._base_step  # the base of the save that may be running now
-            # Unreadable and corrupt ones are never deleted here: what they reference stays too.
-            protect += ((base,) if base is not None else ()) + tuple(
-                e.step for e in entries if e.step is not None and (e.step in unreadable or (
-                    e.status == CORRUPT and e.step not in held)))
-        refused: list[ForeignFilesError] = []
-        refs = references_by_step(entries)
-        kept = {e.step for e in entries if e.step is not None}
-        for s in steps_to_delete(committed, retention or self.retention, protect=protect, references=refs):
-            if referencing(s, kept, refs):  # one whose deletion was refused still references it
-                continue
-            log.info("deleting step %d (%s)", s, self.path_for(s, tier))
-            try:
-                if remove(store, checkpoint_name(s)):
-                    log.info("deleted step %d", s)
-                kept.discard(s)
-            except ForeignFilesError as e:  # left in place; the others still go
-                refused.append(e)
-        if refused:
-            raise refused[0]
-
-    def _copy_to_tier(self, step: int, tier: int) -> None:
-        """Copy the fast tier's checkpoint of ``step`` to ``tier``, verify the copy there (every
-        checksum, read back from that tier), then apply that tier's retention."""
-        try:
-            self._copy_to_tier_now(step, tier)
-        except Exception as e:  # noqa: BLE001 - raised by the next call, on every rank
-            with self._copies_lock:
-                self._copy_errors.append(e)
-        finally:
-            with self._copies_lock:
-                left = self._copies_pending.get(step, 1) - 1
-                if left > 0:
-                    self._copies_pending[step] = left
-                else:
-                    self._copies_pending.pop(step, None)
-
-    def _copy_to_tier_now(self, step: int, tier: int) -> None:
-        """Collective over the "copy" channel: every rank copies and verifies its share of the files."""
-        comm = self._copy_comm
-        store, source = self._roots[tier], self.path_for(step)
-        dest = self.path_for(step, tier)
-
-        def make_way() -> bool:  # rank 0 decides; the other ranks follow
-            if comm.rank != 0:
-                return False
-            existing = classify(store, step)
-            if existing is not None and existing.status == COMMITTED:
-                return True
-            if existing is not None:
-                remove(store, existing.name)  # an interrupted copy
-            return False
-
-        if comm.broadcast(comm.agree(make_way)):
-            return
-        log.info("copying step %d to %s", step, dest)
-        with liveness.operation("tier copy", dest):
-            copy_checkpoint(source, dest, src_options=self._store.storage_options, dst_options=store.storage_options,
-                            comm=comm, declared_files=declared_files,
-                            share=self._memory.copy_share(step) if self._memory is not None else None)
-
-        def verify_mine() -> list[str]:
-            manifest = read_manifest_of(open_checkpoint(dest, store.storage_options))
-            return verify_checkpoint(dest, storage_options=store.storage_options,
-                                     files=share_of(data_files(manifest), comm)).problems
-
-        problems = [p for ps in comm.all_gather(comm.agree(verify_mine)) for p in ps]
-        if problems:
-            if comm.rank == 0:
-                remove(store, checkpoint_name(step))
-            raise CorruptCheckpointError(f"{dest}: the copy of step {step} does not verify ({problems[0]}); "
-                                         "it was removed")
-        log.info("copied and verified step %d in %s", step, dest)
-        keep = self.tiers[tier].keep_last
-        if keep is not None and comm.rank == 0:
-            self._apply_retention(step, frozenset(), tier, KeepLast(keep))
-
-    @staticmethod
-    def _remove_leftover(store: Root, entry: Entry) -> None:
-        log.info("removing leftover %s", entry.location)
-        remove(store, entry.name)
-
-    # -- preemption signals -----------------------------------------------------------------------
-    def _install_signal_handlers(self, signals: tuple[int, ...]) -> None:
-        if not signals:
-            return
-        if threading.current_thread() is not threading.main_thread():
-            warnings.warn("resurgo: CheckpointManager created outside the main thread: no preemption signal "
-                          "handler installed (Python allows them on the main thread only); call "
-                          "notify_preemption() yourself", stacklevel=3)
-            return
-        for sig in signals:
-            self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        # Only a flag here: a signal handler runs between two bytecodes of the training loop.
-        self._preempt_requested = True
-        previous = self._previous_handlers.get(signum)
-        # Chain to a Python handler installed before us (logging, another manager), but not to
-        # default actions: terminating (SIG_DFL) or raising KeyboardInterrupt would defeat the save.
-        if callable(previous) and previous is not signal.default_int_handler:
-            previous(signum, frame)
-
-    def _restore_signal_handlers(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig, previous in self._previous_handlers.items():
-            if signal.getsignal(sig) == self._on_signal:  # only if nobody replaced ours since
-                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
-        self._previous_handlers.clear()
+    def _in_use(self) -> tuple[int, ...]:
+        """Steps the first tier's retention keeps whatever it says: those a queued copy still
+        reads, and the base of the save that may be running now."""
+        base = self._chain.base_step
+        return self._copies.pending() + ((base,) if base is not None else ())
 
     # -- lifecycle --------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -924,20 +383,17 @@ class CheckpointManager:
     def wait(self) -> None:
         """Block until the save in flight is committed (raising its error), deletions are done,
         and a restore's re-replication to nodes that came back empty is done."""
-        if self._refill is not None:
-            self._refill.wait()
-            self._refill = None
+        self._restorer.wait_refill()
         try:
             self._wait_commit()
             self._janitor.join()
         except BaseException:
             self._should_stop = True
             raise
-        self._reap()
+        self._deletions.reap()
         # Every rank's copies ended (each failed on every rank, agreed): raised here without a collective.
-        with self._copies_lock:
-            failure = self._copy_errors.pop(0) if self._copy_errors else None
-            self._copy_errors.clear()
+        failures = self._copies.take_errors()
+        failure = failures[0] if failures else None
         if failure is not None:
             self._should_stop = True
             raise failure
@@ -950,8 +406,8 @@ class CheckpointManager:
             self.wait()
         finally:
             self._janitor.join()
-            self._reap(now=True)  # the last deletions: no later call agrees them
-            self._restore_signal_handlers()
+            self._deletions.reap(now=True)  # the last deletions: no later call agrees them
+            self._preemption.uninstall()
             self._closed = True
 
     def __enter__(self) -> "CheckpointManager":

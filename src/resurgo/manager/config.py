@@ -1,0 +1,99 @@
+"""A manager's configuration from its keyword arguments: the tiers, the save policy its shortcuts
+compose (with the mean time between failures that ``interval="auto"`` needs), the retention policy,
+and what each checkpoint records of the retention rules.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from resurgo.manager.memory import MemoryTier
+from resurgo.manager.policies import AnyOf, AtSteps, DalyInterval, EveryNSteps, EverySeconds, SavePolicy
+from resurgo.manager.retention import KeepAny, KeepLast, RetentionPolicy, policy_spec, shortcut_policy
+from resurgo.manager.tiers import Tier
+from resurgo.storage.base import Root
+
+MTBF_ENV = "RESURGO_MTBF_SECONDS"
+
+
+def mtbf_from(mtbf: float | None) -> float:
+    if mtbf is not None:
+        return mtbf
+    raw = os.environ.get(MTBF_ENV)
+    if raw is None:
+        raise ValueError(f"interval='auto' needs the mean time between failures: pass mtbf= (seconds) or set {MTBF_ENV}")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{MTBF_ENV}={raw!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{MTBF_ENV}={raw!r}: must be a positive number of seconds")
+    return value
+
+
+def compose_tiers(root: str | os.PathLike | None, storage_options: dict | None,
+                  tiers: Iterable[Tier | MemoryTier] | None) -> list[Any]:
+    if tiers is None:
+        if root is None:
+            raise ValueError("CheckpointManager needs a root (a directory or a URL) or tiers=[...]")
+        return [Tier(root, storage_options=storage_options)]
+    if root is not None or storage_options is not None:
+        raise ValueError("pass either root (and storage_options) or tiers=[...], not both")
+    found = list(tiers)
+    if not found or not all(isinstance(t, Tier) or (i == 0 and isinstance(t, MemoryTier))
+                            for i, t in enumerate(found)):
+        raise ValueError(f"tiers must be a non-empty list of resurgo.manager.Tier (a MemoryTier first, if "
+                         f"any), not {found!r}")
+    if found[0].every_steps is not None:
+        raise ValueError("the first tier takes every save: every_steps applies to the later tiers only")
+    return found
+
+
+def compose_policy(policy: SavePolicy | None, every_steps: int | None, every_seconds: float | None,
+                   at_steps: Iterable[int] | None, interval: str | None,
+                   mtbf: float | None) -> tuple[SavePolicy | None, DalyInterval | None]:
+    """The save policy (None: saves happen on preemption and by save() only) and, with
+    ``interval="auto"``, the Daly interval among its parts."""
+    parts: list[SavePolicy] = [policy] if policy is not None else []
+    if every_steps is not None:
+        parts.append(EveryNSteps(every_steps))
+    if every_seconds is not None:
+        parts.append(EverySeconds(every_seconds))
+    if at_steps is not None:
+        parts.append(AtSteps(at_steps))
+    daly: DalyInterval | None = None
+    if interval is not None:
+        if interval != "auto":
+            raise ValueError(f"interval must be 'auto' or None, not {interval!r} (for a fixed time use every_seconds=)")
+        daly = DalyInterval(mtbf_from(mtbf))
+        parts.append(daly)
+    elif mtbf is not None:
+        raise ValueError("mtbf= is used with interval='auto' only")
+    if not parts:
+        return None, daly
+    return (parts[0] if len(parts) == 1 else AnyOf(*parts)), daly
+
+
+def compose_retention(retention: RetentionPolicy | None, keep_last: int | None, keep_every: int | None,
+                      keep_best: tuple | None, first_tier: Any) -> RetentionPolicy | None:
+    """The first tier's retention: ``retention=`` and the shortcuts, any of them keeping a
+    checkpoint keeps it (the first tier's ``keep_last`` stands in for a missing shortcut)."""
+    if keep_last is None and first_tier.keep_last is not None:
+        keep_last = first_tier.keep_last
+    shortcuts = shortcut_policy(keep_last, keep_every, keep_best)
+    parts = [p for p in (retention, shortcuts) if p is not None]
+    return parts[0] if len(parts) == 1 else KeepAny(*parts) if parts else None
+
+
+def describe_retention(retention: RetentionPolicy | None, tiers: list[Any], roots: list[Root]) -> dict[str, Any]:
+    """What each checkpoint's save_info records of the retention rules, for `resurgo gc`. The
+    copies in durable tiers are byte copies, so every tier's rules are recorded with its root."""
+    record: dict[str, Any] = {"retention": policy_spec(retention)}
+    if len(tiers) > 1:
+        record["tiers"] = [{"root": store.name, "retention": policy_spec(retention) if i == 0 else
+                            policy_spec(KeepLast(t.keep_last) if t.keep_last is not None else None)}
+                           for i, (store, t) in enumerate(zip(roots, tiers))]
+    return record
