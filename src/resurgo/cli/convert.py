@@ -1,5 +1,5 @@
 """``resurgo convert``: a checkpoint to one safetensors file, Hugging Face shards, a torch.save
-file or a DCP directory (:func:`resurgo.conversion.convert`)."""
+file, a DCP directory or PEFT adapters (:func:`resurgo.conversion.convert`)."""
 
 from __future__ import annotations
 
@@ -19,14 +19,14 @@ def convert(
     src: str = typer.Argument(..., metavar="SRC", help="A checkpoint directory or URL (s3://bucket/run/step_100; credentials "
                                         "from the environment or ~/.aws, as for s3fs)."),
     dst: Path = typer.Argument(..., metavar="DST", help="The output, local: a file (safetensors, torch) or a directory (hf, dcp)."),
-    to: str = typer.Option(..., "--to", metavar="FORMAT", help="safetensors (one file) | hf (sharded, with index) | torch (torch.save) | dcp (torch.distributed.checkpoint)."),
+    to: str = typer.Option(..., "--to", metavar="FORMAT", help="safetensors (one file) | hf (sharded, with index) | torch (torch.save) | dcp (torch.distributed.checkpoint) | peft (the adapters of a PEFT model, as PeftModel.save_pretrained writes them)."),
     max_shard_size: Optional[str] = typer.Option(
         None, "--max-shard-size", metavar="SIZE", help="hf: the most tensor bytes per shard, e.g. 5GB (the default) or 500MB."),
     memory_budget: Optional[str] = typer.Option(
         None, "--memory-budget", metavar="SIZE",
         help="The most tensor bytes held in memory at once, e.g. 2GB (safetensors/hf default: 1GiB; torch, dcp: the whole state must fit)."),
     only: Optional[str] = typer.Option(
-        None, "--only", metavar="PREFIX", help="Keep the tensors whose key starts with this prefix, without it (e.g. 'model.')."),
+        None, "--only", metavar="PREFIX", help="Keep the tensors whose key starts with this prefix, without it (e.g. 'model.'); peft: the key of the adapters' model, where there are several."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output (atomically)."),
     allow_pickle: bool = typer.Option(False, "--allow-pickle", help="torch, dcp: load pickled values (trusted checkpoints only)."),
     allow_expansion: bool = typer.Option(
@@ -37,7 +37,7 @@ def convert(
         help=f"Show a progress bar (default: on a terminal, above {human_bytes(PROGRESS_THRESHOLD_BYTES)} of data)."),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable report."),
 ) -> None:
-    """Convert a checkpoint to one safetensors file, Hugging Face shards, a torch.save file or a DCP directory.
+    """Convert a checkpoint to one safetensors file, Hugging Face shards, a torch.save file, a DCP directory or PEFT adapters.
 
     Exit 0 done, 2 refused (the output exists, pickled values), 3 damaged checkpoint (nothing
     written), 4 unreadable."""
