@@ -245,6 +245,18 @@ def test_resurgo_trainer_saves_lora_adapters_only_and_resumes_bit_identically(tm
     assert_same(optimizer_state(resumed.optimizer), optimizer_state(whole.optimizer))
     assert_same(resumed.model.state_dict(), whole.model.state_dict())
 
+    # A checkpoint of the whole PEFT model (as ResurgoTrainer saved one before it saved adapters
+    # alone) resumes as well, into the whole model.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_integration, "is_peft_model", lambda model: False)
+        old = make_trainer(tmp_path / "old", save_steps=3, stop=6, lora=True)
+        old.train()
+    assert "model.base_model.model.transformer.wte.weight" in resurgo.read_manifest(tmp_path / "old/checkpoint-6").tensors
+    again = make_trainer(tmp_path / "old", save_steps=3, lora=True)
+    again.train(resume_from_checkpoint=True)
+    assert all(bitwise_equal(a, b) for a, b in zip(whole.losses, old.losses + again.losses))
+    assert_same(again.model.state_dict(), whole.model.state_dict())
+
     # The newest checkpoint, as PEFT's own folder: the same outputs from a fresh base.
     resurgo.convert(tmp_path / "run" / f"checkpoint-{STEPS}", tmp_path / "adapter", to="peft")
     loaded = peft.PeftModel.from_pretrained(tiny_trainer_base(), tmp_path / "adapter")
