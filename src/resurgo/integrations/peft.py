@@ -219,6 +219,7 @@ def _config_json(model: Any, name: str) -> str:
         if isinstance(value, set):
             out[key] = sorted(value)
     if config.task_type is None:
-        cls = model._get_base_model_class(is_prompt_tuning=config.is_prompt_learning)
+        find = getattr(model, "_get_base_model_class", None)  # what PEFT itself names (a private method)
+        cls = find(is_prompt_tuning=config.is_prompt_learning) if find is not None else type(model.get_base_model())
         out["auto_mapping"] = {"base_model_class": cls.__name__, "parent_library": cls.__module__}
     return json.dumps(out, indent=2, sort_keys=True)
