@@ -201,7 +201,7 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
 def _byte_slices(t: torch.Tensor) -> Iterable[memoryview]:
     flat = t.contiguous().reshape(-1).view(torch.uint8)
     for start in range(0, flat.numel(), _HASH_SLICE):
-        yield memoryview(flat[start:start + _HASH_SLICE].cpu().numpy())
+        yield flat[start:start + _HASH_SLICE].cpu().numpy().data
 
 
 def _config_json(model: Any, name: str) -> str:
