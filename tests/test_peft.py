@@ -348,3 +348,31 @@ def test_resurgo_accelerator_saves_lora_adapters_only_and_resumes_bit_identicall
         assert_same(params_a, params_b)
         assert_same(opt_a, opt_b)
     assert fmt.FORMAT == resurgo.load_dict(checkpoint)["models"][0]["adapter_format"]
+
+
+def test_several_adapters_convert_as_peft_lays_them_out_and_import_back(tmp_path):
+    from resurgo.errors import ForeignFilesError
+
+    model = lora(tiny_base())
+    model.add_adapter("second", peft.LoraConfig(r=2, target_modules=["c_fc"], init_lora_weights=False))
+    resurgo.save({"model": AdapterOnly(model)}, tmp_path / "ckpt")
+    resurgo.convert(tmp_path / "ckpt", tmp_path / "adapters", to="peft")
+    model.save_pretrained(tmp_path / "by_peft", selected_adapters=["default", "second"])
+    for rel in ("adapter_config.json", "second/adapter_config.json"):
+        assert (tmp_path / "adapters" / rel).read_bytes() == (tmp_path / "by_peft" / rel).read_bytes(), rel
+    assert sorted(str(p.relative_to(tmp_path / "adapters")) for p in (tmp_path / "adapters").rglob("*")) == [
+        "adapter_config.json", "adapter_model.safetensors", "second", "second/adapter_config.json",
+        "second/adapter_model.safetensors"]
+
+    resurgo.import_checkpoint(tmp_path / "by_peft", tmp_path / "imported", source="peft")
+    fresh = lora(tiny_base())
+    fresh.add_adapter("second", peft.LoraConfig(r=2, target_modules=["c_fc"]))
+    resurgo.load({"model": AdapterOnly(fresh)}, tmp_path / "imported")
+    assert_same(fresh.state_dict(), model.state_dict())
+
+    # An overwrite replaces what a conversion wrote, and nothing else.
+    resurgo.convert(tmp_path / "ckpt", tmp_path / "adapters", to="peft", overwrite=True)
+    (tmp_path / "adapters" / "notes.txt").write_text("mine")
+    with pytest.raises(ForeignFilesError):
+        resurgo.convert(tmp_path / "ckpt", tmp_path / "adapters", to="peft", overwrite=True)
+    assert (tmp_path / "adapters" / "notes.txt").read_text() == "mine"
