@@ -49,7 +49,7 @@ def convert(
     shard_bytes = size_option(max_shard_size, "--max-shard-size")
     budget = size_option(memory_budget, "--memory-budget")
     with fail_cleanly():
-        total = read_tensor_bytes(src, only)
+        total = read_tensor_bytes(src, only, adapters=(to == "peft"))
         with progress_bar(f"converting to {to}", total, progress, quiet=as_json) as advance:
             report = convert_checkpoint(src, dst, to=to, memory_budget=budget, max_shard_bytes=shard_bytes, only=only,
                                         overwrite=overwrite, allow_pickle=allow_pickle, progress=advance,
@@ -71,8 +71,15 @@ def convert(
              f"{clip(', '.join(k or '(root)' for k in report.values_dropped), 400)}", style="yellow")
 
 
-def read_tensor_bytes(src: str | os.PathLike, only: Optional[str]) -> int:
-    """Tensor bytes a conversion of ``src`` writes (for the progress bar): from the manifest."""
+def read_tensor_bytes(src: str | os.PathLike, only: Optional[str], adapters: bool = False) -> int:
+    """Tensor bytes a conversion of ``src`` writes (for the progress bar): from the manifest.
+    ``adapters``: those of the adapters a conversion to peft writes (under ``only``, if given)."""
     manifest, _ = load_manifest(src)
+    if adapters:
+        from resurgo.format.adapter import find_adapters
+
+        found = [f for f in find_adapters(manifest.tree) if only is None or f.prefix == only.rstrip(".")]
+        keys = {k for f in found[:1] for a in f.adapters.values() for k in a.tensors.values()}
+        return sum(sum(c.nbytes for c in manifest.tensors[k].chunks) for k in keys)
     return sum(sum(c.nbytes for c in t.chunks) for k, t in manifest.tensors.items()
                if only is None or k.startswith(only))
