@@ -227,8 +227,15 @@ def test_convert_to_peft_loads_in_peft_bitwise_and_import_from_peft_reads_it_bac
 def test_resurgo_trainer_saves_lora_adapters_only_and_resumes_bit_identically(tmp_path):
     whole = make_trainer(tmp_path / "whole", save_steps=STEPS + 1, lora=True)
     whole.train()
-    first = make_trainer(tmp_path / "run", save_steps=3, stop=6, lora=True)
-    first.train()
+    import resurgo.integrations.peft as peft_integration
+
+    hashed = []
+    real_digest = peft_integration._digest
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(peft_integration, "_digest", lambda tensors: hashed.append(len(tensors)) or real_digest(tensors))
+        first = make_trainer(tmp_path / "run", save_steps=3, stop=6, lora=True)
+        first.train()
+    assert len(hashed) == 1  # two saves, the base model hashed once (its weights did not change)
     checkpoint = tmp_path / "run" / "checkpoint-6"
     manifest = resurgo.read_manifest(checkpoint)
     assert manifest.metadata[hf_integration.ADAPTERS_KEY] is True
@@ -245,10 +252,21 @@ def test_resurgo_trainer_saves_lora_adapters_only_and_resumes_bit_identically(tm
     assert_same(optimizer_state(resumed.optimizer), optimizer_state(whole.optimizer))
     assert_same(resumed.model.state_dict(), whole.model.state_dict())
 
-    # A checkpoint of the whole PEFT model (as ResurgoTrainer saved one before it saved adapters
-    # alone) resumes as well, into the whole model.
+    # The newest checkpoint, as PEFT's own folder: the same outputs from a fresh base.
+    resurgo.convert(tmp_path / "run" / f"checkpoint-{STEPS}", tmp_path / "adapter", to="peft")
+    loaded = peft.PeftModel.from_pretrained(tiny_trainer_base(), tmp_path / "adapter")
+    batch = Tokens().x[:4]
+    assert bitwise_equal(_outputs(loaded, batch), _outputs(resumed.model, batch))
+
+
+@pytest.mark.slow  # two more Trainer runs: kept out of the default suite's time budget
+def test_a_trainer_checkpoint_of_a_whole_peft_model_still_resumes(tmp_path):
+    """As ResurgoTrainer saved a PEFT model before it saved adapters alone: into the whole model."""
+    whole = make_trainer(tmp_path / "whole", save_steps=STEPS + 1, lora=True)
+    whole.train()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(hf_integration, "is_peft_model", lambda model: False)
+        mp.setattr(hf_integration, "model_state", lambda model, held: model)
         old = make_trainer(tmp_path / "old", save_steps=3, stop=6, lora=True)
         old.train()
     assert "model.base_model.model.transformer.wte.weight" in resurgo.read_manifest(tmp_path / "old/checkpoint-6").tensors
@@ -256,12 +274,6 @@ def test_resurgo_trainer_saves_lora_adapters_only_and_resumes_bit_identically(tm
     again.train(resume_from_checkpoint=True)
     assert all(bitwise_equal(a, b) for a, b in zip(whole.losses, old.losses + again.losses))
     assert_same(again.model.state_dict(), whole.model.state_dict())
-
-    # The newest checkpoint, as PEFT's own folder: the same outputs from a fresh base.
-    resurgo.convert(tmp_path / "run" / f"checkpoint-{STEPS}", tmp_path / "adapter", to="peft")
-    loaded = peft.PeftModel.from_pretrained(tiny_trainer_base(), tmp_path / "adapter")
-    batch = Tokens().x[:4]
-    assert bitwise_equal(_outputs(loaded, batch), _outputs(resumed.model, batch))
 
 
 def tiny_trainer_base() -> GPT2LMHeadModel:

@@ -55,6 +55,7 @@ class ResurgoAccelerator(Accelerator):
         super().__init__(*args, **kwargs)
         self.resurgo_allow_pickle = allow_pickle
         self._resurgo_rng = ReplayableRng()
+        self._resurgo_adapters: dict = {}  # model_state's AdapterOnly of each PEFT model
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> Path:
         self._resurgo_check_supported()
@@ -106,7 +107,7 @@ class ResurgoAccelerator(Accelerator):
     def _resurgo_state(self) -> dict[str, Any]:
         """What Accelerate saves, as one tree: the same on save and as the target of a load."""
         # Keys independent of DDP wrapping; of a PEFT model, its adapters and its base model's digest.
-        models = [model_state(self.unwrap_model(m)) for m in self._models]
+        models = [model_state(self.unwrap_model(m), self._resurgo_adapters) for m in self._models]
         state: dict[str, Any] = {
             "step": self.step, "models": models, "optimizers": list(self._optimizers),
             "schedulers": list(self._schedulers), "dataloaders": [_LoaderPosition(dl) for dl in self._dataloaders],

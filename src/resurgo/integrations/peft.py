@@ -45,9 +45,16 @@ def is_peft_model(obj: Any) -> bool:
     return peft is not None and isinstance(obj, peft.PeftModel)
 
 
-def model_state(model: Any) -> Any:
-    """What an integration saves for ``model``: its adapters for a PEFT model, else the model."""
-    return AdapterOnly(model) if is_peft_model(model) else model
+def model_state(model: Any, held: dict[int, AdapterOnly]) -> Any:
+    """What an integration saves for ``model``: its adapters for a PEFT model, else the model.
+    ``held``: the integration's AdapterOnly by model, kept so that the base model is hashed again
+    only when its weights change, not at every save."""
+    if not is_peft_model(model):
+        return model
+    adapter = held.get(id(model))
+    if adapter is None or adapter.model is not model:
+        adapter = held[id(model)] = AdapterOnly(model)
+    return adapter
 
 
 class AdapterOnly:

@@ -43,7 +43,7 @@ from resurgo.errors import CheckpointNotFoundError, KeyMismatchError, NotACheckp
 from resurgo.integrations._retention import is_resurgo_checkpoint, prune
 from resurgo.integrations._torch_file import load_torch_file
 from resurgo.integrations._rng import ReplayableRng
-from resurgo.integrations.peft import AdapterOnly, is_peft_model
+from resurgo.integrations.peft import is_peft_model, model_state
 from resurgo.state.rng import RNGState
 
 __all__ = ["ResurgoTrainerMixin", "ResurgoTrainer"]
@@ -76,9 +76,9 @@ class _Resume:
         self.trainer_state_json: str = holder["trainer_state"]
         self.rng = ReplayableRng()
 
-    def load_into(self, trainer: Trainer) -> None:
-        objects = {"trainer_state": "", "model": _model_target(trainer.model, self.adapters_only, self.path),
-                   "optimizer": trainer.optimizer,
+    def load_into(self, trainer: Trainer, held: dict) -> None:
+        model = _model_target(trainer.model, self.adapters_only, self.path, held)
+        objects = {"trainer_state": "", "model": model, "optimizer": trainer.optimizer,
                    "scheduler": trainer.lr_scheduler, "scaler": getattr(trainer.accelerator, "scaler", None),
                    "rng": self.rng}
         missing = [p for p in self.parts if objects.get(p) is None and p != "trainer_state"]
@@ -109,6 +109,7 @@ class ResurgoTrainerMixin(_TrainerBase):
         super().__init__(*args, **kwargs)
         self.resurgo_allow_pickle = allow_pickle
         self._resurgo_resume: _Resume | None = None
+        self._resurgo_adapters: dict = {}  # model_state's AdapterOnly of a PEFT model
 
     # -- resuming -----------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -136,7 +137,7 @@ class ResurgoTrainerMixin(_TrainerBase):
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if self._resurgo_resume is not None:
-            self._resurgo_resume.load_into(self)
+            self._resurgo_resume.load_into(self, self._resurgo_adapters)
             return
         if checkpoint is None:
             return
@@ -178,8 +179,8 @@ class ResurgoTrainerMixin(_TrainerBase):
         if best is None or not is_resurgo_checkpoint(best):
             return super()._load_best_model()
         adapters_only = read_manifest(best).metadata.get(ADAPTERS_KEY) is True
-        report = load({"model": _model_target(self.model, adapters_only, best)}, best, strict=False,
-                      allow_pickle=self.resurgo_allow_pickle)
+        target = _model_target(self.model, adapters_only, best, self._resurgo_adapters)
+        report = load({"model": target}, best, strict=False, allow_pickle=self.resurgo_allow_pickle)
         if report.missing_keys:
             raise KeyMismatchError(f"{best}: the best checkpoint lacks {report.missing_keys[:5]}",
                                    report.missing_keys, [])
@@ -212,7 +213,7 @@ class ResurgoTrainerMixin(_TrainerBase):
         if self.args.should_save:
             self._resurgo_export_callback_states()
         # A PEFT model: its adapters and the base model's digest, as the plain Trainer saves only the adapters.
-        parts: dict[str, Any] = {"model": AdapterOnly(self.model) if is_peft_model(self.model) else self.model}
+        parts: dict[str, Any] = {"model": model_state(self.model, self._resurgo_adapters)}
         if not self.args.save_only_model:
             parts.update(optimizer=self.optimizer, scheduler=self.lr_scheduler)
             if getattr(self.accelerator, "scaler", None) is not None:
@@ -269,7 +270,7 @@ class ResurgoTrainerMixin(_TrainerBase):
                 "for that (push_to_hub: push the final model with trainer.push_to_hub() after training)")
 
 
-def _model_target(model: Any, adapters_only: bool, path: str) -> Any:
+def _model_target(model: Any, adapters_only: bool, path: str, held: dict) -> Any:
     """What a checkpoint's model part loads into: the adapters of a PEFT model when only they were
     saved, else the model (a checkpoint of a whole PEFT model, saved before adapters were saved alone)."""
     if not adapters_only:
@@ -278,7 +279,7 @@ def _model_target(model: Any, adapters_only: bool, path: str) -> Any:
         raise KeyMismatchError(f"{path}: holds the adapters of a PEFT model, and this Trainer's model is a "
                                f"{type(model).__name__}: wrap it with peft.get_peft_model(model, config) as when it "
                                "was saved", ["model"], [])
-    return AdapterOnly(model)
+    return model_state(model, held)
 
 
 class ResurgoTrainer(ResurgoTrainerMixin, Trainer):
