@@ -89,13 +89,20 @@ class Trace(TrainerCallback):
 
 
 def make_trainer(output_dir, *, resurgo: bool = True, save_steps: int = 3, stop: int | None = None,
-                 callbacks: tuple = (), eval_dataset=None, scaler: bool = False, **kwargs) -> Trainer:
+                 callbacks: tuple = (), eval_dataset=None, scaler: bool = False, lora: bool = False,
+                 **kwargs) -> Trainer:
     """Seeded as a fresh job is: the model is rebuilt from the config (no downloads); dropout and
     the shuffled sampler draw from the RNG every step. ``scaler``: the steps go through a grad
     scaler whose scale doubles every 2 steps (set on the Accelerator before training, as
-    Accelerate does for fp16 on a GPU: with ``fp16=True`` on CPU it makes none)."""
+    Accelerate does for fp16 on a GPU: with ``fp16=True`` on CPU it makes none). ``lora``: the model
+    is a PEFT LoRA model over it (rank 4 on the attention, dropout 0.1, B not zero at the start)."""
     set_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=8))
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.1,
+                                                 init_lora_weights=False))
     args = TrainingArguments(output_dir, max_steps=STEPS, per_device_train_batch_size=4, save_strategy="steps",
                              save_steps=save_steps, learning_rate=1e-2, use_cpu=True, report_to="none", seed=0,
                              disable_tqdm=True, logging_strategy="no", **kwargs)

@@ -600,7 +600,7 @@ def test_bad_arguments(tmp_path):
         resurgo.convert(tmp_path / "ck", tmp_path / "o", to="hf", only="encoder.")
     with pytest.raises(UnsupportedValueError, match=r"tensor 'model.w' would be named ''"):
         resurgo.convert(tmp_path / "ck", tmp_path / "o", to="safetensors", only="model.w")
-    with pytest.raises(ValueError, match="to must be one of 'safetensors', 'hf', 'torch', 'dcp', not 'onnx'"):
+    with pytest.raises(ValueError, match="to must be one of 'safetensors', 'hf', 'torch', 'dcp', 'peft', not 'onnx'"):
         resurgo.convert(tmp_path / "ck", tmp_path / "o", to="onnx")
     with pytest.raises(ValueError, match="max_shard_bytes applies to to='hf' only"):
         resurgo.convert(tmp_path / "ck", tmp_path / "o", to="safetensors", max_shard_bytes=10)
@@ -685,7 +685,7 @@ def test_cli_convert(tmp_path):
     r = runner.invoke(app, ["convert", str(tmp_path / "ck"), str(tmp_path / "p.pt"), "--to", "torch", "--progress"])
     assert r.exit_code == 0 and bits_equal(torch.load(tmp_path / "p.pt", weights_only=True)["model"]["w"], torch.arange(6.0))
     r = runner.invoke(app, ["convert", str(tmp_path / "ck"), str(tmp_path / "x"), "--to", "onnx"])
-    assert r.exit_code == 2 and "--to must be one of safetensors, hf, torch, dcp" in r.output
+    assert r.exit_code == 2 and "--to must be one of safetensors, hf, torch, dcp, peft" in r.output
     r = runner.invoke(app, ["convert", str(tmp_path / "ck"), str(tmp_path / "x"), "--to", "hf", "--max-shard-size", "lots"])
     assert r.exit_code == 2 and "'lots' is not a size" in r.output
     r = runner.invoke(app, ["convert", str(tmp_path / "ck"), str(tmp_path / "x"), "--to", "torch", "--only", "m."])

@@ -98,7 +98,7 @@ def test_the_check_sees_upward_relative_lazy_and_forbidden_imports():
         "line 1: imports torch (storage knows nothing of tensors)"]
 
 
-FRAMEWORKS = ("lightning", "lightning_fabric", "pytorch_lightning", "transformers", "accelerate", "torchtitan")
+FRAMEWORKS = ("lightning", "lightning_fabric", "pytorch_lightning", "transformers", "accelerate", "torchtitan", "peft")
 
 
 def test_no_module_outside_integrations_imports_them():

@@ -14,6 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from resurgo.errors import (
+    BaseModelMismatchError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointReplacedError,
@@ -97,5 +98,5 @@ __all__ = [
     "DTypeMismatchError", "IncompleteCheckpointError", "KeyMismatchError", "ManifestError",
     "NotACheckpointError", "PickleNotAllowedError", "ShapeMismatchError", "StorageError",
     "TypeMismatchError", "UnsupportedValueError", "MemoryBudgetError", "SaveInFlightError", "StudyError",
-    "ExpansionError",
+    "ExpansionError", "BaseModelMismatchError",
 ]

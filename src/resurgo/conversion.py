@@ -27,6 +27,11 @@ What each target keeps (docs/convert.md):
   ``FileSystemWriter``: tensors whole (one chunk each), other values as DCP byte items. So
   ``dcp.load`` fills a nested target (``{"model": model.state_dict()}``) or a flat one, on any
   world size and in any sharding.
+- peft: the adapters a model saved adapter-only holds (:mod:`resurgo.format.adapter`), as
+  ``PeftModel.save_pretrained`` writes them: ``adapter_model.safetensors`` (with the base model's
+  digest in its metadata) and ``adapter_config.json``, the adapter ``default`` at the top and each
+  other in a folder of its name. ``only``: the key of the model saved adapter-only (``model.``),
+  needed only when the checkpoint holds several.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ from resurgo.errors import (
     UnsupportedValueError,
     storage_error,
 )
+from resurgo.format import adapter as peft_format
 from resurgo.format import dtypes, values
 from resurgo.format.expansion import MAX_EXPANSION, distinct_bytes, expansion_error
 from resurgo.format.manifest import Manifest
@@ -72,9 +78,9 @@ from resurgo.state.per_rank import PerRank
 from resurgo.storage.base import Checkpoint
 from resurgo.storage.atomic_output import AtomicOutput
 from resurgo.storage.open import is_url, local_path, open_checkpoint
-from resurgo.storage.ownership import FILE
+from resurgo.storage.ownership import DIR, FILE
 
-TARGETS = ("safetensors", "hf", "torch", "dcp")
+TARGETS = ("safetensors", "hf", "torch", "dcp", "peft")
 DEFAULT_MEMORY_BUDGET = 1 << 30
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # "5GB", the default of transformers and huggingface_hub
 SAFETENSORS_RESERVED = "__metadata__"
@@ -113,7 +119,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, memory_b
     shards of at most ``max_shard_bytes`` tensor bytes each, default 5GB, plus
     ``model.safetensors.index.json``; a single shard is ``model.safetensors``) or ``"torch"`` (one
     torch.save file) or ``"dcp"`` (a directory ``torch.distributed.checkpoint.load`` reads: ``.metadata``
-    and ``*.distcp`` files). ``only``: keep the tensors whose key starts with this prefix, stripped
+    and ``*.distcp`` files) or ``"peft"`` (a directory ``PeftModel.from_pretrained`` loads: the
+    adapters of a model saved adapter-only, ``only`` the model's key where the checkpoint holds
+    several). ``only``: keep the tensors whose key starts with this prefix, stripped
     (``only="model."`` gives names a Hugging Face model loads); safetensors, hf and dcp (where the
     non-tensor values under the prefix are kept too).
     ``memory_budget`` (bytes or ``"2GB"``): the most tensor bytes held at once, default 1 GiB for
@@ -150,7 +158,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, memory_b
     if not allow_expansion:
         check_expansion(manifest, src)
     check_free_space(dst, sum(tensor_nbytes(e) for e in manifest.tensors.values()), "the conversion")
-    if to == "dcp":
+    if to == "peft":
+        report = _to_peft(ckpt, manifest, Path(dst), only, DEFAULT_MEMORY_BUDGET if budget is None else budget,
+                          overwrite, io_threads, progress)
+    elif to == "dcp":
         report = _to_dcp(src, storage_options, ckpt, manifest, Path(dst), only, budget, overwrite, allow_pickle,
                          io_threads, progress)
     elif to == "torch":
@@ -216,6 +227,81 @@ def _to_safetensors(ckpt: Checkpoint, manifest: Manifest, dst: Path, to: str, on
         bytes_read=stream.bytes_read, peak_buffer_bytes=stream.peak_buffer_bytes,
         tensors_skipped=[k for k in manifest.tensors if k not in names], values_dropped=dropped,
         raw_dtype_keys=raw_keys, seconds=seconds)
+
+
+# -- peft ---------------------------------------------------------------------------------------
+def _to_peft(ckpt: Checkpoint, manifest: Manifest, dst: Path, only: str | None, budget: int, overwrite: bool,
+             threads: int, progress: Callable[[int], None] | None) -> ConvertReport:
+    found = _adapters_to_convert(manifest, only, str(ckpt.path))
+    output = AtomicOutput(dst, directory=True, overwrite=overwrite, owned=_peft_owned, owned_file=_is_peft_output)
+    stream = TensorByteStream(ckpt, manifest, budget, threads)
+    seconds = {"read": 0.0, "write": 0.0}
+    written: list[str] = []
+    bytes_written = 0
+    metadata = {"format": "pt"}  # what PeftModel.save_pretrained writes
+    if found.base_model_digest is not None:
+        metadata[peft_format.DIGEST_METADATA] = found.base_model_digest
+    try:
+        for name in sorted(found.adapters, key=lambda n: n != peft_format.DEFAULT_ADAPTER):
+            adapter = found.adapters[name]
+            folder = "" if name == peft_format.DEFAULT_ADAPTER else f"{name}/"
+            if folder:
+                output.path(name).mkdir()
+            keys = [adapter.tensors[k] for k in sorted(adapter.tensors)]
+            items = [_output_item(k, adapter.tensors[k], manifest) for k in sorted(adapter.tensors)]
+            bytes_written += _write_file(output, folder + peft_format.PEFT_WEIGHTS_FILE, items, metadata, keys, stream,
+                                         seconds, progress)
+            bytes_written += _write_bytes(output, folder + peft_format.PEFT_CONFIG_FILE, str(adapter.config).encode())
+            written += [folder + peft_format.PEFT_WEIGHTS_FILE, folder + peft_format.PEFT_CONFIG_FILE]
+        output.publish()
+    except BaseException:
+        output.abort()
+        raise
+    converted = {k for a in found.adapters.values() for k in a.tensors.values()}
+    return ConvertReport(
+        src=str(ckpt.path), dst=str(dst), to="peft", files=written, num_tensors=len(converted),
+        tensor_bytes=sum(tensor_nbytes(manifest.tensors[k]) for k in converted), bytes_written=bytes_written,
+        bytes_read=stream.bytes_read, peak_buffer_bytes=stream.peak_buffer_bytes,
+        tensors_skipped=[k for k in manifest.tensors if k not in converted], values_dropped=[],
+        raw_dtype_keys=[], seconds=seconds)
+
+
+def _adapters_to_convert(manifest: Manifest, only: str | None, where: str) -> peft_format.SavedAdapters:
+    """The one adapter subtree of the checkpoint (the one under ``only`` where it has several)."""
+    found = peft_format.find_adapters(manifest.tree)
+    prefixes = ", ".join(repr(f.prefix + "." if f.prefix else "") for f in found)
+    if only is not None:
+        found = [f for f in found if f.prefix == only.rstrip(".")]
+    if len(found) != 1:
+        if not found:
+            raise KeyMismatchError(
+                f"{where}: holds no adapters saved adapter-only{f' under {only!r}' if only is not None else ''} (a "
+                "PEFT model saved by ResurgoTrainer, ResurgoAccelerator, or TrainState(model=AdapterOnly(model)))"
+                + (f"; it holds them under {prefixes}" if prefixes and only is not None else ""), missing=[only or ""])
+        raise UnsupportedValueError(f"{where}: holds adapters under several keys ({prefixes}); choose one with "
+                                    "only= (--only)")
+    for adapter in found[0].adapters.values():
+        if adapter.config is None or not adapter.tensors:
+            raise KeyMismatchError(f"{where}: adapter {adapter.name!r} under {found[0].prefix!r} lacks its config or its "
+                                   "weights", missing=[adapter.name])
+        for name in adapter.tensors:
+            if name in ("", SAFETENSORS_RESERVED):
+                raise UnsupportedValueError(f"{where}: adapter {adapter.name!r} has a tensor named {name!r}, which a "
+                                            "safetensors file cannot hold")
+    return found[0]
+
+
+def _peft_owned(rel: str, kind: str) -> bool:
+    """What a conversion to peft writes: the only entries an overwrite of its directory replaces."""
+    parts = rel.split("/")
+    if kind == DIR:
+        return len(parts) == 1
+    return kind == FILE and len(parts) <= 2 and parts[-1] in (peft_format.PEFT_WEIGHTS_FILE, peft_format.PEFT_CONFIG_FILE)
+
+
+def _is_peft_output(path: Path) -> bool:
+    """An adapter's weights carry resurgo's producer mark; its config has none."""
+    return path.name == peft_format.PEFT_CONFIG_FILE or is_resurgo_safetensors(path)
 
 
 def check_expansion(manifest: Manifest, src: str | os.PathLike) -> None:

@@ -183,3 +183,8 @@ def naming_checkpoint(error: ResurgoError, source: str, key: str) -> ResurgoErro
 class ExpansionError(ResurgoError, ValueError):
     """A conversion would write many times the bytes its source stores (chunks that share bytes):
     refused unless the caller allows the expansion."""
+
+
+class BaseModelMismatchError(ResurgoError, ValueError):
+    """Adapters saved without their base model (PEFT, ``AdapterOnly``) are loaded onto a base model
+    whose weights differ from the one they were trained on (the two content digests differ)."""

@@ -14,14 +14,14 @@ from rich.markup import escape
 from resurgo.cli.app import EXIT_USAGE, fail_cleanly, size_option
 from resurgo.cli.render import console, error, human_bytes, plural, print_json
 
-FROM = ("dcp", "hf", "torch", "spec", "deepspeed")
+FROM = ("dcp", "hf", "peft", "torch", "spec", "deepspeed")
 
 
 def import_(
-    src: str = typer.Argument(..., metavar="SRC", help="dcp: a torch.distributed.checkpoint directory; deepspeed: a DeepSpeed checkpoint directory; hf: a model directory; torch: a torch.save file; "
+    src: str = typer.Argument(..., metavar="SRC", help="dcp: a torch.distributed.checkpoint directory; deepspeed: a DeepSpeed checkpoint directory; hf: a model directory; peft: a PEFT adapter folder; torch: a torch.save file; "
                                                          "spec: the directory the spec's file names are relative to."),
     dst: Optional[str] = typer.Argument(None, metavar="DST", help="The new checkpoint (must not exist)."),
-    source: str = typer.Option(..., "--from", metavar="FORMAT", help="dcp | deepspeed | hf | torch | spec."),
+    source: str = typer.Option(..., "--from", metavar="FORMAT", help="dcp | deepspeed | hf | peft | torch | spec."),
     spec: Optional[Path] = typer.Option(None, "--spec", metavar="FILE", help="A spec JSON file (needed with --from spec)."),
     emit_spec: Optional[Path] = typer.Option(
         None, "--emit-spec", metavar="FILE", help="Write the spec the importer produces to FILE and import nothing."),
@@ -38,7 +38,7 @@ def import_(
                                          "(stride-0 tensors); refused otherwise."),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable report."),
 ) -> None:
-    """Import a foreign checkpoint (DCP, DeepSpeed ZeRO, Hugging Face, torch.save, or any files a spec describes).
+    """Import a foreign checkpoint (DCP, DeepSpeed ZeRO, Hugging Face, PEFT adapters, torch.save, or any files a spec describes).
 
     Exit 0 done, 2 refused (bad spec, DST exists, pickled code), 3 damaged source (truncated
     file, replicas that differ), 4 source not found."""

@@ -3,7 +3,8 @@
 ``ResurgoAccelerator`` is ``accelerate.Accelerator`` whose ``save_state`` writes one resurgo
 checkpoint holding everything Accelerate saves (the prepared models, optimizers, schedulers and
 data loader positions, the grad scaler, ``accelerator.step``, every process's RNG states, and the
-objects registered with ``register_for_checkpointing``): checksummed, committed atomically,
+objects registered with ``register_for_checkpointing``; of a PEFT model, only its adapters and
+its base model's digest: :class:`resurgo.integrations.peft.AdapterOnly`): checksummed, committed atomically,
 tensors never pickled. ``load_state`` reads it back, on the same or another number of processes,
 and still reads a folder Accelerate wrote before resurgo was added (each of its pickles checked
 first: tensors, plain containers and NumPy arrays only). With
@@ -35,6 +36,7 @@ from resurgo.errors import CheckpointNotFoundError, UnsupportedValueError
 from resurgo.integrations._retention import is_resurgo_checkpoint, prune
 from resurgo.integrations._rng import ReplayableRng, replay_before_forward
 from resurgo.integrations._torch_file import check_torch_file
+from resurgo.integrations.peft import model_state
 
 __all__ = ["ResurgoAccelerator"]
 
@@ -53,6 +55,7 @@ class ResurgoAccelerator(Accelerator):
         super().__init__(*args, **kwargs)
         self.resurgo_allow_pickle = allow_pickle
         self._resurgo_rng = ReplayableRng()
+        self._resurgo_adapters: dict = {}  # model_state's AdapterOnly of each PEFT model
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> Path:
         self._resurgo_check_supported()
@@ -103,7 +106,8 @@ class ResurgoAccelerator(Accelerator):
 
     def _resurgo_state(self) -> dict[str, Any]:
         """What Accelerate saves, as one tree: the same on save and as the target of a load."""
-        models = [self.unwrap_model(m) for m in self._models]  # keys independent of DDP wrapping
+        # Keys independent of DDP wrapping; of a PEFT model, its adapters and its base model's digest.
+        models = [model_state(self.unwrap_model(m), self._resurgo_adapters) for m in self._models]
         state: dict[str, Any] = {
             "step": self.step, "models": models, "optimizers": list(self._optimizers),
             "schedulers": list(self._schedulers), "dataloaders": [_LoaderPosition(dl) for dl in self._dataloaders],

@@ -3,11 +3,15 @@
 ``ResurgoTrainer`` is ``transformers.Trainer`` whose checkpoints (``output_dir/checkpoint-N``)
 are resurgo checkpoints: model, optimizer, LR scheduler, grad scaler, every rank's RNG states and
 the ``TrainerState`` in one checkpoint, checksummed and committed atomically, tensors never
-pickled. ``trainer.train(resume_from_checkpoint=...)`` resumes from them exactly as the Trainer
-resumes from its own folders, and still resumes from a folder the Trainer wrote before resurgo
-was added (read with ``torch.load(weights_only=True)``). ``save_total_limit`` deletes old
-checkpoints only after the new one is committed. For a Trainer subclass (trl's ``SFTTrainer``,
-your own), put ``ResurgoTrainerMixin`` first: ``class MyTrainer(ResurgoTrainerMixin, SFTTrainer)``.
+pickled. Of a PEFT model, only its adapters and its base model's digest are saved, as the Trainer
+saves only the adapters (:class:`resurgo.integrations.peft.AdapterOnly`).
+``trainer.train(resume_from_checkpoint=...)`` resumes from them exactly as the Trainer resumes
+from its own folders, and still resumes from a folder the Trainer wrote before resurgo was added
+(read with ``torch.load(weights_only=True)``). ``save_total_limit`` deletes old checkpoints only
+after the new one is committed, and never the newest: the Trainer's own deletion when training
+ends (``save_total_limit=1`` with a best checkpoint) does not run. For a Trainer subclass (trl's
+``SFTTrainer``, your own), put ``ResurgoTrainerMixin`` first:
+``class MyTrainer(ResurgoTrainerMixin, SFTTrainer)``.
 
 Why a Trainer subclass and not a callback: the Trainer writes and reads its checkpoint files
 itself (``_save_checkpoint``, ``_load_*``), and a callback sees neither (``on_save`` runs after
@@ -39,6 +43,7 @@ from resurgo.errors import CheckpointNotFoundError, KeyMismatchError, NotACheckp
 from resurgo.integrations._retention import is_resurgo_checkpoint, prune
 from resurgo.integrations._torch_file import load_torch_file
 from resurgo.integrations._rng import ReplayableRng
+from resurgo.integrations.peft import is_peft_model, model_state
 from resurgo.state.rng import RNGState
 
 __all__ = ["ResurgoTrainerMixin", "ResurgoTrainer"]
@@ -46,6 +51,8 @@ __all__ = ["ResurgoTrainerMixin", "ResurgoTrainer"]
 TRAINER_STATE_NAME = "trainer_state.json"
 # The manifest metadata key listing the parts a checkpoint holds (save_only_model saves fewer).
 PARTS_KEY = "transformers_trainer_parts"
+# The manifest metadata key saying the model part holds a PEFT model's adapters only (AdapterOnly).
+ADAPTERS_KEY = "transformers_trainer_adapters_only"
 # The files of a checkpoint folder the plain Trainer writes that a resume reads besides the model.
 _OPTIMIZER, _SCHEDULER, _SCALER = "optimizer.pt", "scheduler.pt", "scaler.pt"
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
@@ -57,19 +64,21 @@ class _Resume:
 
     def __init__(self, path: str, allow_pickle: bool) -> None:
         self.path, self.allow_pickle = path, allow_pickle
-        parts = read_manifest(path).metadata.get(PARTS_KEY)
+        metadata = read_manifest(path).metadata
+        parts = metadata.get(PARTS_KEY)
         if not isinstance(parts, list):
             raise NotACheckpointError(
                 f"{path}: a resurgo checkpoint, but not one a ResurgoTrainer wrote (its manifest metadata "
                 f"has no {PARTS_KEY!r}); load it with resurgo.load_dict and hand its parts to the Trainer yourself")
-        self.parts = parts
+        self.parts, self.adapters_only = parts, metadata.get(ADAPTERS_KEY) is True
         holder = {"trainer_state": ""}
         load(holder, path, strict=False)
         self.trainer_state_json: str = holder["trainer_state"]
         self.rng = ReplayableRng()
 
-    def load_into(self, trainer: Trainer) -> None:
-        objects = {"trainer_state": "", "model": trainer.model, "optimizer": trainer.optimizer,
+    def load_into(self, trainer: Trainer, held: dict) -> None:
+        model = _model_target(trainer.model, self.adapters_only, self.path, held)
+        objects = {"trainer_state": "", "model": model, "optimizer": trainer.optimizer,
                    "scheduler": trainer.lr_scheduler, "scaler": getattr(trainer.accelerator, "scaler", None),
                    "rng": self.rng}
         missing = [p for p in self.parts if objects.get(p) is None and p != "trainer_state"]
@@ -100,6 +109,7 @@ class ResurgoTrainerMixin(_TrainerBase):
         super().__init__(*args, **kwargs)
         self.resurgo_allow_pickle = allow_pickle
         self._resurgo_resume: _Resume | None = None
+        self._resurgo_adapters: dict = {}  # model_state's AdapterOnly of a PEFT model
 
     # -- resuming -----------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -127,7 +137,7 @@ class ResurgoTrainerMixin(_TrainerBase):
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if self._resurgo_resume is not None:
-            self._resurgo_resume.load_into(self)
+            self._resurgo_resume.load_into(self, self._resurgo_adapters)
             return
         if checkpoint is None:
             return
@@ -168,7 +178,9 @@ class ResurgoTrainerMixin(_TrainerBase):
         best = self.state.best_model_checkpoint
         if best is None or not is_resurgo_checkpoint(best):
             return super()._load_best_model()
-        report = load({"model": self.model}, best, strict=False, allow_pickle=self.resurgo_allow_pickle)
+        adapters_only = read_manifest(best).metadata.get(ADAPTERS_KEY) is True
+        target = _model_target(self.model, adapters_only, best, self._resurgo_adapters)
+        report = load({"model": target}, best, strict=False, allow_pickle=self.resurgo_allow_pickle)
         if report.missing_keys:
             raise KeyMismatchError(f"{best}: the best checkpoint lacks {report.missing_keys[:5]}",
                                    report.missing_keys, [])
@@ -176,6 +188,20 @@ class ResurgoTrainerMixin(_TrainerBase):
     def _resurgo_read_foreign(self, path: str) -> Any:
         return load_torch_file(path, allow_pickle=self.resurgo_allow_pickle, what="a file the Trainer wrote",
                                fix="pass ResurgoTrainer(..., allow_pickle=True)")
+
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        # With save_total_limit=1 and a best checkpoint, the Trainer deletes every other checkpoint
+        # when training ends (shutil.rmtree, the newest included, which a resume needs). Only
+        # resurgo's retention deletes: after a newer commit, never the newest nor the best. The
+        # limit is hidden from that step alone (callbacks' on_train_end, inside it, see None too).
+        limit = self.args.save_total_limit
+        if limit != 1:
+            return super()._finalize_training(*args, **kwargs)
+        self.args.save_total_limit = None
+        try:
+            return super()._finalize_training(*args, **kwargs)
+        finally:
+            self.args.save_total_limit = limit
 
     # -- saving -------------------------------------------------------------------------------------
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
@@ -186,7 +212,8 @@ class ResurgoTrainerMixin(_TrainerBase):
         self._resurgo_track_best(run_dir, output_dir)
         if self.args.should_save:
             self._resurgo_export_callback_states()
-        parts: dict[str, Any] = {"model": self.model}
+        # A PEFT model: its adapters and the base model's digest, as the plain Trainer saves only the adapters.
+        parts: dict[str, Any] = {"model": model_state(self.model, self._resurgo_adapters)}
         if not self.args.save_only_model:
             parts.update(optimizer=self.optimizer, scheduler=self.lr_scheduler)
             if getattr(self.accelerator, "scaler", None) is not None:
@@ -196,7 +223,8 @@ class ResurgoTrainerMixin(_TrainerBase):
         # Every rank calls (a collective save); a step saved again replaces its checkpoint atomically
         # and refuses (ForeignFilesError) a folder resurgo did not write.
         save(parts, output_dir, overwrite=True, allow_pickle=self.resurgo_allow_pickle,
-             step=self.state.global_step, metadata={PARTS_KEY: sorted(parts)})
+             step=self.state.global_step,
+             metadata={PARTS_KEY: sorted(parts), **({ADAPTERS_KEY: True} if is_peft_model(self.model) else {})})
         if self.args.should_save:
             self._resurgo_rotate(run_dir, output_dir)
 
@@ -240,6 +268,18 @@ class ResurgoTrainerMixin(_TrainerBase):
             raise UnsupportedValueError(
                 f"ResurgoTrainer does not support {', '.join(unsupported)} yet: train with transformers.Trainer "
                 "for that (push_to_hub: push the final model with trainer.push_to_hub() after training)")
+
+
+def _model_target(model: Any, adapters_only: bool, path: str, held: dict) -> Any:
+    """What a checkpoint's model part loads into: the adapters of a PEFT model when only they were
+    saved, else the model (a checkpoint of a whole PEFT model, saved before adapters were saved alone)."""
+    if not adapters_only:
+        return model
+    if not is_peft_model(model):
+        raise KeyMismatchError(f"{path}: holds the adapters of a PEFT model, and this Trainer's model is a "
+                               f"{type(model).__name__}: wrap it with peft.get_peft_model(model, config) as when it "
+                               "was saved", ["model"], [])
+    return model_state(model, held)
 
 
 class ResurgoTrainer(ResurgoTrainerMixin, Trainer):

@@ -22,12 +22,13 @@ from resurgo.interop.dcp import spec_from_dcp
 from resurgo.interop.deepspeed import spec_from_deepspeed
 from resurgo.interop.execute import execute
 from resurgo.interop.hf import spec_from_hf
+from resurgo.interop.peft import spec_from_peft
 from resurgo.interop.spec import ImportSpec
 from resurgo.interop.torch_file import spec_from_torch_file
 from resurgo.interop.unpickle import shown
 from resurgo.reports import ImportReport
 
-SOURCES = ("dcp", "deepspeed", "hf", "torch", "spec")
+SOURCES = ("dcp", "deepspeed", "hf", "peft", "torch", "spec")
 
 
 def spec_of(src: str | os.PathLike, source: str) -> tuple[ImportSpec, Path]:
@@ -38,7 +39,7 @@ def spec_of(src: str | os.PathLike, source: str) -> tuple[ImportSpec, Path]:
         raise ImportSpecError(f"{src}: source='spec' needs spec= (an ImportSpec, or the path of a spec JSON file)")
     if source not in SOURCES:
         raise UnsupportedValueError(f"source must be one of {', '.join(map(repr, SOURCES))}, not {source!r}")
-    emit = {"dcp": spec_from_dcp, "deepspeed": spec_from_deepspeed, "hf": spec_from_hf}.get(source)
+    emit = {"dcp": spec_from_dcp, "deepspeed": spec_from_deepspeed, "hf": spec_from_hf, "peft": spec_from_peft}.get(source)
     try:
         if emit is not None:
             spec, root = emit(path), path
@@ -104,7 +105,8 @@ def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source:
 
     ``source``: ``"dcp"`` (a torch.distributed.checkpoint directory), ``"deepspeed"`` (a
     DeepSpeed ZeRO 1/2/3 checkpoint directory: the one holding ``latest``, or a tag folder), ``"hf"`` (a Hugging Face
-    model directory), ``"torch"`` (a torch.save file) or ``"spec"`` (``src`` is the directory the
+    model directory), ``"peft"`` (a PEFT adapter folder, as ``PeftModel.save_pretrained`` writes it;
+    the adapters go under ``model``, as a model saved adapter-only holds them), ``"torch"`` (a torch.save file) or ``"spec"`` (``src`` is the directory the
     spec's file names are relative to; ``spec`` is an ImportSpec or a spec JSON file). With an
     importer's source, a ``spec`` replaces the one the importer would emit. ``memory_budget`` (bytes or ``"2GB"``, default 1 GiB) bounds the
     buffers; source bytes are read in large slices as they are written. ``dst`` appears only
