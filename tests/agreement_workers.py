@@ -380,7 +380,11 @@ def retention_failures(rank: int, world: int, tmp: str) -> dict:
     mgr._janitor.join()
     call("oserror", lambda: mgr.maybe_save(5, st))  # no policy: nothing saved, the outcome agreed
     call("after", lambda: mgr.save(6, st))
-    call("close", mgr.close)
+    mgr._janitor.join()
+    if rank == 0:
+        prune_module.remove = failing  # step 6's deletion, chosen by the last save's retention, fails
+    mgr.save(7, st)
+    call("close", mgr.close)  # no later call: close warns it, on every rank
     dist.barrier()
     out["steps"] = sorted(os.listdir(root))
     return out

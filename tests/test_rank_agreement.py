@@ -227,4 +227,7 @@ def test_a_deletion_that_retention_could_not_make_is_warned_alike_on_every_rank(
         assert same_everywhere(results, name) in ("ok", "False"), name
         assert not any(r[f"{name}_should_stop"] for r in results)  # the saves are committed: the job carries on
     assert same_everywhere([{"w": tuple(r["after_warned"])} for r in results], "w") == ()
-    assert results[0]["steps"] == [checkpoint_name(6)]
+    warned = same_everywhere([{"w": tuple(r["close_warned"])} for r in results], "w")
+    assert len(warned) == 1 and "(rank 0: OSError: [Errno 5] Input/output error: " in warned[0], warned
+    assert same_everywhere(results, "close") == "ok"
+    assert results[0]["steps"] == [checkpoint_name(6), checkpoint_name(7)]

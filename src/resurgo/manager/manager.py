@@ -402,13 +402,25 @@ class CheckpointManager:
         """Wait for everything in flight, then restore the previous signal handlers."""
         if self._closed:
             return
+        waited = False
         try:
             self.wait()
+            waited = True
         finally:
             self._janitor.join()
-            self._deletions.reap(now=True)  # the last deletions: no later call agrees them
+            if waited:
+                self._agree_last_deletions()
+            else:  # wait's failure was agreed: every rank is here, but no later collective is due
+                self._deletions.reap(now=True)
             self._preemption.uninstall()
             self._closed = True
+
+    def _agree_last_deletions(self) -> None:
+        """The last deletions' errors, warned alike on every rank: one more agreement, as close
+        is called on every rank like each call of the manager."""
+        self._deletions.reap()
+        dist_comm.current("control").agree_noting(
+            lambda: (None, None), self._deletions.take(), lambda everyone: self._deletions.warn(everyone, stacklevel=6))
 
     def __enter__(self) -> "CheckpointManager":
         return self
