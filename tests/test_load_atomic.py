@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 import warnings
 
 import numpy as np
@@ -265,3 +266,36 @@ def test_peer_restore_leaves_targets_untouched(tmp_path):
         assert "w" in out[rank]["unchanged"] and "w" not in out[rank]["as_saved"]
         assert set(out[rank]["unchanged"]) | set(out[rank]["as_saved"]) == {"w", "b", "mine"}
         assert out[rank]["step"] == -1
+
+
+def test_one_reader_has_the_next_requests_mapped_ahead_of_it(tmp_path, monkeypatch):
+    """With one I/O thread a helper maps the next requests (in order, at most two ahead of the
+    reader) while the reader hashes and copies; its failures are left to the reader, which meets
+    them itself, and the load is exact either way."""
+    from resurgo.pipeline import reader
+
+    saved = {f"t{i:02d}": random_tensor(torch.float32, (1024, 1024), seed=i) for i in range(16)}  # 4 MiB each: 4 requests of 16 MiB
+    path = tmp_path / "ck"
+    resurgo.save(saved, path)
+    mapped_ahead: list[tuple[str, int]] = []
+    fetched: list[int] = []
+    real_map_ahead, real_fetch = reader._PlanReading.map_ahead, reader._PlanReading.fetch
+
+    def map_ahead(self, task):
+        mapped_ahead.append((threading.current_thread().name, task.ops[0].file_offset))
+        if len(mapped_ahead) == 2:
+            raise OSError(5, "Input/output error")  # the helper stops; the reader maps the rest itself
+        real_map_ahead(self, task)
+
+    def fetch(self, task):
+        fetched.append(task.ops[0].file_offset if task.ops else -1)
+        return real_fetch(self, task)
+
+    monkeypatch.setattr(reader._PlanReading, "map_ahead", map_ahead)
+    monkeypatch.setattr(reader._PlanReading, "fetch", fetch)
+    target = {k: torch.zeros_like(v) for k, v in saved.items()}
+    resurgo.load(target, path, io_threads=1)
+    assert all(bits_equal(target[k], saved[k]) for k in saved)
+    assert len(fetched) > 2, fetched
+    assert [name for name, _ in mapped_ahead] == ["resurgo-readahead"] * 2
+    assert [off for _, off in mapped_ahead] == [off for off in fetched if off >= 0][:2]

@@ -157,8 +157,7 @@ class _PlanReading:
             held = [self.views_of(op, held=True) for op in task.ops]
             return self._read(task, held), held
         header = self.manifest.file_entry(task.file).header_bytes if task.header else 0
-        start = 0 if task.header else task.ops[0].file_offset
-        end = task.ops[-1].file_offset + task.ops[-1].length if task.ops else header
+        start, end = self._span(task)
         t0 = time.perf_counter()
         data = mapped(start, end - start)  # one call maps every page of the request
         t_read = time.perf_counter() - t0
@@ -166,6 +165,20 @@ class _PlanReading:
         if task.header:
             check_header_bytes(self.ckpt, self.manifest, task.file, data[:header])
         return t_read, _slices(task, start, data)
+
+    def _span(self, task: ReadTask) -> tuple[int, int]:
+        """Where ``task``'s one request starts and ends in its file."""
+        start = 0 if task.header else task.ops[0].file_offset
+        end = task.ops[-1].file_offset + task.ops[-1].length if task.ops else self.manifest.file_entry(task.file).header_bytes
+        return start, end
+
+    def map_ahead(self, task: ReadTask) -> None:
+        """Map (reading from the disk what is not cached) the pages of ``task``'s request in its
+        file's mapping, for :meth:`fetch` to find them there; nothing for other handles."""
+        mapped = getattr(self.handles[task.file], "view", None)
+        if mapped is not None:
+            start, end = self._span(task)
+            mapped(start, end - start).release()
 
     def check_op(self, op: ReadOp, views: list[memoryview]) -> float:
         """Verify what ``op`` read into ``views``; seconds hashing."""
@@ -291,7 +304,8 @@ def read_ops(ckpt: Checkpoint, manifest: Manifest, entries: dict[str, TensorEntr
         if verify and atomic:
             units = _Units(reading, tasks, loaded if loaded is not None else set())
             if workers == 1:
-                units.work()
+                with _Readahead(reading, tasks) as units.readahead:
+                    units.work()
             else:
                 with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="resurgo-read") as pool:
                     list(pool.map(lambda _: units.work(), range(workers)))
@@ -348,6 +362,7 @@ class _Units:
         self.cond = threading.Condition()
         self.error: BaseException | None = None
         self.seconds = [0.0, 0.0, 0.0]  # reading, hashing, copying
+        self.readahead: _Readahead | None = None  # one worker: the next requests mapped meanwhile
 
     def work(self) -> None:
         while True:
@@ -383,6 +398,8 @@ class _Units:
         self.queue.clear()
 
     def _check(self, i: int) -> None:
+        if self.readahead is not None:
+            self.readahead.reached(i)
         t_read, held = self.reading.fetch(self.tasks[i])
         times = [0.0, 0.0]  # hashing, copying
         try:
@@ -457,6 +474,51 @@ class _Units:
                 self.unfilled[key] -= 1
                 if not self.unfilled[key]:
                     self.loaded.add(key)
+
+
+class _Readahead:
+    """For a plan read by one thread: a helper thread maps the pages of the next ``depth``
+    requests (reading those not cached) while the reader hashes and copies the current one, as
+    the kernel's readahead does for a reader that reads into place; mapped alone, a cold request
+    would wait for the disk with nothing else to do. Its errors are left to the reader, which
+    meets them when it maps the same pages."""
+
+    def __init__(self, reading: _PlanReading, tasks: list[ReadTask], depth: int = 2):
+        self.reading, self.tasks, self.depth = reading, tasks, depth
+        self.current = 0
+        self.stopped = False
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name="resurgo-readahead", daemon=True)
+
+    def __enter__(self) -> "_Readahead":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify()
+        self.thread.join()
+
+    def reached(self, i: int) -> None:
+        """The reader starts request ``i``."""
+        with self.cond:
+            self.current = i
+            self.cond.notify()
+
+    def _run(self) -> None:
+        for i, task in enumerate(self.tasks):
+            with self.cond:
+                while not self.stopped and i > self.current + self.depth:
+                    self.cond.wait()
+                if self.stopped:
+                    return
+            if not task.ops:
+                continue
+            try:
+                self.reading.map_ahead(task)
+            except Exception:  # noqa: BLE001 - the reader raises it, mapping the same pages
+                return
 
 
 def _slices(task: ReadTask, start: int, data: memoryview) -> list[list[memoryview]]:
