@@ -25,7 +25,7 @@ def _parse_keep_best(text: str) -> tuple:
 
 def gc(
     root: str = typer.Argument(..., metavar="ROOT",
-                               help="A CheckpointManager root (step_NNNNNNNNN below it): a directory or a URL."),
+                               help="A CheckpointManager root, or any directory or URL of step_<digits> checkpoints."),
     keep_last: Optional[int] = typer.Option(None, "--keep-last", min=1, metavar="N",
                                             help="Keep the N newest committed checkpoints (replaces the recorded keep_last)."),
     keep_every: Optional[int] = typer.Option(None, "--keep-every", min=1, metavar="N",

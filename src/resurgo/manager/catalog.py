@@ -10,8 +10,9 @@ root's listing of the entry and its manifest: it reads manifests, never data.
 
 A manager root holds one checkpoint per step named ``step_000000123`` (zero-padded, so names
 sort by step) and the temporary directories of its saves and deletions beside them.
-:func:`scan` lists such a root; :func:`list_checkpoints` finds every checkpoint below a
-directory or URL prefix (``resurgo ls``).
+:func:`scan` lists such a root; ``scan(root, any_padding=True)`` (``resurgo gc``) also takes
+checkpoints a training script named ``step_123`` or ``step_00000123``. :func:`list_checkpoints`
+finds every checkpoint below a directory or URL prefix (``resurgo ls``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ COMMITTED, INCOMPLETE, TEMPORARY, CORRUPT = "committed", "incomplete", "temporar
 STEP_PREFIX = "step_"
 STEP_DIGITS = 9
 _STEP_NAME = re.compile(r"^step_(\d+)$")
+_ANY_STEP_NAME = re.compile(r"step_([0-9]+)", re.ASCII)  # fullmatch: no trailing newline, ASCII digits only
 
 
 def checkpoint_name(step: int) -> str:
@@ -58,6 +60,13 @@ def step_of(name: str) -> int | None:
     if m is None or name != checkpoint_name(int(m.group(1))):  # one name per step: zero-padded
         return None
     return int(m.group(1))
+
+
+def step_in_name(name: str) -> int | None:
+    """The step of any ``step_<digits>`` name, padded or not (``step_300``, ``step_00000300``),
+    or None. What ``resurgo gc`` reads; the manager reads only its own names (:func:`step_of`)."""
+    m = _ANY_STEP_NAME.fullmatch(name)
+    return None if m is None else int(m.group(1))
 
 
 def temporary_target(name: str) -> str | None:
@@ -188,10 +197,13 @@ def _temporary_detail(name: str) -> str:
     return "temporary directory left by an interrupted save"
 
 
-def classify_listing(root: Root, found: Listing, step: int | None = None) -> Entry | None:
+def classify_listing(root: Root, found: Listing, step: int | None = None, *,
+                     unrecorded_step_ok: bool = False) -> Entry | None:
     """What the entry ``found`` of ``root`` is, when it is a checkpoint or the remains of a save;
     None otherwise. ``step``: the step its name says (a manager's checkpoint, which is then never
-    None), which the manifest must agree with. Reads the manifest, compares the listed sizes."""
+    None), which the manifest must agree with. ``unrecorded_step_ok``: a manifest that records no
+    step agrees with any (``resurgo.save`` without one, under a name a script chose); else it is
+    corrupt. Reads the manifest, compares the listed sizes."""
     base = Path(found.name).name
     here: dict[str, Any] = {"where": root.location(found.name), "newest": found.newest, "nbytes": found.total_bytes}
     if not found.is_dir:
@@ -219,13 +231,14 @@ def classify_listing(root: Root, found: Listing, step: int | None = None) -> Ent
         return Entry(Path(found.name), CORRUPT, step if step is not None else lenient_step, created, str(e), **here)
     problems = size_problems_in(found.files, manifest, root.size_words)
     problems += reference_problems(root, found.name, manifest)
-    if step is not None and manifest.step != step:
+    if step is not None and manifest.step != step and not (unrecorded_step_ok and manifest.step is None):
         problems.append(f"its manifest says step {manifest.step}, its name says step {step}")
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         return Entry(Path(found.name), CORRUPT, manifest.step if step is None else step, manifest.created_at,
                      problems[0] + more, **here)
-    return Entry(Path(found.name), COMMITTED, manifest.step, manifest.created_at, "", dict(manifest.metadata),
+    return Entry(Path(found.name), COMMITTED, manifest.step if step is None else step, manifest.created_at, "",
+                 dict(manifest.metadata),
                  dict(manifest.save_info), references={r: e.bytes for r, e in manifest.references.items()}, **here)
 
 
@@ -233,21 +246,26 @@ def _root(root: Root | str | os.PathLike) -> Root:
     return open_root(root) if isinstance(root, (str, os.PathLike)) else root
 
 
-def _manager_step(name: str) -> int | None:
+def _manager_step(name: str, any_padding: bool = False) -> int | None:
     """The step of an entry of a manager root: a checkpoint, or a temporary directory of one."""
-    step = step_of(name)
-    return step if step is not None else step_of(temporary_target(name) or "")
+    parse = step_in_name if any_padding else step_of
+    step = parse(name)
+    return step if step is not None else parse(temporary_target(name) or "")
 
 
-def scan(root: Root | str | os.PathLike) -> list[Entry]:
+def scan(root: Root | str | os.PathLike, *, any_padding: bool = False) -> list[Entry]:
     """The checkpoints of a manager root and the temporary directories of its saves and
-    deletions, sorted by step. Other entries of the root are not the manager's: left out."""
+    deletions, sorted by step. Other entries of the root are not the manager's: left out.
+    ``any_padding``: also checkpoints named ``step_<digits>`` with another padding than the
+    manager's (whose manifest may record no step: the name's is theirs), and their temporary
+    directories; two of them may then stand for one step."""
     store = _root(root)
     found = []
-    for listing in store.listings(select=lambda name: _manager_step(name) is not None):
+    for listing in store.listings(select=lambda name: _manager_step(name, any_padding) is not None):
         if temporary_target(listing.name) is not None and not listing.is_dir:
             continue  # a file named like a temporary directory is not the manager's
-        entry = classify_listing(store, listing, _manager_step(listing.name))
+        entry = classify_listing(store, listing, _manager_step(listing.name, any_padding),
+                                 unrecorded_step_ok=any_padding)
         if entry is not None:
             found.append(entry)
     found.sort(key=lambda e: (e.step, e.status != COMMITTED, e.path.name))

@@ -7,6 +7,10 @@ which the command line may replace. Incomplete checkpoints and
 temporary directories go once nothing under them has changed for ``stale_after`` seconds (a save
 in progress keeps its directory fresh). Corrupt checkpoints are kept: they may be worth a look,
 and removing them is a decision for a person.
+
+Checkpoints are those of any ``step_<digits>`` name, the manager's ``step_000000123`` and a
+script's ``step_123`` alike (``scan(any_padding=True)``). Two committed ones of one step are both
+kept, and count for no retention rule: which one the rules meant is a decision for a person too.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,17 +127,25 @@ def plan_gc(entries: Sequence[Entry], policy: RetentionPolicy | None, *, now: fl
     """One item per entry, in the entries' order. ``mtime(path)``: when ``path`` last changed.
 
     A kept committed checkpoint's reason names every rule that keeps it."""
-    committed = [Kept(e.step, e.metrics) for e in entries if e.status == COMMITTED and e.step is not None]
+    claims = Counter(e.step for e in entries if e.status == COMMITTED and e.step is not None)
+    shared = {step for step, n in claims.items() if n > 1}  # step_5 beside step_000000005
+    committed = [Kept(e.step, e.metrics) for e in entries
+                 if e.status == COMMITTED and e.step is not None and e.step not in shared]
     refs = references_by_step(list(entries))
-    # A corrupt checkpoint is never removed: what it references stays with it.
-    protect = [e.step for e in entries if e.status == CORRUPT and e.step is not None]
+    # A corrupt checkpoint is never removed, nor one whose step another claims: what they
+    # reference stays with them.
+    protect = [e.step for e in entries if e.status == CORRUPT and e.step is not None] + sorted(shared)
     order = steps_to_delete(committed, policy, protect, refs)
     doomed = set(order)
     newest = max((k.step for k in committed), default=None)
     keeps = [(describe(p), p.keep(committed)) for p in policy_parts(policy)]
     plan = []
     for e in entries:
-        if e.status == COMMITTED:
+        if e.status == COMMITTED and e.step in shared:
+            others = ", ".join(o.name for o in entries if o.status == COMMITTED and o.step == e.step and o is not e)
+            plan.append(GcItem(e, KEEP, f"step {e.step} is also the step of {others}: gc keeps both; rename or "
+                                        "remove one to let the retention rules count it"))
+        elif e.status == COMMITTED:
             if e.step in doomed:
                 plan.append(GcItem(e, DELETE, "kept by no retention rule"))
             else:
@@ -169,7 +182,9 @@ def run_gc(root: str | os.PathLike, *, keep_last: int | None = None, keep_every:
     files resurgo did not write is kept: its reason and :attr:`GcRun.refused` say why."""
     store = open_root(root)
     store.require("a CheckpointManager root directory")
-    entries = scan(store)  # an incomplete save's age is that of the newest thing stored under it
+    # any_padding: a script's step_300 is a checkpoint to gc as to ls. An incomplete save's age
+    # is that of the newest thing stored under it.
+    entries = scan(store, any_padding=True)
     policy, source = gc_policy(entries, store.name, keep_last=keep_last, keep_every=keep_every,
                                keep_best=keep_best, no_keep_best=no_keep_best, ignore_recorded=ignore_recorded)
     by_path: dict[Path, Entry] = {e.path: e for e in entries}
