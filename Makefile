@@ -21,18 +21,42 @@ DS_PYTEST := PYTHONPATH=$(DS_SITE) DS_ACCELERATOR=cpu DS_BUILD_OPS=0 $(BIN)/pyth
 TT_SITE := .torchtitan-site
 TT_PYTEST := PYTHONPATH=$(CURDIR)/$(TT_SITE) $(BIN)/python -m pytest -q -m torchtitan
 
-.PHONY: demo study study-full study-frameworks demo-kill test test-slow test-deepspeed test-torchtitan bench bench-async bench-overhead bench-s3 bench-import bench-incremental bench-planning bench-memory bench-shared docs docs-build install clean
+.PHONY: demo study study-full study-frameworks demo-kill test test-slow test-deepspeed test-torchtitan bench bench-async bench-overhead bench-s3 bench-import bench-incremental bench-planning bench-memory bench-shared docs docs-build install lock clean
 
-$(STAMP): pyproject.toml
+# The environment installs with every package pinned by $(LOCK), given as constraints: pip has
+# one version of each to consider, so it does not backtrack (unpinned, its resolver spent 7-10
+# minutes in s3fs, aiobotocore and botocore). Constraints, not --no-deps: a CUDA torch elsewhere
+# brings nvidia-* packages a lock made on a CPU machine does not list, and pip may still add them.
+# make lock resolves the dev extra afresh and rewrites $(LOCK); make install LOCK= installs unpinned.
+TORCH := 2.13.0
+LOCK ?= requirements/dev.lock
+LOCK_VENV := .venv-lock
+
+$(STAMP): pyproject.toml $(LOCK)
 	$(PY) -m venv $(VENV)
 	# torch is pinned here; the package itself only needs torch>=2.4. Where pip finds no local CPU
 	# wheel it installs the default build from PyPI, which on Linux is a CUDA build that brings
 	# about 2.7 GB of NVIDIA libraries. For the CPU build, install it first, then run make:
 	#   python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
-	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0 -e '.[dev]'
+	$(BIN)/pip install --quiet --disable-pip-version-check $(if $(LOCK),-c $(LOCK)) torch==$(TORCH) -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Pins what pip resolves today for torch==$(TORCH) and the dev extra, in a new environment (the
+# resolver's minutes are spent here, once). Local version labels are dropped (2.13.0+cpu pins
+# 2.13.0), so that the same lock serves a CUDA torch; tests/test_lock.py holds it to pyproject.
+lock:
+	rm -rf $(LOCK_VENV)
+	$(PY) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/pip install --quiet --disable-pip-version-check torch==$(TORCH) -e '.[dev]'
+	mkdir -p requirements
+	{ echo "# Every package of the dev environment (torch==$(TORCH) -e '.[dev]'), pinned. Regenerate: make lock"; \
+	  $(LOCK_VENV)/bin/python -c 'import platform as p; print("# Resolved on Python", p.python_version(), p.system(), p.machine())'; \
+	  $(LOCK_VENV)/bin/pip freeze --exclude-editable --disable-pip-version-check | sed -E 's/\+[A-Za-z0-9.]+$$//'; \
+	} > requirements/dev.lock.tmp
+	mv requirements/dev.lock.tmp requirements/dev.lock
+	rm -rf $(LOCK_VENV)
 
 demo: study
 
