@@ -4,6 +4,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.typecheck  # a minute of mypy: make test runs it after the default suite
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
