@@ -21,7 +21,7 @@ DS_PYTEST := PYTHONPATH=$(DS_SITE) DS_ACCELERATOR=cpu DS_BUILD_OPS=0 $(BIN)/pyth
 TT_SITE := .torchtitan-site
 TT_PYTEST := PYTHONPATH=$(CURDIR)/$(TT_SITE) $(BIN)/python -m pytest -q -m torchtitan
 
-.PHONY: demo study study-full study-frameworks demo-kill test typecheck test-slow test-deepspeed test-torchtitan bench bench-async bench-overhead bench-s3 bench-import bench-incremental bench-planning bench-memory bench-shared docs docs-build install lock clean
+.PHONY: demo study study-full study-frameworks demo-kill test typecheck test-bench test-slow test-deepspeed test-torchtitan bench bench-async bench-overhead bench-s3 bench-import bench-incremental bench-planning bench-memory bench-shared docs docs-build install lock clean
 
 # The environment installs with every package pinned by $(LOCK), given as constraints: pip has
 # one version of each to consider, so it does not backtrack (unpinned, its resolver spent 7-10
@@ -74,15 +74,18 @@ demo-kill: $(STAMP)
 	$(BIN)/python examples/demo_kill_resume.py
 
 # The default suite, then the DeepSpeed import tests (deselected by default: they need deepspeed,
-# which lives outside the environment, in $(DS_SITE)), then mypy (a minute from a cold cache, kept
-# out of the default suite's time).
+# which lives outside the environment, in $(DS_SITE)), then mypy and the benchmark scripts' smoke
+# runs (a minute each, kept out of the default suite's time).
 test: $(STAMP) $(DS_SITE)/.installed
 	$(BIN)/python -m pytest -q --durations=20
 	$(DS_PYTEST)
-	$(BIN)/python -m pytest -q -m typecheck
+	$(BIN)/python -m pytest -q -m 'typecheck or bench'
 
 typecheck: $(STAMP)
 	$(BIN)/python -m pytest -q -m typecheck
+
+test-bench: $(STAMP)
+	$(BIN)/python -m pytest -q -m bench
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

@@ -21,7 +21,7 @@ BENCH = REPO / "benchmarks" / "bench_async.py"
 MECHANISMS = ["copy", "torch", "dcp", "dcp_async", "dcp_async_stager", "resurgo",
               "resurgo_async", "resurgo_async_guard"]
 RESURGO_ASYNC = {"resurgo_async", "resurgo_async_guard"}
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.bench]
 
 
 def _async_available() -> bool:

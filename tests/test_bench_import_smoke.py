@@ -47,6 +47,7 @@ def check_source(doc: dict, stdout: str, name: str, tools: list[str], headline: 
     assert f"{headline} durable_s = " in stdout and "(headline: like for like, durable)" in stdout
 
 
+@pytest.mark.bench
 def test_dcp_rows(tmp_path):
     doc, stdout = run_bench(tmp_path, "dcp")
     assert doc["schema"] == "resurgo-bench-import/1" and doc["config"]["memory_budget"] == 16 << 20
