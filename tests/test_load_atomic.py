@@ -7,9 +7,11 @@ saved tensor, bitwise) and those it left untouched (each equal to what it held b
 from __future__ import annotations
 
 import copy
-import os
+import importlib.util
+import sys
 import threading
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +27,15 @@ from resurgo.pipeline.reader import place_destinations, plan_tasks, read_ops
 from resurgo.plan.load_plan import plan_reads
 from resurgo.state.unflatten import Restorer
 from resurgo.storage.local import CheckpointDir
+
+
+def _bench_common():
+    """benchmarks/common.py, whose ``evict`` drops files from the page cache."""
+    spec = importlib.util.spec_from_file_location("bench_common", Path(__file__).resolve().parents[1] / "benchmarks" / "common.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_common"] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def _sixteen() -> dict[str, torch.Tensor]:
@@ -54,13 +65,7 @@ def test_damaged_tensor_is_untouched(tmp_path, monkeypatch, io_threads, damaged,
     resurgo.save({"model": saved, "step": 3}, path)
     data_file = flip_stored_bit(path, f"model.{damaged}")
     if not cached:
-        for f in (path / "data").iterdir():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+        _bench_common().evict(path / "data")
     target = {"model": {k: torch.full_like(v, -1.0) for k, v in saved.items()}, "step": 0}
     before = copy.deepcopy(target)
     with pytest.raises(CorruptCheckpointError) as info:
