@@ -38,6 +38,9 @@ import torch
 
 import resurgo
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from hostile_inputs import craft_grid, craft_many_files, empty_index  # noqa: E402
+
 
 class _StorageId:
     def __init__(self, key: str, numel: int):
@@ -151,38 +154,6 @@ def _sharing(path: Path, copies: int) -> int:
     return len(raw) + sum(p.stat().st_size for p in (path / "data").iterdir())
 
 
-def _core(world: int, files_per_rank: int, tensor, indexes: list[bytes]):
-    from resurgo.format import checksum
-    from resurgo.format.manifest import INDEXED_VERSION, Manifest, RankFiles
-
-    return Manifest(format="resurgo.checkpoint", version=INDEXED_VERSION, created_at="2026-01-01T00:00:00.000+00:00",
-                    library={"resurgo": "0"}, world={"size": world}, checksum_algorithm="xxh3-128", pickled=False,
-                    files={}, tensors={"g": tensor}, tree={"type": "dict", "items": [["g", {"type": "tensor", "key": "g"}]]},
-                    file_tag="", ranks=RankFiles(files=[files_per_rank] * world, index_bytes=[len(ix) for ix in indexes],
-                                                 index_checksums=[checksum.digest(ix) for ix in indexes]))
-
-
-def _empty_index(rank: int) -> bytes:
-    from resurgo.format.index import INDEX_FORMAT, RankIndex
-    from resurgo.format.manifest import INDEXED_VERSION
-
-    return RankIndex(format=INDEX_FORMAT, version=INDEXED_VERSION, rank=rank, files={}, chunks={}).encode()
-
-
-def _grid_core(path: Path, cells: int, index: bytes, stored_index: bytes | None = None) -> int:
-    """A one-rank core of a uint8 tensor of ``cells`` cells, all rank 0's; its index ``index``
-    (``stored_index`` on disk, when it differs)."""
-    from resurgo.format.index import index_file_name
-    from resurgo.format.manifest import GridEntry, TensorEntry
-
-    tensor = TensorEntry(kind="torch", dtype="uint8", shape=[cells], grid=GridEntry(parts=[cells], offset=0, strides=[0]))
-    (path / "data").mkdir(parents=True)
-    (path / index_file_name(0)).write_bytes(index if stored_index is None else stored_index)
-    raw = _core(1, 0, tensor, [index]).to_json_bytes()
-    (path / "manifest.json").write_bytes(raw)
-    return len(raw) + len(index)
-
-
 def _overlap(path: Path, n: int) -> int:
     """A manifest of a (2n, n) uint8 tensor in n columns then n rows, the last row moved onto the
     one above it (same element count, one row covered twice); every chunk on one byte range."""
@@ -205,8 +176,6 @@ def _overlap(path: Path, n: int) -> int:
 
 def checkpoint_cases(tmp: Path):
     """Hostile resurgo checkpoints: manifest, index, grid, overlap, declared names, expansion."""
-    from resurgo.format.index import data_file_name, index_file_name
-    from resurgo.format.manifest import GridEntry, TensorEntry
     from resurgo.pipeline.verify import verify_checkpoint
 
     size = _sharing(tmp / "dup", 20_000)
@@ -216,23 +185,16 @@ def checkpoint_cases(tmp: Path):
     size = _sharing(tmp / "shared", 20_000)
     yield "20,000 tensors on one 4 KB range", size, lambda: resurgo.load_dict(tmp / "shared")
     yield "the same, verified", size, lambda: verify_checkpoint(tmp / "shared")
-    size = _grid_core(tmp / "index", 4, bytes(2 << 20), stored_index=b"\1" * (2 << 20))
+    index = bytes(2 << 20)
+    size = craft_grid(tmp / "index", 4, index, stored_index=b"\1" * len(index)) + len(index)
     yield "rank index of 2 MB, altered", size, lambda: resurgo.load_dict(tmp / "index")
-    size = _grid_core(tmp / "grid", 2 ** 40, _empty_index(0))
+    size = craft_grid(tmp / "grid", 2 ** 40) + len(empty_index(0))
     yield "grid of 2**40 cells (verify)", size, lambda: verify_checkpoint(tmp / "grid")
     size = _overlap(tmp / "overlap", 8000)
     yield "8,000 columns beside 8,000 rows", size, lambda: resurgo.read_manifest(tmp / "overlap")
-    world, per_rank = 4000, 1000
-    indexes = [_empty_index(r) for r in range(world)]
-    tensor = TensorEntry(kind="torch", dtype="uint8", shape=[world], grid=GridEntry(parts=[world], offset=0, strides=[1]))
     ck = tmp / "names" / "ck"
-    (ck / "data").mkdir(parents=True)
-    for r in (0, 1):
-        (ck / index_file_name(r)).write_bytes(indexes[r])
-        (ck / data_file_name(r, 0)).write_bytes(b"x")
-    raw = _core(world, per_rank, tensor, indexes).to_json_bytes()
-    (ck / "manifest.json").write_bytes(raw)
-    yield "4,000 ranks x 1,000 files declared", len(raw), lambda: resurgo.save({"w": torch.ones(3)}, ck, overwrite=True)
+    size = craft_many_files(ck, world=4000, files_per_rank=1000)
+    yield "4,000 ranks x 1,000 files declared", size, lambda: resurgo.save({"w": torch.ones(3)}, ck, overwrite=True)
 
 
 # The class of hostile input each case is the largest one tried of.

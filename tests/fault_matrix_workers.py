@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 import resurgo
+from liveness_workers import COLS, ROWS, full, state  # the rank-liveness tests' sharded state
 from resurgo import faults
 
-ROWS, COLS, TENSORS = 4, 256, 8
 EARLIER = "earlier"  # the checkpoint every plain cell starts from; it must stay bit-exact
 
 # phase -> (its fault point, the kind of operation that reaches it): "save" and "async" save c<seed>
@@ -54,17 +54,6 @@ PHASES: dict[str, tuple[str, str]] = {
 VICTIM = {"save.write": 2, "save.commit": 0, "async.stage": 1, "async.write": 3, "async.commit": 0,
           "load.read": 1, "manager.restore": 0, "tier.copy": 3, "replicate.send": 2, "restore.peer": 1,
           "load.share": 2}
-
-
-def full(seed: int, world: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {f"t{i}": torch.randn(ROWS * world, COLS, generator=g) for i in range(TENSORS)}
-
-
-def state(seed: int, rank: int, world: int) -> dict:
-    """This rank's row block of each tensor of ``full(seed)``."""
-    return {k: resurgo.Shard(v[rank * ROWS:(rank + 1) * ROWS].clone(), tuple(v.shape), (rank * ROWS, 0))
-            for k, v in full(seed, world).items()}
 
 
 def blank(rank: int, world: int) -> dict:

@@ -30,6 +30,7 @@ def full(seed: int, world: int) -> dict[str, torch.Tensor]:
 
 
 def state(seed: int, rank: int, world: int) -> dict:
+    """This rank's row block of each tensor of ``full(seed)``."""
     return {k: resurgo.Shard(v[rank * ROWS:(rank + 1) * ROWS].clone(), tuple(v.shape), (rank * ROWS, 0))
             for k, v in full(seed, world).items()}
 

@@ -1,4 +1,4 @@
-"""Manifests that cost far more than their size, crafted here, now cost an error in proportion to it:
+"""Manifests that cost far more than their size (crafted by ``hostile_inputs``) now cost an error in proportion to it:
 a version 4 core of a few hundred bytes whose grid declares 10**6 or 2**40 cells all on rank 0
 (``verify``, ``inspect`` and ``load_dict`` fail at once: cells are counted, never built beyond what
 the indexes hold), and a core declaring 4,000 ranks x 1,000 data files that ``save(overwrite=True)``
@@ -20,42 +20,17 @@ import torch
 from typer.testing import CliRunner
 
 import resurgo
+from hostile_inputs import craft_grid, craft_many_files
 from resurgo.cli import app
 from resurgo.errors import CorruptCheckpointError
-from resurgo.format import checksum
-from resurgo.format.index import INDEX_FORMAT, DeclaredNames, RankIndex, data_file_name, index_file_name
-from resurgo.format.manifest import (INDEXED_VERSION, GridEntry, Manifest, RankFiles, TensorEntry, declared_files,
-                                     parse_manifest)
+from resurgo.format.index import DeclaredNames, data_file_name, index_file_name
+from resurgo.format.manifest import declared_files, parse_manifest
 from resurgo.layout.grid import Grid
 from resurgo.manager.catalog import size_problems_in
 from resurgo.pipeline.verify import verify_checkpoint
 
 runner = CliRunner()
 SECONDS, PEAK = 5.0, 300 << 20
-
-
-def _core(world: int, files_per_rank: int, tensor: TensorEntry, indexes: list[bytes]) -> Manifest:
-    return Manifest(format="resurgo.checkpoint", version=INDEXED_VERSION, created_at="2026-01-01T00:00:00.000+00:00",
-                    library={"resurgo": "0"}, world={"size": world}, checksum_algorithm="xxh3-128", pickled=False,
-                    files={}, tensors={"g": tensor}, tree={"type": "dict", "items": [["g", {"type": "tensor", "key": "g"}]]},
-                    file_tag="", ranks=RankFiles(files=[files_per_rank] * world, index_bytes=[len(ix) for ix in indexes],
-                                                 index_checksums=[checksum.digest(ix) for ix in indexes]))
-
-
-def _empty_index(rank: int) -> bytes:
-    return RankIndex(format=INDEX_FORMAT, version=INDEXED_VERSION, rank=rank, files={}, chunks={}).encode()
-
-
-def craft_grid(path: Path, cells: int) -> int:
-    """A one-rank checkpoint whose core declares a uint8 tensor of ``cells`` elements cut in ``cells``
-    cells, all written by rank 0, whose index holds none of them; returns the manifest's size."""
-    index = _empty_index(0)
-    tensor = TensorEntry(kind="torch", dtype="uint8", shape=[cells], grid=GridEntry(parts=[cells], offset=0, strides=[0]))
-    (path / "data").mkdir(parents=True)
-    (path / index_file_name(0)).write_bytes(index)
-    raw = _core(1, 0, tensor, [index]).to_json_bytes()
-    (path / "manifest.json").write_bytes(raw)
-    return len(raw)
 
 
 def _bounded(fn) -> tuple[object, float, int]:
@@ -98,20 +73,6 @@ def test_grid_writers_are_computed_as_enumerating_the_cells_would_find_them():
         ranges = grid.cell_ranges(shape)
         assert grid.writers(ranges) == sorted({grid.writer(c) for c in itertools.product(*ranges)})
         assert grid.count(shape) == len(list(grid.cells(shape)))
-
-
-def craft_many_files(path: Path, world: int = 4000, files_per_rank: int = 1000) -> int:
-    """A committed-looking checkpoint whose core declares ``world`` ranks of ``files_per_rank`` data
-    files each; only the indexes and a few data files are on disk. Returns the manifest's size."""
-    indexes = [_empty_index(r) for r in range(world)]
-    tensor = TensorEntry(kind="torch", dtype="uint8", shape=[world], grid=GridEntry(parts=[world], offset=0, strides=[1]))
-    (path / "data").mkdir(parents=True)
-    for r in (0, 1):
-        (path / index_file_name(r)).write_bytes(indexes[r])
-        (path / data_file_name(r, 0)).write_bytes(b"x")
-    raw = _core(world, files_per_rank, tensor, indexes).to_json_bytes()
-    (path / "manifest.json").write_bytes(raw)
-    return len(raw)
 
 
 def test_overwriting_a_core_of_millions_of_declared_files_builds_no_list_of_them(tmp_path: Path):
