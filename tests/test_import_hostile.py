@@ -640,6 +640,25 @@ def test_deepspeed_param_shapes_of_another_type_are_named(tmp_path, shape):
     assert not (tmp_path / "out").exists()
 
 
+def test_what_zipfile_raises_is_a_damaged_archive_and_a_resurgo_error_passes_as_raised():
+    from resurgo.interop.torch_file import damaged_archive
+
+    with pytest.raises(resurgo.CorruptCheckpointError) as info:
+        with damaged_archive("m.pt: not a readable zip archive", "was it truncated?"):
+            raise zipfile.BadZipFile("File is not a zip file")
+    assert str(info.value) == "m.pt: not a readable zip archive (BadZipFile: File is not a zip file); was it truncated?"
+    assert info.value.__suppress_context__
+    with pytest.raises(resurgo.CorruptCheckpointError, match=r"^m.pt \(EOFError: x\); was it truncated or damaged\?$"):
+        with damaged_archive("m.pt"):
+            raise EOFError("x")
+    refused = ImportSpecError("m.pt: member 'a/data.pkl' is compressed")  # a ValueError too, yet passes as raised
+    for raised in (refused, KeyError("a/data/0")):  # a missing member is the caller's to name
+        with pytest.raises(type(raised)) as passed:
+            with damaged_archive("m.pt"):
+                raise raised
+        assert passed.value is raised
+
+
 def test_a_zip_end_record_naming_several_disks_is_a_damaged_file(tmp_path):
     """zipfile raises BadZipFile (not OSError) while merely asking whether a file is a zip whose
     zip64 locator names several disks: a damaged file (exit 3), for torch.save and DeepSpeed files alike."""

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import zipfile
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +31,12 @@ from resurgo.errors import (
     ImportSpecError,
     NotACheckpointError,
     PickleNotAllowedError,
-    ResurgoError,
     UnsupportedValueError,
 )
 from resurgo.format import dtypes
 from resurgo.interop.source_files import check_relative, open_file_inside, resolve_inside
 from resurgo.interop.spec import Box, ImportSpec, Piece, PickledObject, TensorSpec, row_major_strides
-from resurgo.interop.torch_file import MAX_PICKLE_BYTES, ZIP_ERRORS, ZipSlice, member_start, read_archive
+from resurgo.interop.torch_file import MAX_PICKLE_BYTES, ZipSlice, damaged_archive, member_start, read_archive
 from resurgo.interop.unpickle import TensorRef, dcp_metadata_allowed, restricted_load, shown
 
 METADATA = ".metadata"
@@ -232,23 +232,24 @@ def _tensor(fqn: str, item: Any, storage: dict, files: _DistcpFiles, where: str)
     return TensorSpec(key=fqn, dtype=dtype, shape=[int(d) for d in item.size], pieces=pieces)
 
 
+def _damaged_item(path: Path, what: str, at: int) -> AbstractContextManager[None]:
+    """Reading the torch.save archive of ``what`` at byte ``at`` of ``path``: what zipfile raises
+    on it says the file is damaged."""
+    return damaged_archive(f"{path}: {what} at byte {at} is not a readable archive", "the file is damaged or truncated")
+
+
 def _archived_chunk(path: Path, view: ZipSlice, base: int, dtype: str, sizes: list[int],
                     what: str) -> tuple[int, list[int] | None]:
     """(the byte offset in the .distcp file of the chunk's first element, its strides or None)."""
     name = f"{path}[{base}:]"
     try:
-        with zipfile.ZipFile(view) as z:
+        with _damaged_item(path, what, base), zipfile.ZipFile(view) as z:
             ref, prefix = read_archive(z, name)
             if not isinstance(ref, TensorRef):
                 raise CorruptCheckpointError(f"{name}: {what} holds a {type(ref).__name__}, not a tensor")
             info = z.getinfo(f"{prefix}/data/{ref.storage.key}")
     except KeyError:
         raise CorruptCheckpointError(f"{name}: {what}: the archive lacks its storage member") from None
-    except ResurgoError:
-        raise
-    except ZIP_ERRORS as e:
-        raise CorruptCheckpointError(f"{path}: {what} at byte {base} is not a readable archive "
-                                     f"({type(e).__name__}: {e!s:.300}); the file is damaged or truncated") from None
     if ref.storage.dtype != dtype or list(ref.shape) != sizes:
         raise CorruptCheckpointError(f"{name}: {what} holds a {ref.storage.dtype} tensor of shape {list(ref.shape)}; "
                                      f"the metadata says {dtype} {sizes}")
@@ -275,15 +276,10 @@ def _bytes_item(fqn: str, info: Any, files: _DistcpFiles) -> tuple[Any, bool]:
         raise CorruptCheckpointError(f"{path}: {what} is larger than {MAX_PICKLE_BYTES} bytes")
     name = f"{path}[{info.offset}:]"
     try:
-        with zipfile.ZipFile(io.BytesIO(view.read())) as z:
+        with _damaged_item(path, what, info.offset), zipfile.ZipFile(io.BytesIO(view.read())) as z:
             value, _ = read_archive(z, name)
     except PickleNotAllowedError:
         return None, False
-    except ResurgoError:
-        raise
-    except ZIP_ERRORS as e:
-        raise CorruptCheckpointError(f"{path}: {what} at byte {info.offset} is not a readable archive "
-                                     f"({type(e).__name__}: {e!s:.300}); the file is damaged or truncated") from None
     if _is_json_data(value):
         return value, True
     return None, False

@@ -37,14 +37,13 @@ from resurgo.errors import (
     ImportSpecError,
     MemoryBudgetError,
     PickleNotAllowedError,
-    ResurgoError,
 )
 from resurgo.conversion import check_free_space
 from resurgo.format import dtypes
 from resurgo.format.expansion import MAX_EXPANSION
 from resurgo.interop.source_files import open_file_inside, open_inside, resolve_inside
 from resurgo.interop.spec import ImportSpec, Piece, Source, TensorSpec, row_major_strides, span_elements
-from resurgo.interop.torch_file import ZIP_ERRORS, member_start
+from resurgo.interop.torch_file import damaged_archive, member_start
 from resurgo.layout.shards import LocalPiece, Pieces
 from resurgo.pipeline.buffers import TensorStream, as_copyable, copy_flat_range
 from resurgo.pipeline.save import DEFAULT_IO_THREADS, LazySources, prepare_save, write_and_commit
@@ -114,16 +113,12 @@ class _Sources:
         if member is None:
             return _Region(path, 0, size, str(shown))
         try:
-            with open_file_inside(path) as f, zipfile.ZipFile(f) as z:
+            with (damaged_archive(f"{shown}: not a readable zip archive", "was it truncated?"),
+                  open_file_inside(path) as f, zipfile.ZipFile(f) as z):
                 info = z.getinfo(member)
                 start = member_start(f, info, str(shown))
         except KeyError:
             raise ImportSpecError(f"{shown}: archive has no member {member!r}") from None
-        except ResurgoError:
-            raise
-        except ZIP_ERRORS as e:
-            raise CorruptCheckpointError(f"{shown}: not a readable zip archive ({type(e).__name__}: {e!s:.300}); "
-                                         "was it truncated?") from None
         available = max(0, min(info.file_size, size - start))
         return _Region(path, start, available, f"{shown}:{member}")
 

@@ -16,7 +16,8 @@ import math
 import struct
 import zipfile
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,20 @@ MAX_PICKLE_BYTES = 1 << 30
 ZIP_ERRORS: tuple[type[BaseException], ...] = (
     zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, UnicodeDecodeError, NotImplementedError,
     RuntimeError, zlib.error, struct.error, OverflowError, ValueError)
+
+
+@contextmanager
+def damaged_archive(what: str, hint: str = "was it truncated or damaged?") -> Iterator[None]:
+    """Any of ZIP_ERRORS raised inside becomes ``CorruptCheckpointError("<what> (<error>); <hint>")``;
+    a ResurgoError passes as it was raised."""
+    try:
+        yield
+    except ResurgoError:
+        raise
+    except ZIP_ERRORS as e:
+        raise CorruptCheckpointError(f"{what} ({type(e).__name__}: {e!s:.300}); {hint}") from None
+
+
 LOCAL_HEADER = 30  # bytes of a zip local file header before its name and extra field
 TORCH_SAVE_HOLDS = "a torch.save of tensors and plain values"
 
@@ -94,7 +109,7 @@ def read_archive(z: zipfile.ZipFile, where: str, allowed: Mapping[tuple[str, str
                  holds: str = TORCH_SAVE_HOLDS) -> tuple[Any, str]:
     """(the structure a torch.save archive pickles, with TensorRefs for tensors; its prefix);
     ``allowed``: the globals its pickle may name (default: tensors and plain containers)."""
-    try:
+    with damaged_archive(f"{where}: not a readable zip archive"):
         pkl = [n for n in z.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
         if len(pkl) != 1:
             raise CorruptCheckpointError(f"{where}: expected one '<name>/data.pkl' member, found {len(pkl)}")
@@ -108,11 +123,6 @@ def read_archive(z: zipfile.ZipFile, where: str, allowed: Mapping[tuple[str, str
         if info.file_size > MAX_PICKLE_BYTES:
             raise CorruptCheckpointError(f"{where}: {pkl[0]} is larger than {MAX_PICKLE_BYTES} bytes")
         data = z.read(pkl[0])
-    except ResurgoError:
-        raise
-    except ZIP_ERRORS as e:
-        raise CorruptCheckpointError(f"{where}: not a readable zip archive ({type(e).__name__}: {e!s:.300}); "
-                                     "was it truncated or damaged?") from None
     return restricted_load(data, f"{where}:{pkl[0]}", allowed, holds, storages=True), prefix
 
 
@@ -122,17 +132,12 @@ def read_objects(path: Path, allowed: Mapping[tuple[str, str], Any] = TORCH_SAVE
     if not path.is_file():
         raise CheckpointNotFoundError(f"{path}: torch.save file not found")
     with open_file_inside(path) as f:  # the file checked inside its source, still
-        try:
+        with damaged_archive(f"{path}: not a readable zip archive"):
             if not zipfile.is_zipfile(f):  # which raises, for an end record naming several disks
                 raise UnsupportedValueError(f"{path}: not a zip-format torch.save file (the legacy format is not "
                                             "supported; load it with torch and save it again)")
             with zipfile.ZipFile(f) as z:
                 return read_archive(z, str(path), allowed, holds)
-        except ResurgoError:
-            raise
-        except ZIP_ERRORS as e:
-            raise CorruptCheckpointError(f"{path}: not a readable zip archive ({type(e).__name__}: {e!s:.300}); "
-                                         "was it truncated or damaged?") from None
 
 
 def spec_from_torch_file(path: str | Path, rel: str | None = None) -> ImportSpec:
