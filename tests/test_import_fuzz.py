@@ -26,7 +26,6 @@ import os
 import pickle
 import shutil
 import struct
-import sys
 import time
 import warnings
 import zipfile
@@ -42,6 +41,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 import resurgo
+from open_watch import opened_outside
 from resurgo import ResurgoError
 from resurgo.interop import spec as spec_lang
 from resurgo.interop.torch_file import read_objects, spec_from_torch_file
@@ -54,36 +54,6 @@ SLOW = settings(max_examples=1000, deadline=None, database=None, phases=[Phase.e
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 CPU_SECONDS = 1.0  # per MB of source, and for any source under 10 KB: the bound
 PEAK_BYTES = 300 << 20
-
-
-# ------------------------------------------------------------------------------------------------
-# Watching every file the library opens
-# ------------------------------------------------------------------------------------------------
-_WATCH: dict[str, Any] = {"roots": None, "outside": []}
-_HOOKED = False
-_ALLOWED_PREFIXES = tuple(
-    os.path.realpath(p) + os.sep
-    for p in {sys.prefix, sys.base_prefix, sys.exec_prefix, "/proc", "/sys", "/dev",
-              str(Path(resurgo.__file__).resolve().parent), str(Path(torch.__file__).resolve().parent)})
-
-
-def _audit(event: str, args: tuple) -> None:
-    roots = _WATCH["roots"]
-    if roots is None or event != "open" or not args or not isinstance(args[0], (str, bytes, os.PathLike)):
-        return
-    path = os.path.realpath(os.fsdecode(args[0]))
-    if any(path == r or path.startswith(r + os.sep) for r in roots) or path.startswith(_ALLOWED_PREFIXES):
-        return
-    if path.endswith((".py", ".pyc", ".so")):  # a lazy import
-        return
-    _WATCH["outside"].append(path)
-
-
-def _install_hook() -> None:
-    global _HOOKED
-    if not _HOOKED:
-        sys.addaudithook(_audit)
-        _HOOKED = True
 
 
 # ------------------------------------------------------------------------------------------------
@@ -355,22 +325,21 @@ class Bench:
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir()
         size = sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
-        _WATCH["roots"], _WATCH["outside"] = (os.path.realpath(src), os.path.realpath(out)), []
         rss_before = _reset_peak()
         cpu = time.process_time()
-        try:
-            resurgo.import_checkpoint(target, out / "ckpt", **args)
-        except ResurgoError as e:
-            outcome = type(e).__name__
-            assert len(str(e)) < 20_000, f"an error message of {len(str(e))} characters"
-            assert os.listdir(out) == [], f"a refused import left {os.listdir(out)}"
-        else:
-            outcome = "ok"
-        finally:
-            cpu = time.process_time() - cpu
-            peak = _status_bytes("VmHWM:") - rss_before
-            _WATCH["roots"] = None
-        assert not _WATCH["outside"], f"opened files outside the source: {_WATCH['outside']}"
+        with opened_outside(src, out) as outside:
+            try:
+                resurgo.import_checkpoint(target, out / "ckpt", **args)
+            except ResurgoError as e:
+                outcome = type(e).__name__
+                assert len(str(e)) < 20_000, f"an error message of {len(str(e))} characters"
+                assert os.listdir(out) == [], f"a refused import left {os.listdir(out)}"
+            else:
+                outcome = "ok"
+            finally:
+                cpu = time.process_time() - cpu
+                peak = _status_bytes("VmHWM:") - rss_before
+        assert not outside, f"opened files outside the source: {outside}"
         assert cpu < CPU_SECONDS * (1 + size / (1 << 20)), f"{cpu:.2f} s of CPU for a {size}-byte source"
         assert peak < PEAK_BYTES, f"the peak memory grew by {peak >> 20} MB (a {size}-byte source)"
         if outcome == "ok":
@@ -385,7 +354,6 @@ class Bench:
 
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
-    _install_hook()
     b = Bench(tmp_path_factory.mktemp("import-fuzz"))
     for name in FIXTURES:  # the pristine sources import, and every lazy import is done before measuring
         assert b.attempt(name, b.fresh(name)) == "ok"

@@ -51,6 +51,7 @@ from resurgo.format.manifest import SEAL_FIELD, parse_manifest, seal
 from resurgo.pipeline.verify import verify_checkpoint
 
 from helpers import resealed
+from open_watch import opened_outside
 
 _file_bytes: dict[str, bytes] = {}  # the data files' bytes, by manifest path
 BLOCK = 16  # small blocks: every chunk has several checksums, so list mutations matter
@@ -138,37 +139,6 @@ def raw_bytes(t: Any) -> bytes:
     return bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-# ------------------------------------------------------------------------------------------------
-# Watching every file the library opens
-# ------------------------------------------------------------------------------------------------
-_WATCH: dict[str, Any] = {"root": None, "outside": []}
-_HOOKED = False
-_ALLOWED_PREFIXES = tuple(
-    os.path.realpath(p) + os.sep
-    for p in {sys.prefix, sys.base_prefix, sys.exec_prefix, "/proc", "/sys", "/dev",
-              str(Path(resurgo.__file__).resolve().parent)}
-)
-
-
-def _audit(event: str, args: tuple) -> None:
-    root = _WATCH["root"]
-    if root is None or event != "open" or not args or not isinstance(args[0], (str, bytes, os.PathLike)):
-        return
-    path = os.path.realpath(os.fsdecode(args[0]))
-    if path == root or path.startswith(root + os.sep) or path.startswith(_ALLOWED_PREFIXES):  # the directory too
-        return
-    if path.endswith((".py", ".pyc", ".so")):  # a lazy import
-        return
-    _WATCH["outside"].append(path)
-
-
-def _install_hook() -> None:
-    global _HOOKED
-    if not _HOOKED:
-        sys.addaudithook(_audit)
-        _HOOKED = True
-
-
 class Bench:
     """The saved checkpoint, and every way of reading it with a replaced manifest."""
 
@@ -198,35 +168,31 @@ class Bench:
         for name, fn in (("read_manifest", lambda: resurgo.read_manifest(self.path)),
                          ("load_dict", lambda: resurgo.load_dict(self.path)),
                          ("load", self._load_target)):
-            _WATCH["root"], _WATCH["outside"] = os.path.realpath(self.path), []
-            try:
-                result = fn()
-            except ResurgoError as e:
-                message = str(e)
-                assert len(message) < MAX_MESSAGE, f"{name}: error message of {len(message)} characters"
-                outcomes.append(type(e).__name__)
-            else:
-                outcomes.append("ok")
-                if name != "read_manifest" and check_bytes:
-                    for t in tensors_in(result):
-                        assert raw_bytes(t) in self.originals, f"{name} returned bytes that were never saved"
-            finally:
-                _WATCH["root"] = None
-            assert not _WATCH["outside"], f"{name} opened files outside the checkpoint: {_WATCH['outside']}"
+            with opened_outside(self.path) as outside:
+                try:
+                    result = fn()
+                except ResurgoError as e:
+                    message = str(e)
+                    assert len(message) < MAX_MESSAGE, f"{name}: error message of {len(message)} characters"
+                    outcomes.append(type(e).__name__)
+                else:
+                    outcomes.append("ok")
+                    if name != "read_manifest" and check_bytes:
+                        for t in tensors_in(result):
+                            assert raw_bytes(t) in self.originals, f"{name} returned bytes that were never saved"
+            assert not outside, f"{name} opened files outside the checkpoint: {outside}"
         self.verified = self._verify()
         return outcomes
 
     def _verify(self) -> str:
         """``verify``'s outcome. When it finds nothing wrong, a plain safetensors reader of each data
         file sees each whole tensor with the dtype and shape the manifest gives (or its raw bytes)."""
-        _WATCH["root"], _WATCH["outside"] = os.path.realpath(self.path), []
-        try:
-            report = verify_checkpoint(self.path)
-        except ResurgoError as e:
-            return type(e).__name__
-        finally:
-            _WATCH["root"] = None
-        assert not _WATCH["outside"], f"verify opened files outside the checkpoint: {_WATCH['outside']}"
+        with opened_outside(self.path) as outside:
+            try:
+                report = verify_checkpoint(self.path)
+            except ResurgoError as e:
+                return type(e).__name__
+        assert not outside, f"verify opened files outside the checkpoint: {outside}"
         if not report.ok:
             return "verify found problems"
         doc = json.loads((self.path / "manifest.json").read_bytes())
@@ -250,7 +216,6 @@ class Bench:
 
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory) -> Bench:
-    _install_hook()
     path = tmp_path_factory.mktemp("fuzz") / "ckpt"
     resurgo.save(make_state(), path, block_bytes=BLOCK, step=5, metadata={"run": "fuzz", "nested": {"a": [1, 2]}})
     b = Bench(path)
@@ -921,16 +886,24 @@ def _outside_copy(bench: Bench, tmp_path: Path) -> tuple[Path, Path]:
     return ckpt, outside
 
 
+def test_the_watch_records_each_file_opened_outside_its_roots_while_it_runs(tmp_path: Path):
+    (tmp_path / "root").mkdir()
+    for name in ("root/in", "out", "later"):
+        (tmp_path / name).write_bytes(b"x")
+    with opened_outside(tmp_path / "root") as outside:
+        (tmp_path / "root" / "in").read_bytes()
+        (tmp_path / "out").read_bytes()
+    (tmp_path / "later").read_bytes()
+    assert outside == [os.path.realpath(tmp_path / "out")]
+
+
 def _readers_raise(ckpt: Path, error: type[ResurgoError], match: str) -> None:
-    _WATCH["root"], _WATCH["outside"] = os.path.realpath(ckpt), []
-    try:
+    with opened_outside(ckpt) as outside:
         with pytest.raises(error, match=match):
             resurgo.load_dict(ckpt)
         with pytest.raises(error, match=match):
             resurgo.load(make_state(target=True), ckpt)
-    finally:
-        _WATCH["root"] = None
-    assert not _WATCH["outside"], _WATCH["outside"]
+    assert not outside, outside
 
 
 def test_symlinked_data_file_pointing_outside(bench: Bench, tmp_path: Path):
