@@ -205,18 +205,15 @@ def listing_of(objects: dict[str, dict], name: str = ".") -> Listing:
     return out
 
 
-class ObjectCheckpoint:
-    """A checkpoint under a URL prefix: ``<url>/manifest.json`` and ``<url>/data/*``."""
-
-    # Readers group reads of one object less than 1 MiB apart into ranged requests of up to
-    # 64 MiB (each fetched as parallel 16 MiB ranges): a request costs a round trip.
-    coalesce_reads = (1 << 20, 64 << 20)
+class _AtUrl:
+    """A place named by a URL: the URL without its trailing slash, the storage options given for
+    it, and the filesystem and path fsspec resolves it to (``root``)."""
 
     def __init__(self, url: str, storage_options: dict | None = None):
         self.url = url.rstrip("/")
-        self.storage_options = dict(storage_options or {})
+        # always a dict; typed as Root declares it, for which a local root has none
+        self.storage_options: dict | None = dict(storage_options or {})
         self.fs, self.root = split_url(self.url, self.storage_options)
-        self._sizes: dict[str, int] = {}  # from the listing check_sizes made: no HEAD per open
 
     @property
     def path(self) -> str:
@@ -224,6 +221,18 @@ class ObjectCheckpoint:
 
     def __str__(self) -> str:
         return self.url
+
+
+class ObjectCheckpoint(_AtUrl):
+    """A checkpoint under a URL prefix: ``<url>/manifest.json`` and ``<url>/data/*``."""
+
+    # Readers group reads of one object less than 1 MiB apart into ranged requests of up to
+    # 64 MiB (each fetched as parallel 16 MiB ranges): a request costs a round trip.
+    coalesce_reads = (1 << 20, 64 << 20)
+
+    def __init__(self, url: str, storage_options: dict | None = None):
+        super().__init__(url, storage_options)
+        self._sizes: dict[str, int] = {}  # from the listing check_sizes made: no HEAD per open
 
     def describe(self, rel: str) -> str:
         return f"{self.url}/{rel}"
@@ -302,7 +311,7 @@ class ObjectCheckpoint:
 class ObjectStaging:
     """A save in progress at a URL. Pickles as its URL, options and save id (for other ranks)."""
 
-    def __init__(self, url: str, storage_options: dict, save_id: str, overwrite: bool,
+    def __init__(self, url: str, storage_options: dict | None, save_id: str, overwrite: bool,
                  declared_files: DeclaredFiles | None = None):
         self.url = url
         self.storage_options = storage_options
@@ -436,7 +445,7 @@ def remove_prefix(fs: Any, root: str, url: str, rels: list[str]) -> None:
             with_retries(lambda: fs.rm(paths), url, "deleting")
 
 
-class ObjectRoot:
+class ObjectRoot(_AtUrl):
     """A root of checkpoints under a URL prefix: each checkpoint is a prefix below it, with its
     ``manifest.json``; a prefix with data objects or a writer token but no manifest is an
     incomplete save (one that died, or one still running). Listed in one request.
@@ -448,17 +457,8 @@ class ObjectRoot:
     size_words = "stored"
 
     def __init__(self, url: str, storage_options: dict | None = None):
-        self.url = url.rstrip("/")
+        super().__init__(url, storage_options)
         self.name = self.url
-        self.storage_options: dict | None = dict(storage_options or {})
-        self.fs, self.prefix = split_url(self.url, self.storage_options)
-
-    @property
-    def path(self) -> str:
-        return self.url
-
-    def __str__(self) -> str:
-        return self.url
 
     def require(self, expected: str) -> None:
         pass  # a prefix exists as soon as an object is put below it
@@ -470,7 +470,7 @@ class ObjectRoot:
         return ObjectCheckpoint(self.location(name), self.storage_options)
 
     def _objects(self, name: str) -> dict[str, dict]:
-        prefix = self.prefix if name == "." else f"{self.prefix}/{name}"
+        prefix = self.root if name == "." else f"{self.root}/{name}"
         return list_prefix(self.fs, prefix, self.location(name))
 
     def listings(self, select: Callable[[str], bool] | None = None) -> list[Listing]:
@@ -501,6 +501,6 @@ class ObjectRoot:
             return False
         self.open(name).prove(listing_of(objects, name), declared_files, "delete it")
         if not dry_run:
-            prefix = self.prefix if name == "." else f"{self.prefix}/{name}"
+            prefix = self.root if name == "." else f"{self.root}/{name}"
             remove_prefix(self.fs, prefix, self.location(name), sorted(objects))
         return True
