@@ -117,6 +117,8 @@ def test_composition():
     (lambda: AtSteps([-1]), "AtSteps: steps must be ints >= 0"),
     (lambda: DalyInterval(0), "DalyInterval.mtbf_seconds must be a positive"),
     (lambda: AllOf(), "AllOf needs at least one policy"),
+    (lambda: KeepLast(0), "KeepLast.n must be a positive int, not 0"),
+    (lambda: KeepEvery(True), "KeepEvery.n must be a positive int, not True"),
 ])
 def test_policies_refuse_bad_arguments(make, message):
     with pytest.raises(ValueError, match=message):
@@ -142,6 +144,9 @@ def test_keep_last_keeps_the_newest_by_step_whatever_the_order():
 def test_keep_every_and_composition():
     policy = KeepAny(KeepLast(1), KeepEvery(100))
     assert steps_to_delete(kept(50, 100, 150, 200, 250), policy) == [50, 150]
+    assert str(policy) == "keep_last 1 or keep_every 100"
+    assert policy.to_spec() == {"type": "keep_any", "policies": [{"type": "keep_last", "n": 1},
+                                                                 {"type": "keep_every", "n": 100}]}
 
 
 def test_keep_best_min_and_max_with_ties_and_missing_metrics():

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from resurgo.errors import UnsupportedValueError
 from resurgo.manager.checks import positive_int
@@ -36,41 +36,41 @@ class RetentionPolicy(Protocol):
 
 
 @dataclass(frozen=True)
-class KeepLast:
-    """The ``n`` newest checkpoints (by step)."""
+class _CountPolicy:
+    """A policy of one positive whole number ``n``: its spec is ``{"type": KIND, "n": n}``, its
+    name ``KIND n``."""
 
     n: int
+    KIND: ClassVar[str]
 
     def __post_init__(self) -> None:
-        positive_int("KeepLast.n", self.n)
+        positive_int(f"{type(self).__name__}.n", self.n)
+
+    def to_spec(self) -> dict[str, Any]:
+        return {"type": self.KIND, "n": self.n}
+
+    def __str__(self) -> str:
+        return f"{self.KIND} {self.n}"
+
+
+@dataclass(frozen=True)
+class KeepLast(_CountPolicy):
+    """The ``n`` newest checkpoints (by step)."""
+
+    KIND = "keep_last"
 
     def keep(self, checkpoints: Sequence[Kept]) -> set[int]:
         return set(sorted(c.step for c in checkpoints)[-self.n:])
 
-    def to_spec(self) -> dict[str, Any]:
-        return {"type": "keep_last", "n": self.n}
-
-    def __str__(self) -> str:
-        return f"keep_last {self.n}"
-
 
 @dataclass(frozen=True)
-class KeepEvery:
+class KeepEvery(_CountPolicy):
     """Every checkpoint whose step is a multiple of ``n`` (a permanent thinned history)."""
 
-    n: int
-
-    def __post_init__(self) -> None:
-        positive_int("KeepEvery.n", self.n)
+    KIND = "keep_every"
 
     def keep(self, checkpoints: Sequence[Kept]) -> set[int]:
         return {c.step for c in checkpoints if c.step % self.n == 0}
-
-    def to_spec(self) -> dict[str, Any]:
-        return {"type": "keep_every", "n": self.n}
-
-    def __str__(self) -> str:
-        return f"keep_every {self.n}"
 
 
 @dataclass(frozen=True)
