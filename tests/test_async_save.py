@@ -317,6 +317,17 @@ def test_report_carries_the_stall(tmp_path):
     assert report.seconds["total"] >= report.seconds["stall"]
 
 
+def test_the_handle_shows_a_user_only_what_to_read_and_wait_for(tmp_path):
+    """Its state changes are the save's own: no public method of the handle changes its state."""
+    public = {name for name in dir(resurgo.AsyncSaveHandle) if not name.startswith("_")}
+    assert public == {"done", "staged", "wait", "wait_staged"}
+    h = resurgo.async_save({"a": torch.ones(10)}, tmp_path / "c")
+    h.wait_staged()
+    report = h.wait()
+    assert {name for name in vars(h) if not name.startswith("_")} == {"path", "stall_seconds"}
+    assert h.done() and h.staged() and report.path == h.path
+
+
 def _trained_linear():
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 256)

@@ -45,7 +45,9 @@ _pool = StagingPool()  # one per process: at most one async save is in flight, s
 
 
 class AsyncSaveHandle:
-    """A save in progress. ``wait()`` returns its SaveReport or raises its error."""
+    """A save in progress. ``wait()`` returns its SaveReport or raises its error; ``done()``,
+    ``staged()`` and ``wait_staged()`` follow it; ``path`` and ``stall_seconds`` describe it. Only
+    the save it belongs to changes its state."""
 
     def __init__(self, path: str):
         self.path = path
@@ -80,23 +82,24 @@ class AsyncSaveHandle:
         return self._report
 
     def wait_staged(self) -> None:
+        """Block until :meth:`staged` is true."""
         self._staged.wait()
 
-    # -- transitions, made by the save this handle belongs to ---------------------------------
-    def mark_staged(self) -> None:
+    # -- transitions, made only by the save this handle belongs to --------------------------------
+    def _mark_staged(self) -> None:
         """Every tensor is copied out, or the copy gave up: nothing may wait for the snapshot anymore."""
         self._staged.set()
 
-    def run_in(self, thread: threading.Thread) -> None:
+    def _run_in(self, thread: threading.Thread) -> None:
         """The background thread that writes this save; ``wait()`` joins it."""
         self._thread = thread
 
-    def committed(self, report: SaveReport) -> None:
+    def _mark_committed(self, report: SaveReport) -> None:
         self._report = report
         self._staged.set()
         self._done.set()
 
-    def failed(self, error: BaseException, *, raised_to_caller: bool = False) -> None:
+    def _mark_failed(self, error: BaseException, *, raised_to_caller: bool = False) -> None:
         """The save failed; ``wait()`` raises ``error`` (and the next save or exit does, unless the
         caller already got it)."""
         self._error = error
@@ -209,7 +212,7 @@ def start_async_save(state: Any, path: str | os.PathLike, *, overwrite: bool, al
     if deferred:
         _arm_step_hook(guard, handle, background, order)
     else:
-        handle.mark_staged()
+        handle._mark_staged()
     behind = background if deferred else None
     _start_background(handle, path, t_start,
                       lambda: _commit_in_background(prep, handle, behind, sources, digests, t_start, on_commit))
@@ -270,7 +273,7 @@ def _arm_step_hook(guard: Any, handle: AsyncSaveHandle, background: CopyBatch, o
         except BaseException:
             pass  # the save has failed; the background thread reports it, training goes on
         order.training_waits()  # step()'s kernels wait for the device copies, not forward's
-        handle.mark_staged()
+        handle._mark_staged()
     hook.pending = before_step
 
 
@@ -292,7 +295,7 @@ def _commit_in_background(prep: PreparedSave, handle: AsyncSaveHandle, behind: C
                 _pool.synchronize()  # staged() means landed: step() then waits for nothing
             finally:
                 prep.seconds["stage_background"] = time.perf_counter() - t1
-                handle.mark_staged()  # even on failure: never leave the optimizer waiting
+                handle._mark_staged()  # even on failure: never leave the optimizer waiting
         _lower_priority()  # writing and hashing yield to training
         _pool.synchronize()
     except BaseException as e:  # noqa: BLE001 - raised in the write phase, agreed by every rank
@@ -306,10 +309,10 @@ def _commit_in_background(prep: PreparedSave, handle: AsyncSaveHandle, behind: C
             if prep.owns_staging:
                 prep.staging.abort()
         finally:
-            handle.failed(e)
+            handle._mark_failed(e)
     else:
         _notify(on_commit, report)
-        handle.committed(report)
+        handle._mark_committed(report)
 
 
 def _start_background(handle: AsyncSaveHandle, path: str | os.PathLike, t_start: float, work: Callable[[], None]) -> None:
@@ -321,7 +324,7 @@ def _start_background(handle: AsyncSaveHandle, path: str | os.PathLike, t_start:
 
     # Not a daemon: the interpreter joins it before exiting, so an in-flight save always commits.
     thread = threading.Thread(target=run, name="resurgo-async-save", daemon=False)
-    handle.run_in(thread)
+    handle._run_in(thread)
     inflight.register(handle)
     handle.stall_seconds = time.perf_counter() - t_start  # before start(): the report reads it
     thread.start()
@@ -360,10 +363,10 @@ def _finish_synchronously(handle: AsyncSaveHandle, prep: PreparedSave, t_start: 
         report = write_and_commit(prep, LazySources(prep.leaves))
     except BaseException as e:
         handle.stall_seconds = time.perf_counter() - t_start
-        handle.failed(e, raised_to_caller=True)
+        handle._mark_failed(e, raised_to_caller=True)
         raise
     report.seconds["stall"] = report.seconds["total"] = time.perf_counter() - t_start
     _notify(on_commit, report)
     handle.stall_seconds = time.perf_counter() - t_start
-    handle.committed(report)
+    handle._mark_committed(report)
     return handle
