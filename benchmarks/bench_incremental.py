@@ -145,7 +145,7 @@ def run_manager(state: dict, step: Callable[[dict], None], where: Path, saves: i
         order = list(managers) if n % 2 == 0 else list(reversed(managers))
         for way in order:
             c0, t0 = time.process_time(), time.perf_counter()
-            managers[way].save(n, state)
+            managers[way].save(state, n)
             elapsed, used = time.perf_counter() - t0, time.process_time() - c0
             managers[way].wait()  # its deletions, untimed: not run beside the other manager's save
             if n > 0:  # the first save of each is full: the loop's steady state follows it

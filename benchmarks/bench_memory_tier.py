@@ -161,21 +161,21 @@ def worker(rank: int, world: int, work: str, disk_work: str, url: str, options: 
         tier = MemoryTier(replicas=1, keep_last=1, root=str(mem / "node{node}"), node=rank // 2)
 
         mgr = CheckpointManager(tiers=[tier], async_save=False)
-        mgr.save(0, state)  # untimed: the first save of a job also makes its process groups
+        mgr.save(state, 0)  # untimed: the first save of a job also makes its process groups
         figures["ref_gloo_send"].append(timed(gloo_send, "ref_gloo_send"))
         figures["ref_shm_copy"].append(timed(lambda: shm_copy(rep), "ref_shm_copy"))
         # Step 0 is kept until step 1 is complete: step 1's files land on fresh pages. Step 2's
         # take over step 0's (spare pages), as every later save of a job does.
-        figures["sync_safe_fresh"].append(timed(lambda: mgr.save(1, state), "sync_safe_fresh"))
-        figures["sync_safe"].append(timed(lambda: mgr.save(2, state), "sync_safe"))
+        figures["sync_safe_fresh"].append(timed(lambda: mgr.save(state, 1), "sync_safe_fresh"))
+        figures["sync_safe"].append(timed(lambda: mgr.save(state, 2), "sync_safe"))
         figures["sync_safe: replication after the write"].append(slowest(part["exchange"]))
         mgr.close()
         mgr = CheckpointManager(tiers=[tier], async_save=True)
-        mgr.save(3, state)
+        mgr.save(state, 3)
         mgr.wait()
         dist.barrier()
         c0, t0 = time.process_time(), time.perf_counter()
-        mgr.save(4, state)
+        mgr.save(state, 4)
         stall = time.perf_counter() - t0
         cpu["stall"].append(total(time.process_time() - c0))
         mgr.wait()

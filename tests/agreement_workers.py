@@ -187,10 +187,10 @@ def mismatched_calls(rank: int, world: int, tmp: str) -> dict:
     }
     out.update({name: outcome(fn) for name, fn in loads.items()})
     mgr = CheckpointManager(root / "mgr", async_save=False)
-    out["manager_step"] = outcome(lambda: mgr.save(10 + other, st))
+    out["manager_step"] = outcome(lambda: mgr.save(st, 10 + other))
     dist.barrier()
     out["manager_written"] = sorted(os.listdir(root / "mgr")) if (root / "mgr").exists() else []
-    mgr.save(20, st)
+    mgr.save(st, 20)
     out["manager_restore"] = outcome(lambda: mgr.restore(uneven_state(rank, world), step=20 if other else None))
     out["manager_restore_missing"] = outcome(lambda: mgr.restore(uneven_state(rank, world), step=5))
     out["manager_restored"] = outcome(lambda: mgr.restore(uneven_state(rank, world), step=20))
@@ -213,18 +213,18 @@ def background_failures(rank: int, world: int, tmp: str) -> dict:
     out: dict[str, Any] = {}
     mgr = CheckpointManager(tiers=[Tier(root / "fast"), Tier(root / "durable")], async_save=False)
     faults.arm("1:tier.copy:eio")
-    mgr.save(1, st)
+    mgr.save(st, 1)
     mgr._janitor.join()  # this rank's copy has failed (on every rank: the copy is collective)
-    out["copy_next_call"] = outcome(lambda: mgr.maybe_save(2, st))
+    out["copy_next_call"] = outcome(lambda: mgr.maybe_save(st, 2))
     out["copy_should_stop"] = mgr.should_stop
     faults.arm("")
-    out["copy_after"] = outcome(lambda: mgr.save(3, st))
+    out["copy_after"] = outcome(lambda: mgr.save(st, 3))
     out["copy_wait_after"] = outcome(mgr.wait)
     mgr.close()
 
     mgr = CheckpointManager(tiers=[Tier(root / "fast2"), Tier(root / "durable2")], async_save=False)
     faults.arm("0:tier.copy:eacces")
-    mgr.save(1, st)
+    mgr.save(st, 1)
     out["copy_wait"] = outcome(mgr.wait)
     out["copy_wait_should_stop"] = mgr.should_stop
     faults.arm("")
@@ -232,22 +232,22 @@ def background_failures(rank: int, world: int, tmp: str) -> dict:
 
     mgr = CheckpointManager(root / "async", every_steps=1)
     faults.arm("1:save.write:enospc")
-    mgr.maybe_save(1, st)
+    mgr.maybe_save(st, 1)
     out["async_wait"] = outcome(mgr.wait)
     out["async_should_stop"] = mgr.should_stop
     faults.arm("")
-    out["async_after"] = outcome(lambda: (mgr.maybe_save(2, st), mgr.wait()))
+    out["async_after"] = outcome(lambda: (mgr.maybe_save(st, 2), mgr.wait()))
     mgr.close()
 
     # A memory tier: each rank a node of its own, its files replicated to the other's memory.
     memory = MemoryTier(replicas=1, keep_last=1, root=os.path.join(tmp, "mem", "node{node}"), node=rank)
     mgr = CheckpointManager(tiers=[memory])
     faults.arm("1:replicate.send:eio")
-    mgr.save(1, st)
+    mgr.save(st, 1)
     out["replicate_wait"] = outcome(mgr.wait)
     out["replicate_should_stop"] = mgr.should_stop
     faults.arm("")
-    out["replicate_after"] = outcome(lambda: (mgr.save(2, st), mgr.wait()))
+    out["replicate_after"] = outcome(lambda: (mgr.save(st, 2), mgr.wait()))
     mgr.close()
     dist.barrier()
     out["memory_steps"] = sorted(os.listdir(root / "mem" / f"node{rank}"))
@@ -360,12 +360,12 @@ def retention_failures(rank: int, world: int, tmp: str) -> dict:
                                  if issubclass(w.category, UserWarning)]
         out[name + "_should_stop"] = mgr.should_stop
 
-    mgr.save(1, st)
+    mgr.save(st, 1)
     if rank == 0:
         (root / checkpoint_name(1) / "notes.txt").write_text("mine")
-    mgr.save(2, st)  # rank 0's retention refuses to delete step 1
+    mgr.save(st, 2)  # rank 0's retention refuses to delete step 1
     mgr._janitor.join()
-    call("refused", lambda: mgr.save(3, st))
+    call("refused", lambda: mgr.save(st, 3))
     mgr._janitor.join()
     if rank == 0:
         (root / checkpoint_name(1) / "notes.txt").unlink()
@@ -376,14 +376,14 @@ def retention_failures(rank: int, world: int, tmp: str) -> dict:
             raise OSError(errno.EIO, "Input/output error", name)
 
         prune_module.remove = failing
-    mgr.save(4, st)  # the warning of step 3's retention (step 1 still refused) is raised here
+    mgr.save(st, 4)  # the warning of step 3's retention (step 1 still refused) is raised here
     mgr._janitor.join()
-    call("oserror", lambda: mgr.maybe_save(5, st))  # no policy: nothing saved, the outcome agreed
-    call("after", lambda: mgr.save(6, st))
+    call("oserror", lambda: mgr.maybe_save(st, 5))  # no policy: nothing saved, the outcome agreed
+    call("after", lambda: mgr.save(st, 6))
     mgr._janitor.join()
     if rank == 0:
         prune_module.remove = failing  # step 6's deletion, chosen by the last save's retention, fails
-    mgr.save(7, st)
+    mgr.save(st, 7)
     call("close", mgr.close)  # no later call: close warns it, on every rank
     dist.barrier()
     out["steps"] = sorted(os.listdir(root))

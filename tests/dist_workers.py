@@ -226,7 +226,7 @@ def manager_async_every_step(rank: int, world: int, root: str) -> list[int]:
         for step in range(1, 13):
             local_of(state["w"]).add_(1)
             state["step"] = step
-            mgr.maybe_save(step, state)
+            mgr.maybe_save(state, step)
         mgr.wait()
     dist.barrier()  # every rank's manager closed (retention deletes done) before listing
     return sorted(int(p.name.split("_")[1]) for p in __import__("pathlib").Path(root).iterdir() if p.name.startswith("step_"))
@@ -251,7 +251,7 @@ def tiers_fast_lost(rank: int, world: int, fast: str, durable: str, options: dic
             local_of(w).add_(step)
             local_of(d).mul_(-1.5)
             state["step"] = step
-            mgr.maybe_save(step, state)
+            mgr.maybe_save(state, step)
             saved[step] = [bits(local_of(w)), bits(local_of(d))]
         mgr.wait()
         dist.barrier()  # rank 0 copies and deletes: done on every rank's return from wait() only there

@@ -91,7 +91,7 @@ def prepare(rank: int, world: int, where: Path, phase: str) -> dict:
         resurgo.save(state(0, rank, world), where / EARLIER)
         return ctx
     mgr = tiers(where, rank, kind)
-    mgr.save(0, state(0, rank, world))
+    mgr.save(state(0, rank, world), 0)
     mgr.wait()
     if kind == "peer":
         mgr.close()
@@ -125,7 +125,7 @@ def operate(rank: int, world: int, ctx: dict, seed: int) -> Any:
         step = ctx["mgr"].restore(target)
         return step == 0 and exact(target, 0, rank, world)
     else:  # "tier", "memory": a manager's save, its copy or replication in the background
-        ctx["mgr"].save(seed, state(seed, rank, world))
+        ctx["mgr"].save(state(seed, rank, world), seed)
         ctx["mgr"].wait()
     return None
 

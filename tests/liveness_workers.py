@@ -109,7 +109,7 @@ def manager_fail_during(rank: int, world: int, root: str, out: str, victim: int,
         mgr = resurgo.CheckpointManager(tiers=[memory, Tier(f"{root}/durable", every_steps=1)])
     else:
         mgr = resurgo.CheckpointManager(root, async_save=False)
-    mgr.save(0, state(0, rank, world))
+    mgr.save(state(0, rank, world), 0)
     mgr.wait()
     if rank == victim:
         _time_point(point, out_dir)
@@ -119,7 +119,7 @@ def manager_fail_during(rank: int, world: int, root: str, out: str, victim: int,
         if kind == "restore":
             mgr.restore(state(1, rank, world))
         else:
-            mgr.save(1, state(1, rank, world))
+            mgr.save(state(1, rank, world), 1)
             mgr.wait()
         outcome.update(error=None)
     except resurgo.ResurgoError as e:

@@ -56,7 +56,7 @@ def manager(tmp: str, rank: int, *, every_steps: int = 1, **kw) -> CheckpointMan
 def save_steps(rank: int, world: int, tmp: str, steps: list[int], every_steps: int = 1) -> dict:
     mgr = manager(tmp, rank, every_steps=every_steps, interval="auto", mtbf=MTBF)
     for s in steps:
-        mgr.save(s, rank_state(s, rank, world))
+        mgr.save(rank_state(s, rank, world), s)
     mgr.close()
     return {"cost": mgr.save_cost_seconds, "interval": mgr.interval_seconds}
 
@@ -112,7 +112,7 @@ def kill_mid_replication(rank: int, world: int, tmp: str) -> None:
     pids = [None] * world
     dist.all_gather_object(pids, os.getpid())
     mgr = manager(tmp, rank, async_save=False)
-    mgr.save(1, rank_state(1, rank, world))
+    mgr.save(rank_state(1, rank, world), 1)
     mgr.wait()
 
     def die(transfer) -> None:  # rank 2 has written rank 0's replica of step 2: everyone dies now
@@ -123,7 +123,7 @@ def kill_mid_replication(rank: int, world: int, tmp: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     replicate.after_receive = die
-    mgr.save(2, rank_state(2, rank, world))
+    mgr.save(rank_state(2, rank, world), 2)
     raise AssertionError("step 2 committed: the kill did not happen")
 
 
@@ -148,7 +148,7 @@ def three_nodes(rank: int, world: int, tmp: str) -> dict:
     mem = MemoryTier(replicas=1, keep_last=1, root=os.path.join(tmp, "mem", "node{node}"), node=rank)
     mgr = CheckpointManager(tiers=[mem], async_save=False)
     for s in (1, 2, 3):
-        mgr.save(s, rank_state(s, rank, world))
+        mgr.save(rank_state(s, rank, world), s)
     mgr.close()
     mine = Path(tmp) / "mem" / f"node{rank}"
     out: dict = {"steps": sorted(n for n in os.listdir(mine) if n != SPARE_DIR),
@@ -185,7 +185,7 @@ def corrupt_in_transit(rank: int, world: int, tmp: str) -> dict:
     from resurgo.pipeline import replicate
 
     mgr = manager(tmp, rank, async_save=False)
-    mgr.save(1, rank_state(1, rank, world))
+    mgr.save(rank_state(1, rank, world), 1)
 
     def flip(transfer, piece, view) -> None:  # rank 0's last piece to rank 2: a byte flipped on arrival
         if transfer.src == 0 and piece.stop == transfer.nbytes:
@@ -195,7 +195,7 @@ def corrupt_in_transit(rank: int, world: int, tmp: str) -> dict:
         replicate.on_piece = flip
     out: dict = {}
     try:
-        mgr.save(2, rank_state(2, rank, world))
+        mgr.save(rank_state(2, rank, world), 2)
     except resurgo.ResurgoError as e:
         out["error"] = (type(e).__name__, str(e))
     mgr.close()

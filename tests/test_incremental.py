@@ -364,7 +364,7 @@ def test_object_store_references_and_manager_retention(mem_url: str):
     with resurgo.CheckpointManager(f"{mem_url}/run", keep_last=1, incremental=True, async_save=False) as mgr:
         for step in (1, 2, 3):
             state["emb"][step * 8] += 1
-            mgr.save(step, state)
+            mgr.save(state, step)
         mgr.wait()
     assert [(e.step, e.status) for e in scan(f"{mem_url}/run")] == [(1, "committed"), (2, "committed"), (3, "committed")]
     assert_same(resurgo.load_dict(f"{mem_url}/run/step_000000003"), state)

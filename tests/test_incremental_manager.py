@@ -79,7 +79,7 @@ def test_manager_saves_against_the_previous_checkpoint(tmp_path: Path):
     with resurgo.CheckpointManager(tmp_path, incremental=FullEvery(3), async_save=False) as m:
         for step in range(1, 6):
             state["emb"][step * 11] += 1.0
-            m.save(step, state)
+            m.save(state, step)
             saved[step] = snapshot(state)
     refs = {e.step: sorted(e.referenced) for e in scan(tmp_path)}
     # Full saves at 1 and 4; the others reference the files holding their unchanged bytes.
@@ -95,7 +95,7 @@ def test_retention_keeps_referenced_checkpoints(tmp_path: Path):
     with resurgo.CheckpointManager(tmp_path, keep_last=1, incremental=FullEvery(3), async_save=True) as m:
         for step in range(1, 7):
             state["emb"][step * 8] -= 1.0  # a block of its own: the next save references this one's
-            m.save(step, state)
+            m.save(state, step)
             saved[step] = snapshot(state)
             m.wait()
             m._janitor.join()
@@ -108,7 +108,7 @@ def test_gc_keeps_what_is_referenced_and_deletes_the_rest(tmp_path: Path):
     with resurgo.CheckpointManager(tmp_path, incremental=FullEvery(3), async_save=False) as m:
         for step in range(1, 6):  # full saves at 1 and 4
             state["head"][step] += 1.0  # one block, rewritten each time: the rest is referenced
-            m.save(step, state)
+            m.save(state, step)
             saved[step] = snapshot(state)
     run = run_gc(tmp_path, keep_last=1)
     items = {i.entry.step: i for i in run.plan}
@@ -122,9 +122,9 @@ def two_incremental_steps(root: Path) -> dict:
     """Steps 1 and 2 saved by an incremental manager (step 2 references step 1); the state of step 2."""
     state = make_state()
     with resurgo.CheckpointManager(root, incremental=True, async_save=False) as m:
-        m.save(1, state)
+        m.save(state, 1)
         state["head"] += 1
-        m.save(2, state)
+        m.save(state, 2)
     return state
 
 
@@ -133,7 +133,7 @@ def test_replacing_a_referenced_checkpoint_is_refused(tmp_path: Path):
     with resurgo.CheckpointManager(tmp_path, incremental=True, async_save=False) as m:
         assert m.restore(snapshot(state), step=1) == 1
         with pytest.raises(CheckpointExistsError, match="references its data files"):
-            m.save(1, state)
+            m.save(state, 1)
     assert verify_checkpoint(tmp_path / checkpoint_name(2)).ok
 
 
@@ -180,7 +180,7 @@ def test_random_saves_retention_and_gc(tmp_path_factory, ops, full_every, keep, 
                     elif what == "inplace":  # dtype-preserving edit of one element's bits
                         state["frozen"].view(-1).view(torch.int32)[where] ^= 1
                 step += 1
-                m.save(step, state)
+                m.save(state, step)
                 saved[step] = snapshot(state)
             m._janitor.join()
             kept = check_root(root, saved)
@@ -193,7 +193,7 @@ def test_copies_to_a_durable_tier_are_self_contained(tmp_path: Path):
     with resurgo.CheckpointManager(tiers=tiers, incremental=True, async_save=False) as m:
         for step in (1, 2, 3):
             state["emb"][step * 8] += 1.0
-            m.save(step, state)
+            m.save(state, step)
             saved[step] = snapshot(state)
         m.wait()
     # The fast tier keeps 3 and what it references (keep_last=1); the copies hold all their bytes.

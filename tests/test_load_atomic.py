@@ -185,8 +185,8 @@ def test_manager_restore(tmp_path):
     skips it and loads the step before, whole."""
     one, two = _sixteen(), {k: v + 1 for k, v in _sixteen().items()}
     with resurgo.CheckpointManager(tmp_path, async_save=False) as mgr:
-        mgr.save(1, {"model": one})
-        mgr.save(2, {"model": two})
+        mgr.save({"model": one}, 1)
+        mgr.save({"model": two}, 2)
     flip_stored_bit(mgr.path_for(2, 0), "model.t03")
     target = {"model": {k: torch.zeros_like(v) for k, v in one.items()}}
     before = copy.deepcopy(target)

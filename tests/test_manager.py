@@ -60,7 +60,7 @@ def committed_steps(root: Path) -> list[int]:
 def test_maybe_save_follows_the_policy_and_checkpoints_hold_the_step_state(tmp_path, use_async):
     root = tmp_path / "run"
     with CheckpointManager(root, every_steps=3, async_save=use_async) as mgr:
-        decisions = [mgr.maybe_save(s, state_at(s), metrics={"loss": 1.0 / s}) for s in range(1, 11)]
+        decisions = [mgr.maybe_save(state_at(s), s, metrics={"loss": 1.0 / s}) for s in range(1, 11)]
     assert decisions == [s % 3 == 0 for s in range(1, 11)]
     assert names(root) == ["step_000000003", "step_000000006", "step_000000009"]
     for s in (3, 6, 9):
@@ -74,22 +74,22 @@ def test_maybe_save_follows_the_policy_and_checkpoints_hold_the_step_state(tmp_p
 
 def test_the_same_step_is_never_saved_twice_by_policy(tmp_path):
     with CheckpointManager(tmp_path, every_steps=2) as mgr:
-        assert mgr.maybe_save(2, state_at(2)) is True
-        assert mgr.maybe_save(2, state_at(2)) is False
+        assert mgr.maybe_save(state_at(2), 2) is True
+        assert mgr.maybe_save(state_at(2), 2) is False
         mgr.wait()
         fresh = CheckpointManager(tmp_path, every_steps=2)
         state = blank()
         assert fresh.restore(state) == 2
-        assert fresh.maybe_save(2, state) is False  # a loop that calls maybe_save right after restore
+        assert fresh.maybe_save(state, 2) is False  # a loop that calls maybe_save right after restore
         fresh.close()
 
 
 def test_metrics_are_stored_as_plain_numbers(tmp_path):
     with CheckpointManager(tmp_path) as mgr:
-        mgr.save(1, state_at(1), metrics={"t": torch.tensor(0.25), "n": np.float32(0.5), "i": 3,
+        mgr.save(state_at(1), 1, metrics={"t": torch.tensor(0.25), "n": np.float32(0.5), "i": 3,
                                            "nan": float("nan"), "inf": torch.tensor(float("inf"))})
         with pytest.raises(UnsupportedValueError, match=r"metrics\['x'\]: expected a number, got str"):
-            mgr.save(2, state_at(2), metrics={"x": "high"})
+            mgr.save(state_at(2), 2, metrics={"x": "high"})
     assert resurgo.read_manifest(tmp_path / checkpoint_name(1)).metadata["metrics"] == {
         "t": 0.25, "n": 0.5, "i": 3.0, "nan": None, "inf": None}
     assert committed_steps(tmp_path) == [1]
@@ -106,7 +106,7 @@ def test_restore_on_an_empty_or_missing_root_is_a_fresh_start(tmp_path):
 def save_steps(root: Path, steps, **kwargs) -> None:
     with CheckpointManager(root, async_save=False, **kwargs) as mgr:
         for s in steps:
-            mgr.save(s, state_at(s), metrics={"loss": float(s)})
+            mgr.save(state_at(s), s, metrics={"loss": float(s)})
 
 
 def test_restore_loads_the_newest_committed_checkpoint(tmp_path):
@@ -136,7 +136,7 @@ def test_restore_skips_corrupt_and_incomplete_checkpoints_with_warnings_and_keep
         assert any("step_000000040" in m and "incomplete" in m and "no manifest.json" in m for m in messages)
         assert any("step_000000030" in m and "tensor 'w'" in m and "checksum" in m for m in messages)
         # retention runs after the next commit; the unreadable checkpoints are neither counted nor deleted
-        mgr.save(25, state_at(25))
+        mgr.save(state_at(25), 25)
         mgr.wait()
     assert names(tmp_path) == ["step_000000025", "step_000000030", "step_000000040", "step_000000050"]
 
@@ -183,11 +183,11 @@ def gated_writes(monkeypatch):
 def test_retention_deletes_only_after_a_newer_checkpoint_is_committed(tmp_path, gated_writes):
     gated_writes.set()
     mgr = CheckpointManager(tmp_path, keep_last=1)
-    mgr.save(1, state_at(1))
+    mgr.save(state_at(1), 1)
     mgr.wait()
     gated_writes.clear()
-    mgr.save(2, state_at(2))  # staged; its write waits at the gate
-    assert mgr.maybe_save(3, state_at(3)) is False
+    mgr.save(state_at(2), 2)  # staged; its write waits at the gate
+    assert mgr.maybe_save(state_at(3), 3) is False
     time.sleep(0.1)
     assert committed_steps(tmp_path) == [1]  # the only committed checkpoint stays
     gated_writes.set()
@@ -200,14 +200,14 @@ def test_keep_best_uses_metrics_stored_in_the_checkpoints_across_restarts(tmp_pa
     losses = {1: 0.9, 2: 0.3, 3: 0.5, 4: 0.7}
     with CheckpointManager(tmp_path, keep_best=("loss", "min", 1), keep_last=1, async_save=False) as mgr:
         for s in (1, 2, 3, 4):
-            mgr.save(s, state_at(s), metrics={"loss": losses[s]})
+            mgr.save(state_at(s), s, metrics={"loss": losses[s]})
     assert committed_steps(tmp_path) == [2, 4]
     with CheckpointManager(tmp_path, keep_best=("loss", "min", 1), keep_last=1) as mgr:  # a new process
         assert mgr.restore(blank()) == 4
-        mgr.save(5, state_at(5), metrics={"loss": 0.4})
+        mgr.save(state_at(5), 5, metrics={"loss": 0.4})
     assert committed_steps(tmp_path) == [2, 5]
     with CheckpointManager(tmp_path, keep_best=("loss", "min", 1), keep_last=1) as mgr:
-        mgr.save(6, state_at(6), metrics={"loss": 0.1})
+        mgr.save(state_at(6), 6, metrics={"loss": 0.1})
     assert committed_steps(tmp_path) == [6]
 
 
@@ -224,7 +224,7 @@ def test_deletion_renames_the_checkpoint_away_before_removing_any_file(tmp_path,
 
     monkeypatch.setattr(local, "remove_checkpoint_dir", watching_remove)
     with CheckpointManager(tmp_path, keep_last=1, async_save=False) as mgr:
-        mgr.save(3, state_at(3))
+        mgr.save(state_at(3), 3)
     assert sorted(step for _, step, _, _ in seen) == [1, 2]
     for removed, step, original_still_there, statuses in seen:
         assert removed.startswith(f".{checkpoint_name(step)}.resurgo-tmp-trash-") and not original_still_there
@@ -237,7 +237,7 @@ def test_an_interrupted_deletion_reads_as_temporary_and_is_cleaned_at_the_next_s
     # The process dies right after the rename, and once more in the middle of removing files.
     monkeypatch.setattr(local, "remove_checkpoint_dir", lambda path, owned: None)
     with CheckpointManager(tmp_path, keep_last=1, async_save=False) as mgr:
-        mgr.save(3, state_at(3))
+        mgr.save(state_at(3), 3)
     trash = [p for p in tmp_path.iterdir() if "trash" in p.name]
     assert len(trash) == 2 and committed_steps(tmp_path) == [3]
     os.remove(next((trash[0] / "data").iterdir()))  # half deleted
@@ -263,7 +263,7 @@ def test_leftover_temporary_directories_are_removed_and_never_block_a_step(tmp_p
     with CheckpointManager(tmp_path) as mgr:
         mgr.wait()
         assert names(tmp_path) == ["notes.txt", "step_000000004"]
-        mgr.save(5, state_at(5))
+        mgr.save(state_at(5), 5)
     assert bits_equal(resurgo.load_dict(tmp_path / checkpoint_name(5)), state_at(5))
 
 
@@ -273,11 +273,11 @@ def test_a_save_that_failed_can_be_made_again_at_the_same_step(tmp_path, monkeyp
 
     with CheckpointManager(tmp_path, every_steps=1) as mgr:
         monkeypatch.setattr(local.os, "write", no_space)
-        assert mgr.maybe_save(1, state_at(1)) is True  # the failure happens in the background
+        assert mgr.maybe_save(state_at(1), 1) is True  # the failure happens in the background
         with pytest.raises(StorageError, match=r"step_000000001 \(saving .*No space left on device"):
-            mgr.maybe_save(2, state_at(2))  # ... and is raised by the next call
+            mgr.maybe_save(state_at(2), 2)  # ... and is raised by the next call
         monkeypatch.undo()
-        mgr.save(1, state_at(1))
+        mgr.save(state_at(1), 1)
         mgr.wait()
     assert names(tmp_path) == ["step_000000001"]
     assert bits_equal(resurgo.load_dict(tmp_path / checkpoint_name(1)), state_at(1))
@@ -288,12 +288,12 @@ def test_saving_over_an_incomplete_or_corrupt_step_warns_and_replaces_it(tmp_pat
     (tmp_path / checkpoint_name(3) / "data" / "rank00000-000.safetensors").write_bytes(b"cut short")
     with CheckpointManager(tmp_path, async_save=False) as mgr:
         with pytest.warns(UserWarning, match=r"replacing .*step_000000003 \(incomplete: data/ but no manifest.json"):
-            mgr.save(3, state_at(3))
+            mgr.save(state_at(3), 3)
         resurgo.save(state_at(4), tmp_path / checkpoint_name(4), step=4)
         data = next((tmp_path / checkpoint_name(4) / "data").iterdir())
         data.write_bytes(data.read_bytes()[:-1])  # its manifest verifies, its data does not
         with pytest.warns(UserWarning, match=r"replacing .*step_000000004 \(corrupt: .*bytes on disk"):
-            mgr.save(4, state_at(4))
+            mgr.save(state_at(4), 4)
     assert committed_steps(tmp_path) == [3, 4]
     assert bits_equal(resurgo.load_dict(tmp_path / checkpoint_name(4)), state_at(4))
 
@@ -306,7 +306,7 @@ def test_a_step_whose_manifest_does_not_verify_is_not_replaced(tmp_path):
             warnings.simplefilter("error")  # no "replacing" warning for what is refused
             with pytest.raises(resurgo.ForeignFilesError, match=r"step_000000004: holds 'manifest.json' \(it does "
                                r"not verify: .*'format' is 'None'.*\), which resurgo did not write"):
-                mgr.save(4, state_at(4))
+                mgr.save(state_at(4), 4)
     assert names(tmp_path) == ["step_000000004"] and names(tmp_path / checkpoint_name(4)) == ["manifest.json"]
     assert (tmp_path / checkpoint_name(4) / "manifest.json").read_text() == "{}"
 
@@ -314,12 +314,12 @@ def test_a_step_whose_manifest_does_not_verify_is_not_replaced(tmp_path):
 def test_a_background_error_is_raised_by_close(tmp_path, monkeypatch):
     mgr = CheckpointManager(tmp_path)
     monkeypatch.setattr(local.os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(5, "Input/output error")))
-    mgr.save(1, state_at(1))
+    mgr.save(state_at(1), 1)
     with pytest.raises(StorageError, match="fsync failed: Input/output error"):
         mgr.close()
     monkeypatch.undo()
     with pytest.raises(RuntimeError, match="is closed"):
-        mgr.save(2, state_at(2))
+        mgr.save(state_at(2), 2)
     assert names(tmp_path) == []
 
 
@@ -327,7 +327,7 @@ def test_the_context_manager_waits_and_does_not_hide_the_loop_error(tmp_path, ga
     gated_writes.set()
     with pytest.raises(ZeroDivisionError):
         with CheckpointManager(tmp_path) as mgr:
-            mgr.save(1, state_at(1))
+            mgr.save(state_at(1), 1)
             1 / 0
     assert committed_steps(tmp_path) == [1]
 
@@ -339,14 +339,14 @@ def test_sigterm_saves_at_the_next_maybe_save_whatever_the_policy_and_sets_shoul
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
     try:
         mgr = CheckpointManager(tmp_path, every_steps=1000)
-        assert mgr.maybe_save(7, state_at(7)) is False
+        assert mgr.maybe_save(state_at(7), 7) is False
         os.kill(os.getpid(), signal.SIGTERM)
         assert calls == [signal.SIGTERM]  # the handler installed before the manager still runs
         assert not mgr.should_stop
-        assert mgr.maybe_save(8, state_at(8)) is True
+        assert mgr.maybe_save(state_at(8), 8) is True
         assert mgr.should_stop
         assert committed_steps(tmp_path) == [8]  # committed before maybe_save returned
-        assert mgr.maybe_save(9, state_at(9)) is False  # the flag was consumed
+        assert mgr.maybe_save(state_at(9), 9) is False  # the flag was consumed
         mgr.close()
         assert signal.getsignal(signal.SIGTERM) != mgr._preemption.on_signal
         os.kill(os.getpid(), signal.SIGTERM)
@@ -360,10 +360,10 @@ def test_sigint_does_not_raise_keyboard_interrupt_and_the_default_action_is_not_
     launched_with = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with CheckpointManager(tmp_path, signals=(signal.SIGINT, signal.SIGUSR1), async_save=False) as mgr:
-            mgr.save(3, state_at(3))
+            mgr.save(state_at(3), 3)
             os.kill(os.getpid(), signal.SIGINT)  # would raise KeyboardInterrupt if chained
             os.kill(os.getpid(), signal.SIGUSR1)  # SIG_DFL would terminate the process if chained
-            assert mgr.maybe_save(3, state_at(3)) is False  # step 3 is already committed: nothing new
+            assert mgr.maybe_save(state_at(3), 3) is False  # step 3 is already committed: nothing new
             assert mgr.should_stop
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
@@ -381,7 +381,7 @@ def test_off_the_main_thread_no_handler_is_installed(tmp_path):
             mgr = CheckpointManager(tmp_path)
         result["warnings"] = [str(x.message) for x in w]
         mgr.notify_preemption()
-        result["saved"] = mgr.maybe_save(1, state_at(1))
+        result["saved"] = mgr.maybe_save(state_at(1), 1)
         result["stop"] = mgr.should_stop
         mgr.close()
 
@@ -409,13 +409,13 @@ def test_the_cost_is_the_whole_save_when_sync_and_the_stall_when_async(tmp_path,
     monkeypatch.setattr(api_mod, "write_and_commit", slow)
     with CheckpointManager(tmp_path / "sync", async_save=False) as mgr:
         assert mgr.save_cost_seconds is None
-        mgr.save(1, state_at(1))
+        mgr.save(state_at(1), 1)
         assert mgr.save_cost_seconds >= delay
     with CheckpointManager(tmp_path / "async") as mgr:
-        mgr.save(1, state_at(1))
+        mgr.save(state_at(1), 1)
         assert mgr.save_cost_seconds < delay  # the write runs behind: only the stall counts
         first = mgr.save_cost_seconds
-        mgr.save(2, state_at(2))  # waits for the first write: part of what training waits
+        mgr.save(state_at(2), 2)  # waits for the first write: part of what training waits
         assert mgr.save_cost_seconds > first
 
 
@@ -432,24 +432,24 @@ def test_auto_interval_uses_daly_with_the_measured_cost(tmp_path, monkeypatch):
     monkeypatch.setenv("RESURGO_MTBF_SECONDS", str(1e9))  # failures are rare: save seldom
     with CheckpointManager(tmp_path, interval="auto", async_save=False) as mgr:
         assert mgr.interval_seconds is None
-        assert mgr.maybe_save(1, state_at(1)) is True  # unmeasured: the first save measures δ
+        assert mgr.maybe_save(state_at(1), 1) is True  # unmeasured: the first save measures δ
         delta = mgr.save_cost_seconds
         assert delta > 0
         assert mgr.interval_seconds == resurgo.daly_interval(delta, 1e9) > 400
-        assert [mgr.maybe_save(s, state_at(s)) for s in range(2, 6)] == [False] * 4
+        assert [mgr.maybe_save(state_at(s), s) for s in range(2, 6)] == [False] * 4
     with CheckpointManager(tmp_path, interval="auto", mtbf=1e-6, async_save=False) as mgr:  # failures all the time
         assert mgr.restore(blank()) == 1
         # the first checkpoint was saved before any cost was known: it records none
         assert resurgo.read_manifest(tmp_path / checkpoint_name(1)).save_info["save_cost_seconds"] is None
         assert mgr.save_cost_seconds is None
-        assert [mgr.maybe_save(s, state_at(s)) for s in range(2, 5)] == [True] * 3  # δ >= 2M: τ = M
+        assert [mgr.maybe_save(state_at(s), s) for s in range(2, 5)] == [True] * 3  # δ >= 2M: τ = M
         assert mgr.interval_seconds == 1e-6
 
 
 def test_the_cost_estimate_survives_a_restart(tmp_path):
     with CheckpointManager(tmp_path, async_save=False) as mgr:
         for s in (1, 2, 3):
-            mgr.save(s, state_at(s))
+            mgr.save(state_at(s), s)
         before_last = resurgo.read_manifest(tmp_path / checkpoint_name(3)).save_info["save_cost_seconds"]
     assert before_last is not None and before_last > 0
     with CheckpointManager(tmp_path, interval="auto", mtbf=3600) as mgr:
@@ -463,12 +463,12 @@ def test_a_fresh_and_a_resumed_manager_save_checkpoints_diff_calls_the_same(tmp_
     one state at one step make checkpoints that diff calls identical (unless asked for save_info)."""
     with CheckpointManager(tmp_path / "run", async_save=False) as mgr:
         for s in (1, 2):
-            mgr.save(s, state_at(s))
+            mgr.save(state_at(s), s)
     with CheckpointManager(tmp_path / "run", async_save=False) as resumed:
         assert resumed.restore(blank()) == 2 and resumed.save_cost_seconds is not None
-        resumed.save(3, state_at(3), metrics={"loss": 0.5})
+        resumed.save(state_at(3), 3, metrics={"loss": 0.5})
     with CheckpointManager(tmp_path / "fresh", async_save=False) as fresh:
-        fresh.save(3, state_at(3), metrics={"loss": 0.5})
+        fresh.save(state_at(3), 3, metrics={"loss": 0.5})
     a, b = tmp_path / "run" / checkpoint_name(3), tmp_path / "fresh" / checkpoint_name(3)
     assert resurgo.read_manifest(b).save_info["save_cost_seconds"] is None
     assert resurgo.read_manifest(a).save_info["save_cost_seconds"] > 0
@@ -577,7 +577,7 @@ def test_retention_spec_of_a_custom_policy_is_refused_by_name():
 def _manager_run(root: Path, steps, losses, **kwargs) -> None:
     with CheckpointManager(root, async_save=False, **kwargs) as mgr:
         for s, loss in zip(steps, losses):
-            mgr.save(s, state_at(s), metrics={"loss": loss})
+            mgr.save(state_at(s), s, metrics={"loss": loss})
 
 
 def test_the_manager_records_its_retention_rules():
@@ -636,7 +636,7 @@ def test_gc_of_a_durable_tier_applies_that_tiers_rules(tmp_path):
     fast, durable = tmp_path / "fast", tmp_path / "durable"
     with CheckpointManager(tiers=[Tier(fast, keep_last=1), Tier(durable, keep_last=3)], async_save=False) as mgr:
         for s in (1, 2, 3, 4):
-            mgr.save(s, state_at(s))
+            mgr.save(state_at(s), s)
     assert committed_steps(fast) == [4] and committed_steps(durable) == [2, 3, 4]
     plan = json.loads(runner.invoke(app, ["gc", str(durable), "--dry-run", "--json"]).stdout)
     assert plan["retention"]["rules"] == "keep_last 3"
@@ -656,7 +656,7 @@ def test_latest_committed_step_changes_only_once_the_async_save_is_committed(tmp
 
     mgr = CheckpointManager(tmp_path, on_commit=on_commit)
     assert mgr.latest_committed_step is None
-    mgr.save(1, state_at(1))  # staged; its write waits at the gate
+    mgr.save(state_at(1), 1)  # staged; its write waits at the gate
     time.sleep(0.1)
     assert mgr.latest_committed_step is None and seen == [] and committed_steps(tmp_path) == []
     gated_writes.set()
@@ -670,7 +670,7 @@ def test_latest_committed_step_changes_only_once_the_async_save_is_committed(tmp
     assert published == [1]
     assert seen == [(1, str(tmp_path / checkpoint_name(1)), "resurgo-async-save", [1])]
     for s in (2, 3):
-        mgr.save(s, state_at(s))
+        mgr.save(state_at(s), s)
     mgr.close()
     assert [(s, p) for s, p, _, _ in seen] == [(s, str(tmp_path / checkpoint_name(s))) for s in (1, 2, 3)]
     assert all(steps[-1] == s for s, _, _, steps in seen)
@@ -687,12 +687,12 @@ def test_on_commit_runs_in_the_callers_thread_when_sync_and_its_errors_are_warne
 
     with CheckpointManager(tmp_path, async_save=False, on_commit=on_commit) as mgr:
         with pytest.warns(RuntimeWarning, match=r"on_commit\(4, .*step_000000004'\) raised ValueError: dashboard down at 4"):
-            mgr.save(4, state_at(4))
+            mgr.save(state_at(4), 4)
         assert mgr.latest_committed_step == 4
     assert calls == [(4, threading.current_thread().name)]
     assert committed_steps(tmp_path) == [4]
     with CheckpointManager(tmp_path, on_commit=on_commit) as mgr:  # asynchronous: warned from the writer
         with pytest.warns(RuntimeWarning, match="dashboard down at 5"):
-            mgr.save(5, state_at(5))
+            mgr.save(state_at(5), 5)
             mgr.wait()
     assert calls[-1] == (5, "resurgo-async-save") and committed_steps(tmp_path) == [4, 5]

@@ -64,17 +64,17 @@ def _worker(rank: int, tmp: str) -> None:
 
     # Saving: one checkpoint written by both ranks (the distributed save) into a shared root.
     mgr = CheckpointManager(tmp_path / "preempt", every_steps=1000, async_save=True)
-    out["preempt_before"] = mgr.maybe_save(1, state_at(1))
+    out["preempt_before"] = mgr.maybe_save(state_at(1), 1)
     if rank == 1:
         os.kill(os.getpid(), signal.SIGTERM)  # only rank 1 is told
-    out["preempt_saved"] = mgr.maybe_save(2, state_at(2))
+    out["preempt_saved"] = mgr.maybe_save(state_at(2), 2)
     out["preempt_stop"] = mgr.should_stop
     mgr.close()
     dist.barrier()
     out["preempt_steps"] = [e.step for e in scan(tmp_path / "preempt") if e.status == COMMITTED]
 
     with CheckpointManager(tmp_path / "decide", policy=OnlyOnRank(0), async_save=False) as mgr:
-        out["decide_saved"] = [mgr.maybe_save(s, state_at(s)) for s in (3, 4)]
+        out["decide_saved"] = [mgr.maybe_save(state_at(s), s) for s in (3, 4)]
     dist.barrier()
     out["decide_steps"] = [e.step for e in scan(tmp_path / "decide") if e.status == COMMITTED]
 
@@ -85,7 +85,7 @@ def _worker(rank: int, tmp: str) -> None:
 def _write(root: Path, steps) -> None:
     with CheckpointManager(root, async_save=False) as mgr:
         for s in steps:
-            mgr.save(s, state_at(s))
+            mgr.save(state_at(s), s)
 
 
 def test_ranks_agree_on_restore_and_on_saving(tmp_path):

@@ -208,9 +208,9 @@ def test_memory_budget_is_checked_before_writing_and_names_root_bytes_and_budget
     state = {"w": torch.arange(100, dtype=torch.float32)}
     tier = MemoryTier(replicas=0, root=tmp_path / "m", node=0, memory_budget=1500)
     with CheckpointManager(tiers=[tier], async_save=False) as mgr:
-        mgr.save(1, state)
+        mgr.save(state, 1)
         with pytest.raises(MemoryBudgetError, match=r"saving step 2 needs 400 bytes .* already there take \d+"):
-            mgr.save(2, state)
+            mgr.save(state, 2)
         assert mgr.steps() == [1] and os.listdir(tmp_path / "m") == [checkpoint_name(1)]
 
 
@@ -312,15 +312,15 @@ def test_a_deleted_step_leaves_its_pages_to_the_next_save_and_only_resurgos_file
     tier = MemoryTier(replicas=0, keep_last=1, root=root, node=0)
     states = {s: {"w": torch.arange(1000 * (5 - s), dtype=torch.float32) + s} for s in range(1, 5)}  # shrinking
     with CheckpointManager(tiers=[tier], async_save=False) as mgr:
-        mgr.save(1, states[1])
+        mgr.save(states[1], 1)
         first = _data_file(root, 1).stat()
-        mgr.save(2, states[2])
+        mgr.save(states[2], 2)
         mgr.wait()
         assert [(size, (pool.path / name).stat().st_ino) for size, name in pool.files()] == [
             (first.st_size, first.st_ino)]
         (pool.path / "notes.txt").write_text("mine")  # not resurgo's: never taken nor deleted
         os.symlink(tmp_path, pool.path / "page-0123456789ab")
-        mgr.save(3, states[3])
+        mgr.save(states[3], 3)
         mgr.wait()
         third = _data_file(root, 3)
         assert third.stat().st_ino == first.st_ino  # written over step 1's pages, cut to its own size
@@ -328,7 +328,7 @@ def test_a_deleted_step_leaves_its_pages_to_the_next_save_and_only_resurgos_file
             "data/" + third.name].bytes
         assert verify_checkpoint(root / checkpoint_name(3)).ok
         os.link(third, tmp_path / "linked")  # a file with another link keeps its pages where they are
-        mgr.save(4, states[4])
+        mgr.save(states[4], 4)
         mgr.wait()
         assert pool.files() == [] and (tmp_path / "linked").stat().st_nlink == 1
         target = {"w": torch.zeros(1000)}

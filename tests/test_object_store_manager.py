@@ -29,7 +29,7 @@ def _blank(n: int = 257) -> dict:
 def test_manager_on_memory_url_retention_restore_and_incomplete(mem_url):
     with resurgo.CheckpointManager(mem_url, every_steps=1, keep_last=2) as mgr:
         for step in range(1, 5):
-            mgr.maybe_save(step, _state(step))
+            mgr.maybe_save(_state(step), step)
         mgr.wait()
         assert mgr.steps() == [3, 4]
         assert mgr.path_for(4) == f"{mem_url}/step_000000004"
@@ -47,7 +47,7 @@ def test_manager_on_memory_url_retention_restore_and_incomplete(mem_url):
     fs, root = split_url(mem_url, None)
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)) == ["step_000000003", "step_000000004"]
     ObjectCheckpoint(f"{mem_url}/step_000000005").stage(overwrite=False)  # dies again: its token would refuse
-    mgr.save(5, _state(5))  # the manager owns the root: it clears its own dead save of that step first
+    mgr.save(_state(5), 5)  # the manager owns the root: it clears its own dead save of that step first
     mgr.close()
     assert mgr.steps() == [4, 5]
 
@@ -62,7 +62,7 @@ def test_run_gc_and_list_checkpoints_treat_a_directory_and_a_url_alike(tmp_path,
     root = str(tmp_path / "run") if kind == "directory" else mem_url
     with resurgo.CheckpointManager(root, async_save=False) as mgr:
         for step in (1, 2, 3):
-            mgr.save(step, _state(step))
+            mgr.save(_state(step), step)
     fs, prefix = split_url(mem_url, None)
     if kind == "directory":
         (tmp_path / "run" / "step_000000001" / "notes.txt").write_text("mine")
@@ -92,7 +92,7 @@ def test_tiers_copy_verify_retain_and_fall_back_to_durable(tmp_path, mem_url):
     tiers = [Tier(fast, keep_last=1), Tier(mem_url, every_steps=2, keep_last=2)]
     with resurgo.CheckpointManager(tiers=tiers, every_steps=1, async_save=False) as mgr:
         for step in range(1, 8):
-            mgr.maybe_save(step, _state(step))
+            mgr.maybe_save(_state(step), step)
         mgr.wait()
         assert mgr.steps() == [7] and mgr.steps(tier=1) == [4, 6]
     assert resurgo.load_dict(f"{mem_url}/step_000000006")["step"] == 6
@@ -103,8 +103,8 @@ def test_tiers_copy_verify_retain_and_fall_back_to_durable(tmp_path, mem_url):
     mgr = resurgo.CheckpointManager(tiers=tiers, every_steps=1, async_save=False)
     assert mgr.restore(target) == 6
     assert bits_equal(target["w"], _state(6)["w"]) and target["step"] == 6
-    mgr.maybe_save(7, _state(7))
-    mgr.maybe_save(8, _state(8))
+    mgr.maybe_save(_state(7), 7)
+    mgr.maybe_save(_state(8), 8)
     mgr.close()
     assert mgr.steps() == [8] and mgr.steps(tier=1) == [6, 8]
 
@@ -119,7 +119,7 @@ def test_fast_tier_retention_keeps_a_step_until_its_durable_copy_is_done(tmp_pat
     with resurgo.CheckpointManager(tiers=tiers, every_steps=1, async_save=False) as mgr:
         mgr._janitor.submit(gate.wait)  # hold every copy and deletion until all saves are committed
         for step in range(1, 5):
-            mgr.maybe_save(step, _state(step))
+            mgr.maybe_save(_state(step), step)
         gate.set()
         mgr.wait()
         assert mgr.steps(tier=1) == [2, 4] and mgr.steps() == [4]
@@ -129,7 +129,7 @@ def test_fast_tier_retention_keeps_a_step_until_its_durable_copy_is_done(tmp_pat
 def test_tiers_restore_skips_a_corrupt_fast_copy_for_the_durable_one(tmp_path, mem_url):
     tiers = [Tier(tmp_path / "fast"), Tier(mem_url)]
     with resurgo.CheckpointManager(tiers=tiers, async_save=False) as mgr:
-        mgr.save(3, _state(3))
+        mgr.save(_state(3), 3)
     data = next((tmp_path / "fast" / "step_000000003" / "data").iterdir())
     raw = bytearray(data.read_bytes())
     raw[-3] ^= 1
@@ -159,9 +159,9 @@ def test_s3_manager_server_killed_mid_save_then_restarted(seaweed, s3_bucket, mo
     root = f"{bucket}/run"
     big = 10_000_000  # 40 MB: the upload (3 parts) is in flight when the server dies
     mgr = resurgo.CheckpointManager(root, storage_options=options, keep_last=3)
-    mgr.save(1, _state(1, big))
+    mgr.save(_state(1, big), 1)
     mgr.wait()
-    mgr.save(2, _state(2, big))  # staged; uploading in the background
+    mgr.save(_state(2, big), 2)  # staged; uploading in the background
     seaweed.kill()
     with pytest.raises(StorageError, match=f"{root}/step_000000002"):
         mgr.wait()
@@ -175,7 +175,7 @@ def test_s3_manager_server_killed_mid_save_then_restarted(seaweed, s3_bucket, mo
         mgr = resurgo.CheckpointManager(root, storage_options=options, keep_last=3)
         assert mgr.restore(target) == 1
     assert bits_equal(target["w"], _state(1, big)["w"])
-    mgr.save(3, _state(3))
+    mgr.save(_state(3), 3)
     mgr.close()
     assert mgr.steps() == [1, 3]
     assert resurgo.load_dict(f"{root}/step_000000003", storage_options=options)["step"] == 3
@@ -191,7 +191,7 @@ def test_cli_ls_gc_verify_inspect_on_s3(s3_bucket, s3_env):
     root = f"{bucket}/run"
     with resurgo.CheckpointManager(root, storage_options=options, async_save=False) as mgr:
         for step in (1, 2, 3):
-            mgr.save(step, _state(step))
+            mgr.save(_state(step), step)
     ObjectCheckpoint(f"{root}/step_000000004", options).stage(overwrite=False)  # a save that died: a token only
     runner = CliRunner()
     out = runner.invoke(app, ["ls", root, "--json", "--verify"])

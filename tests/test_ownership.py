@@ -146,14 +146,14 @@ def test_manager_save_over_a_step_directory_holding_a_foreign_file(tmp_path):
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # not announced as "replacing" either
                 with pytest.raises(ForeignFilesError, match=r"step_000000003: holds 'README', which resurgo did not"):
-                    mgr.save(3, state(3))
+                    mgr.save(state(3), 3)
         assert tree(tmp_path) == before
 
 
 def test_retention_and_leftover_clean_up_leave_foreign_files_with_a_warning(tmp_path):
     with CheckpointManager(tmp_path, async_save=False) as mgr:
         for s in (1, 2):
-            mgr.save(s, state(s))
+            mgr.save(state(s), s)
     (tmp_path / checkpoint_name(1) / "notes.txt").write_text("mine")
     leftover = tmp_path / f".{checkpoint_name(5)}{local.TMP_MARKER}0123456789ab"
     (leftover / "data").mkdir(parents=True)
@@ -163,9 +163,9 @@ def test_retention_and_leftover_clean_up_leave_foreign_files_with_a_warning(tmp_
     with pytest.warns(UserWarning) as caught:
         with CheckpointManager(tmp_path, keep_last=1, async_save=False) as mgr:
             mgr.wait()  # the start's clean-up of leftovers has run
-            mgr.save(3, state(3))
+            mgr.save(state(3), 3)
             mgr.wait()  # retention has run
-            mgr.save(4, state(4))
+            mgr.save(state(4), 4)
     messages = " | ".join(str(w.message) for w in caught)
     assert "holds 'data/keep.bin', which resurgo did not write; refusing to delete it" in messages
     assert "step_000000001: holds 'notes.txt', which resurgo did not write; refusing to delete it" in messages
@@ -178,7 +178,7 @@ def test_retention_and_leftover_clean_up_leave_foreign_files_with_a_warning(tmp_
 def test_gc_deletes_what_is_resurgos_and_keeps_foreign_files_with_a_warning(tmp_path):
     with CheckpointManager(tmp_path, async_save=False) as mgr:
         for s in (1, 2, 3):
-            mgr.save(s, state(s))
+            mgr.save(state(s), s)
     (tmp_path / checkpoint_name(1) / "notes.txt").write_text("mine")
     incomplete = tmp_path / checkpoint_name(7)
     (incomplete / "data").mkdir(parents=True)
@@ -209,12 +209,12 @@ def test_tier_copy_does_not_replace_a_destination_holding_a_foreign_file(tmp_pat
     (dest / "notes.txt").write_text("mine")
     before = tree(durable)
     with CheckpointManager(tiers=[Tier(fast), Tier(durable)], async_save=False) as mgr:
-        mgr.save(2, state(2))
+        mgr.save(state(2), 2)
         with pytest.raises(ForeignFilesError, match=r"step_000000002: holds 'notes.txt', which resurgo did not write; "
                                                     r"refusing to delete it"):
             mgr.wait()  # the copy's refusal is raised, and tells the job to stop
         assert mgr.should_stop
-        mgr.save(3, state(3))
+        mgr.save(state(3), 3)
     assert {k: v for k, v in tree(durable).items() if k.split("/")[0] == checkpoint_name(2)} == before
     assert resurgo.load_dict(durable / checkpoint_name(3))["w"][0, 0].item() == 3.0
 
@@ -253,7 +253,7 @@ def test_object_store_overwrite_refuses_a_prefix_with_foreign_objects(mem_url):
 def test_object_store_manager_never_deletes_foreign_objects(mem_url):
     with CheckpointManager(mem_url, async_save=False) as mgr:
         for s in (1, 2):
-            mgr.save(s, state(s))
+            mgr.save(state(s), s)
     fs, root = split_url(mem_url, None)
     fs.pipe_file(f"{root}/{checkpoint_name(1)}/notes.txt", b"mine")
     fs.pipe_file(f"{root}/{checkpoint_name(4)}/data/rank00000-000.safetensors", b"cut short")
@@ -265,8 +265,8 @@ def test_object_store_manager_never_deletes_foreign_objects(mem_url):
         with CheckpointManager(mem_url, keep_last=1, async_save=False) as mgr:
             mgr.wait()  # the start's clean-up of incomplete prefixes has run
             with pytest.raises(ForeignFilesError, match=r"step_000000004: holds 'my.cfg'"):
-                mgr.save(4, state(4))
-            mgr.save(3, state(3))
+                mgr.save(state(4), 4)
+            mgr.save(state(3), 3)
     messages = " | ".join(str(w.message) for w in caught)
     assert "step_000000004: holds 'my.cfg', which resurgo did not write; refusing to delete it" in messages
     assert "step_000000001: holds 'notes.txt', which resurgo did not write; refusing to delete it" in messages

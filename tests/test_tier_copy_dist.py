@@ -46,7 +46,7 @@ def tier_worker(rank: int, world: int, tmp: str, fail_rank: int) -> dict:
     rows = slice(4 * rank, 4 * rank + 4)
     state = {"w": resurgo.Shard(full["w"][rows].clone(), (8, 1000), (4 * rank, 0)), "b": full["b"], "step": 7}
     mgr = CheckpointManager(tiers=[Tier(Path(tmp) / "fast"), Tier(durable)], async_save=False)
-    mgr.save(7, state)
+    mgr.save(state, 7)
     errors = []
     try:
         mgr.close()  # waits for the copy; its error is raised on every rank

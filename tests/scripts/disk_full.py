@@ -40,11 +40,11 @@ def scenario(root: Path, fill: Callable[[], None], free: Callable[[], None], asy
     out: dict = {}
     with CheckpointManager(root, async_save=async_save) as mgr:
         for s in (1, 2):
-            mgr.save(s, state_at(s))
+            mgr.save(state_at(s), s)
         mgr.wait()
         fill()
         try:
-            mgr.save(3, state_at(3))
+            mgr.save(state_at(3), 3)
             mgr.wait()  # an asynchronous save's error is raised here
             out["error"] = None
         except Exception as e:  # noqa: BLE001 - reported to the test
@@ -54,7 +54,7 @@ def scenario(root: Path, fill: Callable[[], None], free: Callable[[], None], asy
         out["older_intact"] = {s: verify_checkpoint(mgr.path_for(s)).ok and bits_equal(
             resurgo.load_dict(mgr.path_for(s)), state_at(s)) for s in (1, 2)}
         free()
-        mgr.save(3, state_at(3))
+        mgr.save(state_at(3), 3)
         mgr.wait()
         out["after_retry"] = sorted(p.name for p in root.iterdir())
         out["retry_exact"] = bits_equal(resurgo.load_dict(mgr.path_for(3)), state_at(3))

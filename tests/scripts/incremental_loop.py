@@ -32,7 +32,7 @@ def main(root: str) -> None:
             step += 1
             state["emb"][(step * 8) % ROWS] += float(step)
             state["step"] = step
-            m.save(step, state)
+            m.save(state, step)
             print(f"SAVED {step}", flush=True)
             if step % 3 == 0:
                 run_gc(root, keep_last=1, stale_after=0)

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         def after_step(state: TrainState, loss: float) -> None:
             if state.step % args.save_every == 0:
                 print(f"DIGEST {state.step} {digest(state)}", flush=True)
-            mgr.maybe_save(state.step, state, metrics={"loss": loss})
+            mgr.maybe_save(state, state.step, metrics={"loss": loss})
 
         losses = train(ts, args.steps, after_step=after_step)
     write_result(args.out, ts, losses, start)

@@ -35,6 +35,7 @@ from resurgo.api import DEFAULT_IO_THREADS, AsyncSaveHandle, read_manifest
 from resurgo.dist import comm as dist_comm
 from resurgo.dist import liveness
 from resurgo.manager import agreement
+from resurgo.manager.call_forms import state_first
 from resurgo.manager.catalog import COMMITTED, checkpoint_name, scan
 from resurgo.manager.chain import IncrementalChain, full_save_policy
 from resurgo.manager.config import MTBF_ENV, compose_policy, compose_retention, compose_tiers, describe_retention
@@ -224,9 +225,10 @@ class CheckpointManager:
         log.info("restored step %d from %s", step, path)
 
     # -- saving -----------------------------------------------------------------------------------
-    def maybe_save(self, step: int, state: Any, metrics: Mapping[str, Any] | None = None) -> bool:
+    def maybe_save(self, state: Any, step: int, metrics: Mapping[str, Any] | None = None) -> bool:
         """Save if the policy says so, or a preemption is pending (then also wait for the commit
         and set ``should_stop``). True when a save was started. Every rank calls it."""
+        state, step = state_first("maybe_save", state, step)
         self._check_open()
         self._deletions.reap()
         ctx = SaveContext(step=step, now=time.monotonic(), last_save_step=self._last_save_step,
@@ -248,8 +250,9 @@ class CheckpointManager:
             return True
         return False
 
-    def save(self, step: int, state: Any, metrics: Mapping[str, Any] | None = None) -> None:
+    def save(self, state: Any, step: int, metrics: Mapping[str, Any] | None = None) -> None:
         """Save now, whatever the policy (asynchronously unless ``async_save=False``)."""
+        state, step = state_first("save", state, step)
         self._check_open()
         self._deletions.reap()
         self._agree_on_background([])
