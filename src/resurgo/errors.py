@@ -81,7 +81,8 @@ class TypeMismatchError(ResurgoError, TypeError):
 
 
 class UnsupportedValueError(ResurgoError, TypeError):
-    """A value cannot be stored as plain data (and pickling was not allowed)."""
+    """A value cannot be stored as plain data (and pickling was not allowed), or a value or a
+    combination of arguments is not supported (two ways of writing one rule, given together)."""
 
 
 class PickleNotAllowedError(ResurgoError):

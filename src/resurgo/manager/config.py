@@ -10,6 +10,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from resurgo.errors import UnsupportedValueError
 from resurgo.manager.memory import MemoryTier
 from resurgo.manager.policies import AnyOf, AtSteps, DalyInterval, EveryNSteps, EverySeconds, SavePolicy
 from resurgo.manager.retention import KeepAny, KeepLast, RetentionPolicy, policy_spec, shortcut_policy
@@ -56,7 +57,15 @@ def compose_policy(policy: SavePolicy | None, every_steps: int | None, every_sec
                    at_steps: Iterable[int] | None, interval: str | None,
                    mtbf: float | None) -> tuple[SavePolicy | None, DalyInterval | None]:
     """The save policy (None: saves happen on preemption and by save() only) and, with
-    ``interval="auto"``, the Daly interval among its parts."""
+    ``interval="auto"``, the Daly interval among its parts. The shortcuts build the policy
+    objects; ``policy=`` is the other way of writing the same rule, so both at once is refused."""
+    given = {"every_steps": every_steps, "every_seconds": every_seconds, "at_steps": at_steps, "interval": interval}
+    shortcuts = [name for name, value in given.items() if value is not None]
+    if policy is not None and shortcuts:
+        raise UnsupportedValueError(
+            f"CheckpointManager: policy={policy!r} and {', '.join(f'{n}=' for n in shortcuts)} both say when to save; "
+            f"give one of them: the shortcuts alone, or one policy object that includes them "
+            f"(resurgo.manager.AnyOf({policy!r}, EveryNSteps(n), ...))")
     parts: list[SavePolicy] = [policy] if policy is not None else []
     if every_steps is not None:
         parts.append(EveryNSteps(every_steps))
@@ -79,12 +88,26 @@ def compose_policy(policy: SavePolicy | None, every_steps: int | None, every_sec
 
 def compose_retention(retention: RetentionPolicy | None, keep_last: int | None, keep_every: int | None,
                       keep_best: tuple | None, first_tier: Any) -> RetentionPolicy | None:
-    """The first tier's retention: ``retention=`` and the shortcuts, any of them keeping a
-    checkpoint keeps it (the first tier's ``keep_last`` stands in for a missing shortcut)."""
-    if keep_last is None and first_tier.keep_last is not None:
-        keep_last = first_tier.keep_last
-    shortcuts = shortcut_policy(keep_last, keep_every, keep_best)
-    parts = [p for p in (retention, shortcuts) if p is not None]
+    """The first tier's retention. The shortcuts build the policy objects (any of them keeping a
+    checkpoint keeps it); ``retention=`` is the other way of writing them, so both at once is
+    refused. The first tier's own ``keep_last`` is a rule of that tier, kept with the others; the
+    manager's ``keep_last=`` would say the same thing again, so both at once is refused too."""
+    given = {"keep_last": keep_last, "keep_every": keep_every, "keep_best": keep_best}
+    shortcuts = [name for name, value in given.items() if value is not None]
+    if retention is not None and shortcuts:
+        raise UnsupportedValueError(
+            f"CheckpointManager: retention={retention!r} and {', '.join(f'{n}=' for n in shortcuts)} both say what "
+            f"to keep; give one of them: the shortcuts alone, or one policy object that includes them "
+            f"(resurgo.manager.KeepAny({retention!r}, KeepLast(k), ...))")
+    tier_keep = first_tier.keep_last
+    if keep_last is not None and tier_keep is not None:
+        kind = type(first_tier).__name__
+        raise UnsupportedValueError(
+            f"CheckpointManager: keep_last={keep_last} and the first tier's {kind}(keep_last={tier_keep}) both say "
+            f"how many checkpoints the first tier keeps{' (a MemoryTier keeps 1 unless told)' if kind == 'MemoryTier' else ''}"
+            f"; give it once, at the tier: {kind}(..., keep_last={keep_last}) without the manager's keep_last=")
+    shortcuts_policy = shortcut_policy(tier_keep if keep_last is None else keep_last, keep_every, keep_best)
+    parts = [p for p in (retention, shortcuts_policy) if p is not None]
     return parts[0] if len(parts) == 1 else KeepAny(*parts) if parts else None
 
 

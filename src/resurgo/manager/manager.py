@@ -65,11 +65,13 @@ class CheckpointManager:
     """Saves by policy into ``root/step_NNNNNNNNN``, keeps what retention says, restores the
     newest checkpoint that verifies, and saves-then-stops on preemption.
 
-    Keyword shortcuts (combined with ``policy=`` / ``retention=`` when both are given):
-    ``every_steps=n``, ``every_seconds=t``, ``at_steps=[...]``, ``interval="auto"`` with
-    ``mtbf=`` seconds (or the ``RESURGO_MTBF_SECONDS`` environment variable) for Daly's optimal
-    interval; ``keep_last=k``, ``keep_every=n``, ``keep_best=(metric, "min"|"max"[, k])``. Without
-    any retention every checkpoint is kept. ``signals`` are the preemption signals (handlers are
+    Keyword shortcuts build the policy objects: ``every_steps=n``, ``every_seconds=t``,
+    ``at_steps=[...]``, ``interval="auto"`` with ``mtbf=`` seconds (or the
+    ``RESURGO_MTBF_SECONDS`` environment variable) for Daly's optimal interval build the save
+    policy, or pass ``policy=``; ``keep_last=k``, ``keep_every=n``, ``keep_best=(metric,
+    "min"|"max"[, k])`` build the retention, or pass ``retention=``. Giving a shortcut and the
+    object of the same rule raises UnsupportedValueError naming both. Without any retention every
+    checkpoint is kept. ``signals`` are the preemption signals (handlers are
     installed only when created on the main thread). ``guard`` and ``io_threads`` are passed to
     the saves.
 
@@ -114,6 +116,9 @@ class CheckpointManager:
         if collective_timeout is not None:  # before the first collective: the groups take it too
             liveness.set_collective_timeout(collective_timeout)
         self.tiers: list[Any] = compose_tiers(root, storage_options, tiers)
+        # The rules first: an argument error leaves nothing made (no memory nodes, no open roots).
+        self.save_policy, self._daly = compose_policy(policy, every_steps, every_seconds, at_steps, interval, mtbf)
+        self.retention = compose_retention(retention, keep_last, keep_every, keep_best, self.tiers[0])
         # Made collectively over the control channel, in the same order on every rank.
         self._memory = MemoryNodes(self.tiers[0], dist_comm.current("control")) if isinstance(
             self.tiers[0], MemoryTier) else None
@@ -121,8 +126,6 @@ class CheckpointManager:
                                    else open_root(t.root, t.storage_options) for i, t in enumerate(self.tiers)]
         self._store: Root = self._roots[0]
         self.root: Path | str = self._store.path
-        self.save_policy, self._daly = compose_policy(policy, every_steps, every_seconds, at_steps, interval, mtbf)
-        self.retention = compose_retention(retention, keep_last, keep_every, keep_best, self.tiers[0])
         self._retention_record = describe_retention(self.retention, self.tiers, self._roots)
         self._chain = IncrementalChain(full_save_policy(incremental, self._memory is not None))
         self.async_save = bool(async_save)

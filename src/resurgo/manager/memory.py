@@ -69,7 +69,8 @@ class MemoryTier:
 
     ``replicas``: how many other nodes hold a copy of each rank's data (rank ``r``, the ``j``-th of
     its node, sends to the ``j``-th rank of each of the next ``replicas`` nodes). ``keep_last``:
-    steps kept in each node's root. ``root``: each node's directory: None for
+    steps kept in each node's root, a rule of this tier as a :class:`Tier`'s ``keep_last`` is (the
+    manager's ``keep_last=`` beside it raises UnsupportedValueError). ``root``: each node's directory: None for
     ``/dev/shm/resurgo-<user>/<job id>/node-<node>``; a path, in which ``{node}`` is replaced by
     the node's identity; or a callable ``root(node) -> path``. ``node``: this process's node
     identity (an int or a str; or a callable ``node(rank)``); None takes ``GROUP_RANK``, else

@@ -18,7 +18,12 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Tier:
     """One storage tier: a root (a directory or a URL), how many checkpoints it keeps, and, for a
-    durable tier, which steps it receives (multiples of ``every_steps``; None: every checkpoint)."""
+    durable tier, which steps it receives (multiples of ``every_steps``; None: every checkpoint).
+
+    ``keep_last`` is this tier's own rule, the first tier's included: the first tier keeps its
+    ``keep_last`` newest checkpoints and whatever the manager's other retention rules
+    (``keep_every=``, ``keep_best=``, ``retention=``) keep. The manager's ``keep_last=`` would
+    say the first tier's rule a second time: giving both raises UnsupportedValueError."""
 
     root: str | os.PathLike
     keep_last: int | None = None
