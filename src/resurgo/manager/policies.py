@@ -18,7 +18,7 @@ from resurgo.manager.daly import daly_interval
 
 @dataclass(frozen=True)
 class SaveContext:
-    """What the manager knows when ``maybe_save(step, ...)`` is called."""
+    """What the manager knows when ``maybe_save(state, step)`` is called."""
 
     step: int
     now: float  # time.monotonic() seconds
