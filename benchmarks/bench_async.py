@@ -42,7 +42,8 @@ MECHANISMS: dict[str, tuple[str, str]] = {
     "torch": ("torch.save + fsync",
               "torch.save({model, optimizer state_dicts, step}) then fsync file and dirs; synchronous"),
     "dcp": ("DCP save",
-            "torch.distributed.checkpoint.save(no_dist=True) then fsync; synchronous"),
+            "torch.distributed.checkpoint.save(get_state_dict(model, optimizer), no_dist=True) "
+            "then fsync; synchronous"),
     "dcp_async": ("DCP async_save (default)",
                   "dcp.async_save(no_dist=True): fresh staging copy per call, thread executor; "
                   "the next call first waits for the previous upload"),
@@ -208,22 +209,6 @@ def state_tensors(model, opt) -> dict:
     return out
 
 
-def flatten_loaded(obj, prefix: str = "") -> dict:
-    """Tensors of a nested dict/list/tuple under dotted keys (dict keys as str)."""
-    import torch
-
-    out = {}
-    if isinstance(obj, torch.Tensor):
-        out[prefix] = obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            out.update(flatten_loaded(v, f"{prefix}.{k}" if prefix else str(k)))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            out.update(flatten_loaded(v, f"{prefix}.{i}" if prefix else str(i)))
-    return out
-
-
 def mismatches(expected: dict, got: dict) -> list[str]:
     import common
 
@@ -232,8 +217,35 @@ def mismatches(expected: dict, got: dict) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------
-# mechanisms (worker side)
+# mechanisms (worker side): resurgo.study.mechanisms, driven by this loop
 # --------------------------------------------------------------------------------------------
+
+# this benchmark's row names -> the shared mechanisms' names
+SHARED_NAMES = {"torch": "torch_save", "dcp": "dcp", "dcp_async": "dcp_async",
+                "dcp_async_stager": "dcp_async_stager", "resurgo": "resurgo",
+                "resurgo_async": "resurgo_async", "resurgo_async_guard": "resurgo_async_guard"}
+
+
+class Job:
+    """The loop's live objects as the shared mechanisms see them; resurgo saves the model, the
+    optimizer and the step (no RNG: the loop draws no random numbers)."""
+
+    rank = 0
+
+    def __init__(self, model, opt):
+        from resurgo.state.train_state import TrainState
+
+        self.model = self.plain_model = model
+        self.optimizer = opt
+        self.state = TrainState(model=model, optimizer=opt, rng=False, step=0)
+
+    @property
+    def step(self) -> int:
+        return int(self.state.step)
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.state.step = value
 
 
 class Pending:
@@ -266,243 +278,72 @@ class Pending:
         return None if self.t_done is None else self.t_done - self.t0
 
 
-class Mech:
-    """One way of checkpointing; ``checkpoint`` is the call the training loop is blocked in."""
+def copy_reference():
+    """The reference row: copy_ of every tensor into buffers allocated at the first checkpoint;
+    writes nothing. A Mechanism like the shared ones, so that the loop drives it alike."""
+    import torch
 
-    name = ""
+    from resurgo.study.mechanisms import Mechanism
 
-    def __init__(self, model, opt):
-        self.model, self.opt = model, opt
+    class CopyRef(Mechanism):
+        name = "copy"
 
-    def state(self, step: int) -> dict:
-        return {"model": self.model, "optimizer": self.opt, "step": step}
+        def save(self, job, path):
+            src = state_tensors(job.model, job.optimizer)
+            if not hasattr(self, "buffers"):  # the first (untimed, warm-up) checkpoint allocates
+                cuda = next(iter(src.values())).is_cuda  # page-locked host buffers for a device state
+                self.buffers = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=cuda) for k, v in src.items()}
+                self.groups = job.optimizer.state_dict()["param_groups"]
+            for k, v in src.items():
+                self.buffers[k].copy_(v, non_blocking=v.is_cuda)  # the caller's settle_device waits
+            self.step = job.step
+            return None
+
+        def load(self, job, path):
+            model = {k.removeprefix("model."): v for k, v in self.buffers.items() if k.startswith("model.")}
+            state: dict = {}
+            for k, v in self.buffers.items():
+                if k.startswith("optimizer.state."):
+                    _, _, pid, name = k.split(".", 3)
+                    state.setdefault(int(pid), {})[name] = v
+            job.model.load_state_dict(model)
+            job.optimizer.load_state_dict({"state": state, "param_groups": self.groups})
+            return self.step
+
+    return CopyRef()
+
+
+class Checkpointer:
+    """One mechanism checkpointing the loop's job: ``checkpoint`` is the call the loop is blocked
+    in, and returns a :class:`Pending` for a save that completes in the background."""
+
+    def __init__(self, name: str, model, opt):
+        import common
+        from resurgo.study.mechanisms import make_mechanism
+
+        self.name, self.job = name, Job(model, opt)
+        # torch.save leaves its files unsynced and DCP its directories: durable means fsynced
+        self.mech = copy_reference() if name == "copy" else make_mechanism(SHARED_NAMES[name], common.fsync_tree)
 
     def checkpoint(self, step: int, path: Path) -> Pending | None:
-        raise NotImplementedError
-
-    def after_call(self, probe: StepProbe) -> None:
-        """Right after the call, before training goes on (e.g. install a guard hook)."""
+        t0 = time.perf_counter()
+        self.job.step = step
+        done = self.mech.save(self.job, path)
+        return None if done is None else Pending(t0, done)
 
     def extra(self) -> dict:
         """Per-checkpoint facts the mechanism reports about itself (JSON)."""
-        return {}
+        return jsonable(self.mech.facts())
 
-    def load(self, path: Path) -> dict:
-        """{dotted key: tensor} of what the checkpoint at path holds, plus 'step'."""
-        raise NotImplementedError
+    def load_fresh(self, cfg: dict, path: Path) -> tuple[dict, int | None]:
+        """({key: tensor} of state_tensors, step) restored from path into a newly built job."""
+        model, opt, _, _ = build(cfg)
+        job = Job(model, opt)
+        step = self.mech.load(job, path)
+        return state_tensors(model, opt), step
 
     def close(self) -> None:
-        pass
-
-
-class CopyRef(Mech):
-    name = "copy"
-
-    def __init__(self, model, opt):
-        super().__init__(model, opt)
-        self.buffers: dict | None = None
-
-    def checkpoint(self, step, path):
-        import torch
-
-        src = state_tensors(self.model, self.opt)
-        if self.buffers is None:  # the first (untimed, warm-up) checkpoint allocates
-            cuda = next(iter(src.values())).is_cuda  # page-locked host buffers for a device state
-            self.buffers = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=cuda) for k, v in src.items()}
-        for k, v in src.items():
-            self.buffers[k].copy_(v, non_blocking=v.is_cuda)  # the caller's settle_device waits
-        self.step = step
-        return None
-
-    def load(self, path):
-        return {**self.buffers, "step": self.step}
-
-
-class TorchSave(Mech):
-    name = "torch"
-
-    def checkpoint(self, step, path):
-        import torch
-
-        import common
-
-        path.mkdir(parents=True)
-        torch.save({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
-                    "step": step}, path / "state.pt")
-        common.fsync_tree(path)
-        return None
-
-    def load(self, path):
-        import torch
-
-        d = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
-        return {**flatten_loaded({"model": d["model"], "optimizer": d["optimizer"]}),
-                "step": d["step"]}
-
-
-def _dcp_target(model, opt) -> dict:
-    import torch
-
-    osd = opt.state_dict()
-    return {
-        "model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()},
-        "optimizer": {"state": {pid: {n: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v
-                                      for n, v in st.items()}
-                                for pid, st in osd["state"].items()}},
-        "step": -1,
-    }
-
-
-class DcpSave(Mech):
-    name = "dcp"
-
-    def checkpoint(self, step, path):
-        import torch.distributed.checkpoint as dcp
-
-        import common
-
-        dcp.save(self.state(step), checkpoint_id=str(path), no_dist=True)
-        common.fsync_tree(path)
-        return None
-
-    def load(self, path):
-        import torch.distributed.checkpoint as dcp
-
-        target = _dcp_target(self.model, self.opt)
-        dcp.load(target, checkpoint_id=str(path), no_dist=True)
-        step = target.pop("step")
-        return {**flatten_loaded(target), "step": step}
-
-
-class DcpAsync(DcpSave):
-    name = "dcp_async"
-
-    def __init__(self, model, opt):
-        super().__init__(model, opt)
-        self.upload = None  # the previous save's upload future
-
-    def _wait_previous(self) -> None:
-        # One save in flight, as torchtitan does: wait for the previous upload before the next.
-        if self.upload is not None:
-            self.upload.result()
-            self.upload = None
-
-    def _durable(self, upload, path: Path):
-        import common
-
-        def wait():
-            upload.result()
-            common.fsync_tree(path)
-
-        return wait
-
-    def checkpoint(self, step, path):
-        import torch.distributed.checkpoint as dcp
-
-        t0 = time.perf_counter()
-        self._wait_previous()
-        fut = dcp.async_save(self.state(step), checkpoint_id=str(path), no_dist=True)
-        self.upload = fut
-        return Pending(t0, self._durable(fut, path))
-
-
-class DcpAsyncStager(DcpAsync):
-    name = "dcp_async_stager"
-
-    def __init__(self, model, opt):
-        super().__init__(model, opt)
-        import torch
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        # DefaultStager() (all options True) raises on a CPU-only machine ("Non-blocking copy
-        # requires that the current accelerator is available"): pinning and non-blocking copies
-        # only where CUDA is; shared memory only matters for the process executor.
-        cuda = torch.cuda.is_available()
-        self.options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                      use_async_staging=True, use_non_blocking_copy=cuda)
-        self._make_stager = lambda: DefaultStager(self.options)
-        self.stager = self._make_stager()
-        self.stagers_made = 1
-        self.response = None
-
-    def _stager_closed(self) -> bool:
-        # torch 2.11's async_save closes the caller's stager when a save ends (2.13 closes only
-        # the one it made itself); a closed stager has an empty copy table and its next staging
-        # raised "KeyError: <class 'type'>" on an H200. Then each save needs a new stager.
-        inner = getattr(self.stager, "_state_dict_stager", None)
-        return inner is not None and not getattr(inner, "_deepcopy_dispatch", True)
-
-    def checkpoint(self, step, path):
-        import torch.distributed.checkpoint as dcp
-
-        t0 = time.perf_counter()
-        self._wait_previous()  # required: the staged (cached) storages are reused by the next save
-        if self._stager_closed():
-            self.stager = self._make_stager()
-            self.stagers_made += 1
-        resp = dcp.async_save(self.state(step), checkpoint_id=str(path), no_dist=True,
-                              async_stager=self.stager)
-        self.response = resp
-        self.upload = resp.upload_completion
-        return Pending(t0, self._durable(resp.upload_completion, path))
-
-    def extra(self):
-        return {"stagers_made": self.stagers_made}
-
-    def after_call(self, probe):
-        # The snapshot may still be copying: the next optimizer.step() must wait for it (the
-        # forward/backward before it do not change parameters or optimizer state).
-        probe.once(self.response.staging_completion.result)
-
-    def close(self):
-        self.stager.close()
-
-
-class ResurgoSave(Mech):
-    name = "resurgo"
-
-    def checkpoint(self, step, path):
-        import resurgo
-
-        self.last_report = resurgo.save(self.state(step), str(path))
-        return None
-
-    def extra(self):
-        return {"report": jsonable(getattr(self, "last_report", None))}
-
-    def load(self, path):
-        import resurgo
-
-        d = resurgo.load_dict(str(path))
-        return {**flatten_loaded({"model": d["model"], "optimizer": d["optimizer"]}),
-                "step": d["step"]}
-
-
-class ResurgoAsync(ResurgoSave):
-    name = "resurgo_async"
-    guard = False
-
-    def checkpoint(self, step, path):
-        import resurgo
-
-        kwargs = {"guard": self.opt} if self.guard else {}
-        t0 = time.perf_counter()
-        h = resurgo.async_save(self.state(step), str(path), **kwargs)
-        self.handle = h
-        return Pending(t0, h.wait)
-
-    def extra(self):
-        h = getattr(self, "handle", None)
-        return {"handle_stall_seconds": getattr(h, "stall_seconds", None)}
-
-
-class ResurgoAsyncGuard(ResurgoAsync):
-    name = "resurgo_async_guard"
-    guard = True
-
-
-MECH_CLASSES = {c.name: c for c in (CopyRef, TorchSave, DcpSave, DcpAsync, DcpAsyncStager,
-                                    ResurgoSave, ResurgoAsync, ResurgoAsyncGuard)}
+        self.mech.close()
 
 
 def availability(name: str) -> str | None:
@@ -588,7 +429,7 @@ def worker(cfg: dict) -> dict:
     t_begin = time.perf_counter()
     model, opt, x, y = build(cfg)
     t_built = time.perf_counter()
-    mech: Mech = MECH_CLASSES[mech_name](model, opt)
+    mech = Checkpointer(mech_name, model, opt)
     probe = StepProbe(opt, lambda: settle_device(model))
 
     def step() -> None:
@@ -654,7 +495,6 @@ def worker(cfg: dict) -> dict:
         pend = mech.checkpoint(step_no, path)
         settle_device(model)  # a copy the training stream must wait for is part of the stall
         rec["call_s"] = time.perf_counter() - t0
-        mech.after_call(probe)
         probe.arm(rec)
         saved_step = step_no
         for _ in range(2):  # change every parameter and optimizer tensor at once
@@ -670,10 +510,10 @@ def worker(cfg: dict) -> dict:
         phases["first_checkpoint"] = time.perf_counter() - t0
         if ref is not None:
             t_verify = time.perf_counter()
-            loaded = mech.load(path)
+            loaded, loaded_step = mech.load_fresh(cfg, path)  # as a restarted script would
             bad = mismatches(ref, loaded)
-            if loaded.get("step") != saved_step:
-                bad.append(f"step: got {loaded.get('step')!r}, expected {saved_step}")
+            if loaded_step != saved_step:
+                bad.append(f"step: got {loaded_step!r}, expected {saved_step}")
             res["verified"] = not bad
             res["verify_errors"] = bad[:10]
             if cfg["keep"] and mech_name in WRITES:
@@ -710,7 +550,6 @@ def worker(cfg: dict) -> dict:
                     pend = mech.checkpoint(step_no, wdir / f"step{step_no:07d}")
                     settle_device(model)
                     rec["call_s"] = time.perf_counter() - t0
-                    mech.after_call(probe)
                     probe.arm(rec)
                     rec.update(mech.extra())
                     ckpts.append((rec, pend))

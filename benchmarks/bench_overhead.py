@@ -41,23 +41,21 @@ MECHS = ["dcp", "resurgo_async", "resurgo_async_guard"]
 
 def _setup(cfg: dict):
     model, opt, x, y = ba.build(cfg)
-    mech = ba.MECH_CLASSES[cfg["mechanism"]](model, opt) if cfg.get("mechanism") else None
-    probe = ba.StepProbe(opt)
+    mech = ba.Checkpointer(cfg["mechanism"], model, opt) if cfg.get("mechanism") else None
 
     def step() -> None:
         ba.train_step(model, opt, x, y)
-        probe.cleanup()
 
     for _ in range(cfg["warmup_steps"]):
         step()
     common.freeze_gc()
-    return model, opt, mech, probe, step
+    return model, opt, mech, step
 
 
 def calibrate(cfg: dict) -> dict:
     """Step time and the cost of one DCP save (median of 3), for N*."""
     cfg = {**cfg, "mechanism": "dcp"}
-    _, _, mech, _, step = _setup(cfg)
+    _, _, mech, step = _setup(cfg)
     root = Path(cfg["root"])
     steps, saves = [], []
     for i in range(3):
@@ -77,7 +75,7 @@ def calibrate(cfg: dict) -> dict:
 
 def worker(cfg: dict) -> dict:
     """K pairs of (plain, checkpointing) windows of one mechanism."""
-    _, _, mech, probe, step = _setup(cfg)
+    _, _, mech, step = _setup(cfg)
     root = Path(cfg["root"])
     n, c = cfg["every"], cfg["windows_per"]
     steps = n * c
@@ -101,7 +99,6 @@ def worker(cfg: dict) -> dict:
                 p = mech.checkpoint(i, root / f"{tag}-{i}")
                 stalls.append(time.perf_counter() - t)
                 at.append(i + 1)  # index of the first step after the call
-                mech.after_call(probe)
                 if p is not None:
                     pending.append(p)
         t_train = time.perf_counter() - t0

@@ -117,20 +117,25 @@ def _flatten(obj, prefix=""):
 def _load(name: str, path: Path, reference: dict) -> tuple[dict, object]:
     """({dotted key: tensor}, step) read back with the mechanism's own library."""
     if name == "torch":
-        d = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+        d = torch.load(path / "checkpoint.pt", map_location="cpu", weights_only=True)
         return _flatten({"model": d["model"], "optimizer": d["optimizer"]}), d["step"]
     if name.startswith("dcp"):
         import torch.distributed.checkpoint as dcp
 
+        # DCP saves get_state_dict's form: optimizer state under the parameter's name, not its
+        # index; the MLP's parameters are its state_dict's entries, in order
+        names = [k.removeprefix("model.") for k in reference if k.startswith("model.")]
         target: dict = {"model": {}, "optimizer": {"state": {}}, "step": -1}
         for key, t in reference.items():
             parts = key.split(".")
             if parts[0] == "model":
                 target["model"][".".join(parts[1:])] = torch.zeros_like(t)
             else:  # optimizer.state.<param id>.<name>
-                target["optimizer"]["state"].setdefault(int(parts[2]), {})[parts[3]] = torch.zeros_like(t)
+                target["optimizer"]["state"].setdefault(names[int(parts[2])], {})[parts[3]] = torch.zeros_like(t)
         dcp.load(target, checkpoint_id=str(path), no_dist=True)
         step = target.pop("step")
+        state = target["optimizer"]["state"]
+        target["optimizer"]["state"] = {names.index(n): v for n, v in state.items()}
         return _flatten(target), step
     import resurgo
 
