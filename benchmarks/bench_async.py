@@ -17,7 +17,6 @@ import argparse
 import gc
 import inspect
 import json
-import math
 import os
 import subprocess
 import sys
@@ -688,37 +687,7 @@ def summarize(results: dict, state_bytes: int, every: int) -> dict:
     return ok
 
 
-def overhead_target(ok: dict, every: int):
-    """Resurgo async's overhead at N*, the largest N where DCP's synchronous save still adds >10%.
-
-    Each checkpoint costs the loop `per_ckpt_cost_s` (its stall plus whatever its background work
-    takes from training); at one checkpoint every N steps that is per_ckpt / (N * step) of the
-    training time, as long as each save is durable before the next (true when the measured N
-    already allows it, and more so for a larger N)."""
-    if "dcp" not in ok:
-        return None
-    d = ok["dcp"]["median"]
-    if not d["per_ckpt_cost_s"] or not d["step_s"]:
-        return None
-    # largest integer N with 100 * cost / (N * step) > 10
-    n_star = max(1, math.ceil(d["per_ckpt_cost_s"] / (0.1 * d["step_s"])) - 1)
-    out = {"n_star": n_star, "every": every,
-           "dcp_overhead_at_n_star_pct": 100 * d["per_ckpt_cost_s"] / (n_star * d["step_s"]),
-           "dcp_overhead_at_every_pct": d["overhead_at_every_pct"]}
-    for name in ("resurgo_async", "resurgo_async_guard"):
-        if name in ok:
-            m = ok[name]["median"]
-            by_steps = m["step_cost_s"]
-            out[name] = {
-                "at_n_star_pct": 100 * m["per_ckpt_cost_s"] / (n_star * m["step_s"]),
-                "at_n_star_by_step_times_pct": (100 * by_steps / (n_star * m["step_s"])
-                                                if by_steps is not None else None),
-                "at_every_pct": m["overhead_at_every_pct"],
-            }
-    return out
-
-
-def evaluate_targets(ok: dict, every: int) -> list[dict]:
+def evaluate_targets(ok: dict) -> list[dict]:
     def get(name, *path):
         r = ok.get(name)
         for p in path:
@@ -727,13 +696,14 @@ def evaluate_targets(ok: dict, every: int) -> list[dict]:
             r = r.get(p)
         return r
 
-    def target(name, value, threshold, unit="x", **extra):
+    def target(name, value, threshold):
         status = "SKIP" if value is None else ("PASS" if value <= threshold else "FAIL")
-        return {"name": name, "value": value, "op": "<=", "threshold": threshold, "unit": unit,
-                "status": status, **extra}
+        return {"name": name, "value": value, "op": "<=", "threshold": threshold, "unit": "x",
+                "status": status}
 
-    ov = overhead_target(ok, every)
-    t = [
+    # The training-time target (<= 1% at an N where DCP's save adds > 10%) is bench_overhead.py's:
+    # it measures at that N, where this run's N would have to be extrapolated from.
+    return [
         target("resurgo async stall <= 0.5x DCP async_save's blocking time",
                get("resurgo_async", "ratios", "stall_vs_dcp_async"), 0.5),
         target("resurgo async stall <= 1.2x a plain copy into warm buffers",
@@ -745,14 +715,6 @@ def evaluate_targets(ok: dict, every: int) -> list[dict]:
         target("resurgo async (guard) peak extra RSS <= 1.1x the state's bytes",
                get("resurgo_async_guard", "median", "peak_extra_x_state"), 1.1),
     ]
-    for name, label in (("resurgo_async", "resurgo async"), ("resurgo_async_guard", "resurgo async (guard)")):
-        # Both measures must pass: window totals and step times (see step_time_cost).
-        v = None
-        if ov and name in ov and ov[name]["at_n_star_by_step_times_pct"] is not None:
-            v = max(ov[name]["at_n_star_pct"], ov[name]["at_n_star_by_step_times_pct"])
-        t.append(target(f"{label} adds <= 1% training time at N where DCP save adds > 10%",
-                        v, 1.0, unit="%", detail=ov))
-    return t
 
 
 # --------------------------------------------------------------------------------------------
@@ -809,18 +771,10 @@ def print_report(console, doc: dict) -> None:
     console.print()
     for t in doc["targets"]:
         color = {"PASS": "green", "FAIL": "red", "SKIP": "yellow"}[t["status"]]
-        if t["unit"] == "%":
-            d = t.get("detail") or {}
-            key = "resurgo_async_guard" if "guard" in t["name"] else "resurgo_async"
-            val = ("n/a" if t["value"] is None else
-                   f"{d[key]['at_n_star_pct']:.2f}% by windows, "
-                   f"{d[key]['at_n_star_by_step_times_pct']:.2f}% by step times at N*={d['n_star']} (DCP save adds "
-                   f"{d['dcp_overhead_at_n_star_pct']:.1f}% there); measured at N={d['every']}: "
-                   f"{_f(d[key]['at_every_pct'], '{:.2f}')}% vs DCP "
-                   f"{_f(d['dcp_overhead_at_every_pct'], '{:.1f}')}%")
-        else:
-            val = _f(t["value"], "{:.2f}x", "n/a") + f" (need <= {t['threshold']}x)"
+        val = _f(t["value"], "{:.2f}x", "n/a") + f" (need <= {t['threshold']}x)"
         console.print(f"[{color}]{t['status']}[/]  {t['name']}: {val}")
+    console.print(f"  the overhead at N={cfg['every']} is the table's; at the N where DCP's save adds 10%, "
+                  "`make bench-overhead` measures it")
 
 
 # --------------------------------------------------------------------------------------------
@@ -1022,7 +976,7 @@ def main(argv=None) -> int:
         "state": state,
         "mechanisms": results,
     }
-    doc["targets"] = evaluate_targets(ok, args.every)
+    doc["targets"] = evaluate_targets(ok)
     tmp = out.with_suffix(out.suffix + ".tmp")
     tmp.write_text(json.dumps(doc, indent=1, default=repr))
     os.replace(tmp, out)

@@ -93,7 +93,10 @@ def test_every_mechanism_has_positive_numbers(bench):
 
 def test_targets_are_reported(bench):
     doc, _, stdout = bench
-    assert len(doc["targets"]) == 7
+    assert len(doc["targets"]) == 5
+    # the training-time target is measured at its N by bench_overhead.py, not extrapolated here
+    assert not any("training time" in t["name"] for t in doc["targets"])
+    assert "make bench-overhead" in stdout
     for t in doc["targets"]:
         assert t["status"] in {"PASS", "FAIL", "SKIP"}, t
         assert t["status"] in stdout
