@@ -219,32 +219,8 @@ def mismatches(expected: dict, got: dict) -> list[str]:
 # mechanisms (worker side): resurgo.study.mechanisms, driven by this loop
 # --------------------------------------------------------------------------------------------
 
-# this benchmark's row names -> the shared mechanisms' names
-SHARED_NAMES = {"torch": "torch_save", "dcp": "dcp", "dcp_async": "dcp_async",
-                "dcp_async_stager": "dcp_async_stager", "resurgo": "resurgo",
-                "resurgo_async": "resurgo_async", "resurgo_async_guard": "resurgo_async_guard"}
-
-
-class Job:
-    """The loop's live objects as the shared mechanisms see them; resurgo saves the model, the
-    optimizer and the step (no RNG: the loop draws no random numbers)."""
-
-    rank = 0
-
-    def __init__(self, model, opt):
-        from resurgo.state.train_state import TrainState
-
-        self.model = self.plain_model = model
-        self.optimizer = opt
-        self.state = TrainState(model=model, optimizer=opt, rng=False, step=0)
-
-    @property
-    def step(self) -> int:
-        return int(self.state.step)
-
-    @step.setter
-    def step(self, value: int) -> None:
-        self.state.step = value
+# the rows whose names differ from the shared mechanisms' names
+SHARED_NAMES = {"torch": "torch_save"}
 
 
 class Pending:
@@ -319,10 +295,14 @@ class Checkpointer:
     def __init__(self, name: str, model, opt):
         import common
         from resurgo.study.mechanisms import make_mechanism
+        from resurgo.study.training import Training
 
-        self.name, self.job = name, Job(model, opt)
-        # torch.save leaves its files unsynced and DCP its directories: durable means fsynced
-        self.mech = copy_reference() if name == "copy" else make_mechanism(SHARED_NAMES[name], common.fsync_tree)
+        # the loop feeds fixed batches and draws no random numbers: no loader, no RNG to save
+        self.name, self.job = name, Training(model, opt, rng=False)
+        if name == "copy":
+            self.mech = copy_reference()
+        else:  # torch.save leaves its files unsynced and DCP its directories: durable means fsynced
+            self.mech = make_mechanism(SHARED_NAMES.get(name, name), common.fsync_tree)
 
     def checkpoint(self, step: int, path: Path) -> Pending | None:
         t0 = time.perf_counter()
@@ -336,9 +316,10 @@ class Checkpointer:
 
     def load_fresh(self, cfg: dict, path: Path) -> tuple[dict, int | None]:
         """({key: tensor} of state_tensors, step) restored from path into a newly built job."""
+        from resurgo.study.training import Training
+
         model, opt, _, _ = build(cfg)
-        job = Job(model, opt)
-        step = self.mech.load(job, path)
+        step = self.mech.load(Training(model, opt, rng=False), path)
         return state_tensors(model, opt), step
 
     def close(self) -> None:

@@ -8,8 +8,8 @@ the last save is complete, ``load(job, path)`` restores into a job's live object
 step it restored (None when the mechanism does not store it; the user then knows it from the
 checkpoint's name). Each class also states what its checkpoint holds and whether loading one can
 execute code from the file: the facts of the formats table, checked by the tests against the
-files written. A job is anything with the attributes of :class:`Job` (the study's
-:class:`~resurgo.study.training.Training`, the benchmarks' own).
+files written. The job is a :class:`~resurgo.study.training.Training`, the study's or a
+benchmark's.
 
 ``make_durable``: torch.save and safetensors leave their files unsynced and DCP its directories;
 a benchmark that measures the time to durable passes what syncs a written checkpoint, and the
@@ -22,35 +22,24 @@ resurgo save collectively.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 import resurgo
 from resurgo.errors import StudyError
+from resurgo.study.training import Training
 
-__all__ = ["Job", "Mechanism", "MECHANISMS", "DcpAsyncStager", "make_mechanism", "Stores",
+__all__ = ["Mechanism", "MECHANISMS", "DcpAsyncStager", "make_mechanism", "Stores",
            "quiet_single_process"]
-
-
-class Job(Protocol):
-    """What a mechanism saves and restores: a training script's live objects."""
-
-    model: torch.nn.Module  # possibly wrapped (DistributedDataParallel)
-    optimizer: torch.optim.Optimizer
-    rank: int
-    step: int
-    state: Any  # what resurgo saves: a TrainState holding the objects above and ``step``
-
-    @property
-    def plain_model(self) -> torch.nn.Module: ...  # the network without a wrapper
 
 
 Completion = Callable[[], Any]
@@ -75,7 +64,7 @@ def _rank() -> int:
 
 
 class Mechanism:
-    """One way of checkpointing a :class:`Job`."""
+    """One way of checkpointing a :class:`Training`."""
 
     name = ""
     label = ""
@@ -90,7 +79,7 @@ class Mechanism:
         self.make_durable = make_durable
         self._pending: Optional[Completion] = None
 
-    def save(self, job: Job, path: Path) -> Optional[Completion]:
+    def save(self, job: Training, path: Path) -> Optional[Completion]:
         raise NotImplementedError
 
     def wait(self) -> None:
@@ -99,7 +88,7 @@ class Mechanism:
             pending, self._pending = self._pending, None
             pending()
 
-    def load(self, job: Job, path: Path) -> Optional[int]:
+    def load(self, job: Training, path: Path) -> Optional[int]:
         raise NotImplementedError
 
     def facts(self) -> dict[str, Any]:
@@ -126,14 +115,14 @@ class TorchSave(Mechanism):
                           "which unpickles only allow-listed types")
     FILE = "checkpoint.pt"
 
-    def save(self, job: Job, path: Path) -> None:
+    def save(self, job: Training, path: Path) -> None:
         if job.rank == 0:
             path.mkdir(parents=True, exist_ok=True)
             torch.save({"model": job.plain_model.state_dict(), "optimizer": job.optimizer.state_dict(),
                         "step": job.step}, path / self.FILE)
             self._written(path)
 
-    def load(self, job: Job, path: Path) -> Optional[int]:
+    def load(self, job: Training, path: Path) -> Optional[int]:
         ckpt = torch.load(path / self.FILE, map_location="cpu")
         job.plain_model.load_state_dict(ckpt["model"])
         job.optimizer.load_state_dict(ckpt["optimizer"])
@@ -157,20 +146,20 @@ class DcpSync(Mechanism):
     executes_code_note = "the .metadata file is unpickled by dcp.load"
     fsync = True
 
-    def _state(self, job: Job) -> dict[str, Any]:
+    def _state(self, job: Training) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(job.model, job.optimizer)
         return {"model": model_sd, "optimizer": optim_sd, "step": job.step}
 
-    def save(self, job: Job, path: Path) -> None:
+    def save(self, job: Training, path: Path) -> None:
         import torch.distributed.checkpoint as dcp
 
         with quiet_single_process():
             dcp.save(self._state(job), checkpoint_id=str(path), no_dist=not _distributed())
         self._written(path)
 
-    def load(self, job: Job, path: Path) -> Optional[int]:
+    def load(self, job: Training, path: Path) -> Optional[int]:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
@@ -210,15 +199,19 @@ class DcpAsync(DcpSync):
 
     def _started(self, upload: Future, path: Path) -> Completion:
         self._upload = upload
+        lock, synced = threading.Lock(), []
 
         def complete() -> None:
             upload.result()
-            self._written(path)
+            with lock:  # a benchmark's waiter thread and wait() may both ask: sync once
+                if not synced:
+                    self._written(path)
+                    synced.append(path)
 
         self._pending = complete
         return complete
 
-    def save(self, job: Job, path: Path) -> Completion:
+    def save(self, job: Training, path: Path) -> Completion:
         import torch.distributed.checkpoint as dcp
 
         self._wait_upload()
@@ -267,7 +260,7 @@ class DcpAsyncStager(DcpAsync):
             self._hook.remove()
             self._hook = None
 
-    def save(self, job: Job, path: Path) -> Completion:
+    def save(self, job: Training, path: Path) -> Completion:
         import torch.distributed.checkpoint as dcp
 
         self._wait_upload()  # required: the staged (cached) storages are reused by the next save
@@ -302,7 +295,7 @@ class SafetensorsWeights(Mechanism):
     executes_code_note = "a JSON header and raw bytes"
     FILE = "model.safetensors"
 
-    def save(self, job: Job, path: Path) -> None:
+    def save(self, job: Training, path: Path) -> None:
         from safetensors.torch import save_file
 
         if job.rank == 0:
@@ -310,7 +303,7 @@ class SafetensorsWeights(Mechanism):
             save_file(job.plain_model.state_dict(), str(path / self.FILE))
             self._written(path)
 
-    def load(self, job: Job, path: Path) -> Optional[int]:
+    def load(self, job: Training, path: Path) -> Optional[int]:
         from safetensors.torch import load_file
 
         job.plain_model.load_state_dict(load_file(str(path / self.FILE)))
@@ -326,10 +319,10 @@ class ResurgoSync(Mechanism):
     executes_code_note = "JSON and raw bytes; pickled values are refused unless allow_pickle=True"
     fsync = True
 
-    def save(self, job: Job, path: Path) -> None:
+    def save(self, job: Training, path: Path) -> None:
         self.report = resurgo.save(job.state, path, step=job.step)
 
-    def load(self, job: Job, path: Path) -> Optional[int]:
+    def load(self, job: Training, path: Path) -> Optional[int]:
         resurgo.load(job.state, path)
         return job.step
 
@@ -344,7 +337,7 @@ class ResurgoAsync(ResurgoSync):
 
     handle: Optional[resurgo.AsyncSaveHandle] = None
 
-    def save(self, job: Job, path: Path) -> Completion:
+    def save(self, job: Training, path: Path) -> Completion:
         # resurgo keeps one save in flight itself: a new call waits for the previous one.
         kwargs: dict[str, Any] = {"guard": job.optimizer} if self.guard else {}
         self.handle = resurgo.async_save(job.state, path, step=job.step, **kwargs)

@@ -46,16 +46,17 @@ class JobSpec:
 
 class Training:
     """A training script's live objects: ``model``, ``optimizer``, ``loader``, ``state`` (a
-    TrainState holding all of them, plus ``step``)."""
+    TrainState holding all of them, the global RNGs unless ``rng=False``, plus ``step``). A
+    benchmark's loop that feeds fixed batches has no loader."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader,
-                 rank: int = 0, world: int = 1) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Optional[DataLoader] = None,
+                 rank: int = 0, world: int = 1, *, rng: bool = True) -> None:
         self.model = model
         self.optimizer = optimizer
         self.loader = loader
         self.rank = rank
         self.world = world
-        self.state = TrainState(model=model, optimizer=optimizer, dataloader=loader, step=0)
+        self.state = TrainState(model=model, optimizer=optimizer, dataloader=loader, rng=rng, step=0)
 
     @property
     def step(self) -> int:
