@@ -3,7 +3,7 @@ users write it.
 
 This module owns one small class per mechanism: ``save(job, path)`` is the call the training
 loop is blocked in; it returns None when the checkpoint is complete on return, else a callable
-that blocks until that save is complete and returns the library's report. ``wait()`` waits until
+that blocks until that save is complete (and returns resurgo's SaveReport). ``wait()`` waits until
 the last save is complete, ``load(job, path)`` restores into a job's live objects and returns the
 step it restored (None when the mechanism does not store it; the user then knows it from the
 checkpoint's name). Each class also states what its checkpoint holds and whether loading one can
