@@ -31,7 +31,7 @@ from resurgo.study.report import (
     cost_figure, curve_groups, determinism_figure, render_markdown, require_matplotlib, scale_figure,
 )
 from resurgo.study.stats import coverage, median_interval, paired_overhead
-from resurgo.study.training import JobSpec, build_training, tensor_bytes, train_steps
+from resurgo.study.training import JobSpec, Training, build_training, tensor_bytes, train_steps
 from resurgo.study.workers import driver
 
 runner = CliRunner()
@@ -188,6 +188,14 @@ def test_mechanism_round_trip(tmp_path: Path, name: str):
     momentum_restored = bits_equal(fresh.optimizer.state_dict()["state"], job.optimizer.state_dict()["state"])
     assert momentum_restored == mech.stores.optimizer
     assert step == (None if name == "safetensors" else 3)
+
+
+def test_a_job_without_a_loader_saves_no_rng_and_trains_no_step():
+    """The benchmarks' job: their loop feeds fixed batches, so no loader, and no RNG to save."""
+    job = Training(torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), rng=False)
+    assert sorted(job.state.state_dict()) == ["model", "optimizer", "step"]
+    with pytest.raises(StudyError, match="train_steps: this job has no loader"):
+        train_steps(job, 1)
 
 
 SYNCHRONOUS = ("torch_save", "dcp", "safetensors", "resurgo")

@@ -115,12 +115,13 @@ class TorchSave(Mechanism):
                           "which unpickles only allow-listed types")
     FILE = "checkpoint.pt"
 
-    def save(self, job: Training, path: Path) -> None:
+    def save(self, job: Training, path: Path) -> Optional[Completion]:
         if job.rank == 0:
             path.mkdir(parents=True, exist_ok=True)
             torch.save({"model": job.plain_model.state_dict(), "optimizer": job.optimizer.state_dict(),
                         "step": job.step}, path / self.FILE)
             self._written(path)
+        return None
 
     def load(self, job: Training, path: Path) -> Optional[int]:
         ckpt = torch.load(path / self.FILE, map_location="cpu")
@@ -152,12 +153,13 @@ class DcpSync(Mechanism):
         model_sd, optim_sd = get_state_dict(job.model, job.optimizer)
         return {"model": model_sd, "optimizer": optim_sd, "step": job.step}
 
-    def save(self, job: Training, path: Path) -> None:
+    def save(self, job: Training, path: Path) -> Optional[Completion]:
         import torch.distributed.checkpoint as dcp
 
         with quiet_single_process():
             dcp.save(self._state(job), checkpoint_id=str(path), no_dist=not _distributed())
         self._written(path)
+        return None
 
     def load(self, job: Training, path: Path) -> Optional[int]:
         import torch.distributed.checkpoint as dcp
@@ -199,7 +201,8 @@ class DcpAsync(DcpSync):
 
     def _started(self, upload: Future, path: Path) -> Completion:
         self._upload = upload
-        lock, synced = threading.Lock(), []
+        lock = threading.Lock()
+        synced: list[Path] = []
 
         def complete() -> None:
             upload.result()
@@ -269,7 +272,7 @@ class DcpAsyncStager(DcpAsync):
             self._stager = self._make_stager()
             self.stagers_made += 1
         with quiet_single_process():
-            response = dcp.async_save(self._state(job), checkpoint_id=str(path), async_stager=self._stager,
+            response: Any = dcp.async_save(self._state(job), checkpoint_id=str(path), async_stager=self._stager,
                                       **self._kwargs())
         staged = response.staging_completion
         # The snapshot may still be copying: the next optimizer.step() must wait for it (the
@@ -295,13 +298,14 @@ class SafetensorsWeights(Mechanism):
     executes_code_note = "a JSON header and raw bytes"
     FILE = "model.safetensors"
 
-    def save(self, job: Training, path: Path) -> None:
+    def save(self, job: Training, path: Path) -> Optional[Completion]:
         from safetensors.torch import save_file
 
         if job.rank == 0:
             path.mkdir(parents=True, exist_ok=True)
             save_file(job.plain_model.state_dict(), str(path / self.FILE))
             self._written(path)
+        return None
 
     def load(self, job: Training, path: Path) -> Optional[int]:
         from safetensors.torch import load_file
@@ -319,8 +323,9 @@ class ResurgoSync(Mechanism):
     executes_code_note = "JSON and raw bytes; pickled values are refused unless allow_pickle=True"
     fsync = True
 
-    def save(self, job: Training, path: Path) -> None:
+    def save(self, job: Training, path: Path) -> Optional[Completion]:
         self.report = resurgo.save(job.state, path, step=job.step)
+        return None
 
     def load(self, job: Training, path: Path) -> Optional[int]:
         resurgo.load(job.state, path)

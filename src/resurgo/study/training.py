@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from resurgo.errors import StudyError
 from resurgo.state.train_state import TrainState
 from resurgo.study.models import build_model
 
@@ -101,11 +102,15 @@ def train_steps(job: Training, steps: int, on_step: Optional[StepHook] = None) -
     training script checkpoints. An epoch is restarted by iterating the loader again, so a loader
     restored mid-epoch (resurgo) continues where it was, and any other starts a new epoch.
     """
+    if job.loader is None:
+        raise StudyError("train_steps: this job has no loader to draw batches from; build it with "
+                         "build_training, or give Training a DataLoader")
+    loader = job.loader
     job.model.train()
     losses: list[float] = []
     until = job.step + steps
     while job.step < until:
-        for x, y in job.loader:
+        for x, y in loader:
             loss = nn.functional.cross_entropy(job.model(x), y)
             job.optimizer.zero_grad(set_to_none=True)
             loss.backward()
