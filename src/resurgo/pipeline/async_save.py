@@ -13,7 +13,7 @@ forward mutates, such as BatchNorm statistics) is copied during the call.
 
 Background writing uses threads: ``os.write``, ``fsync``, tensor copies and large xxhash calls all
 release the GIL, and a thread shares the staging buffers with no copy or serialization, which a
-helper process would need (``benchmarks/bench_writer_placement.py`` measures both).
+helper process would need (docs/async.md gives the measured difference).
 """
 
 from __future__ import annotations
