@@ -74,7 +74,7 @@ demo-kill: $(STAMP)
 	$(BIN)/python examples/demo_kill_resume.py
 
 # The default suite, then the DeepSpeed import tests (deselected by default: they need deepspeed,
-# which lives outside the environment, in $(DS_SITE)), then mypy and the benchmark scripts' smoke
+# which lives outside the environment, in $(DS_SITE)), then mypy and the benchmark and study smoke
 # runs (a minute each, kept out of the default suite's time).
 test: $(STAMP) $(DS_SITE)/.installed
 	$(BIN)/python -m pytest -q --durations=20

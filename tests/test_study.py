@@ -62,6 +62,7 @@ def study_out(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.bench  # a quick study end to end: make test runs it after the default suite
 def test_report_has_the_four_tables_and_the_plots(study_out: Path):
     report = (study_out / "report.md").read_text()
     tables = _section_tables(report)
@@ -81,6 +82,7 @@ def test_report_has_the_four_tables_and_the_plots(study_out: Path):
     assert not (study_out / "checkpoints").exists()  # every checkpoint removed once measured
 
 
+@pytest.mark.bench  # a quick study end to end: make test runs it after the default suite
 def test_results_json_has_every_mechanism(study_out: Path):
     results = json.loads((study_out / "results.json").read_text())
     names = list(MECHANISMS)
@@ -98,6 +100,7 @@ def test_results_json_has_every_mechanism(study_out: Path):
         assert all(r["seconds"] > 0 for r in row["runs"])
 
 
+@pytest.mark.bench  # a quick study end to end: make test runs it after the default suite
 def test_every_overhead_has_an_interval_from_its_pairs(study_out: Path):
     results = json.loads((study_out / "results.json").read_text())
     for row in results["cost"] + results["scale"]:
@@ -124,6 +127,7 @@ def test_every_overhead_has_an_interval_from_its_pairs(study_out: Path):
             assert line[-2] == f"{row['extra_s']:+.3f} [{row['extra_low_s']:+.3f}, {row['extra_high_s']:+.3f}]"
 
 
+@pytest.mark.bench  # a quick study end to end: make test runs it after the default suite
 def test_report_without_the_scale_experiment(study_out: Path):
     results = json.loads((study_out / "results.json").read_text())
     results["scale"] = []  # what `--ranks ""` produces
@@ -133,6 +137,7 @@ def test_report_without_the_scale_experiment(study_out: Path):
     assert "fig4_scale_overhead.png" not in report
 
 
+@pytest.mark.bench  # a quick study end to end: make test runs it after the default suite
 def test_formats_sizes_match_the_state(study_out: Path):
     results = json.loads((study_out / "results.json").read_text())
     for row in results["formats"]:
@@ -152,6 +157,7 @@ def test_formats_sizes_match_the_state(study_out: Path):
         "resurgo_async": "no", "resurgo_async_guard": "no"}
 
 
+@pytest.mark.bench  # a quick study end to end: make test runs it after the default suite
 def test_determinism_resurgo_exact_others_diverge(study_out: Path):
     results = json.loads((study_out / "results.json").read_text())
     for model, det in results["determinism"].items():
@@ -290,6 +296,7 @@ def test_cli_bad_options_exit_2(tmp_path: Path):
     assert list(tmp_path.iterdir()) == []  # nothing ran
 
 
+@pytest.mark.bench  # a quick study end to end: make test runs it after the default suite
 def test_report_puts_other_frameworks_beside_pytorch(study_out: Path, tmp_path: Path):
     results = json.loads((study_out / "results.json").read_text())
     worker = driver.run(Toy(keeps_rng=True), {**TOY_CONFIG, "models": ["vgg16"]}, tmp_path, progress=lambda label: None)
@@ -322,6 +329,7 @@ def test_report_puts_other_frameworks_beside_pytorch(study_out: Path, tmp_path: 
     plt.close(fig)
 
 
+@pytest.mark.bench  # a quick study end to end: make test runs it after the default suite
 def test_figure1_has_error_bars_and_marks_noise(study_out: Path):
     results = json.loads((study_out / "results.json").read_text())
     results["cost"][0].update(overhead_pct=5.0, overhead_low_pct=-1.0, overhead_high_pct=9.0, noise=True)
@@ -338,6 +346,7 @@ def test_figure1_has_error_bars_and_marks_noise(study_out: Path):
     plt.close(fig)
 
 
+@pytest.mark.bench  # a quick study end to end: make test runs it after the default suite
 def test_figure4_blocked_time_against_ranks(study_out: Path):
     results = json.loads((study_out / "results.json").read_text())
     plt = require_matplotlib()
@@ -355,6 +364,7 @@ def test_figure4_blocked_time_against_ranks(study_out: Path):
     plt.close(fig)
 
 
+@pytest.mark.bench  # a quick study end to end: make test runs it after the default suite
 def test_determinism_plot_says_which_curves_overlap(study_out: Path):
     det = json.loads((study_out / "results.json").read_text())["determinism"]["vgg16"]
     groups = curve_groups(det)
