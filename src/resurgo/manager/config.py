@@ -53,19 +53,25 @@ def compose_tiers(root: str | os.PathLike | None, storage_options: dict | None,
     return found
 
 
+def _refuse_both(name: str, policy: Any, shortcuts: dict[str, Any], what: str, combinator: str, example: str) -> None:
+    """A policy object (``name=``) and shortcuts of the same rule are two ways of writing it: both
+    at once is refused, naming both."""
+    given = [n for n, value in shortcuts.items() if value is not None]
+    if policy is not None and given:
+        raise UnsupportedValueError(
+            f"CheckpointManager: {name}={policy!r} and {', '.join(f'{n}=' for n in given)} both say {what}; "
+            f"give one of them: the shortcuts alone, or one policy object that includes them "
+            f"(resurgo.manager.{combinator}({policy!r}, {example}, ...))")
+
+
 def compose_policy(policy: SavePolicy | None, every_steps: int | None, every_seconds: float | None,
                    at_steps: Iterable[int] | None, interval: str | None,
                    mtbf: float | None) -> tuple[SavePolicy | None, DalyInterval | None]:
     """The save policy (None: saves happen on preemption and by save() only) and, with
     ``interval="auto"``, the Daly interval among its parts. The shortcuts build the policy
     objects; ``policy=`` is the other way of writing the same rule, so both at once is refused."""
-    given = {"every_steps": every_steps, "every_seconds": every_seconds, "at_steps": at_steps, "interval": interval}
-    shortcuts = [name for name, value in given.items() if value is not None]
-    if policy is not None and shortcuts:
-        raise UnsupportedValueError(
-            f"CheckpointManager: policy={policy!r} and {', '.join(f'{n}=' for n in shortcuts)} both say when to save; "
-            f"give one of them: the shortcuts alone, or one policy object that includes them "
-            f"(resurgo.manager.AnyOf({policy!r}, EveryNSteps(n), ...))")
+    _refuse_both("policy", policy, {"every_steps": every_steps, "every_seconds": every_seconds, "at_steps": at_steps,
+                                    "interval": interval}, "when to save", "AnyOf", "EveryNSteps(n)")
     parts: list[SavePolicy] = [policy] if policy is not None else []
     if every_steps is not None:
         parts.append(EveryNSteps(every_steps))
@@ -92,13 +98,8 @@ def compose_retention(retention: RetentionPolicy | None, keep_last: int | None, 
     checkpoint keeps it); ``retention=`` is the other way of writing them, so both at once is
     refused. The first tier's own ``keep_last`` is a rule of that tier, kept with the others; the
     manager's ``keep_last=`` would say the same thing again, so both at once is refused too."""
-    given = {"keep_last": keep_last, "keep_every": keep_every, "keep_best": keep_best}
-    shortcuts = [name for name, value in given.items() if value is not None]
-    if retention is not None and shortcuts:
-        raise UnsupportedValueError(
-            f"CheckpointManager: retention={retention!r} and {', '.join(f'{n}=' for n in shortcuts)} both say what "
-            f"to keep; give one of them: the shortcuts alone, or one policy object that includes them "
-            f"(resurgo.manager.KeepAny({retention!r}, KeepLast(k), ...))")
+    _refuse_both("retention", retention, {"keep_last": keep_last, "keep_every": keep_every, "keep_best": keep_best},
+                 "what to keep", "KeepAny", "KeepLast(k)")
     tier_keep = first_tier.keep_last
     if keep_last is not None and tier_keep is not None:
         kind = type(first_tier).__name__
