@@ -128,3 +128,24 @@ def manager_fail_during(rank: int, world: int, root: str, out: str, victim: int,
     outcome.update(t_end=time.time())
     (out_dir / f"rank{rank}.json").write_text(json.dumps(outcome))
     return outcome
+
+
+def call_alone(rank: int, world: int, root: str, out: str, alone: int) -> dict:
+    """Save C0 together; then rank ``alone`` saves C1 with collective=False while the others save
+    it collectively, and afterwards calls a collective load. Returns (and records) what each
+    call raised and when."""
+    resurgo.save(state(0, rank, world), f"{root}/{C0}")
+    outcome: dict = {"rank": rank, "t_start": time.time()}
+    try:
+        if rank == alone:
+            resurgo.save(full(1, world), f"{root}/{C1}", collective=False)
+            outcome["alone_saved"] = time.time()
+            resurgo.load_dict(f"{root}/{C0}")
+        else:
+            resurgo.save(state(1, rank, world), f"{root}/{C1}")
+        outcome.update(error=None)
+    except resurgo.ResurgoError as e:
+        outcome.update(error=type(e).__name__, message=str(e))
+    outcome["t_end"] = time.time()
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(outcome))
+    return outcome

@@ -115,6 +115,39 @@ def test_a_stopped_rank_is_named_within_the_timeout(tmp_path, monkeypatch, opera
     _check_storage(tmp_path / "root", saved=operation != "save")
 
 
+@pytest.mark.parametrize("victim", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_rank_stopped_inside_an_entered_collective_is_named(tmp_path, victim):
+    """Every rank arrived, then the victim stops inside gloo's exchange: the others are told within
+    the heartbeat limit (rank 0, the store's host, through the store), not at the group's timeout
+    (30 minutes), and whatever the collective timeout is."""
+    outcomes, t_stop = _run(tmp_path, victim, "collective.entered", "stop", "save")
+    for o in outcomes:
+        assert o["error"] == "RankFailedError" and o["ranks"] == [victim], o
+        assert o["operation"] == "save" and o["checkpoint"] == str(tmp_path / "root" / C1), o
+        assert 0 <= o["t_end"] - t_stop < liveness.HEARTBEAT_LIMIT + 15, o
+    print(f"rank {victim} stopped inside a collective: seconds to the error",
+          [round(o["t_end"] - t_stop, 2) for o in outcomes])
+    _check_storage(tmp_path / "root", saved=False)
+
+
+@pytest.mark.parametrize("alone", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_rank_calling_alone_what_the_others_call_collectively_is_named(tmp_path, monkeypatch, alone):
+    """A rank that passes collective=False to the call the others make collectively: the others
+    raise UnsupportedValueError naming it within seconds, not a RankFailedError at the collective
+    timeout; it raises the same at its next collective call."""
+    monkeypatch.setenv(liveness.ENV, "60")
+    root, out = tmp_path / "root", tmp_path / "out"
+    out.mkdir()
+    outcomes = run_ranks(WORLD, "liveness_workers:call_alone", str(root), str(out), alone, timeout=120)
+    for o in outcomes:
+        assert o["error"] == "UnsupportedValueError", o
+        assert f"rank {alone} (host " in o["message"] and "collective=False" in o["message"], o
+        assert str(root / C1) in o["message"], o
+        assert o["t_end"] - o["t_start"] < 15, o
+    assert "alone_saved" in outcomes[alone]
+    print("call made alone: seconds to the error", [round(o["t_end"] - o["t_start"], 2) for o in outcomes])
+
+
 def test_a_slow_rank_that_progresses_is_waited_for(tmp_path, monkeypatch):
     timeout = 4
     monkeypatch.setenv(liveness.ENV, str(timeout))

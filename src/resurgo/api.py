@@ -12,7 +12,7 @@ import os
 import time
 from typing import Any
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from resurgo.dist import liveness
 from resurgo.dist.comm import alone
@@ -67,7 +67,7 @@ def save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_
     raise the same error, naming that rank.
     """
     t_start = time.perf_counter()
-    with _scope(collective), liveness.operation("save", path):
+    with _scope("save", path, collective):
         inflight.settle(if_busy="wait")
         prep = prepare_save(state, path, overwrite=overwrite, allow_pickle=allow_pickle, step=step,
                             metadata=metadata, io_threads=io_threads, block_bytes=block_bytes,
@@ -79,9 +79,16 @@ def save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_
     return report
 
 
-def _scope(collective: bool) -> contextlib.AbstractContextManager:
-    """Where ``collective=False`` runs: a job of one in this thread (:func:`resurgo.dist.comm.alone`)."""
-    return contextlib.nullcontext() if collective else alone()
+@contextlib.contextmanager
+def _scope(name: str, path: object, collective: bool) -> Iterator[None]:
+    """Where a call runs: this thread does ``name`` of ``path`` (:func:`resurgo.dist.liveness.operation`);
+    ``collective=False``, as a job of one (:func:`resurgo.dist.comm.alone`), told to the other ranks
+    of a job so that those waiting for it in a collective of the same call name the mismatch."""
+    with contextlib.ExitStack() as stack:
+        if not collective:
+            stack.enter_context(alone())
+        stack.enter_context(liveness.operation(name, path, collective=collective))
+        yield
 
 
 def async_save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_pickle: bool = False,
@@ -107,7 +114,7 @@ def async_save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, 
     exception it raises is warned (RuntimeWarning), never lost, and never fails the save.
     """
     # The background commit keeps the world it was started in.
-    with _scope(collective), liveness.operation("async save", path):
+    with _scope("async save", path, collective):
         return start_async_save(state, path, overwrite=overwrite, allow_pickle=allow_pickle, step=step,
                                 metadata=metadata, io_threads=io_threads, block_bytes=block_bytes,
                                 storage_options=storage_options, save_info=save_info, guard=guard,
@@ -153,7 +160,7 @@ def load(state: Any, path: str | os.PathLike, *, strict: bool = True, verify: bo
     same name (each rank may read its own copy): ranks that differ all raise UnsupportedValueError
     naming each rank's value.
     """
-    with _scope(collective), liveness.operation("load", path):
+    with _scope("load", path, collective):
         _, report = restore(state, path, strict=strict, verify=verify, allow_pickle=allow_pickle,
                             io_threads=io_threads, storage_options=storage_options,
                             ignore_mismatched=ignore_mismatched, share_reads=share_reads,
@@ -169,7 +176,7 @@ def load_dict(path: str | os.PathLike, *, verify: bool = True, allow_pickle: boo
     Tensors taking more than 4 times the distinct bytes the checkpoint's chunks read (a manifest
     placing many tensors on the same bytes; tied weights take 2 times) raise ExpansionError
     before any is allocated, unless ``allow_expansion=True``."""
-    with _scope(collective), liveness.operation("load_dict", path):
+    with _scope("load_dict", path, collective):
         result, _ = restore(None, path, strict=True, verify=verify, allow_pickle=allow_pickle, io_threads=io_threads,
                             storage_options=storage_options, allow_expansion=allow_expansion)
     return result

@@ -3,7 +3,8 @@
 The pipeline calls :func:`point` at each named phase of a save, load, tier copy, replication or
 shared read: "save.write", "save.commit", "async.stage", "async.copy", "load.read", "load.share"
 (a shared read's reader), "manager.restore" (choosing the step), "tier.copy", "replicate.send",
-"restore.peer" (a peer restore's sender). Unarmed, a point costs one set lookup.
+"restore.peer" (a peer restore's sender), and "collective.entered" (inside any
+collective, once every rank arrived, before gloo's exchange). Unarmed, a point costs one set lookup.
 Armed, through the environment variable ``RESURGO_FAULT`` or :func:`arm`, with a comma-separated
 list of ``<rank>:<point>:<action>`` (``*`` for every rank), the process of that rank acts when it
 reaches that point, the first time only (so that a test can check that a following save

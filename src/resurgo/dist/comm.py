@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from resurgo import errors
+from resurgo import errors, faults
 from resurgo.dist import liveness
 from resurgo.errors import RankFailedError, ResurgoError
 
@@ -77,9 +77,13 @@ class Comm:
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.size
-        payload = _pickled("all_gather", obj)
+        # Each rank's call travels with its object: ranks that meet here from different calls all
+        # raise the same error (every rank sees every tag), not a misreading of each other's objects.
+        payload = _pickled("all_gather", (liveness.call_tag(), obj))
         self._collective(lambda: dist.all_gather_object(out, payload, group=self.group))
-        return [pickle.loads(b) for b in out]
+        tagged = [pickle.loads(b) for b in out]
+        liveness.check_same_call([tag for tag, _ in tagged])
+        return [o for _, o in tagged]
 
     def broadcast(self, obj: T) -> T:
         """Rank 0's ``obj`` on every rank."""
@@ -95,8 +99,9 @@ class Comm:
         """``run()``, a gloo collective, once every rank has arrived; a failure of gloo or of a
         rank becomes RankFailedError."""
         liveness.arrive(self.channel)
+        faults.point("collective.entered")
         try:
-            run()
+            liveness.run_collective(run)
         except RuntimeError as e:
             raise liveness.diagnose(e) from e
 
@@ -123,6 +128,8 @@ class Comm:
             result, note = fn()
             outcome = (None, note, call)
         except BaseException as e:  # noqa: BLE001 - reported to every rank, then raised
+            if getattr(e, "agreed", False):  # every rank raised it already, in one collective
+                raise
             original = e
             outcome = ((type(e).__name__, str(e), self.rank, _fields(e)), None, call)
         if self.size == 1:
@@ -180,11 +187,33 @@ def _rebuild(name: str, message: str, rank: int, fields: dict[str, Any]) -> Base
     return error
 
 
+def _start_heartbeat(default: Any) -> None:
+    """This process's heartbeat on ``default``'s store, once per default group (not collective:
+    each rank starts it at its first collective or call alone, whichever comes first)."""
+    import torch.distributed as dist
+
+    if not _started.get(id(default)):
+        liveness.start(dist.get_rank(), dist.get_world_size())
+        _started[id(default)] = True
+
+
+def _heartbeat() -> None:
+    """Start the heartbeat if this process is one of a job of several ranks."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        with _lock:
+            _start_heartbeat(dist.group.WORLD)
+
+
 @contextlib.contextmanager
 def alone() -> Iterator[None]:
     """Within it, :func:`current` is a world of one in this thread: a save or load made by one
     process of a job on its own (Lightning saves from global rank 0 only), which would otherwise
     wait forever for the other ranks to join its collectives."""
+    _heartbeat()  # the other ranks see what this one does alone (a collective call it missed)
     before = getattr(_alone, "on", False)
     _alone.on = True
     try:
@@ -210,13 +239,11 @@ def current(channel: str = "io") -> Comm:
     with _lock:
         group = _groups.get((id(default), channel))
         if group is None:
+            _start_heartbeat(default)
             # Collective: every rank creates it at its first use, in the same program order. Its
             # timeout bounds what every rank entered; a receive posted before its sender's writes
             # (replication) may wait that long, so it stays at least gloo's 30 minutes.
             timeout = timedelta(seconds=max(1800.0, liveness.collective_timeout() + liveness.HEARTBEAT_LIMIT))
             group = dist.new_group(backend="gloo", timeout=timeout)
             _groups[(id(default), channel)] = group
-            if not _started.get(id(default)):
-                liveness.start(dist.get_rank(), dist.get_world_size())
-                _started[id(default)] = True
     return Comm(dist.get_rank(), dist.get_world_size(), group, channel)

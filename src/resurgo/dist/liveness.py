@@ -16,8 +16,10 @@ stored once for that collective (compare-and-set), so every rank leaves it with 
 the first verdict is also the job's, with which every later wait of every rank ends at once.
 Rank 0 hosts the store: stopped, it answers nothing and TCPStore's calls would wait forever, so a
 watchdog cuts this process's connections to the store once a call waited past the heartbeat limit.
-Point-to-point transfers wait through :func:`wait_requests`, with the same checks on their peers;
-a rank waiting on its peers is not stuck itself (it watches them).
+The gloo collective that follows an arrival, and point-to-point transfers, are waited for with the
+same checks (:func:`run_collective`, :func:`wait_requests`): a rank that stops inside one is named
+within the heartbeat limit, not at gloo's timeout. A rank waiting on its peers is not stuck itself
+(it watches them).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, cast
@@ -81,12 +83,17 @@ def progress() -> None:
 
 
 @contextlib.contextmanager
-def operation(name: str, checkpoint: object) -> Iterator[None]:
+def operation(name: str, checkpoint: object, collective: bool = True) -> Iterator[None]:
     """Within it, this thread does ``name`` ("save", "load", ...) on ``checkpoint``: what the other
-    ranks' errors will name if this rank falls silent, and what this rank's errors name."""
+    ranks' errors will name if this rank falls silent, and what this rank's errors name.
+    ``collective=False``: a call this rank makes alone, kept in its record afterwards, so that
+    ranks waiting for it in a collective of the same call raise the mismatch (:class:`_Watch`)."""
     tid = threading.get_ident()
     before = _activities.get(tid)
     _activities[tid] = [name, "", str(checkpoint)]
+    job = _job
+    if not collective and job is not None:
+        job.alone = {"operation": name, "checkpoint": str(checkpoint), "reached": dict(job.reached)}
     _announce()
     try:
         yield
@@ -112,6 +119,44 @@ def _announce() -> None:
     if job is not None:
         with contextlib.suppress(Exception):  # a store that does not answer is the watchers' to judge
             job.publish(job.client())
+
+
+def call_tag() -> dict:
+    """What this thread's collective is part of, for the ranks to compare: its operation and
+    checkpoint (empty outside one), this host, and the last call this rank made alone."""
+    op, _, ckpt = _activities.get(threading.get_ident(), ["", "", ""])
+    job = _job
+    return {"operation": op, "checkpoint": ckpt, "host": socket.gethostname(), "pid": os.getpid(),
+            "alone": job.alone if job is not None else None}
+
+
+def check_same_call(tags: Sequence[dict]) -> None:
+    """UnsupportedValueError, the same on every rank given the same ``tags`` (every rank's
+    :func:`call_tag`, by rank), when ranks meet in one collective from different calls: one rank's
+    load paired with another's save, most often after a rank made alone (collective=False) the
+    call the others made together. Tags without an operation are not compared."""
+    ops = {t["operation"] for t in tags if t["operation"]}
+    if len(ops) <= 1:
+        return
+    by_call: dict[tuple[str, str], list[int]] = {}
+    for r, t in enumerate(tags):
+        by_call.setdefault((t["operation"], t["checkpoint"]), []).append(r)
+    calls = "; ".join(f"{plural_ranks(ranks)} called {op or 'no resurgo operation'}" + (f" of {ckpt}" if ckpt else "")
+                      for (op, ckpt), ranks in by_call.items())
+    alone = [f"rank {r} (host {t['host']}, pid {t['pid']}) made {t['alone']['operation']} of "
+             f"{t['alone']['checkpoint']} alone (collective=False)"
+             for r, t in enumerate(tags) if t["alone"] and (t["alone"]["operation"], t["alone"]["checkpoint"])
+             in by_call and (t["alone"]["operation"], t["alone"]["checkpoint"]) != (t["operation"], t["checkpoint"])]
+    error = UnsupportedValueError(
+        f"ranks met in one collective from different calls: {calls}"
+        + (f"; {'; '.join(alone)}, while the others called it collectively" if alone else "")
+        + ". Every rank makes the same collective calls in the same order, with the same collective=")
+    error.agreed = True  # type: ignore[attr-defined]  # raised alike on every rank: not agreed again
+    raise error
+
+
+def plural_ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def _doing() -> list[str]:
@@ -156,6 +201,7 @@ class _Job:
         self.reached: dict[str, int] = {}  # channel -> collectives reached
         self.failed: dict[int, dict] = {}  # ranks found failed: final, later waits on them end at once
         self.transfers = 0  # point-to-point waits in progress: waiting on peers that it watches
+        self.alone: dict | None = None  # the last call made alone (collective=False), and when
         self.stopped = threading.Event()
         self.where, self.port = _where(store)
         self.calls: dict[int, float] = {}  # thread ident -> when its store call began
@@ -193,7 +239,7 @@ class _Job:
         op, ph, ckpt = _doing()
         record = {"beat": self.beats, "progress": _progress[0], "reached": self.reached, "operation": op,
                   "phase": ph, "checkpoint": ckpt, "host": self.host, "pid": self.pid, "identity": self.identity,
-                  "transfers": self.transfers}
+                  "transfers": self.transfers, "alone": self.alone}
         store.set(self.key(f"beat/{self.rank}"), json.dumps(record))
 
     def _beat(self) -> None:
@@ -313,6 +359,7 @@ class _Watch:
     number: int
     since: float = field(default_factory=time.monotonic)
     seen: dict[int, tuple[int, float, int, float]] = field(default_factory=dict)
+    doing: list[str] = field(default_factory=lambda: _doing())  # the waiting thread's [operation, phase, checkpoint]
 
     def failed(self, ranks: Iterable[int], *, arrival: bool = True) -> list[dict]:
         """The ranks among ``ranks`` that failed, each its record with a "why"; [] when none."""
@@ -327,6 +374,13 @@ class _Watch:
             rec = records.get(r, {"beat": -1, "progress": -1})
             if arrival and rec.get("reached", {}).get(self.channel, 0) > self.number:
                 continue  # it is here: waiting with us
+            if arrival and self._made_alone(rec):
+                out.append({**rec, "rank": r, "call": True, "why": (
+                    f"it called {self.doing[0]} of {self.doing[2]} with collective=False, while this collective "
+                    f"waits for every rank to call it with collective=True; every rank passes the same "
+                    f"collective= (collective=False is for a call one rank makes while the others do not)")})
+                self.job.failed[r] = out[-1]
+                continue
             beat, t_beat, prog, t_prog = self.seen.get(r, (rec["beat"], self.since, rec["progress"], self.since))
             if rec["beat"] != beat:
                 beat, t_beat = rec["beat"], now
@@ -349,6 +403,15 @@ class _Watch:
         return out
 
 
+    def _made_alone(self, rec: dict) -> bool:
+        """Whether the rank of ``rec`` made the call this collective is for alone: the same
+        operation of the same checkpoint, after the same number of collectives on this channel
+        (so not an earlier call of it)."""
+        alone = rec.get("alone")
+        return bool(alone and self.doing[0] and [alone["operation"], alone["checkpoint"]]
+                    == [self.doing[0], self.doing[2]] and alone["reached"].get(self.channel, 0) == self.number)
+
+
 def _describe(failed: Sequence[dict]) -> str:
     parts = []
     for f in failed:
@@ -362,19 +425,23 @@ def _describe(failed: Sequence[dict]) -> str:
     return "; ".join(parts)
 
 
-def rank_failed(failed: Sequence[dict], cause: str = "") -> RankFailedError:
-    """The error naming the ``failed`` ranks, raised in what this thread is doing."""
+def rank_failed(failed: Sequence[dict], cause: str = "") -> RankFailedError | UnsupportedValueError:
+    """The error naming the ``failed`` ranks, raised in what this thread is doing: when each of them
+    made alone the call the others made collectively, UnsupportedValueError (the call is wrong,
+    no rank failed), else RankFailedError."""
     op, ph, ckpt = _doing()
     context = f"{op or 'collective'}" + (f" of {ckpt}" if ckpt else "") + (f" (phase {ph})" if ph else "")
     here = f" on rank {_job.rank}" if _job is not None else ""
     message = f"{context} failed{here}: {_describe(failed) if failed else 'no rank found silent'}"
     if cause:
         message += f" [{cause}]"
+    if failed and all(f.get("call") for f in failed):
+        return UnsupportedValueError(message)
     return RankFailedError(message, ranks=tuple(int(f["rank"]) for f in failed), operation=op, phase=ph,
                            checkpoint=ckpt)
 
 
-def _store_failed(job: _Job, error: BaseException) -> RankFailedError:
+def _store_failed(job: _Job, error: BaseException) -> RankFailedError | UnsupportedValueError:
     host = "rank 0, which hosts it," if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" else "its host"
     return rank_failed([{"rank": 0, "why": f"the job's store at {job.where} does not answer ({job.cut or error}): "
                          f"{host} is dead or stopped"}])
@@ -424,7 +491,7 @@ def arrive(channel: str) -> None:
         raise rank_failed(json.loads(outcome))
 
 
-def diagnose(cause: BaseException, peers: Iterable[int] | None = None) -> RankFailedError:
+def diagnose(cause: BaseException, peers: Iterable[int] | None = None) -> RankFailedError | UnsupportedValueError:
     """The error for a collective or transfer that broke (``cause``, gloo's): the ranks among
     ``peers`` (default: all) found silent within a heartbeat limit, or none if all still beat."""
     job = _job
@@ -450,9 +517,8 @@ def wait_requests(requests: Sequence[Any], peers: Iterable[int]) -> None:
     """Wait for point-to-point ``requests`` (isend/irecv) whose other ends are ``peers`` (global
     ranks): all of them, then raise the first failure. RankFailedError naming a peer that dies
     or stalls first; a transfer gloo breaks becomes RankFailedError naming the silent peers."""
-    job, peers = _job, sorted(set(peers))
+    peers = sorted(set(peers))
     errors: list[BaseException] = []
-    done = threading.Event()
 
     def wait_all() -> None:
         for request in requests:  # every one, even after a failure: none may land after we return
@@ -460,31 +526,66 @@ def wait_requests(requests: Sequence[Any], peers: Iterable[int]) -> None:
                 request.wait()
             except BaseException as e:  # noqa: BLE001 - raised by the caller's thread
                 errors.append(e)
-        done.set()
 
-    if job is None or not peers:
-        wait_all()
-    else:
-        # gloo's send and receive requests tell completion only to wait(), which cannot be
-        # bounded: it runs in a thread of its own while this one watches the peers.
-        threading.Thread(target=wait_all, name="resurgo-transfer-wait", daemon=True).start()
-        watch = _Watch(job, "", 0)
-        known = [job.failed[r] for r in peers if r in job.failed]
-        if known:
-            raise rank_failed(known)
-        job.transfers += 1
-        try:
-            while not done.wait(BEAT_PERIOD):
-                store = job.client()
-                failed = job.verdict(store) or watch.failed(peers, arrival=False)
-                if failed:
-                    raise rank_failed(job.declare(store, failed))
-        except RuntimeError as e:
-            raise _store_failed(job, e) from e
-        finally:
-            job.transfers -= 1
+    _watched(wait_all, peers)
     if errors:
         first = errors[0]
-        if isinstance(first, RuntimeError) and job is not None and peers:
+        if isinstance(first, RuntimeError) and _job is not None and peers:
             raise diagnose(first, peers) from first
         raise first
+
+
+def run_collective(run: Callable[[], None]) -> None:
+    """``run()``, a gloo collective every rank has entered (after :func:`arrive`), watched: a rank
+    that dies or stops inside it makes every other rank raise RankFailedError within the heartbeat
+    limit, not at the group's timeout. Rank 0 watches every rank, the others rank 0 (the store's
+    host) and the job's verdict, as in :func:`arrive`. A gloo error is raised as it is."""
+    job = _job
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            run()
+        except BaseException as e:  # noqa: BLE001 - raised by the caller's thread
+            errors.append(e)
+
+    peers = [] if job is None else [r for r in range(job.size) if r != job.rank] if job.rank == 0 else [0]
+    _watched(call, peers)
+    if errors:
+        raise errors[0]
+
+
+def _watched(wait: Callable[[], None], peers: list[int]) -> None:
+    """Run ``wait`` (which must not raise) to its end, or raise RankFailedError once a rank among
+    ``peers`` failed (or the job's verdict is stored) first. While it waits this rank counts as
+    waiting on peers it watches itself: not stuck, for the others' watches."""
+    job = _job
+    if job is None or not peers:
+        wait()
+        return
+    # gloo tells completion only to a wait() that cannot be bounded: it runs in a thread of its
+    # own while this one watches the peers (left behind, it ends when gloo gives up).
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            wait()
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="resurgo-collective-wait", daemon=True).start()
+    watch = _Watch(job, "", 0)
+    known = [job.failed[r] for r in peers if r in job.failed]
+    if known:
+        raise rank_failed(known)
+    job.transfers += 1
+    try:
+        while not done.wait(BEAT_PERIOD):
+            store = job.client()
+            failed = job.verdict(store) or watch.failed(peers, arrival=False)
+            if failed:
+                raise rank_failed(job.declare(store, failed))
+    except RuntimeError as e:
+        raise _store_failed(job, e) from e
+    finally:
+        job.transfers -= 1

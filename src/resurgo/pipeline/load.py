@@ -249,8 +249,8 @@ def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool
                 read = read_shared(read, notes) if isinstance(read, SharedLoad) else read_from_peers(read)
         except CheckpointReplacedError:
             continue  # raised on every rank by agree()
-        except ResurgoError:
-            if choices:  # every rank raises it, from the same notes: nothing to agree on or retry
+        except ResurgoError as e:
+            if choices or getattr(e, "agreed", False):  # every rank raises it, from the same notes or tags
                 raise
             changed = consistent.manifest_changed(path, storage_options, seen[0] if seen else None)
             if any(comm.all_gather(changed)):
