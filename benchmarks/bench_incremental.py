@@ -7,7 +7,7 @@ for that median from the ratios' order statistics; "CPU vs full": the same media
 process's CPU time, all threads, which other jobs on the machine disturb less):
 
 - ``full``: ``resurgo.save(state, path)``, the default full save;
-- ``full (incremental blocks)``: ``resurgo.save(state, path, incremental=True)``, a full save with
+- ``full (incremental blocks)``: ``resurgo.save(state, path, as_base=True)``, a full save with
   the checksum blocks reuse needs (8 rows, at least 4 KiB: what an incremental manager's full
   saves cost);
 - ``with base``: ``resurgo.save(state, path, base=v0)``: only changed blocks are written.
@@ -82,11 +82,11 @@ def run_case(name: str, state: dict, step: Callable[[dict], None], where: Path, 
     root = where / name
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    resurgo.save(state, root / "v0", incremental=True)
+    resurgo.save(state, root / "v0", as_base=True)
     step(state)
     ways: dict[str, dict] = {
         "full": {},
-        "full (incremental blocks)": {"incremental": True},
+        "full (incremental blocks)": {"as_base": True},
         "with base": {"base": root / "v0"},
     }
     times: dict[str, list[float]] = {w: [] for w in ways}

@@ -9,6 +9,7 @@ the test checks that every rank recorded the same thing, and that a following ca
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -161,7 +162,7 @@ def mismatched_calls(rank: int, world: int, tmp: str) -> dict:
 
     root = Path(tmp)
     st = uneven_state(rank, world)
-    resurgo.save(st, root / "b0", incremental=True)
+    resurgo.save(st, root / "b0", as_base=True)
     resurgo.save(st, root / "b1")
     dist.barrier()
     before = sorted(os.listdir(root))
@@ -170,7 +171,7 @@ def mismatched_calls(rank: int, world: int, tmp: str) -> dict:
         "path": lambda: resurgo.save(st, root / f"p{other}"),
         "step": lambda: resurgo.save(st, root / "s", step=1 + other),
         "overwrite": lambda: resurgo.save(st, root / "o", overwrite=bool(other)),
-        "incremental": lambda: resurgo.save(st, root / "i", incremental=bool(other)),
+        "as_base": lambda: resurgo.save(st, root / "i", as_base=bool(other)),
         "base": lambda: resurgo.save(st, root / "bs", base=root / "b0" if other else None),
         "allow_pickle": lambda: resurgo.save(st, root / "a", allow_pickle=bool(other)),
         "async_fallback": lambda: resurgo.async_save(st, root / "f", fallback="sync" if other else "raise").wait(),
@@ -179,6 +180,11 @@ def mismatched_calls(rank: int, world: int, tmp: str) -> dict:
     out: dict[str, Any] = {name: outcome(fn) for name, fn in saves.items()}
     dist.barrier()
     out["written"] = sorted(set(os.listdir(root)) - set(before))
+    # the deprecated name is the same argument: ranks passing it under either name agree
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        out["as_base_either_name"] = outcome(
+            lambda: resurgo.save(st, root / "ie", **{"incremental" if other else "as_base": True}))
     target = uneven_state(rank, world)
     loads = {
         "load_path": lambda: resurgo.load(target, root / f"b{other}"),

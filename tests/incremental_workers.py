@@ -41,7 +41,7 @@ def held(version: int, rank: int, world: int) -> dict:
 
 def save_versions(rank: int, world: int, root: str, versions: int) -> list[int]:
     """Version 0 in full, then each version with the previous one as base (odd ones async)."""
-    resurgo.save(held(0, rank, world), f"{root}/v0", incremental=True)
+    resurgo.save(held(0, rank, world), f"{root}/v0", as_base=True)
     written = []
     for v in range(1, versions + 1):
         state, path, base = held(v, rank, world), f"{root}/v{v}", f"{root}/v{v - 1}"

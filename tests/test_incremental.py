@@ -45,7 +45,7 @@ def assert_same(loaded: dict, state: dict) -> None:
 
 def test_unchanged_bytes_are_referenced_not_written(tmp_path: Path):
     state = make_state()
-    resurgo.save(state, tmp_path / "a", incremental=True)
+    resurgo.save(state, tmp_path / "a", as_base=True)
     rows = torch.tensor([5, 900, 3000])
     state["emb"][rows] += 1.0
     state["step"] = 1
@@ -74,7 +74,7 @@ def test_scattered_changed_blocks_are_written_together(tmp_path: Path, monkeypat
     from resurgo.storage.direct_io import DirectWriteHandle
 
     state = make_state()
-    resurgo.save(state, tmp_path / "a", incremental=True)
+    resurgo.save(state, tmp_path / "a", as_base=True)
     state["emb"][torch.arange(0, ROWS, 64)] += 1.0  # 64 blocks of 4 KiB, one in every 8
     writes: list[tuple[str, int]] = []
     original = DirectWriteHandle.write
@@ -89,7 +89,7 @@ def test_scattered_changed_blocks_are_written_together(tmp_path: Path, monkeypat
 
 def test_a_reference_names_the_file_that_holds_the_bytes(tmp_path: Path):
     state = make_state()
-    resurgo.save(state, tmp_path / "a", incremental=True)
+    resurgo.save(state, tmp_path / "a", as_base=True)
     for i, name in enumerate(["b", "c", "d"]):
         state["emb"][10 * i] += 1.0
         resurgo.save(state, tmp_path / name, base=tmp_path / "abc"[i])
@@ -102,7 +102,7 @@ def test_a_reference_names_the_file_that_holds_the_bytes(tmp_path: Path):
 
 
 def test_a_full_save_stays_version_2(tmp_path: Path):
-    resurgo.save(make_state(), tmp_path / "a", incremental=True)
+    resurgo.save(make_state(), tmp_path / "a", as_base=True)
     m = resurgo.read_manifest(tmp_path / "a")
     assert m.version == 2 and not m.references
     assert "references" not in json.loads((tmp_path / "a" / "manifest.json").read_bytes())
@@ -117,7 +117,7 @@ SAMPLED = [0, 4, 8, 12, 16, 21, 25, 29, 33, 37, 42, 46, 50, 54, 58, 63]  # block
 
 def _save_with_frozen_blocks_changed(tmp_path: Path, blocks: list[int], asynchronous: bool = False):
     state = make_state()
-    resurgo.save(state, tmp_path / "a", incremental=True)
+    resurgo.save(state, tmp_path / "a", as_base=True)
     for b in blocks:
         state["frozen"][b * 8, 0] += 1.0  # one element dirties its block of 8 rows
     save = resurgo.async_save if asynchronous else resurgo.save
@@ -165,7 +165,7 @@ def test_sampled_blocks_are_not_hashed_again_as_the_chunk_is_written(tmp_path: P
 
     monkeypatch.setattr(writer, "SLICE_BYTES", 2 * FROZEN_BLOCK)
     state = make_state()
-    resurgo.save(state, tmp_path / "a", incremental=True)
+    resurgo.save(state, tmp_path / "a", as_base=True)
     state["frozen"] += 1.0
     kept, hashed = set(), []
     real, xxhash = checksum.block_digests_reusing, checksum.xxhash
@@ -187,7 +187,7 @@ def test_sampled_blocks_are_not_hashed_again_as_the_chunk_is_written(tmp_path: P
     monkeypatch.setattr(checksum, "block_digests_reusing", spy)
     resurgo.save(state, tmp_path / "b", base=tmp_path / "a")
     monkeypatch.undo()
-    resurgo.save(state, tmp_path / "c", incremental=True)
+    resurgo.save(state, tmp_path / "c", as_base=True)
     frozen = resurgo.read_manifest(tmp_path / "b").tensors["frozen"].chunks[0]
     assert frozen.extents is None and sorted(kept) == SAMPLED and hashed == [FROZEN_BLOCK] * 48
     assert frozen.checksums == resurgo.read_manifest(tmp_path / "c").tensors["frozen"].chunks[0].checksums
@@ -198,8 +198,8 @@ def test_a_base_is_parsed_once_for_the_saves_that_share_it(tmp_path: Path, monke
     from resurgo.pipeline import save as save_mod
 
     state = make_state()
-    resurgo.save(state, tmp_path / "a", incremental=True)
-    resurgo.save(state, tmp_path / "x", incremental=True)  # now the last one written is not "a"
+    resurgo.save(state, tmp_path / "a", as_base=True)
+    resurgo.save(state, tmp_path / "x", as_base=True)  # now the last one written is not "a"
     parsed = []
     real = save_mod.parse_manifest
     monkeypatch.setattr(save_mod, "parse_manifest", lambda raw, where: parsed.append(where) or real(raw, where))
@@ -217,7 +217,7 @@ def test_a_base_is_parsed_once_for_the_saves_that_share_it(tmp_path: Path, monke
 
 def test_async_save_with_base(tmp_path: Path):
     state = make_state()
-    resurgo.save(state, tmp_path / "a", incremental=True)
+    resurgo.save(state, tmp_path / "a", as_base=True)
     state["emb"][7] -= 2.0
     resurgo.async_save(state, tmp_path / "b", base=tmp_path / "a").wait()
     assert resurgo.read_manifest(tmp_path / "b").owned_bytes == 4096
@@ -226,7 +226,7 @@ def test_async_save_with_base(tmp_path: Path):
 
 def test_missing_referenced_file_is_corrupt_naming_both(tmp_path: Path):
     state = make_state()
-    resurgo.save(state, tmp_path / "a", incremental=True)
+    resurgo.save(state, tmp_path / "a", as_base=True)
     state["emb"][0] += 1
     resurgo.save(state, tmp_path / "b", base=tmp_path / "a")
     for f in (tmp_path / "a" / "data").iterdir():
@@ -241,7 +241,7 @@ def test_missing_referenced_file_is_corrupt_naming_both(tmp_path: Path):
 
 def test_flipped_referenced_byte_is_caught(tmp_path: Path):
     state = make_state()
-    resurgo.save(state, tmp_path / "a", incremental=True)
+    resurgo.save(state, tmp_path / "a", as_base=True)
     state["bias"] += 1
     resurgo.save(state, tmp_path / "b", base=tmp_path / "a")
     m = resurgo.read_manifest(tmp_path / "b")
@@ -257,7 +257,7 @@ def test_flipped_referenced_byte_is_caught(tmp_path: Path):
 
 def test_base_outside_the_root_is_refused(tmp_path: Path):
     (tmp_path / "one").mkdir()
-    resurgo.save(make_state(), tmp_path / "one" / "a", incremental=True)
+    resurgo.save(make_state(), tmp_path / "one" / "a", as_base=True)
     with pytest.raises(UnsupportedValueError, match="not in the same root"):
         resurgo.save(make_state(), tmp_path / "two" / "b", base=tmp_path / "one" / "a")
     with pytest.raises(UnsupportedValueError, match="its own base"):
@@ -268,7 +268,7 @@ def test_base_outside_the_root_is_refused(tmp_path: Path):
 
 def test_references_need_version_3(tmp_path: Path):
     state = make_state()
-    resurgo.save(state, tmp_path / "a", incremental=True)
+    resurgo.save(state, tmp_path / "a", as_base=True)
     state["emb"][0] += 1
     resurgo.save(state, tmp_path / "b", base=tmp_path / "a")
     doc = json.loads((tmp_path / "b" / "manifest.json").read_bytes())
@@ -284,7 +284,7 @@ def test_references_need_version_3(tmp_path: Path):
 
 def test_copy_is_self_contained(tmp_path: Path):
     state = make_state()
-    resurgo.save(state, tmp_path / "run" / "a", incremental=True)
+    resurgo.save(state, tmp_path / "run" / "a", as_base=True)
     state["emb"][100] += 1
     resurgo.save(state, tmp_path / "run" / "b", base=tmp_path / "run" / "a")
     copy_checkpoint(tmp_path / "run" / "b", tmp_path / "elsewhere" / "b")
@@ -300,7 +300,7 @@ def test_convert_diff_and_inspect_read_through_references(tmp_path: Path):
     from safetensors.torch import load_file
 
     state = make_state()
-    resurgo.save(state, tmp_path / "a", incremental=True)
+    resurgo.save(state, tmp_path / "a", as_base=True)
     state["emb"][1] += 1
     resurgo.save(state, tmp_path / "b", base=tmp_path / "a")
     resurgo.save(state, tmp_path / "full")
@@ -319,7 +319,7 @@ def test_convert_diff_and_inspect_read_through_references(tmp_path: Path):
 def test_resharded_load_from_an_incremental_checkpoint(tmp_path: Path):
     """Loading parts of a tensor (another layout) reads across extents."""
     state = make_state()
-    resurgo.save(state, tmp_path / "a", incremental=True)
+    resurgo.save(state, tmp_path / "a", as_base=True)
     state["emb"][2000:2100] *= 2  # blocks in the middle: extents before and after
     resurgo.save(state, tmp_path / "b", base=tmp_path / "a")
     from resurgo.layout.box import ChunkBox
@@ -350,7 +350,7 @@ def test_incremental_blocks_hold_eight_rows():
 def test_object_store_references_and_manager_retention(mem_url: str):
     """URLs: the root is the prefix; references resolve through the sibling prefix."""
     state = make_state()
-    resurgo.save(state, f"{mem_url}/a", incremental=True)
+    resurgo.save(state, f"{mem_url}/a", as_base=True)
     state["emb"][9] += 1
     resurgo.save(state, f"{mem_url}/b", base=f"{mem_url}/a")
     m = resurgo.read_manifest(f"{mem_url}/b")

@@ -17,7 +17,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "resurgo"
 # Lowest first. A package or top-level module may import its own package and anything in a lower layer.
 LAYERS: list[set[str]] = [
     {"errors", "faults", "gcpause", "version", "reports", "wording"},
-    {"layout"},  # geometry
+    {"layout", "renamed"},  # geometry; renamed keyword arguments (on the errors)
     {"format"},  # manifest, data files, checksums, tree nodes
     {"plan", "dist"},  # pure plans; collectives
     {"state", "storage"},  # flatten/restore the user's state; backends

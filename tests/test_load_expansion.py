@@ -86,7 +86,7 @@ def test_tied_weights_and_the_callers_own_tensors_load(tmp_path, allocations):
 
 
 def test_an_incremental_checkpoint_counts_the_bytes_it_reads_from_its_base(tmp_path):
-    resurgo.save({"x": X.clone()}, tmp_path / "a", incremental=True)
+    resurgo.save({"x": X.clone()}, tmp_path / "a", as_base=True)
     path = sharing_bytes(tmp_path / "b", 2, base=tmp_path / "a")  # stores nothing of its own
     manifest = json.loads((path / "manifest.json").read_bytes())
     assert all(e["file"].startswith("a/") for c in manifest["tensors"]["x"]["chunks"] for e in c["extents"])

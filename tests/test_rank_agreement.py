@@ -126,7 +126,7 @@ def test_ranks_passing_different_arguments_are_refused_before_anything_is_writte
         "path": f"path: {str(tmp_path / 'p0')!r} on rank 0; {str(tmp_path / 'p1')!r} on rank 1",
         "step": "step: 1 on rank 0; 2 on rank 1",
         "overwrite": "overwrite: False on rank 0; True on rank 1",
-        "incremental": "incremental: False on rank 0; True on rank 1",
+        "as_base": "as_base: False on rank 0; True on rank 1",
         "base": f"base: None on rank 0; {str(tmp_path / 'b0')!r} on rank 1",
         "allow_pickle": "allow_pickle: False on rank 0; True on rank 1",
         "async_fallback": "fallback: 'raise' on rank 0; 'sync' on rank 1",
@@ -143,6 +143,7 @@ def test_ranks_passing_different_arguments_are_refused_before_anything_is_writte
         assert message.startswith("UnsupportedValueError: ") and part in message, (name, message)
         assert "every rank must pass the same value" in message
     assert results[0]["written"] == [] and results[0]["manager_written"] == []  # refused before any byte
+    assert same_everywhere(results, "as_base_either_name") == "ok"
     # a step that does not exist: the same error on every rank
     message = same_everywhere(results, "manager_restore_missing")
     assert message.startswith("CheckpointNotFoundError: ") and checkpoint_name(5) in message, message

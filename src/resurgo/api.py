@@ -22,6 +22,7 @@ from resurgo.pipeline.async_save import AsyncSaveHandle, start_async_save
 from resurgo.pipeline.load import restore
 from resurgo.pipeline.manifest_read import read_manifest_of
 from resurgo.pipeline.save import DEFAULT_IO_THREADS, LazySources, prepare_save, write_and_commit
+from resurgo.renamed import renamed_keywords
 from resurgo.reports import LoadReport, SaveReport
 from resurgo.storage.open import open_checkpoint
 from resurgo.version import __version__
@@ -30,11 +31,12 @@ __all__ = ["save", "async_save", "AsyncSaveHandle", "load", "load_dict", "read_m
            "__version__"]
 
 
+@renamed_keywords("resurgo.save", incremental="as_base")
 def save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_pickle: bool = False,
          step: int | None = None, metadata: dict | None = None, io_threads: int = DEFAULT_IO_THREADS,
          block_bytes: int | None = None, storage_options: dict | None = None,
          save_info: dict | None = None, base: str | os.PathLike | None = None,
-         incremental: bool = False, collective: bool = True) -> SaveReport:
+         as_base: bool = False, collective: bool = True) -> SaveReport:
     """Save ``state`` as a checkpoint directory at ``path``; returns a :class:`SaveReport`.
 
     ``path`` is a local path or an fsspec URL (``s3://bucket/run/step_100``, ``memory://...``);
@@ -53,15 +55,16 @@ def save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_
     An asynchronous save still in flight is waited for first (its error, if any, is raised here).
     ``base``: an earlier checkpoint in the same directory (or under the same URL prefix); bytes
     whose checksums equal the base's are not written again, the new checkpoint references them
-    (docs/format.md, section 3.5). ``incremental=True`` (implied by ``base``) picks checksum blocks
-    small enough to be the unit of reuse: pass it to the first save of a series that later saves
-    take as their base.
+    (docs/format.md, section 3.5). ``as_base=True`` (implied by ``base``) picks checksum blocks
+    small enough to be the unit of reuse, so that later saves can take this checkpoint as their
+    base: pass it to the first save of such a series (``incremental=``, its old name, still works
+    for one release, with a DeprecationWarning).
     ``collective``: in a distributed job (torch.distributed initialized) every rank calls ``save``
     and each writes its share; ``collective=False`` saves as a job of one process, the others not
     calling (``if rank == 0: resurgo.save(state, path, collective=False)``, the torch.save habit):
     the checkpoint holds this process's state, and a sharded value (DTensor, Shard) raises, since
     this process holds only its own part of it. Every rank must pass the same ``path``, ``step``,
-    ``overwrite``, ``allow_pickle``, ``base`` and ``incremental``: ranks that differ all raise
+    ``overwrite``, ``allow_pickle``, ``base`` and ``as_base``: ranks that differ all raise
     UnsupportedValueError naming each rank's value, before anything is written. A check that
     fails on one rank only (its disk full, its state's ``state_dict()`` raising) makes every rank
     raise the same error, naming that rank.
@@ -72,7 +75,7 @@ def save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_
         prep = prepare_save(state, path, overwrite=overwrite, allow_pickle=allow_pickle, step=step,
                             metadata=metadata, io_threads=io_threads, block_bytes=block_bytes,
                             storage_options=storage_options, save_info=save_info, base=base,
-                            incremental=incremental)
+                            as_base=as_base)
         report = write_and_commit(prep, LazySources(prep.leaves))
     report.seconds["stage"] = 0.0  # tensors are written from their own memory, copied only when they must be
     report.seconds["total"] = time.perf_counter() - t_start
@@ -91,18 +94,19 @@ def _scope(name: str, path: object, collective: bool) -> Iterator[None]:
         yield
 
 
+@renamed_keywords("resurgo.async_save", incremental="as_base")
 def async_save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_pickle: bool = False,
                step: int | None = None, metadata: dict | None = None, io_threads: int = DEFAULT_IO_THREADS,
                block_bytes: int | None = None, storage_options: dict | None = None,
                save_info: dict | None = None, guard: Any = None, if_busy: str = "wait",
                memory_budget: int | None = None, fallback: str = "raise",
                on_commit: Callable[[SaveReport], None] | None = None,
-               base: str | os.PathLike | None = None, incremental: bool = False,
+               base: str | os.PathLike | None = None, as_base: bool = False,
                collective: bool = True) -> AsyncSaveHandle:
     """Snapshot ``state`` and save it in the background; returns an :class:`AsyncSaveHandle`
     once every tensor is copied out (``handle.wait()`` -> SaveReport, or the save's error).
 
-    The arguments of :func:`save` (``base``, ``incremental`` and ``collective`` included), and: ``guard``, an optimizer whose parameters and state may be
+    The arguments of :func:`save` (``base``, ``as_base`` and ``collective`` included), and: ``guard``, an optimizer whose parameters and state may be
     copied after the call returns (the next ``guard.step()`` waits for the copy); ``if_busy``,
     "wait" (default) for a save still in flight or "raise" SaveInFlightError (in a job of several
     ranks, on every rank as soon as one of them is still saving, so that all skip this save);
@@ -119,7 +123,7 @@ def async_save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, 
                                 metadata=metadata, io_threads=io_threads, block_bytes=block_bytes,
                                 storage_options=storage_options, save_info=save_info, guard=guard,
                                 if_busy=if_busy, memory_budget=memory_budget, fallback=fallback,
-                                on_commit=on_commit, base=base, incremental=incremental)
+                                on_commit=on_commit, base=base, as_base=as_base)
 
 
 def read_manifest(path: str | os.PathLike, *, storage_options: dict | None = None) -> Manifest:

@@ -272,12 +272,11 @@ class CheckpointManager:
         chain = self._chain.begin(base)
         if chain is not None:
             save_info["incremental"] = chain
-        incremental = self._chain.incremental
         log.info("saving step %d to %s%s", step, path, f" (base {base})" if base is not None else "")
         handle = start_save(state, path, step, SaveSettings(self.async_save, self._guard, self._io_threads,
                                                             self._store.storage_options, self._memory),
                             metadata=metadata, save_info=save_info, overwrite=overwrite, base=base,
-                            incremental=incremental, on_commit=lambda: self._announce_commit(step, path))
+                            as_base=self._chain.incremental, on_commit=lambda: self._announce_commit(step, path))
         if handle is not None:
             self._pending, self._pending_step = handle, step
         else:

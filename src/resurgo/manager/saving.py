@@ -89,7 +89,7 @@ class SaveSettings:
 
 
 def start_save(state: Any, path: Path | str, step: int, settings: SaveSettings, *, metadata: dict,
-               save_info: dict, overwrite: bool, base: Path | str | None, incremental: bool,
+               save_info: dict, overwrite: bool, base: Path | str | None, as_base: bool,
                on_commit: Callable[[], None]) -> AsyncSaveHandle | None:
     """Save ``state`` as ``step`` at ``path``: the handle of an asynchronous save (``on_commit``
     is called in the thread that commits it), or None once a synchronous one is committed."""
@@ -100,12 +100,12 @@ def start_save(state: Any, path: Path | str, step: int, settings: SaveSettings, 
         handle = async_save(state, path, step=step, metadata=metadata, save_info=save_info, overwrite=overwrite,
                             guard=settings.guard, io_threads=settings.io_threads,
                             storage_options=settings.storage_options,
-                            on_commit=lambda _report: on_commit(), base=base, incremental=incremental)
+                            on_commit=lambda _report: on_commit(), base=base, as_base=as_base)
         log.info("staged step %d; writing in the background", step)
         return handle
     save(state, path, step=step, metadata=metadata, save_info=save_info, overwrite=overwrite,
          io_threads=settings.io_threads, storage_options=settings.storage_options, base=base,
-         incremental=incremental)
+         as_base=as_base)
     return None
 
 

@@ -179,7 +179,7 @@ def start_async_save(state: Any, path: str | os.PathLike, *, overwrite: bool, al
                      storage_options: dict | None, save_info: dict | None, guard: Any, if_busy: str,
                      memory_budget: int | None, fallback: str,
                      on_commit: Callable[[SaveReport], None] | None,
-                     base: str | os.PathLike | None = None, incremental: bool = False,
+                     base: str | os.PathLike | None = None, as_base: bool = False,
                      node_local: NodeLocal | None = None) -> AsyncSaveHandle:
     """The work of :func:`resurgo.async_save` (its arguments are documented there): snapshot the
     state into staging buffers (the guard's share beside training), then write and commit in a
@@ -191,7 +191,7 @@ def start_async_save(state: Any, path: str | os.PathLike, *, overwrite: bool, al
     inflight.settle(if_busy, dist_comm.current("control"), str(path))
     prep = prepare_save(state, path, overwrite=overwrite, allow_pickle=allow_pickle, step=step,
                         metadata=metadata, io_threads=io_threads, block_bytes=block_bytes,
-                        storage_options=storage_options, save_info=save_info, base=base, incremental=incremental,
+                        storage_options=storage_options, save_info=save_info, base=base, as_base=as_base,
                         node_local=node_local, call=(("call", "async_save"), ("fallback", fallback)))
     handle = AsyncSaveHandle(str(path))
     sources: dict[str, np.ndarray] = {}

@@ -232,7 +232,7 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
                  step: int | None, metadata: dict | None, io_threads: int, block_bytes: int | None,
                  comm: Comm | None = None, storage_options: dict | None = None,
                  save_info: dict | None = None, base: str | os.PathLike | None = None,
-                 incremental: bool = False, node_local: NodeLocal | None = None,
+                 as_base: bool = False, node_local: NodeLocal | None = None,
                  call: tuple[tuple[str, Any], ...] = (("call", "save"),)) -> PreparedSave:
     """Flatten and check the state (plain values are encoded now: a snapshot), plan the files and
     open the staging directory. Raises before anything is written when the state or path is bad.
@@ -245,13 +245,13 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
     rank gets the plan, or the same error.
 
     ``base``: an earlier checkpoint of the same root whose unchanged bytes this one references;
-    ``incremental`` (implied by ``base``): checksum blocks small enough to be the unit of reuse
-    (:func:`resurgo.format.checksum.incremental_block_bytes_for`).
+    ``as_base`` (implied by ``base``): checksum blocks small enough to be the unit of reuse, so that
+    a later save can take this one as its base (:func:`resurgo.format.checksum.incremental_block_bytes_for`).
 
     ``node_local``: ``path`` is this rank's node's directory; each node's leader opens its staging
     there (:class:`resurgo.pipeline.collective.NodeLocal`), after ``before_stage(plan)``.
 
-    Every rank's path (its name, for a node-local save), step, overwrite, base, incremental and
+    Every rank's path (its name, for a node-local save), step, overwrite, base, as_base and
     allow_pickle, and the pairs of ``call`` (which call, and its own options), travel with the
     first plan gather; ranks that passed different ones all raise UnsupportedValueError naming
     each rank's value, before anything is opened or written (:mod:`resurgo.dist.call`)."""
@@ -263,11 +263,11 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
     # Node-local saves name one directory per node, each in its node's own root: only the name must match.
     where = os.path.basename(os.fspath(path).rstrip("/")) if node_local is not None else os.fspath(path)
     arg_names, note = call_note(path=where, step=step, overwrite=bool(overwrite),
-                                base=None if base is None else os.fspath(base), incremental=bool(incremental),
+                                base=None if base is None else os.fspath(base), as_base=bool(as_base),
                                 allow_pickle=bool(allow_pickle), **dict(call))
     tree, leaves, decl, summary, pickled = comm.agree(
         lambda: _flatten_and_declare(state, allow_pickle, metadata, save_info, step, comm.size > 1))
-    block_fn, block_rule = _checksum_blocks(block_bytes, incremental or base is not None)
+    block_fn, block_rule = _checksum_blocks(block_bytes, as_base or base is not None)
 
     def coordinate(gathered: list[tuple[Any, ...]] | None) -> _Decided | None:
         """Rank 0: the plan (or, from summaries, the merged tree of the plan every rank holds), then
@@ -300,11 +300,11 @@ def prepare_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_
         step = top_level_step(plan.tree)
     # A job of several ranks writes version 4: its metadata stays O(tensors) in the manifest. Saves
     # taking part in reuse, and node-local ones, keep every chunk in the manifest (version 2 or 3).
-    indexed = comm.size > 1 and not incremental and base is None and node_local is None
+    indexed = comm.size > 1 and not as_base and base is None and node_local is None
     return PreparedSave(str(path), plan.tree, plan.tensors, own, pickled, step,
                         dict(metadata) if metadata else None, dict(save_info) if save_info else None,
                         files, staging, comm,
-                        {"flatten": time.perf_counter() - t0}, index, incremental or base is not None, node_local,
+                        {"flatten": time.perf_counter() - t0}, index, as_base or base is not None, node_local,
                         plan if indexed else None)
 
 
