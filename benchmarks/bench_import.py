@@ -188,7 +188,7 @@ def run_tool(tool: str, src: str, dst: str, budget: int) -> dict:
         only = "model.*" if tool == "resurgo_weights" else None
 
         def op() -> None:
-            resurgo.import_checkpoint(src, dst, source=source, only=only, memory_budget=budget)
+            resurgo.import_checkpoint(src, dst, source=source, only=only, buffer_bytes=budget)
     gc.collect()
     base_kib = _status_kib("RssAnon:")
     sampler = _AnonSampler()
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions (default 3)")
     p.add_argument("--sources", default="deepspeed,dcp", help="comma-separated: deepspeed, dcp")
     p.add_argument("--zero-stages", default="2", help="comma-separated ZeRO stages of the DeepSpeed source (2, 3)")
-    p.add_argument("--memory-budget-mib", type=int, default=256, help="resurgo's memory_budget (default 256 MiB)")
+    p.add_argument("--memory-budget-mib", type=int, default=256, help="resurgo's buffer_bytes (default 256 MiB)")
     p.add_argument("--out", type=Path, default=REPO / "bench-results" / "import.json")
     p.add_argument("--workdir", type=Path, default=None, help="where sources and outputs go (a real disk)")
     p.add_argument("--keep", action="store_true", help="keep the sources (the workdir)")

@@ -84,8 +84,8 @@ def rank_local_outcomes(rank: int, world: int, tmp: str) -> dict:
     out: dict[str, Any] = {}
     resurgo.save(st, root / "earlier")
 
-    out["budget"] = outcome(lambda: resurgo.async_save(st, root / "budget", memory_budget=BUDGET).wait())
-    out["budget_sync"] = outcome(lambda: resurgo.async_save(st, root / "budget_sync", memory_budget=BUDGET,
+    out["budget"] = outcome(lambda: resurgo.async_save(st, root / "budget", staging_bytes=BUDGET).wait())
+    out["budget_sync"] = outcome(lambda: resurgo.async_save(st, root / "budget_sync", staging_bytes=BUDGET,
                                                             fallback="sync").wait())
     out["budget_after"] = outcome(lambda: resurgo.async_save(st, root / "budget").wait())
 

@@ -216,17 +216,17 @@ def test_guard_with_train_state_restores_exactly(tmp_path):
     assert torch.equal(fresh.weight, weight) and ts2.step == 3
 
 
-def test_memory_budget(tmp_path):
+def test_staging_bytes(tmp_path):
     state = {"a": torch.ones(1000)}
     with pytest.raises(MemoryBudgetError, match="4000 bytes") as ei:
-        resurgo.async_save(state, tmp_path / "c", memory_budget=3999)
+        resurgo.async_save(state, tmp_path / "c", staging_bytes=3999)
     assert isinstance(ei.value, MemoryError)
     assert not (tmp_path / "c").exists() and list(tmp_path.iterdir()) == []
-    h = resurgo.async_save(state, tmp_path / "c", memory_budget=3999, fallback="sync")
+    h = resurgo.async_save(state, tmp_path / "c", staging_bytes=3999, fallback="sync")
     assert h.done() and h.staged()
     assert h.wait().tensor_bytes == 4000
     assert torch.equal(resurgo.load_dict(tmp_path / "c")["a"], torch.ones(1000))
-    resurgo.async_save(state, tmp_path / "d", memory_budget=4000).wait()
+    resurgo.async_save(state, tmp_path / "d", staging_bytes=4000).wait()
 
 
 def test_errors_in_the_call_raise_at_once(tmp_path):

@@ -331,8 +331,8 @@ def test_torch_file_of_a_train_state_loads_with_torch_defaults(tmp_path):
 def test_torch_refuses_what_it_cannot_hold(tmp_path):
     resurgo.save({"w": torch.zeros(1000), "v": torch.zeros(24)}, tmp_path / "ck")
     with pytest.raises(MemoryBudgetError, match=r"ck: a torch.save file needs the whole state in memory \(4096 bytes"):
-        resurgo.convert(tmp_path / "ck", tmp_path / "x.pt", to="torch", memory_budget=4000)
-    resurgo.convert(tmp_path / "ck", tmp_path / "x.pt", to="torch", memory_budget=4096)
+        resurgo.convert(tmp_path / "ck", tmp_path / "x.pt", to="torch", buffer_bytes=4000)
+    resurgo.convert(tmp_path / "ck", tmp_path / "x.pt", to="torch", buffer_bytes=4096)
 
     resurgo.save({"bits": torch.zeros(4, dtype=torch.uint8).view(torch.uint1)}, tmp_path / "ck1")
     with pytest.raises(UnsupportedValueError, match=r"tensor 'bits' has dtype uint1, which torch.save cannot store"):
@@ -385,7 +385,7 @@ def test_checkpoints_saved_by_two_ranks(tmp_path):
         ck = tmp_path / f"n2-{layout}"
         assert max(len(t.chunks) for t in resurgo.read_manifest(ck).tensors.values()) == 2
         out = tmp_path / f"{layout}.safetensors"
-        report = resurgo.convert(ck, out, to="safetensors", memory_budget=300_000)  # "d" (2 MiB) in windows
+        report = resurgo.convert(ck, out, to="safetensors", buffer_bytes=300_000)  # "d" (2 MiB) in windows
         got = load_file(out)
         assert all(bits_equal(got[k], v) for k, v in ref.items())
         assert [got[f"rng@rank{r}"].tolist() for r in range(2)] == [[r] * 4 for r in range(2)]
@@ -413,7 +413,7 @@ def test_tensor_larger_than_the_budget_streams_in_windows(tmp_path, layout):
     save_chunked(tmp_path / "ck", {"a": small, "big": t, "z": small + 1}, {"big": places} if places else {},
                  block_bytes=4096)
     budget = 100_003  # windows of 12,500 elements: edges fall inside checksum blocks and rows
-    report = resurgo.convert(tmp_path / "ck", tmp_path / "o.safetensors", to="safetensors", memory_budget=budget)
+    report = resurgo.convert(tmp_path / "ck", tmp_path / "o.safetensors", to="safetensors", buffer_bytes=budget)
     got = load_file(tmp_path / "o.safetensors")
     assert bits_equal(got["big"], t) and bits_equal(got["a"], small) and bits_equal(got["z"], small + 1)
     assert report.peak_buffer_bytes == 100_000  # a window of 50,000 bytes and its reads
@@ -423,9 +423,9 @@ def test_tensor_larger_than_the_budget_streams_in_windows(tmp_path, layout):
 
 def test_budget_below_one_element_names_the_tensor(tmp_path):
     resurgo.save({"w": torch.zeros(4), "c": torch.zeros(3, dtype=torch.complex128)}, tmp_path / "ck")
-    with pytest.raises(MemoryBudgetError, match=r"ck: tensor 'c' has elements of 16 bytes; memory_budget=31 cannot hold a window "
+    with pytest.raises(MemoryBudgetError, match=r"ck: tensor 'c' has elements of 16 bytes; buffer_bytes=31 cannot hold a window "
                                                 r"of one and its read \(at least 32 bytes\)"):
-        resurgo.convert(tmp_path / "ck", tmp_path / "o.safetensors", to="safetensors", memory_budget=31)
+        resurgo.convert(tmp_path / "ck", tmp_path / "o.safetensors", to="safetensors", buffer_bytes=31)
     assert not (tmp_path / "o.safetensors").exists() and leftovers(tmp_path) == []
 
 
@@ -449,7 +449,7 @@ def test_peak_memory_of_streamed_conversions_stays_near_the_budget(tmp_path):
     assert len(report["files"]) == 8 and report["peak_buffer_bytes"] == 32 * MiB  # 7 shards + index
     assert grown < 48 * MiB, grown
     # One file within 16 MiB: two layers at a time, the 24 MiB tail in windows.
-    grown_one, report = run("one.safetensors", "safetensors", f"memory_budget={16 * MiB}")
+    grown_one, report = run("one.safetensors", "safetensors", f"buffer_bytes={16 * MiB}")
     assert 8 * MiB < report["peak_buffer_bytes"] <= 16 * MiB
     assert grown_one < 32 * MiB, grown_one
     got = load_file(tmp_path / "one.safetensors")
@@ -590,7 +590,7 @@ def test_corrupt_window_of_a_large_tensor(tmp_path):
     flip_byte(tmp_path / "ck", "w", at=200_000)
     with pytest.raises(CorruptCheckpointError, match=r"ck: tensor 'w' is corrupt in data/rank00000-000.safetensors: "
                                                       r"block 48 \(file bytes 196[0-9]*\.\.200[0-9]*\)"):
-        resurgo.convert(tmp_path / "ck", tmp_path / "o", to="safetensors", memory_budget=60_000)
+        resurgo.convert(tmp_path / "ck", tmp_path / "o", to="safetensors", buffer_bytes=60_000)
     assert sorted(os.listdir(tmp_path)) == ["ck"]
 
 
@@ -675,7 +675,7 @@ def test_cli_convert(tmp_path):
     assert bits_equal(load_file(tmp_path / "o.safetensors")["model.w"], torch.arange(6.0))
 
     r = runner.invoke(app, ["convert", str(tmp_path / "ck"), str(tmp_path / "hf"), "--to", "hf", "--only", "model.",
-                            "--max-shard-size", "1GB", "--memory-budget", "2MiB", "--json"])
+                            "--max-shard-size", "1GB", "--buffer", "2MiB", "--json"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["files"] == ["model.safetensors"] and doc["tensor_bytes"] == 24 and doc["to"] == "hf"
@@ -714,7 +714,7 @@ def test_convert_from_s3_to_every_target_bitwise(s3_bucket, tmp_path):
     flat = {"model.w": state["model"]["w"], "model.b": state["model"]["b"], "model.ids": state["model"]["ids"],
             "opt.m": state["opt"]["m"]}
 
-    report = resurgo.convert(f"{url}/ck", tmp_path / "o.safetensors", to="safetensors", memory_budget="1MiB",
+    report = resurgo.convert(f"{url}/ck", tmp_path / "o.safetensors", to="safetensors", buffer_bytes="1MiB",
                              storage_options=options)
     out = load_file(tmp_path / "o.safetensors")
     assert sorted(out) == sorted(flat) and all(bits_equal(out[k], t) for k, t in flat.items())

@@ -146,14 +146,14 @@ def test_only_keeps_and_strips_a_prefix(tmp_path):
     assert not (tmp_path / "x").exists() and leftovers(tmp_path) == []
 
 
-def test_refused_over_the_memory_budget_and_sub_byte_dtypes(tmp_path):
+def test_refused_over_buffer_bytes_and_sub_byte_dtypes(tmp_path):
     resurgo.save({"w": torch.zeros(1000), "v": torch.zeros(24)}, tmp_path / "ck")
     with pytest.raises(MemoryBudgetError, match=r"ck: a DCP checkpoint needs the whole state in memory \(4096 bytes "
-                                                r"of tensors\), more than memory_budget=4000; raise the budget, or "
+                                                r"of tensors\), more than buffer_bytes=4000; raise buffer_bytes, or "
                                                 r"convert to safetensors or hf, which stream"):
-        resurgo.convert(tmp_path / "ck", tmp_path / "dcp", to="dcp", memory_budget=4000)
+        resurgo.convert(tmp_path / "ck", tmp_path / "dcp", to="dcp", buffer_bytes=4000)
     assert sorted(os.listdir(tmp_path)) == ["ck"]
-    resurgo.convert(tmp_path / "ck", tmp_path / "dcp", to="dcp", memory_budget="4096B")
+    resurgo.convert(tmp_path / "ck", tmp_path / "dcp", to="dcp", buffer_bytes="4096B")
 
     resurgo.save({"bits": torch.zeros(4, dtype=torch.uint8).view(torch.uint1)}, tmp_path / "ck1")
     with pytest.raises(UnsupportedValueError, match=r"tensor 'bits' has dtype uint1, which torch.save cannot store"):
@@ -219,7 +219,7 @@ def test_cli_convert_to_dcp(tmp_path):
     assert bits_equal(target["w"], torch.arange(6.0))
     r = runner.invoke(app, ["convert", str(tmp_path / "ck"), str(tmp_path / "dcp"), "--to", "dcp"])
     assert r.exit_code == 2 and "already exists" in r.output
-    r = runner.invoke(app, ["convert", str(tmp_path / "ck"), str(tmp_path / "d2"), "--to", "dcp", "--memory-budget", "10B"])
+    r = runner.invoke(app, ["convert", str(tmp_path / "ck"), str(tmp_path / "d2"), "--to", "dcp", "--buffer", "10B"])
     assert r.exit_code == 2 and "needs the whole state in memory" in r.output, r.output
     r = runner.invoke(app, ["convert", str(tmp_path / "ck"), str(tmp_path / "d3"), "--to", "dcp", "--json"])
     assert r.exit_code == 0 and '"to": "dcp"' in r.stdout

@@ -100,17 +100,17 @@ def test_other_chunks_are_read_and_compared_bit_for_bit_in_windows(tmp_path: Pat
     w = torch.arange(1000, dtype=torch.float32)
     a = _save(tmp_path / "a", {"w": w})
     same = _save(tmp_path / "same", {"w": resurgo.FlatShard(w.clone(), (1000,), 0)})  # a flat chunk, not a box
-    d = diff_checkpoints(a, same, memory_budget=1 << 20)
+    d = diff_checkpoints(a, same, buffer_bytes=1 << 20)
     assert d.identical and (d.equal_by_checksums, d.equal_by_data) == (0, 1) and d.bytes_read == 2 * 4000
-    d = diff_checkpoints(a, same, memory_budget=64)  # 4 elements a window: 250 windows, each reading its block
+    d = diff_checkpoints(a, same, buffer_bytes=64)  # 4 elements a window: 250 windows, each reading its block
     assert d.identical and d.equal_by_data == 1 and d.bytes_read == 500_864
     w2 = w.clone()
     w2[3], w2[500], w2[998] = -w2[3], w2[500] + 7, float("nan")
     other = _save(tmp_path / "other", {"w": resurgo.FlatShard(w2, (1000,), 0)})
-    t = diff_checkpoints(a, other, memory_budget=64).tensors[0]
+    t = diff_checkpoints(a, other, buffer_bytes=64).tensors[0]
     assert (t.compared_by, t.elements_differing, t.blocks_differing) == ("data", 3, None)
     assert t.max_abs_diff != t.max_abs_diff  # a NaN against a number: NaN, not hidden
-    t = diff_checkpoints(a, other, only="w", memory_budget=1 << 20).tensors[0]
+    t = diff_checkpoints(a, other, only="w", buffer_bytes=1 << 20).tensors[0]
     assert t.elements_differing == 3
 
 

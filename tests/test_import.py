@@ -385,19 +385,19 @@ def test_mean_is_refused_for_integer_dtypes_and_round_trips_in_json():
     assert text.count('"combine":"mean"') == 1 and '"equal"' not in text  # the default is left out
 
 
-def test_means_beyond_the_memory_budget_are_refused_before_writing(tmp_path):
+def test_means_beyond_buffer_bytes_are_refused_before_writing(tmp_path):
     n = (5 << 20) // 4  # 5 MiB of float32 averaged: with one writer's 10 MiB, more than a 12 MiB budget
     write_raw(tmp_path, bytes(8 * n))
     doc = spec_doc([{"key": "w", "dtype": "float32", "shape": [n], "pieces": [
         piece(0, [n], box={"offsets": [0], "shape": [n]}, combine="mean", replicas=[{"file": "src.bin", "offset": 4 * n}])]}])
     with pytest.raises(MemoryBudgetError, match=rf"the averaged pieces \(combine 'mean'\) hold {4 * n} bytes in memory until "
                                                 rf"written; with one writer's {10 << 20} bytes that is more than "
-                                                rf"memory_budget={12 << 20}; raise memory_budget"):
+                                                rf"buffer_bytes={12 << 20}; raise buffer_bytes"):
         resurgo.import_checkpoint(tmp_path, tmp_path / "out", source="spec", spec=spec_lang.loads(json.dumps(doc)),
-                                  memory_budget=12 << 20)
+                                  buffer_bytes=12 << 20)
     assert not (tmp_path / "out").exists()
     resurgo.import_checkpoint(tmp_path, tmp_path / "out", source="spec", spec=spec_lang.loads(json.dumps(doc)),
-                              memory_budget=16 << 20)
+                              buffer_bytes=16 << 20)
     assert resurgo.load_dict(tmp_path / "out")["w"].count_nonzero() == 0
 
 
@@ -450,7 +450,7 @@ def _status_bytes(field: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
 
 
-def test_memory_budget_bounds_the_peak_resident_memory(tmp_path):
+def test_buffer_bytes_bounds_the_peak_resident_memory(tmp_path):
     """A 96 MiB source imported with a 16 MiB budget: the process's peak resident memory (VmHWM,
     reset first) grows by less than the budget: the sources are read into the writers' slice
     buffers, not mapped (a mapping's pages would all be resident by the end)."""
@@ -463,12 +463,12 @@ def test_memory_budget_bounds_the_peak_resident_memory(tmp_path):
                     {"key": "b", "dtype": "float32", "shape": [n // 2], "pieces": [piece(size // 2, [n // 2], flat={"start": 0, "stop": n // 2})]}])
     spec = spec_lang.loads(json.dumps(doc))
     resurgo.import_checkpoint(tmp_path, tmp_path / "warm", source="spec", spec=spec)  # imports, caches: not the import's memory
-    with pytest.raises(resurgo.errors.MemoryBudgetError, match=r"memory_budget=9437184 is below what one writer holds \(10485760 bytes"):
-        resurgo.import_checkpoint(tmp_path, tmp_path / "small", source="spec", spec=spec, memory_budget="9MiB")
+    with pytest.raises(resurgo.errors.MemoryBudgetError, match=r"buffer_bytes=9437184 is below what one writer holds \(10485760 bytes"):
+        resurgo.import_checkpoint(tmp_path, tmp_path / "small", source="spec", spec=spec, buffer_bytes="9MiB")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current resident size
     before = _status_bytes("VmRSS:")
-    report = resurgo.import_checkpoint(tmp_path, tmp_path / "out", source="spec", spec=spec, memory_budget="16MiB")
+    report = resurgo.import_checkpoint(tmp_path, tmp_path / "out", source="spec", spec=spec, buffer_bytes="16MiB")
     peak_growth = _status_bytes("VmHWM:") - before
     assert report.bytes_read == size
     assert list(report.seconds) == ["spec", "check", "prepare", "write_and_commit", "read", "checksum", "write", "fsync",

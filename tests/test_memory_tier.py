@@ -194,19 +194,19 @@ class _Plan:
         return self.per_rank
 
 
-def test_memory_budget_is_checked_before_writing_and_names_root_bytes_and_budget(tmp_path: Path):
-    tier = MemoryTier(replicas=0, root=tmp_path / "n{node}", node="a", memory_budget=1000)
+def test_node_bytes_is_checked_before_writing_and_names_root_bytes_and_budget(tmp_path: Path):
+    tier = MemoryTier(replicas=0, root=tmp_path / "n{node}", node="a", node_bytes=1000)
     nodes = MemoryNodes(tier, Comm(0, 1))
     assert nodes.root == tmp_path / "na"
     nodes.check_budget(3, _Plan([1000]))  # exactly the budget: fits
     with pytest.raises(MemoryBudgetError) as e:
         nodes.check_budget(3, _Plan([1001]))
     msg = str(e.value)
-    assert str(tmp_path / "na") in msg and "saving step 3 needs 1001 bytes" in msg and "memory_budget of 1000" in msg
+    assert str(tmp_path / "na") in msg and "saving step 3 needs 1001 bytes" in msg and "node_bytes=1000" in msg
     assert not (tmp_path / "na").exists()
     # a manager: the second save needs room for both steps (the first goes once the second is complete)
     state = {"w": torch.arange(100, dtype=torch.float32)}
-    tier = MemoryTier(replicas=0, root=tmp_path / "m", node=0, memory_budget=1500)
+    tier = MemoryTier(replicas=0, root=tmp_path / "m", node=0, node_bytes=1500)
     with CheckpointManager(tiers=[tier], async_save=False) as mgr:
         mgr.save(state, 1)
         with pytest.raises(MemoryBudgetError, match=r"saving step 2 needs 400 bytes .* already there take \d+"):
@@ -337,8 +337,8 @@ def test_a_deleted_step_leaves_its_pages_to_the_next_save_and_only_resurgos_file
     assert (pool.path / "notes.txt").read_text() == "mine"
 
 
-def test_spare_pages_count_against_the_memory_budget_and_go_first(tmp_path: Path):
-    tier = MemoryTier(replicas=0, root=tmp_path / "n", node=0, memory_budget=1000)
+def test_spare_pages_count_against_node_bytes_and_go_first(tmp_path: Path):
+    tier = MemoryTier(replicas=0, root=tmp_path / "n", node=0, node_bytes=1000)
     nodes = MemoryNodes(tier, Comm(0, 1))
     pool = SparePages(nodes.root)
     pool.path.mkdir(parents=True)

@@ -10,11 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 import resurgo
-from resurgo.errors import UnsupportedValueError
+from resurgo.cli.app import app
+from resurgo.errors import MemoryBudgetError, UnsupportedValueError
 from resurgo.format import checksum
+from resurgo.manager import MemoryTier
 from resurgo.renamed import renamed_keywords
+
+runner = CliRunner()
 
 
 def small_state() -> dict:
@@ -73,3 +78,81 @@ def test_as_base_picks_the_blocks_a_base_needs_and_incremental_still_does_with_a
         run(tmp_path / "both", incremental=True, as_base=True)
     assert not (tmp_path / "both").exists()
     assert "incremental" not in inspect.signature(getattr(resurgo, call)).parameters
+
+
+def test_staging_bytes_bounds_a_rank_s_staging_and_memory_budget_still_does(tmp_path, no_warnings):
+    state = {"w": torch.zeros(1000)}  # 4000 bytes of staging
+    with pytest.raises(MemoryBudgetError, match=r"the budget is 3999 \(staging_bytes\); raise staging_bytes"):
+        resurgo.async_save(state, tmp_path / "new", staging_bytes=3999)
+    with pytest.warns(DeprecationWarning, match=r"^resurgo\.async_save\(memory_budget=\.\.\.\) is deprecated: pass "
+                                                r"staging_bytes= instead"):
+        with pytest.raises(MemoryBudgetError, match=r"the budget is 3999 \(staging_bytes\)"):
+            resurgo.async_save(state, tmp_path / "old", memory_budget=3999)
+    with pytest.raises(UnsupportedValueError, match=r"memory_budget=1 and staging_bytes=2 were both given"):
+        resurgo.async_save(state, tmp_path / "both", memory_budget=1, staging_bytes=2)
+    assert not any((tmp_path / n).exists() for n in ("new", "old", "both"))
+
+
+def test_buffer_bytes_of_convert_import_and_diff_and_their_old_name(tmp_path, no_warnings):
+    resurgo.save({"w": torch.arange(1024.0)}, tmp_path / "ck")  # 4096 bytes of tensors
+    with pytest.raises(MemoryBudgetError, match=r"more than buffer_bytes=4000; raise buffer_bytes"):
+        resurgo.convert(tmp_path / "ck", tmp_path / "a.pt", to="torch", buffer_bytes=4000)
+    with pytest.warns(DeprecationWarning, match=r"^resurgo\.convert\(memory_budget=\.\.\.\) is deprecated: pass "
+                                                r"buffer_bytes= instead"):
+        with pytest.raises(MemoryBudgetError, match=r"more than buffer_bytes=4000"):
+            resurgo.convert(tmp_path / "ck", tmp_path / "b.pt", to="torch", memory_budget=4000)
+
+    torch.save({"w": torch.arange(4.0)}, tmp_path / "f.pt")
+    below = r"buffer_bytes=9437184 is below what one writer holds"
+    with pytest.raises(MemoryBudgetError, match=below):
+        resurgo.import_checkpoint(tmp_path / "f.pt", tmp_path / "i1", source="torch", buffer_bytes="9MiB")
+    with pytest.warns(DeprecationWarning, match=r"^resurgo\.import_checkpoint\(memory_budget=\.\.\.\) is deprecated"):
+        with pytest.raises(MemoryBudgetError, match=below):
+            resurgo.import_checkpoint(tmp_path / "f.pt", tmp_path / "i2", source="torch", memory_budget="9MiB")
+
+    resurgo.save({"w": torch.arange(1024.0) + 1}, tmp_path / "other")
+    new = resurgo.diff_checkpoints(tmp_path / "ck", tmp_path / "other", stats=True, buffer_bytes=64)
+    with pytest.warns(DeprecationWarning, match=r"^resurgo\.diff_checkpoints\(memory_budget=\.\.\.\) is deprecated"):
+        old = resurgo.diff_checkpoints(tmp_path / "ck", tmp_path / "other", stats=True, memory_budget=64)
+    assert old == new and new.tensors[0].elements_differing == 1024
+    with pytest.raises(UnsupportedValueError, match=r"^resurgo\.diff_checkpoints: memory_budget=64 and "
+                                                    r"buffer_bytes=64 were both given"):
+        resurgo.diff_checkpoints(tmp_path / "ck", tmp_path / "other", memory_budget=64, buffer_bytes=64)
+
+
+def test_node_bytes_of_a_memory_tier_and_its_old_name(tmp_path, no_warnings):
+    assert MemoryTier(replicas=0, node=0, node_bytes=1000).node_bytes == 1000
+    with pytest.warns(DeprecationWarning, match=r"^MemoryTier\(memory_budget=\.\.\.\) is deprecated: pass node_bytes="
+                                                r" instead") as caught:
+        tier = MemoryTier(replicas=0, node=0, memory_budget=1000)
+    assert [w.filename for w in caught] == [__file__]
+    assert tier == MemoryTier(replicas=0, node=0, node_bytes=1000)
+    with pytest.warns(DeprecationWarning, match=r"^MemoryTier\.memory_budget is deprecated: read node_bytes instead"):
+        assert tier.memory_budget == 1000
+    with pytest.raises(UnsupportedValueError, match=r"^MemoryTier: memory_budget=1 and node_bytes=2 were both given"):
+        MemoryTier(memory_budget=1, node_bytes=2)
+    with pytest.raises(ValueError, match=r"node_bytes must be an int >= 1"):
+        MemoryTier(node_bytes=0)
+    assert list(inspect.signature(MemoryTier).parameters)[-1] == "node_bytes"
+
+
+def test_the_cli_takes_buffer_and_still_memory_budget_hidden_with_a_warning(tmp_path):
+    resurgo.save({"w": torch.arange(1024.0)}, tmp_path / "a")
+    resurgo.save({"w": torch.arange(1024.0) + 1}, tmp_path / "b")
+    diff = ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--stats"]
+    new = runner.invoke(app, [*diff, "--buffer", "64B"])
+    old = runner.invoke(app, [*diff, "--memory-budget", "64B"])
+    assert new.exit_code == old.exit_code == 1, (new.output, old.output)
+    assert old.stdout == new.stdout and "1024" in new.stdout
+    assert "warning: --memory-budget is deprecated: use --buffer" in old.stderr and "deprecated" not in new.stderr
+    both = runner.invoke(app, [*diff, "--buffer", "64B", "--memory-budget", "64B"])
+    assert both.exit_code == 2 and "--memory-budget is the old name of --buffer; give --buffer only" in both.stderr
+    for command in ("diff", "convert", "import"):
+        shown = runner.invoke(app, [command, "--help"], terminal_width=200).stdout
+        assert "--buffer" in shown and "--memory-budget" not in shown, command
+    r = runner.invoke(app, ["convert", str(tmp_path / "a"), str(tmp_path / "x.pt"), "--to", "torch",
+                            "--memory-budget", "4000B"])
+    assert r.exit_code == 2 and "more than buffer_bytes=4000" in r.stderr and "deprecated" in r.stderr
+    r = runner.invoke(app, ["import", str(tmp_path / "none.pt"), str(tmp_path / "i"), "--from", "torch",
+                            "--memory-budget", "1B"])
+    assert "warning: --memory-budget is deprecated" in r.stderr and not (tmp_path / "i").exists()

@@ -94,12 +94,12 @@ def _scope(name: str, path: object, collective: bool) -> Iterator[None]:
         yield
 
 
-@renamed_keywords("resurgo.async_save", incremental="as_base")
+@renamed_keywords("resurgo.async_save", incremental="as_base", memory_budget="staging_bytes")
 def async_save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, allow_pickle: bool = False,
                step: int | None = None, metadata: dict | None = None, io_threads: int = DEFAULT_IO_THREADS,
                block_bytes: int | None = None, storage_options: dict | None = None,
                save_info: dict | None = None, guard: Any = None, if_busy: str = "wait",
-               memory_budget: int | None = None, fallback: str = "raise",
+               staging_bytes: int | None = None, fallback: str = "raise",
                on_commit: Callable[[SaveReport], None] | None = None,
                base: str | os.PathLike | None = None, as_base: bool = False,
                collective: bool = True) -> AsyncSaveHandle:
@@ -110,9 +110,9 @@ def async_save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, 
     copied after the call returns (the next ``guard.step()`` waits for the copy); ``if_busy``,
     "wait" (default) for a save still in flight or "raise" SaveInFlightError (in a job of several
     ranks, on every rank as soon as one of them is still saving, so that all skip this save);
-    ``memory_budget``,
-    the most staging bytes allowed (a larger snapshot raises MemoryBudgetError, or with
-    ``fallback="sync"`` is saved synchronously before the call returns); ``on_commit(report)``,
+    ``staging_bytes`` (old name ``memory_budget``, deprecated), the most bytes of staging memory this rank may
+    take (a larger snapshot raises MemoryBudgetError, or with ``fallback="sync"`` is saved
+    synchronously before the call returns); ``on_commit(report)``,
     called once the checkpoint is committed, in the thread that committed it (the background
     writer; the caller's thread for a synchronous fallback), before ``done()`` turns true; an
     exception it raises is warned (RuntimeWarning), never lost, and never fails the save.
@@ -122,7 +122,7 @@ def async_save(state: Any, path: str | os.PathLike, *, overwrite: bool = False, 
         return start_async_save(state, path, overwrite=overwrite, allow_pickle=allow_pickle, step=step,
                                 metadata=metadata, io_threads=io_threads, block_bytes=block_bytes,
                                 storage_options=storage_options, save_info=save_info, guard=guard,
-                                if_busy=if_busy, memory_budget=memory_budget, fallback=fallback,
+                                if_busy=if_busy, staging_limit=staging_bytes, fallback=fallback,
                                 on_commit=on_commit, base=base, as_base=as_base)
 
 

@@ -5,7 +5,7 @@ The source is a checkpoint directory or URL (``s3://...``, with ``storage_option
 local. Every tensor is read through the load pipeline (so chunks are assembled and every checksum is
 verified; from an object store, in ranged requests) and the output appears atomically: it is written under a temporary sibling name and
 renamed at the end. The safetensors targets stream: the header is written first (sizes are known
-from the manifest), then the tensors' bytes, a batch within ``memory_budget`` at a time
+from the manifest), then the tensors' bytes, a batch within ``buffer_bytes`` at a time
 (:mod:`resurgo.pipeline.stream_read`). A torch.save file needs every tensor as an object, so
 ``to="torch"`` holds the whole state in memory, and so does ``to="dcp"`` (DCP's writer takes the
 state dict as objects, and one directory is written by one ``dcp.save``).
@@ -73,6 +73,7 @@ from resurgo.pipeline import data_files
 from resurgo.pipeline.manifest_read import read_manifest_of
 from resurgo.pipeline.stream_read import TensorByteStream, tensor_nbytes
 from resurgo.plan.convert_plan import HF_INDEX_FILE, is_hf_output_file, plan_shards, shard_file_names
+from resurgo.renamed import renamed_keywords
 from resurgo.reports import ConvertReport
 from resurgo.state.per_rank import PerRank
 from resurgo.storage.base import Checkpoint
@@ -107,7 +108,8 @@ def parse_size(value: int | str, what: str = "size") -> int:
     return n
 
 
-def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, memory_budget: int | str | None = None,
+@renamed_keywords("resurgo.convert", memory_budget="buffer_bytes")
+def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, buffer_bytes: int | str | None = None,
             max_shard_bytes: int | str | None = None, only: str | None = None, overwrite: bool = False,
             allow_pickle: bool = False, io_threads: int = DEFAULT_IO_THREADS,
             progress: Callable[[int], None] | None = None, storage_options: dict | None = None,
@@ -124,9 +126,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, memory_b
     several). ``only``: keep the tensors whose key starts with this prefix, stripped
     (``only="model."`` gives names a Hugging Face model loads); safetensors, hf and dcp (where the
     non-tensor values under the prefix are kept too).
-    ``memory_budget`` (bytes or ``"2GB"``): the most tensor bytes held at once, default 1 GiB for
-    the streaming targets; for ``"torch"`` and ``"dcp"``, which hold the whole state, a budget smaller than the
-    state raises MemoryBudgetError before anything is read. Refuses an existing ``dst`` unless
+    ``buffer_bytes`` (bytes or ``"2GB"``; old name ``memory_budget``, deprecated): the most tensor
+    bytes held at once, default 1 GiB for the streaming targets; for ``"torch"`` and ``"dcp"``, which
+    hold the whole state, a ``buffer_bytes`` smaller than the state raises MemoryBudgetError before
+    anything is read. Refuses an existing ``dst`` unless
     ``overwrite=True``; then replaces it atomically. ``allow_pickle`` is needed only for
     ``"torch"`` and ``"dcp"`` from a checkpoint with pickled values (the other targets never unpickle: such
     values are dropped). ``progress`` is called with each number of tensor bytes written.
@@ -142,7 +145,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, memory_b
         raise ValueError(f"max_shard_bytes applies to to='hf' only, not to={to!r}")
     if only is not None and to == "torch":
         raise ValueError("only= applies to the safetensors, hf and dcp targets; to='torch' keeps the whole structure")
-    budget = None if memory_budget is None else parse_size(memory_budget, "memory_budget")
+    budget = None if buffer_bytes is None else parse_size(buffer_bytes, "buffer_bytes")
     if is_url(dst):
         raise UnsupportedValueError(f"{dst}: convert writes a local file or directory, not a URL")
     dst = local_path(dst)
@@ -498,7 +501,7 @@ def _check_whole_state(ckpt: Checkpoint, manifest: Manifest, budget: int | None,
     if budget is not None and total > budget:
         raise MemoryBudgetError(
             f"{ckpt.path}: {what} needs the whole state in memory ({total} bytes of tensors), "
-            f"more than memory_budget={budget}; raise the budget, or convert to safetensors or hf, which stream")
+            f"more than buffer_bytes={budget}; raise buffer_bytes, or convert to safetensors or hf, which stream")
     for key, entry in manifest.tensors.items():
         if entry.kind == "torch" and not torch_save_supports(entry.dtype):
             raise UnsupportedValueError(

@@ -39,6 +39,7 @@ from resurgo.pipeline.buffers import typed_view
 from resurgo.pipeline.manifest_read import read_manifest_of
 from resurgo.pipeline.reader import read_destinations
 from resurgo.pipeline.verify import verify_checkpoint
+from resurgo.renamed import renamed_keywords
 from resurgo.state.unflatten import Destination
 from resurgo.storage.base import Checkpoint
 from resurgo.storage.open import open_checkpoint
@@ -90,8 +91,9 @@ class CheckpointDiff:
         return not (self.fields or self.tensors or self.values)
 
 
+@renamed_keywords("resurgo.diff_checkpoints", memory_budget="buffer_bytes")
 def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike, *, stats: bool = False, only: str | None = None,
-                     memory_budget: int = DEFAULT_DIFF_BUDGET, storage_options: dict | None = None,
+                     buffer_bytes: int = DEFAULT_DIFF_BUDGET, storage_options: dict | None = None,
                      io_threads: int = DEFAULT_IO_THREADS, verify: bool = False,
                      include_save_info: bool = False) -> CheckpointDiff:
     """Compare the checkpoints ``a`` and ``b`` (paths or URLs); ``only`` keeps keys with that prefix.
@@ -100,6 +102,8 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike, *, stats: bool 
     checksum, a data file is missing or of another size, or data read fails its checksum;
     ``verify=True`` first reads and verifies every byte of both. ``include_save_info=True``
     compares what describes the save too (creation time, library versions, ``save_info``).
+    ``buffer_bytes`` (old name ``memory_budget``, deprecated): the most bytes held at once, both
+    checkpoints' windows together; each tensor is read and compared a window at a time (default 256 MiB).
     """
     ca, cb = open_checkpoint(a, storage_options), open_checkpoint(b, storage_options)
     ma, mb = read_manifest_of(ca), read_manifest_of(cb)
@@ -112,7 +116,7 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike, *, stats: bool 
     if only is None:
         out.fields = _field_changes(ma, mb, include_save_info)
     keep = (lambda k: k.startswith(only)) if only else (lambda k: True)
-    reader = _PairReader(ca, ma, cb, mb, memory_budget, io_threads)
+    reader = _PairReader(ca, ma, cb, mb, buffer_bytes, io_threads)
     for key in sorted(k for k in ma.tensors.keys() | mb.tensors.keys() if keep(k)):
         found, by_data = _tensor_change(key, ma.tensors.get(key), mb.tensors.get(key), reader, stats)
         if found is not None:

@@ -94,8 +94,9 @@ class SaveInFlightError(ResurgoError):
 
 
 class MemoryBudgetError(ResurgoError, MemoryError):
-    """An operation would need more memory than its ``memory_budget`` allows (an asynchronous
-    snapshot's staging copy, a conversion to torch.save, a tensor a conversion cannot stream)."""
+    """An operation would need more memory than its bound allows: an asynchronous snapshot's
+    staging copy (``staging_bytes``), the buffers of a conversion, an import or a diff
+    (``buffer_bytes``), a memory tier's node (``node_bytes``). The message names the bound."""
 
 
 class StorageError(ResurgoError, OSError):

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from resurgo.cli.render import error
+from resurgo.cli.render import error, note
 from resurgo.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -90,6 +90,22 @@ def size_option(value: Optional[str], what: str) -> Optional[int]:
     except ValueError as e:
         error(str(e))
         raise typer.Exit(EXIT_USAGE) from None
+
+
+def buffer_option(value: Optional[str], old_value: Optional[str]) -> Optional[int]:
+    """The bytes of ``--buffer``, or of ``--memory-budget``, its old name: hidden, it still works
+    for one release, with a warning on stderr; both given: exit 2."""
+    if old_value is None:
+        return size_option(value, "--buffer")
+    if value is not None:
+        error("--memory-budget is the old name of --buffer; give --buffer only")
+        raise typer.Exit(EXIT_USAGE)
+    note("warning: --memory-budget is deprecated: use --buffer (the same size); --memory-budget goes in the next "
+         "release", style="yellow")
+    return size_option(old_value, "--memory-budget")
+
+
+OLD_BUFFER_HELP = "Deprecated: --buffer."
 
 
 def load_manifest(path: str | os.PathLike) -> tuple[Manifest, int]:

@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from resurgo.cli.app import EXIT_USAGE, fail_cleanly, load_manifest, size_option
+from resurgo.cli.app import EXIT_USAGE, OLD_BUFFER_HELP, buffer_option, fail_cleanly, load_manifest, size_option
 from resurgo.cli.render import PROGRESS_THRESHOLD_BYTES, clip, console, error, human_bytes, note, plural, print_json, progress_bar
 
 
@@ -22,9 +22,10 @@ def convert(
     to: str = typer.Option(..., "--to", metavar="FORMAT", help="safetensors (one file) | hf (sharded, with index) | torch (torch.save) | dcp (torch.distributed.checkpoint) | peft (the adapters of a PEFT model, as PeftModel.save_pretrained writes them)."),
     max_shard_size: Optional[str] = typer.Option(
         None, "--max-shard-size", metavar="SIZE", help="hf: the most tensor bytes per shard, e.g. 5GB (the default) or 500MB."),
-    memory_budget: Optional[str] = typer.Option(
-        None, "--memory-budget", metavar="SIZE",
+    buffer: Optional[str] = typer.Option(
+        None, "--buffer", metavar="SIZE",
         help="The most tensor bytes held in memory at once, e.g. 2GB (safetensors/hf default: 1GiB; torch, dcp: the whole state must fit)."),
+    memory_budget: Optional[str] = typer.Option(None, "--memory-budget", metavar="SIZE", hidden=True, help=OLD_BUFFER_HELP),
     only: Optional[str] = typer.Option(
         None, "--only", metavar="PREFIX", help="Keep the tensors whose key starts with this prefix, without it (e.g. 'model.'); peft: the key of the adapters' model, where there are several."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output (atomically)."),
@@ -47,11 +48,11 @@ def convert(
         error(f"--to must be one of {', '.join(TARGETS)}, not {to!r}")
         raise typer.Exit(EXIT_USAGE)
     shard_bytes = size_option(max_shard_size, "--max-shard-size")
-    budget = size_option(memory_budget, "--memory-budget")
+    budget = buffer_option(buffer, memory_budget)
     with fail_cleanly():
         total = read_tensor_bytes(src, only, adapters=(to == "peft"))
         with progress_bar(f"converting to {to}", total, progress, quiet=as_json) as advance:
-            report = convert_checkpoint(src, dst, to=to, memory_budget=budget, max_shard_bytes=shard_bytes, only=only,
+            report = convert_checkpoint(src, dst, to=to, buffer_bytes=budget, max_shard_bytes=shard_bytes, only=only,
                                         overwrite=overwrite, allow_pickle=allow_pickle, progress=advance,
                                         allow_expansion=allow_expansion)
     if as_json:

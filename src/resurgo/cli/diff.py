@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Optional
 import typer
 from rich.markup import escape
 
-from resurgo.cli.app import EXIT_DIFFERENT, EXIT_OK, fail_cleanly, size_option
+from resurgo.cli.app import EXIT_DIFFERENT, EXIT_OK, OLD_BUFFER_HELP, buffer_option, fail_cleanly
 from resurgo.cli.render import clip, console, human_bytes, plain_table, plural, print_json, render_node
 
 if TYPE_CHECKING:
@@ -37,8 +37,9 @@ def diff(
     b: str = typer.Argument(..., metavar="B", help="Another checkpoint directory or URL."),
     stats: bool = typer.Option(False, "--stats", help="Read tensors that differ: how many elements, and the largest |a-b|."),
     only: Optional[str] = typer.Option(None, "--only", metavar="PREFIX", help="Compare only the keys with this prefix (e.g. 'model.')."),
-    memory_budget: Optional[str] = typer.Option(None, "--memory-budget", metavar="SIZE",
-                                                help="Memory for tensors read to compare (default 256MiB)."),
+    buffer: Optional[str] = typer.Option(None, "--buffer", metavar="SIZE",
+                                         help="Memory for tensors read to compare (default 256MiB)."),
+    memory_budget: Optional[str] = typer.Option(None, "--memory-budget", metavar="SIZE", hidden=True, help=OLD_BUFFER_HELP),
     verify: bool = typer.Option(False, "--verify", help="First read and verify every byte of both checkpoints."),
     save_info: bool = typer.Option(False, "--save-info",
                                    help="Also compare what describes the save: creation time, library versions, save_info."),
@@ -50,11 +51,11 @@ def diff(
     Every data file's size is checked. Tensors stored in the same chunks compare by their checksums
     (no data read; --verify checks the data against them first); others are read, verified and
     compared bit for bit."""
-    budget = size_option(memory_budget, "--memory-budget")
+    budget = buffer_option(buffer, memory_budget)
     with fail_cleanly():
         from resurgo.diff import DEFAULT_DIFF_BUDGET, diff_checkpoints
 
-        found = diff_checkpoints(a, b, stats=stats, only=only, memory_budget=budget or DEFAULT_DIFF_BUDGET,
+        found = diff_checkpoints(a, b, stats=stats, only=only, buffer_bytes=budget or DEFAULT_DIFF_BUDGET,
                                  verify=verify, include_save_info=save_info)
     if as_json:
         doc = asdict(found)

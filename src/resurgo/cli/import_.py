@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from resurgo.cli.app import EXIT_USAGE, fail_cleanly, size_option
+from resurgo.cli.app import EXIT_USAGE, OLD_BUFFER_HELP, buffer_option, fail_cleanly
 from resurgo.cli.render import console, error, human_bytes, plural, print_json
 
 FROM = ("dcp", "hf", "peft", "torch", "spec", "deepspeed")
@@ -25,8 +25,9 @@ def import_(
     spec: Optional[Path] = typer.Option(None, "--spec", metavar="FILE", help="A spec JSON file (needed with --from spec)."),
     emit_spec: Optional[Path] = typer.Option(
         None, "--emit-spec", metavar="FILE", help="Write the spec the importer produces to FILE and import nothing."),
-    memory_budget: Optional[str] = typer.Option(
-        None, "--memory-budget", metavar="SIZE", help="The most bytes of buffers held at once, e.g. 2GB (default 1GiB)."),
+    buffer: Optional[str] = typer.Option(
+        None, "--buffer", metavar="SIZE", help="The most bytes of buffers held at once, e.g. 2GB (default 1GiB)."),
+    memory_budget: Optional[str] = typer.Option(None, "--memory-budget", metavar="SIZE", hidden=True, help=OLD_BUFFER_HELP),
     allow_pickle: bool = typer.Option(
         False, "--allow-pickle", help="Also import items that only full unpickling builds (runs the source's code: "
                                       "trusted sources only)."),
@@ -51,7 +52,7 @@ def import_(
     if (dst is None) == (emit_spec is None):
         error("give DST to import, or --emit-spec FILE to write the spec only")
         raise typer.Exit(EXIT_USAGE)
-    budget = size_option(memory_budget, "--memory-budget")
+    budget = buffer_option(buffer, memory_budget)
     from resurgo.interop import spec as spec_lang
     from resurgo.interop.api import import_checkpoint, select, spec_of
 
@@ -69,7 +70,7 @@ def import_(
                             f"{escape(str(emit_spec))}", soft_wrap=True)
             return
         assert dst is not None
-        report = import_checkpoint(src, dst, source=source, spec=spec, memory_budget=budget, allow_pickle=allow_pickle,
+        report = import_checkpoint(src, dst, source=source, spec=spec, buffer_bytes=budget, allow_pickle=allow_pickle,
                                     only=only or None, allow_expansion=allow_expansion)
     if as_json:
         print_json(asdict(report))

@@ -26,6 +26,7 @@ from resurgo.interop.peft import spec_from_peft
 from resurgo.interop.spec import ImportSpec
 from resurgo.interop.torch_file import spec_from_torch_file
 from resurgo.interop.unpickle import shown
+from resurgo.renamed import renamed_keywords
 from resurgo.reports import ImportReport
 
 SOURCES = ("dcp", "deepspeed", "hf", "peft", "torch", "spec")
@@ -96,8 +97,9 @@ def select(spec: ImportSpec, only: str | Sequence[str]) -> ImportSpec:
                                    "objects": {k: v for k, v in spec.objects.items() if keep(k)}})
 
 
+@renamed_keywords("resurgo.import_checkpoint", memory_budget="buffer_bytes")
 def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source: str,
-                      spec: ImportSpec | str | os.PathLike | None = None, memory_budget: int | str | None = None,
+                      spec: ImportSpec | str | os.PathLike | None = None, buffer_bytes: int | str | None = None,
                       allow_pickle: bool = False, storage_options: dict | None = None,
                       only: str | Sequence[str] | None = None, allow_expansion: bool = False) -> ImportReport:
     """Import the foreign checkpoint at ``src`` as a resurgo checkpoint at ``dst``; returns an
@@ -108,8 +110,8 @@ def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source:
     model directory), ``"peft"`` (a PEFT adapter folder, as ``PeftModel.save_pretrained`` writes it;
     the adapters go under ``model``, as a model saved adapter-only holds them), ``"torch"`` (a torch.save file) or ``"spec"`` (``src`` is the directory the
     spec's file names are relative to; ``spec`` is an ImportSpec or a spec JSON file). With an
-    importer's source, a ``spec`` replaces the one the importer would emit. ``memory_budget`` (bytes or ``"2GB"``, default 1 GiB) bounds the
-    buffers; source bytes are read in large slices as they are written. ``dst`` appears only
+    importer's source, a ``spec`` replaces the one the importer would emit. ``buffer_bytes`` (bytes or ``"2GB"``, default 1 GiB; old name
+    ``memory_budget``, deprecated) bounds the buffers; source bytes are read in large slices as they are written. ``dst`` appears only
     when complete and is never replaced (CheckpointExistsError). Nothing is unpickled beyond
     tensor locations and plain values; the spec's pickled ``objects`` (DCP items that are not
     plain values) raise PickleNotAllowedError unless ``allow_pickle=True``, which unpickles them
@@ -120,7 +122,7 @@ def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source:
     such as ``torch.ones(1).expand(n)``); refused with ExpansionError otherwise.
     """
     t0 = time.perf_counter()
-    budget = None if memory_budget is None else parse_size(memory_budget, "memory_budget")
+    budget = None if buffer_bytes is None else parse_size(buffer_bytes, "buffer_bytes")
     if spec is not None:
         chosen = load_spec(spec)
         root = Path(src) if source != "torch" else source_files.real_root(src).parent
@@ -131,7 +133,7 @@ def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source:
     if only is not None:
         chosen = select(chosen, only)
     t_spec = time.perf_counter() - t0
-    report = execute(chosen, root, dst, source=source, memory_budget=budget, storage_options=storage_options,
+    report = execute(chosen, root, dst, source=source, buffer_bytes=budget, storage_options=storage_options,
                      allow_pickle=allow_pickle, allow_expansion=allow_expansion)
     report.seconds = {"spec": t_spec, **report.seconds, "total": time.perf_counter() - t0}
     report.src = str(src)

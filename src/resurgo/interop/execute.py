@@ -7,7 +7,7 @@ copy-on-write memory map, never written), declared to the save machinery as a
 contiguous piece as a :class:`_FileStream`: read with large ``preadv`` calls into the writer's
 slice buffer (the GIL released), the next slice's read announced to the kernel meanwhile, so reads
 overlap hashing and writing and the memory held is the writers' slice buffers, within
-``memory_budget``, whatever the source's size (pages of a memory map would all stay resident).
+``buffer_bytes``, whatever the source's size (pages of a memory map would all stay resident).
 A strided piece is copied a slice at a time from the map. Before anything is written every
 source file is checked to exist and be long enough, and replicas are compared bit for bit, or,
 for a piece whose ``combine`` is ``"mean"``, averaged into memory (within the budget). The
@@ -315,7 +315,7 @@ def _nested(spec: ImportSpec, state: dict[str, Any]) -> dict[Any, Any]:
 
 
 def execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, *, source: str = "spec",
-            memory_budget: int | None = None, storage_options: dict | None = None,
+            buffer_bytes: int | None = None, storage_options: dict | None = None,
             metadata: dict | None = None, allow_pickle: bool = False, allow_expansion: bool = False) -> ImportReport:
     """Write the checkpoint ``dst`` from the sources under ``root`` as ``spec`` (validated) says.
     The spec's ``objects`` are unpickled only with ``allow_pickle`` (PickleNotAllowedError otherwise).
@@ -323,9 +323,9 @@ def execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, *
     ``allow_expansion`` (ExpansionError otherwise); a local ``dst`` whose filesystem has too little
     free space for them raises StorageError first."""
     t_start = time.perf_counter()
-    budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
+    budget = DEFAULT_MEMORY_BUDGET if buffer_bytes is None else buffer_bytes
     if budget < WRITER_BYTES:
-        raise MemoryBudgetError(f"memory_budget={budget} is below what one writer holds ({WRITER_BYTES} bytes: an "
+        raise MemoryBudgetError(f"buffer_bytes={budget} is below what one writer holds ({WRITER_BYTES} bytes: an "
                                 f"{SLICE_BYTES >> 20} MiB slice and a {BOUNCE_BYTES >> 20} MiB aligned write buffer); raise it")
     sources = _Sources(Path(root))
     try:
@@ -354,7 +354,7 @@ def _execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, 
     if averaged + WRITER_BYTES > budget:  # the means are held until written, beside at least one writer
         raise MemoryBudgetError(f"{root}: the averaged pieces (combine 'mean') hold {averaged} bytes in memory until "
                                 f"written; with one writer's {WRITER_BYTES} bytes that is more than "
-                                f"memory_budget={budget}; raise memory_budget")
+                                f"buffer_bytes={budget}; raise buffer_bytes")
     for t in spec.tensors:
         for i, p in enumerate(t.pieces):
             for j, r in enumerate(p.replicas if p.combine == "equal" else ()):

@@ -46,6 +46,7 @@ from resurgo.pipeline.collective import NodeLocal
 from resurgo.pipeline.peer_read import PeerFiles
 from resurgo.plan.global_plan import GlobalPlan
 from resurgo.plan.save_plan import FilePlan
+from resurgo.renamed import renamed_keywords
 from resurgo.plan.memory_plan import (Holding, Nodes, Rebuild, assign_held, choose_rebuild, node_bytes,
                                       replica_targets, replication, spread)
 from resurgo.storage.base import Staging
@@ -63,6 +64,7 @@ def _positive_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"MemoryTier: {name} must be an int >= {minimum} or None, not {value!r}")
 
 
+@renamed_keywords("MemoryTier", memory_budget="node_bytes")
 @dataclass(frozen=True)
 class MemoryTier:
     """The first tier of a CheckpointManager, in each node's memory with replicas on other nodes.
@@ -74,8 +76,8 @@ class MemoryTier:
     ``/dev/shm/resurgo-<user>/<job id>/node-<node>``; a path, in which ``{node}`` is replaced by
     the node's identity; or a callable ``root(node) -> path``. ``node``: this process's node
     identity (an int or a str; or a callable ``node(rank)``); None takes ``GROUP_RANK``, else
-    ``rank // LOCAL_WORLD_SIZE``, else the hostname. ``memory_budget``: the most bytes the
-    checkpoints in one node's root may take; a save that would exceed it raises MemoryBudgetError
+    ``rank // LOCAL_WORLD_SIZE``, else the hostname. ``node_bytes`` (old name ``memory_budget``,
+    deprecated): the most bytes the checkpoints in one node's root may take; a save that would exceed it raises MemoryBudgetError
     before writing anything (the previous step stays until the new one is complete, so the budget
     must hold ``keep_last + 1`` steps). A deleted step's data files stay in the root as spare pages
     for the next save (:mod:`resurgo.storage.spare_pages`), emptied first when the budget needs it.
@@ -85,7 +87,7 @@ class MemoryTier:
     keep_last: int | None = 1
     root: str | os.PathLike | Callable[[Any], str | os.PathLike] | None = None
     node: Hashable | Callable[[int], Hashable] | None = None
-    memory_budget: int | None = None
+    node_bytes: int | None = None
 
     every_steps = None  # it takes every save, as the first tier does
     storage_options = None  # a local directory
@@ -93,7 +95,7 @@ class MemoryTier:
     def __post_init__(self) -> None:
         _positive_int("replicas", self.replicas, 0)
         _positive_int("keep_last", self.keep_last, 1)
-        _positive_int("memory_budget", self.memory_budget, 1)
+        _positive_int("node_bytes", self.node_bytes, 1)
         if isinstance(self.root, (str, os.PathLike)) and is_url(self.root):
             raise UnsupportedValueError(f"MemoryTier(root={self.root!r}): the memory tier is a local directory "
                                         "(in /dev/shm by default); put object stores in a later Tier")
@@ -193,7 +195,7 @@ class MemoryNodes:
     def check_budget(self, step: int, plan: GlobalPlan) -> None:
         """MemoryBudgetError, before anything is written, when the save of ``step`` would take this
         node's root over the budget."""
-        budget = self.tier.memory_budget
+        budget = self.tier.node_bytes
         if budget is None:
             return
         k = self.nodes.index[self.rank]
@@ -208,8 +210,8 @@ class MemoryNodes:
             raise MemoryBudgetError(
                 f"{self.root}: saving step {step} needs {needed} bytes in node {self.node!r}'s memory ({own} of its "
                 f"ranks' data and {needed - own} of replicas it holds for other nodes), and the checkpoints already "
-                f"there take {used}: {used + needed} bytes, over the memory_budget of {budget}. Nothing was "
-                "written. Raise memory_budget (it must hold keep_last + 1 steps: the old ones go only once the new "
+                f"there take {used}: {used + needed} bytes, over node_bytes={budget}. Nothing was "
+                "written. Raise node_bytes (it must hold keep_last + 1 steps: the old ones go only once the new "
                 "one is complete everywhere), or lower keep_last or replicas")
 
     def replicate(self, comm: Comm, staging: Staging, files: Sequence[FilePlan],

@@ -119,7 +119,7 @@ def _save_to_memory(state: Any, path: Path | str, step: int, settings: SaveSetti
         handle = start_async_save(
             state, path, overwrite=overwrite, allow_pickle=False, step=step, metadata=metadata,
             io_threads=settings.io_threads, block_bytes=None, storage_options=None, save_info=save_info,
-            guard=settings.guard, if_busy="wait", memory_budget=None, fallback="raise",
+            guard=settings.guard, if_busy="wait", staging_limit=None, fallback="raise",
             on_commit=lambda _report: on_commit(), node_local=node)
         log.info("staged step %d; writing and replicating in the background", step)
         return handle

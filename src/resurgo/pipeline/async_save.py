@@ -177,13 +177,13 @@ def _guarded_storages(guard: Any) -> set[tuple]:
 def start_async_save(state: Any, path: str | os.PathLike, *, overwrite: bool, allow_pickle: bool,
                      step: int | None, metadata: dict | None, io_threads: int, block_bytes: int | None,
                      storage_options: dict | None, save_info: dict | None, guard: Any, if_busy: str,
-                     memory_budget: int | None, fallback: str,
+                     staging_limit: int | None, fallback: str,
                      on_commit: Callable[[SaveReport], None] | None,
                      base: str | os.PathLike | None = None, as_base: bool = False,
                      node_local: NodeLocal | None = None) -> AsyncSaveHandle:
     """The work of :func:`resurgo.async_save` (its arguments are documented there): snapshot the
     state into staging buffers (the guard's share beside training), then write and commit in a
-    background thread. A snapshot over ``memory_budget`` with ``fallback="sync"`` streams from the
+    background thread. A snapshot over ``staging_limit`` bytes (``staging_bytes`` of :func:`resurgo.async_save`) with ``fallback="sync"`` streams from the
     tensors instead, before returning."""
     t_start = time.perf_counter()
     if fallback not in ("raise", "sync"):
@@ -201,7 +201,7 @@ def start_async_save(state: Any, path: str | os.PathLike, *, overwrite: bool, al
     # save synchronously); only the staging's owner removes it.
     try:
         (_, deferred, background, order), over = prep.comm.agree_noting(
-            lambda: _snapshot(prep, path, guard, memory_budget, fallback, sources, digests))
+            lambda: _snapshot(prep, path, guard, staging_limit, fallback, sources, digests))
     except BaseException:
         if prep.owns_staging:
             prep.staging.abort()
@@ -219,17 +219,17 @@ def start_async_save(state: Any, path: str | os.PathLike, *, overwrite: bool, al
     return handle
 
 
-def _snapshot(prep: PreparedSave, path: str | os.PathLike, guard: Any, memory_budget: int | None, fallback: str,
+def _snapshot(prep: PreparedSave, path: str | os.PathLike, guard: Any, staging_limit: int | None, fallback: str,
               sources: dict[str, np.ndarray], digests: dict[str, list[str]]
               ) -> tuple[tuple[list[str], list[str], CopyBatch | None, DeviceOrder | None], bool]:
     """This rank's budget check and snapshot; its note: whether it is over its budget. Fills
     ``sources`` (each key's staged bytes) and ``digests`` (the block hashes the copy made)."""
     needed = sum(staging_bytes(leaf.nbytes) for leaf in prep.leaves.values())
-    if memory_budget is not None and needed > memory_budget:
+    if staging_limit is not None and needed > staging_limit:
         if fallback == "raise":
             raise MemoryBudgetError(
                 f"{path}: the snapshot needs {needed} bytes of staging memory on rank {prep.comm.rank}, the budget "
-                f"is {memory_budget}; raise memory_budget, or pass fallback='sync' to save synchronously")
+                f"is {staging_limit} (staging_bytes); raise staging_bytes, or pass fallback='sync' to save synchronously")
         return ([], [], None, None), True
     faults.point("async.stage")
     eager, deferred = _split(prep, guard)

@@ -98,7 +98,7 @@ class TensorByteStream:
         window = self.budget // 2 // itemsize  # elements: half for the window, half for the reads' scratch
         if window < 1:
             raise MemoryBudgetError(
-                f"{self.ckpt.path}: tensor {key!r} has elements of {itemsize} bytes; memory_budget={self.budget} "
+                f"{self.ckpt.path}: tensor {key!r} has elements of {itemsize} bytes; buffer_bytes={self.budget} "
                 f"cannot hold a window of one and its read (at least {2 * itemsize} bytes)")
         out = np.empty(window * itemsize, dtype=np.uint8)
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, 2 * len(out))
