@@ -244,7 +244,7 @@ def tiers_fast_lost(rank: int, world: int, fast: str, durable: str, options: dic
     ref = reference()
     w, d = hold("dt_s0", ref["a"], rank, world), hold("manual", ref["d"], rank, world)
     state = {"w": w, "d": d, "step": 0}
-    tiers = [Tier(fast, keep_last=2), Tier(durable, every_steps=2, keep_last=2, storage_options=options)]
+    tiers = [Tier(fast, keep_last=2), Tier(durable, copy_every_steps=2, keep_last=2, storage_options=options)]
     saved: dict[int, list[bytes]] = {}
     with resurgo.CheckpointManager(tiers=tiers, every_steps=1) as mgr:
         for step in range(1, 6):

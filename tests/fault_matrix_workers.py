@@ -74,10 +74,10 @@ def tiers(where: Path, rank: int, kind: str) -> Any:
     from resurgo.manager import MemoryTier, Tier
 
     if kind == "tier":
-        return resurgo.CheckpointManager(tiers=[Tier(where / "fast"), Tier(where / "durable", every_steps=1)])
+        return resurgo.CheckpointManager(tiers=[Tier(where / "fast"), Tier(where / "durable", copy_every_steps=1)])
     if kind in ("memory", "peer"):  # two ranks a node; node n's memory under mem/node<n>
         memory = MemoryTier(replicas=1, root=str(where / "mem" / "node{node}"), node=rank // 2)
-        return resurgo.CheckpointManager(tiers=[memory, Tier(where / "durable", every_steps=1)])
+        return resurgo.CheckpointManager(tiers=[memory, Tier(where / "durable", copy_every_steps=1)])
     return resurgo.CheckpointManager(where / "mgr", async_save=False)
 
 

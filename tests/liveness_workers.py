@@ -103,10 +103,10 @@ def manager_fail_during(rank: int, world: int, root: str, out: str, victim: int,
 
     out_dir = Path(out)
     if kind == "tier":
-        mgr = resurgo.CheckpointManager(tiers=[Tier(f"{root}/fast"), Tier(f"{root}/durable", every_steps=1)])
+        mgr = resurgo.CheckpointManager(tiers=[Tier(f"{root}/fast"), Tier(f"{root}/durable", copy_every_steps=1)])
     elif kind == "memory":
         memory = MemoryTier(replicas=1, root=f"{root}/memory/node{{node}}", node=rank // 2)
-        mgr = resurgo.CheckpointManager(tiers=[memory, Tier(f"{root}/durable", every_steps=1)])
+        mgr = resurgo.CheckpointManager(tiers=[memory, Tier(f"{root}/durable", copy_every_steps=1)])
     else:
         mgr = resurgo.CheckpointManager(root, async_save=False)
     mgr.save(state(0, rank, world), 0)

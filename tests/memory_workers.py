@@ -50,7 +50,7 @@ def same(state: dict, step: int, rank: int, world: int) -> bool:
 
 def manager(tmp: str, rank: int, *, every_steps: int = 1, **kw) -> CheckpointManager:
     mem = MemoryTier(replicas=1, keep_last=1, root=os.path.join(tmp, "mem", "node{node}"), node=rank // 2)
-    return CheckpointManager(tiers=[mem, Tier(Path(tmp) / "durable", every_steps=every_steps)], **kw)
+    return CheckpointManager(tiers=[mem, Tier(Path(tmp) / "durable", copy_every_steps=every_steps)], **kw)
 
 
 def save_steps(rank: int, world: int, tmp: str, steps: list[int], every_steps: int = 1) -> dict:

@@ -89,7 +89,7 @@ def test_run_gc_and_list_checkpoints_treat_a_directory_and_a_url_alike(tmp_path,
 
 def test_tiers_copy_verify_retain_and_fall_back_to_durable(tmp_path, mem_url):
     fast = tmp_path / "fast"
-    tiers = [Tier(fast, keep_last=1), Tier(mem_url, every_steps=2, keep_last=2)]
+    tiers = [Tier(fast, keep_last=1), Tier(mem_url, copy_every_steps=2, keep_last=2)]
     with resurgo.CheckpointManager(tiers=tiers, every_steps=1, async_save=False) as mgr:
         for step in range(1, 8):
             mgr.maybe_save(_state(step), step)
@@ -114,7 +114,7 @@ def test_fast_tier_retention_keeps_a_step_until_its_durable_copy_is_done(tmp_pat
     keep_last=1 it would delete step 2 before its queued copy to the durable tier read it."""
     import threading
 
-    tiers = [Tier(tmp_path / "fast", keep_last=1), Tier(mem_url, every_steps=2)]
+    tiers = [Tier(tmp_path / "fast", keep_last=1), Tier(mem_url, copy_every_steps=2)]
     gate = threading.Event()
     with resurgo.CheckpointManager(tiers=tiers, every_steps=1, async_save=False) as mgr:
         mgr._janitor.submit(gate.wait)  # hold every copy and deletion until all saves are committed
@@ -144,7 +144,7 @@ def test_tier_arguments_are_checked(tmp_path):
     with pytest.raises(ValueError, match="either root"):
         resurgo.CheckpointManager(tmp_path, tiers=[Tier(tmp_path)])
     with pytest.raises(ValueError, match="the first tier takes every save"):
-        resurgo.CheckpointManager(tiers=[Tier(tmp_path, every_steps=2)])
+        resurgo.CheckpointManager(tiers=[Tier(tmp_path, copy_every_steps=2)])
     with pytest.raises(ValueError, match="keep_last must be an int >= 1"):
         Tier(tmp_path, keep_last=0)
 

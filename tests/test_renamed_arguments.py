@@ -16,7 +16,7 @@ import resurgo
 from resurgo.cli.app import app
 from resurgo.errors import MemoryBudgetError, UnsupportedValueError
 from resurgo.format import checksum
-from resurgo.manager import MemoryTier
+from resurgo.manager import CheckpointManager, MemoryTier, Tier
 from resurgo.renamed import renamed_keywords
 
 runner = CliRunner()
@@ -156,3 +156,28 @@ def test_the_cli_takes_buffer_and_still_memory_budget_hidden_with_a_warning(tmp_
     r = runner.invoke(app, ["import", str(tmp_path / "none.pt"), str(tmp_path / "i"), "--from", "torch",
                             "--memory-budget", "1B"])
     assert "warning: --memory-budget is deprecated" in r.stderr and not (tmp_path / "i").exists()
+
+
+def test_copy_every_steps_selects_a_tier_s_copies_and_every_steps_still_does(tmp_path, no_warnings):
+    durable = Tier(tmp_path / "durable", copy_every_steps=2)
+    assert [s for s in range(1, 7) if durable.selects(s)] == [2, 4, 6]
+    with pytest.warns(DeprecationWarning, match=r"^Tier\(every_steps=\.\.\.\) is deprecated: pass copy_every_steps= "
+                                                r"instead") as caught:
+        old = Tier(tmp_path / "durable", every_steps=2)
+    assert [w.filename for w in caught] == [__file__]
+    assert old == durable
+    with pytest.warns(DeprecationWarning, match=r"^Tier\.every_steps is deprecated: read copy_every_steps instead"):
+        assert old.every_steps == 2
+    with pytest.raises(UnsupportedValueError, match=r"^Tier: every_steps=2 and copy_every_steps=3 were both given"):
+        Tier(tmp_path, every_steps=2, copy_every_steps=3)
+    with pytest.raises(ValueError, match=r"copy_every_steps must be an int >= 1"):
+        Tier(tmp_path, copy_every_steps=0)
+    with pytest.raises(ValueError, match=r"copy_every_steps applies to the later tiers only"):
+        resurgo.CheckpointManager(tiers=[Tier(tmp_path, copy_every_steps=2)])
+    # the manager saves every step; the durable tier gets the even ones, whichever name selected them
+    with CheckpointManager(tiers=[Tier(tmp_path / "fast", keep_last=10), durable], every_steps=1,
+                           async_save=False) as mgr:
+        for step in range(1, 5):
+            mgr.maybe_save({"w": torch.full((4,), float(step))}, step)
+        mgr.wait()
+        assert mgr.steps(tier=0) == [1, 2, 3, 4] and mgr.steps(tier=1) == [2, 4]

@@ -48,8 +48,8 @@ def compose_tiers(root: str | os.PathLike | None, storage_options: dict | None,
                             for i, t in enumerate(found)):
         raise ValueError(f"tiers must be a non-empty list of resurgo.manager.Tier (a MemoryTier first, if "
                          f"any), not {found!r}")
-    if found[0].every_steps is not None:
-        raise ValueError("the first tier takes every save: every_steps applies to the later tiers only")
+    if found[0].copy_every_steps is not None:
+        raise ValueError("the first tier takes every save: copy_every_steps applies to the later tiers only")
     return found
 
 

@@ -76,7 +76,7 @@ class CheckpointManager:
     the saves.
 
     ``root`` is a directory or a URL (``s3://bucket/run``; ``storage_options`` go to fsspec). With
-    ``tiers=[Tier(fast), Tier(durable, every_steps=..., keep_last=...), ...]`` instead of a root,
+    ``tiers=[Tier(fast), Tier(durable, copy_every_steps=..., keep_last=...), ...]`` instead of a root,
     every save goes to the first tier and the checkpoints each later tier selects are copied there
     in the background and verified; ``restore`` takes the newest that verifies in any tier.
 

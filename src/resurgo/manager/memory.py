@@ -89,7 +89,7 @@ class MemoryTier:
     node: Hashable | Callable[[int], Hashable] | None = None
     node_bytes: int | None = None
 
-    every_steps = None  # it takes every save, as the first tier does
+    copy_every_steps = None  # it takes every save, as the first tier does
     storage_options = None  # a local directory
 
     def __post_init__(self) -> None:
