@@ -30,7 +30,7 @@ from typer.testing import CliRunner
 
 import resurgo
 from resurgo.cli import app
-from resurgo.conversion import parse_size, plain_values
+from resurgo.conversion import json_scalars, parse_size
 from resurgo.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -187,15 +187,15 @@ def test_safetensors_holds_every_tensor_bitwise_and_the_plain_values(tmp_path):
 def test_plain_values_follow_the_tree_and_the_prefix():
     state = {"model": {"cfg": {"depth": 2}, "w": torch.zeros(1)}, "opt": {"lr": 0.5, 3: "x"}}
     tree, _, _ = flatten_state(state)
-    assert plain_values(tree) == ({"model.cfg.depth": 2, "opt.lr": 0.5, "opt.3": "x"}, [])
-    assert plain_values(tree, "model.") == ({"cfg.depth": 2}, [])
+    assert json_scalars(tree) == ({"model.cfg.depth": 2, "opt.lr": 0.5, "opt.3": "x"}, [])
+    assert json_scalars(tree, "model.") == ({"cfg.depth": 2}, [])
     node = values.encode_scalar(float("inf"))
-    assert plain_values({"type": "dict", "items": [["a", node]]}) == ({}, ["a"])
+    assert json_scalars({"type": "dict", "items": [["a", node]]}) == ({}, ["a"])
     # Values saved per rank are keyed like their tensors: <key>@rank<r>.
     per_rank = {"type": "per_rank", "items": [{"type": "dict", "items": [["seed", values.encode_scalar(r)],
                                                                           ["raw", values.encode_scalar(b"x")]]}
                                               for r in (5, 6)]}
-    assert plain_values({"type": "dict", "items": [["rng", per_rank]]}) == (
+    assert json_scalars({"type": "dict", "items": [["rng", per_rank]]}) == (
         {"rng.seed@rank0": 5, "rng.seed@rank1": 6}, ["rng.raw@rank0", "rng.raw@rank1"])
 
 

@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 import resurgo
 from resurgo.cli import app
-from resurgo.conversion import is_dcp_output_file, weights_only_plain
+from resurgo.conversion import is_dcp_output_file, weights_only_loadable
 from resurgo.errors import CheckpointExistsError, KeyMismatchError, MemoryBudgetError, UnsupportedValueError
 from resurgo.format.manifest import TMP_MARKER
 from dcp_workers import build
@@ -94,7 +94,7 @@ def test_dcp_to_torch_save_gives_the_checkpoint_flattened(tmp_path):
     resurgo.convert(tmp_path / "ck", tmp_path / "dcp", to="dcp")
     dcp_to_torch_save(tmp_path / "dcp", tmp_path / "full.pt")
     got = torch.load(tmp_path / "full.pt", weights_only=False)
-    want, _ = flatten_state_dict(weights_only_plain(resurgo.load_dict(tmp_path / "ck")))
+    want, _ = flatten_state_dict(weights_only_loadable(resurgo.load_dict(tmp_path / "ck")))
     assert bits_equal(got, want)
     assert got["step"] == 42 and got["optimizer.param_groups.0.betas"] == (0.8, 0.95)
     assert isinstance(got["rng.0.python.state"], torch.Tensor)  # a numpy array, as a torch tensor

@@ -11,7 +11,7 @@ from the manifest), then the tensors' bytes, a batch within ``buffer_bytes`` at 
 state dict as objects, and one directory is written by one ``dcp.save``).
 
 What each target keeps (docs/convert.md):
-- safetensors: every tensor under its flat key; in ``__metadata__``, the plain non-tensor values
+- safetensors: every tensor under its flat key; in ``__metadata__``, the non-tensor values that are JSON scalars
   (None, bool, int, str, finite float) as one JSON object under ``resurgo.values``, the step and
   the user metadata; other values (bytes, complex, NaN, numpy scalars, pickles, ...) are dropped
   and listed in the report. Dtypes safetensors lacks are stored as resurgo stores them in its
@@ -21,7 +21,7 @@ What each target keeps (docs/convert.md):
 - torch: the nested structure ``resurgo.load_dict`` returns, in types ``torch.load`` accepts with
   its default ``weights_only=True``: a value saved per rank becomes a list indexed by rank, a numpy
   array a torch tensor of the same dtype, shape and bytes, a numpy scalar a Python number
-  (:func:`weights_only_plain`). Pickled values (``allow_pickle=True``) stay objects.
+  (:func:`weights_only_loadable`). Pickled values (``allow_pickle=True``) stay objects.
 - dcp: that structure flattened as DCP flattens a nested state dict (dict keys joined by ".", lists
   holding tensors or dicts indexed, other values whole), written by DCP's own ``dcp.save`` and
   ``FileSystemWriter``: tensors whole (one chunk each), other values as DCP byte items. So
@@ -183,7 +183,7 @@ def _to_safetensors(ckpt: Checkpoint, manifest: Manifest, dst: Path, to: str, on
                     shard_limit: int, budget: int, overwrite: bool, threads: int,
                     progress: Callable[[int], None] | None) -> ConvertReport:
     names = select_tensors(manifest, only, str(ckpt.path))
-    kept, dropped = plain_values(manifest.tree, only)
+    kept, dropped = json_scalars(manifest.tree, only)
     if to == "hf":
         shards = plan_shards([(k, tensor_nbytes(manifest.tensors[k])) for k in names], shard_limit)
         files: list[tuple[str | None, list[str], dict[str, str]]] = [
@@ -441,13 +441,13 @@ def _write_bytes(output: AtomicOutput, rel: str, data: bytes) -> int:
 
 
 # -- non-tensor values --------------------------------------------------------------------------
-_PLAIN = ("none", "bool", "int", "str", "float")
+_JSON_SCALARS = ("none", "bool", "int", "str", "float")
 
 
-def plain_values(tree: dict, only: str | None = None) -> tuple[dict[str, Any], list[str]]:
-    """({key: value} of the plain non-tensor leaves, keys of the other non-tensor leaves), in tree
-    order, restricted to keys under ``only`` (stripped). Plain: None, bool, int, str, finite
-    float (exact in JSON). Empty containers and everything else are not plain. Nothing is
+def json_scalars(tree: dict, only: str | None = None) -> tuple[dict[str, Any], list[str]]:
+    """({key: value} of the non-tensor leaves that are JSON scalars, keys of the other non-tensor
+    leaves), in tree order, restricted to keys under ``only`` (stripped). JSON scalars: None, bool,
+    int, str, finite float (exact in JSON); not empty containers nor anything else. Nothing is
     unpickled."""
     kept: dict[str, Any] = {}
     dropped: list[str] = []
@@ -457,8 +457,8 @@ def plain_values(tree: dict, only: str | None = None) -> tuple[dict[str, Any], l
             if not key.startswith(only):
                 continue
             key = key[len(only):]
-        value = values.decode_scalar(node, f"tree node {key!r}", allow_pickle=False) if node["type"] in _PLAIN else None
-        if node["type"] in _PLAIN and not (isinstance(value, float) and not math.isfinite(value)):
+        value = values.decode_scalar(node, f"tree node {key!r}", allow_pickle=False) if node["type"] in _JSON_SCALARS else None
+        if node["type"] in _JSON_SCALARS and not (isinstance(value, float) and not math.isfinite(value)):
             kept[key] = value
         else:
             dropped.append(key)
@@ -476,21 +476,21 @@ def torch_save_supports(dtype: str) -> bool:
     return True
 
 
-def weights_only_plain(value: Any) -> Any:
+def weights_only_loadable(value: Any) -> Any:
     """``value`` (what ``load_dict`` returns) with only what ``torch.load(weights_only=True)``
     reads: per-rank values as a list indexed by rank, numpy arrays as torch tensors (sharing their
     memory), numpy scalars as Python numbers (equal, so dict keys stay distinct); containers keep
     their types, other values are kept."""
     if isinstance(value, PerRank):
-        return [weights_only_plain(v) for v in (value.saved if value.saved is not None else [value.value])]
+        return [weights_only_loadable(v) for v in (value.saved if value.saved is not None else [value.value])]
     if isinstance(value, np.ndarray):
         return torch.from_numpy(value)
     if isinstance(value, np.generic):
         return value.item()
     if type(value) in (list, tuple):
-        return type(value)(weights_only_plain(v) for v in value)
+        return type(value)(weights_only_loadable(v) for v in value)
     if isinstance(value, dict):
-        return type(value)((weights_only_plain(k), weights_only_plain(v)) for k, v in value.items())
+        return type(value)((weights_only_loadable(k), weights_only_loadable(v)) for k, v in value.items())
     return value
 
 
@@ -519,7 +519,7 @@ def _to_torch(src: str | os.PathLike, storage_options: dict | None, ckpt: Checkp
     try:
         t0 = time.perf_counter()
         # convert checked the expansion already, or was allowed it
-        state = weights_only_plain(load_dict(src, verify=True, allow_pickle=allow_pickle, io_threads=threads,
+        state = weights_only_loadable(load_dict(src, verify=True, allow_pickle=allow_pickle, io_threads=threads,
                                              storage_options=storage_options, allow_expansion=True))
         t1 = time.perf_counter()
         with open(output.path(), "x+b") as f:
@@ -594,7 +594,7 @@ def _to_dcp(src: str | os.PathLike, storage_options: dict | None, ckpt: Checkpoi
     try:
         t0 = time.perf_counter()
         # convert checked the expansion already, or was allowed it
-        state = weights_only_plain(load_dict(src, verify=True, allow_pickle=allow_pickle, io_threads=threads,
+        state = weights_only_loadable(load_dict(src, verify=True, allow_pickle=allow_pickle, io_threads=threads,
                                              storage_options=storage_options, allow_expansion=True))
         items, skipped = dcp_items(state, only, str(ckpt.path))
         t1 = time.perf_counter()

@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 
 from resurgo.cli.app import EXIT_USAGE, fail_cleanly, size_option
-from resurgo.cli.render import console, error, human_bytes, human_seconds, plain_table, plural, print_json
+from resurgo.cli.render import console, error, human_bytes, human_seconds, plural, print_json, simple_table
 
 
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -64,7 +64,7 @@ def bench(
     out = console()
     out.print(f"[bold]{human_bytes(report.state_bytes)}[/bold] in {plural(report.tensors, 'tensor')} at "
               f"{escape(report.location)}, medians of {report.repeats}", soft_wrap=True)
-    table = plain_table("", "median s", "GB/s", "each run s")
+    table = simple_table("", "median s", "GB/s", "each run s")
     for m, median in report.medians.items():
         rate = report.gb_per_s.get(m)
         table.add_row(_BENCH_LABELS[m], f"{median:.3f}", "-" if rate is None else f"{rate:.2f}",

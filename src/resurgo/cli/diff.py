@@ -11,7 +11,7 @@ import typer
 from rich.markup import escape
 
 from resurgo.cli.app import EXIT_DIFFERENT, EXIT_OK, OLD_BUFFER_HELP, buffer_option, fail_cleanly
-from resurgo.cli.render import clip, console, human_bytes, plain_table, plural, print_json, render_node
+from resurgo.cli.render import clip, console, human_bytes, plural, print_json, render_node, simple_table
 
 if TYPE_CHECKING:
     from resurgo.diff import CheckpointDiff, TensorDiff
@@ -71,17 +71,17 @@ def _print_diff(d: CheckpointDiff) -> None:
     out = console()
     out.print(f"[bold]A[/bold] {escape(d.a)}\n[bold]B[/bold] {escape(d.b)}", soft_wrap=True)
     if d.fields:
-        table = plain_table("field", "A", "B")
+        table = simple_table("field", "A", "B")
         for name, x, y in d.fields:
             table.add_row(escape(name), escape(clip(json.dumps(x))), escape(clip(json.dumps(y))))
         out.print(table)
     if d.tensors:
-        table = plain_table("tensor", "A", "B", "difference")
+        table = simple_table("tensor", "A", "B", "difference")
         for t in d.tensors:
             table.add_row(escape(t.key), t.a or "-", t.b or "-", escape(_diff_detail(t)))
         out.print(table)
     if d.values:
-        table = plain_table("value", "A", "B")
+        table = simple_table("value", "A", "B")
         for v in d.values:
             table.add_row(escape(v.key), escape(render_node(v.a)), escape(render_node(v.b)))
         out.print(table)

@@ -93,7 +93,7 @@ def format_metrics(metrics: dict) -> str:
                      for k, v in metrics.items())
 
 
-def plain_table(*columns: str) -> Table:
+def simple_table(*columns: str) -> Table:
     """A table with a header rule and the given columns, each folding long text."""
     table = Table(box=box.SIMPLE_HEAD, show_edge=False)
     for name in columns:

@@ -32,15 +32,15 @@ from resurgo.storage.open import open_root
 from resurgo.wording import plural
 
 
-def _plain(value: Any) -> Any:
+def _as_builtin(value: Any) -> Any:
     """Lightning's dict subclasses (OrderedDict state dicts, AttributeDict hyper-parameters) as
-    plain dicts, which resurgo stores as JSON; any other value is left for resurgo to judge."""
+    builtin dicts, which resurgo stores as JSON; any other value is left for resurgo to judge."""
     if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: _as_builtin(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_plain(v) for v in value]
+        return [_as_builtin(v) for v in value]
     if isinstance(value, tuple) and type(value) is tuple:
-        return tuple(_plain(v) for v in value)
+        return tuple(_as_builtin(v) for v in value)
     return value
 
 
@@ -72,11 +72,11 @@ class CheckpointIOMethods:
         # atomically and refuses (ForeignFilesError) anything resurgo did not write.
         # Lightning calls this on global rank 0 only, with the whole state: a save of one process.
         if not (self.asynchronous and "global_step" in checkpoint):
-            save(_plain(checkpoint), path, **kwargs)
+            save(_as_builtin(checkpoint), path, **kwargs)
             return
         self._collect(done_only=True)
         self._wait_for(Path(path))  # a second save of one path starts after the first committed
-        self._in_flight[Path(path)] = async_save(_plain(checkpoint), path, **kwargs)
+        self._in_flight[Path(path)] = async_save(_as_builtin(checkpoint), path, **kwargs)
 
     def load_checkpoint(self, path: str | os.PathLike, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -389,7 +389,7 @@ class ShardedStrategyMethods:
         step = checkpoint.get("global_step")
         # Collective: every process writes its shards. Lightning saves "last.ckpt" again and again:
         # overwrite replaces a resurgo checkpoint atomically, and refuses what resurgo did not write.
-        save(_shards(_plain(checkpoint)), path, overwrite=True, allow_pickle=self.allow_pickle,
+        save(_shards(_as_builtin(checkpoint)), path, overwrite=True, allow_pickle=self.allow_pickle,
              step=step if isinstance(step, int) else None)
 
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:

@@ -187,8 +187,8 @@ def _base_names(base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     are if two would get the same name."""
     renamed = {}
     for name, t in base.items():
-        plain = name[len(_WRAPPER_PREFIX):] if name.startswith(_WRAPPER_PREFIX) else name
-        renamed[".".join(p for p in plain.split(".") if p not in _WRAPPER_PARTS)] = t
+        unprefixed = name[len(_WRAPPER_PREFIX):] if name.startswith(_WRAPPER_PREFIX) else name
+        renamed[".".join(p for p in unprefixed.split(".") if p not in _WRAPPER_PARTS)] = t
     return renamed if len(renamed) == len(base) else base
 
 

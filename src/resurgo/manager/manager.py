@@ -48,7 +48,7 @@ from resurgo.manager.preemption import Preemption
 from resurgo.manager.prune import prune
 from resurgo.manager.restore import Restorer
 from resurgo.manager.retention import RetentionPolicy
-from resurgo.manager.saving import SaveSettings, make_way, plain_metrics, start_save
+from resurgo.manager.saving import SaveSettings, json_metrics, make_way, start_save
 from resurgo.manager.tier_copy import TierCopies
 from resurgo.manager.tiers import Tier
 from resurgo.storage.base import Root
@@ -264,7 +264,7 @@ class CheckpointManager:
     def _save(self, step: int, state: Any, metrics: Mapping[str, Any] | None) -> None:
         t_start = time.monotonic()
         path = self.path_for(step)
-        metadata = {"metrics": plain_metrics(metrics)}  # the state's; the save's own figures go apart
+        metadata = {"metrics": json_metrics(metrics)}  # the state's; the save's own figures go apart
         save_info = {"save_cost_seconds": self._save_cost, **self._retention_record}
         self._wait_commit()  # the previous save: its error is raised here, its retention starts
         overwrite = make_way(self._store, path, step, self._rank, self._janitor)

@@ -28,7 +28,7 @@ from resurgo.storage.base import Root
 log = logging.getLogger("resurgo.manager")
 
 
-def plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float | None]:
+def json_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float | None]:
     """Metrics as JSON numbers (0-d tensors and numpy scalars too); NaN and inf become None."""
     if metrics is None:
         return {}

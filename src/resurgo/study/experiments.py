@@ -164,7 +164,7 @@ def _remove(path: Path) -> None:
 
 def _state_bytes(job: Training) -> tuple[int, int]:
     """Raw bytes of the model's state_dict tensors and of the optimizer's state tensors."""
-    return tensor_bytes(job.plain_model.state_dict()), tensor_bytes(job.optimizer.state_dict()["state"])
+    return tensor_bytes(job.unwrapped_model.state_dict()), tensor_bytes(job.optimizer.state_dict()["state"])
 
 
 # -- experiment 1 + 2: cost, formats and sizes --------------------------------------------------

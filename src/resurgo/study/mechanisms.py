@@ -118,14 +118,14 @@ class TorchSave(Mechanism):
     def save(self, job: Training, path: Path) -> Optional[Completion]:
         if job.rank == 0:
             path.mkdir(parents=True, exist_ok=True)
-            torch.save({"model": job.plain_model.state_dict(), "optimizer": job.optimizer.state_dict(),
+            torch.save({"model": job.unwrapped_model.state_dict(), "optimizer": job.optimizer.state_dict(),
                         "step": job.step}, path / self.FILE)
             self._written(path)
         return None
 
     def load(self, job: Training, path: Path) -> Optional[int]:
         ckpt = torch.load(path / self.FILE, map_location="cpu")
-        job.plain_model.load_state_dict(ckpt["model"])
+        job.unwrapped_model.load_state_dict(ckpt["model"])
         job.optimizer.load_state_dict(ckpt["optimizer"])
         return int(ckpt["step"])
 
@@ -303,14 +303,14 @@ class SafetensorsWeights(Mechanism):
 
         if job.rank == 0:
             path.mkdir(parents=True, exist_ok=True)
-            save_file(job.plain_model.state_dict(), str(path / self.FILE))
+            save_file(job.unwrapped_model.state_dict(), str(path / self.FILE))
             self._written(path)
         return None
 
     def load(self, job: Training, path: Path) -> Optional[int]:
         from safetensors.torch import load_file
 
-        job.plain_model.load_state_dict(load_file(str(path / self.FILE)))
+        job.unwrapped_model.load_state_dict(load_file(str(path / self.FILE)))
         return None
 
 

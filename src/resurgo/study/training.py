@@ -68,7 +68,7 @@ class Training:
         self.state.step = value
 
     @property
-    def plain_model(self) -> nn.Module:
+    def unwrapped_model(self) -> nn.Module:
         """The network without a DistributedDataParallel wrapper (what users save weights of)."""
         module = getattr(self.model, "module", None)
         return module if isinstance(module, nn.Module) else self.model
