@@ -25,7 +25,7 @@ from resurgo.errors import CorruptCheckpointError
 from resurgo.format.manifest import parse_manifest
 from resurgo.pipeline.reader import place_destinations, plan_tasks, read_ops
 from resurgo.plan.load_plan import plan_reads
-from resurgo.state.unflatten import Restorer
+from resurgo.state.unflatten import TargetFill
 from resurgo.storage.local import CheckpointDir
 
 
@@ -94,10 +94,10 @@ def test_tensors_of_one_read_are_loaded_alone(tmp_path, io_threads):
     resurgo.save(saved, path)
     ckpt = CheckpointDir(path)
     manifest = parse_manifest(ckpt.read_manifest_bytes(), "test")
-    restorer = Restorer(manifest)
-    restorer.restore({k: torch.zeros_like(v) for k, v in saved.items()})
-    placed, _, _ = place_destinations(restorer.destinations)
-    assert len(plan_reads(placed, {d.key: d.entry for d in restorer.destinations})) == 1  # one request
+    target_fill = TargetFill(manifest)
+    target_fill.plan({k: torch.zeros_like(v) for k, v in saved.items()})
+    placed, _, _ = place_destinations(target_fill.destinations)
+    assert len(plan_reads(placed, {d.key: d.entry for d in target_fill.destinations})) == 1  # one request
     flip_stored_bit(path, "t09")
     target = {k: torch.full_like(v, 7.0) for k, v in saved.items()}
     with pytest.raises(CorruptCheckpointError) as info:
@@ -244,10 +244,10 @@ def test_bytes_read_into_memory_wait_there_until_verified(tmp_path):
     chunk = manifest.tensors["t3"].chunks[0]
     targets = {k: torch.full_like(v, 2.0) for k, v in saved.items()}
     before = copy.deepcopy(targets)
-    restorer = Restorer(manifest)
-    restorer.restore(targets)
-    placed, bufs, _ = place_destinations(restorer.destinations)
-    entries = {d.key: d.entry for d in restorer.destinations}
+    target_fill = TargetFill(manifest)
+    target_fill.plan(targets)
+    placed, bufs, _ = place_destinations(target_fill.destinations)
+    entries = {d.key: d.entry for d in target_fill.destinations}
     ops = plan_reads(placed, entries, max_piece_bytes=1 << 20)  # 4 reads per tensor
     tasks = plan_tasks(manifest, ops, {name}, True)
     assert len(tasks) == 24

@@ -18,16 +18,16 @@ from resurgo.errors import UnsupportedValueError
 from resurgo.pipeline.shared_read import SharedLoad, _whole_chunks, mixed_share_reads
 from resurgo.plan.load_plan import ReadOp, ReadPart
 from resurgo.plan.share_plan import plan_shares
-from resurgo.state.unflatten import Restorer
+from resurgo.state.unflatten import TargetFill
 from resurgo.storage.open import open_checkpoint
 
 
 def _shared_load(path, target, verify: bool = True) -> SharedLoad:
     ckpt = open_checkpoint(str(path)).pinned()
     manifest, _ = read_manifest_and_bytes(ckpt, resolved=False)
-    restorer = Restorer(manifest, strict=False)
-    restorer.restore(target)
-    destinations = restorer.destinations
+    target_fill = TargetFill(manifest, strict=False)
+    target_fill.plan(target)
+    destinations = target_fill.destinations
     if manifest.indexed:
         manifest = resolve_for(ckpt, manifest, {d.key: [p.place for p in d.local_pieces()] for d in destinations}, {})
         destinations = [replace(d, entry=manifest.tensors[d.key]) for d in destinations]

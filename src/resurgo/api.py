@@ -19,7 +19,7 @@ from resurgo.dist.comm import alone
 from resurgo.format.manifest import Manifest
 from resurgo.pipeline import inflight
 from resurgo.pipeline.async_save import AsyncSaveHandle, start_async_save
-from resurgo.pipeline.load import restore
+from resurgo.pipeline.load import load_into
 from resurgo.pipeline.manifest_read import read_manifest_of
 from resurgo.pipeline.save import DEFAULT_IO_THREADS, LazySources, prepare_save, write_and_commit
 from resurgo.renamed import renamed_keywords
@@ -165,7 +165,7 @@ def load(state: Any, path: str | os.PathLike, *, strict: bool = True, verify: bo
     naming each rank's value.
     """
     with _scope("load", path, collective):
-        _, report = restore(state, path, strict=strict, verify=verify, allow_pickle=allow_pickle,
+        _, report = load_into(state, path, strict=strict, verify=verify, allow_pickle=allow_pickle,
                             io_threads=io_threads, storage_options=storage_options,
                             ignore_mismatched=ignore_mismatched, share_reads=share_reads,
                             allow_expansion=allow_expansion)
@@ -181,6 +181,6 @@ def load_dict(path: str | os.PathLike, *, verify: bool = True, allow_pickle: boo
     placing many tensors on the same bytes; tied weights take 2 times) raise ExpansionError
     before any is allocated, unless ``allow_expansion=True``."""
     with _scope("load_dict", path, collective):
-        result, _ = restore(None, path, strict=True, verify=verify, allow_pickle=allow_pickle, io_threads=io_threads,
+        result, _ = load_into(None, path, strict=True, verify=verify, allow_pickle=allow_pickle, io_threads=io_threads,
                             storage_options=storage_options, allow_expansion=allow_expansion)
     return result

@@ -28,7 +28,7 @@ from resurgo.manager import agreement
 from resurgo.manager.catalog import COMMITTED, CORRUPT, INCOMPLETE, checkpoint_name, classify, scan
 from resurgo.manager.memory import MemoryNodes, Refill
 from resurgo.pipeline import inflight
-from resurgo.pipeline.load import restore as restore_into
+from resurgo.pipeline.load import load_into
 from resurgo.pipeline.peer_read import PeerFiles
 from resurgo.storage.base import Root
 
@@ -46,7 +46,7 @@ def try_load(state: Any, path: Path | str, step: int, strict: bool, storage_opti
         if peers is None:
             report = load(state, path, strict=strict, verify=True, storage_options=storage_options)
         else:  # the files this rank's node lacks are read from peers' memory
-            _, report = restore_into(state, path, strict=strict, verify=True, allow_pickle=False,
+            _, report = load_into(state, path, strict=strict, verify=True, allow_pickle=False,
                                      io_threads=DEFAULT_IO_THREADS, peers=peers)
     except UNREADABLE as e:
         return UNREADABLE_HERE, e

@@ -2,7 +2,7 @@
 fill its containers.
 
 Every rank reads only what its own layout needs. The whole plan is checked before the target
-changes (:class:`~resurgo.state.unflatten.Restorer`); if any rank fails, every rank raises the
+changes (:class:`~resurgo.state.unflatten.TargetFill`); if any rank fails, every rank raises the
 same error (:func:`~resurgo.dist.comm.Comm.agree`). The ranks' arguments travel with that
 agreement and are compared first: ranks that passed different ones all raise
 UnsupportedValueError, whatever failed where, and no rank has read a byte yet. No byte that fails its checksum reaches a
@@ -40,23 +40,23 @@ from resurgo.pipeline.peer_read import PeerFiles, PeerLoad
 from resurgo.pipeline.reader import ReadResult, read_destinations
 from resurgo.pipeline.shared_read import SharedLoad, agree_plan, mixed_share_reads, share_note
 from resurgo.reports import LoadReport
-from resurgo.state.unflatten import Destination, Restorer
+from resurgo.state.unflatten import Destination, TargetFill
 from resurgo.storage.base import Checkpoint
 from resurgo.storage.open import is_url, open_checkpoint
 from resurgo.wording import plural
 
 
-def restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool, allow_pickle: bool,
+def load_into(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool, allow_pickle: bool,
             io_threads: int, storage_options: dict | None = None,
             ignore_mismatched: bool = False, share_reads: bool | None = None,
             peers: PeerFiles | None = None, allow_expansion: bool = False) -> tuple[Any, LoadReport]:
-    """Plan, check and read everything, then fill the target (see :func:`_restore`). A
+    """Plan, check and read everything, then fill the target (see :func:`_load_into`). A
     CorruptCheckpointError says which of this rank's target tensors were loaded and which were
     left untouched."""
     loaded: set[str] = set()
     planned: list[list[Destination]] = []
     try:
-        return _restore(target, path, strict=strict, verify=verify, allow_pickle=allow_pickle, io_threads=io_threads,
+        return _load_into(target, path, strict=strict, verify=verify, allow_pickle=allow_pickle, io_threads=io_threads,
                         storage_options=storage_options, ignore_mismatched=ignore_mismatched,
                         share_reads=share_reads, peers=peers, loaded=loaded, planned=planned,
                         allow_expansion=allow_expansion)
@@ -89,7 +89,7 @@ def _some(keys: list[str], most: int = 8) -> str:
     return f" ({', '.join(map(repr, keys[:most]))}{more})"
 
 
-def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool, allow_pickle: bool,
+def _load_into(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool, allow_pickle: bool,
              io_threads: int, storage_options: dict | None = None,
              ignore_mismatched: bool = False, share_reads: bool | None = None,
              peers: PeerFiles | None = None, loaded: set[str], planned: list[list[Destination]],
@@ -117,7 +117,7 @@ def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool
     seen: list[bytes] = []  # the manifest this attempt read
     indexes_read: dict[str, int] = {}
 
-    def plan_and_read() -> tuple[tuple[Restorer, Any, ReadResult | SharedLoad | PeerLoad | _PlannedRead, Manifest, float],
+    def plan_and_read() -> tuple[tuple[TargetFill, Any, ReadResult | SharedLoad | PeerLoad | _PlannedRead, Manifest, float],
                                  Any]:
         """The load planned (and read when this process loads alone), and this rank's note for the
         others: the manifest it read, and what planning shared reads needs (None: not sharing). In a
@@ -145,14 +145,14 @@ def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool
                     return distinct_bytes(manifest)
                 return distinct_bytes(resolve_for(ckpt, manifest, None, indexes_read))  # every chunk counts
 
-            restorer = Restorer(manifest, allow_pickle=allow_pickle, strict=strict, rank=comm.rank, world=comm.size,
+            target_fill = TargetFill(manifest, allow_pickle=allow_pickle, strict=strict, rank=comm.rank, world=comm.size,
                                 source=str(ckpt.path), ignore_mismatched=ignore_mismatched,
                                 stored_bytes=None if allow_expansion else stored_bytes)
-            result = restorer.restore(target)
-            if strict and (restorer.missing or restorer.unexpected):
-                raise KeyMismatchError(_key_mismatch_message(ckpt, restorer.missing, restorer.unexpected),
-                                       restorer.missing, restorer.unexpected)
-            destinations = restorer.destinations
+            result = target_fill.plan(target)
+            if strict and (target_fill.missing or target_fill.unexpected):
+                raise KeyMismatchError(_key_mismatch_message(ckpt, target_fill.missing, target_fill.unexpected),
+                                       target_fill.missing, target_fill.unexpected)
+            destinations = target_fill.destinations
             planned[:] = [destinations]
             if manifest.indexed and not whole:  # the chunks this rank needs, from the indexes that hold them
                 manifest = resolve_for(ckpt, manifest, {d.key: [p.place for p in d.local_pieces()] for d in destinations},
@@ -167,19 +167,19 @@ def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool
                 opened.append(PeerLoad(ckpt, manifest, destinations, verify, io_threads, peers,
                                        ckpt.map_read, loaded))  # type: ignore[attr-defined]
                 keep_open = True
-                return (restorer, result, opened[-1], manifest, t_plan), (version, None)
+                return (target_fill, result, opened[-1], manifest, t_plan), (version, None)
             if sharing:  # read once every rank agreed on the plan: the sharing is collective
                 shared = SharedLoad(ckpt, manifest, destinations, verify, io_threads, loaded)
                 opened.append(shared)
                 keep_open = True
-                return ((restorer, result, shared, manifest, t_plan),
+                return ((target_fill, result, shared, manifest, t_plan),
                         (version, share_note(shared.needs, is_url(path))))
             planned_read = _PlannedRead(ckpt, manifest, destinations, verify, io_threads, loaded, target is not None)
             if comm.size > 1:  # read once every rank agreed on the call (the read is agreed too)
                 opened.append(planned_read)
                 keep_open = True
-                return (restorer, result, planned_read, manifest, t_plan), (version, None)
-            return (restorer, result, planned_read.read(), manifest, t_plan), (version, None)
+                return (target_fill, result, planned_read, manifest, t_plan), (version, None)
+            return (target_fill, result, planned_read.read(), manifest, t_plan), (version, None)
         finally:
             if not keep_open:
                 ckpt.close()
@@ -234,7 +234,7 @@ def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool
         seen.clear()
         try:
             try:
-                (restorer, result, read, manifest, t_plan), notes = comm.agree_noting(plan_and_read, call, check_call)
+                (target_fill, result, read, manifest, t_plan), notes = comm.agree_noting(plan_and_read, call, check_call)
             except BaseException:  # another rank failed, or the ranks' arguments differ: nothing is read
                 close_opened()
                 raise
@@ -263,13 +263,13 @@ def _restore(target: Any, path: str | os.PathLike, *, strict: bool, verify: bool
     if shared_load is not None:
         seconds["assemble"] = seconds.get("assemble", 0.0) + shared_load.finish()
     # A Stateful's load_state_dict may refuse on one rank only: every rank raises its error.
-    comm.agree(restorer.run_actions)
+    comm.agree(target_fill.run_actions)
     seconds["plan"] = t_plan + seconds.get("plan", 0.0)
     seconds["total"] = time.perf_counter() - t_start
     return result, LoadReport(
-        path=str(path), bytes_read=read.bytes_read, files=read.files, num_tensors=len(restorer.destinations),
-        seconds=seconds, missing_keys=restorer.missing, unexpected_keys=restorer.unexpected,
-        mismatched_keys=restorer.mismatched, step=manifest.step,
+        path=str(path), bytes_read=read.bytes_read, files=read.files, num_tensors=len(target_fill.destinations),
+        seconds=seconds, missing_keys=target_fill.missing, unexpected_keys=target_fill.unexpected,
+        mismatched_keys=target_fill.mismatched, step=manifest.step,
         metadata_bytes_read=len(seen[0]) + sum(indexes_read.values()),
         bytes_received=read.bytes_received, shared=bool(shared_info["shared"]),
         share_plan_bytes_sent=int(shared_info["plan_bytes"]),

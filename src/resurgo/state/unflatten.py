@@ -1,6 +1,6 @@
 """Load side: match the manifest's tree against the target state and plan what to fill.
 
-:class:`Restorer` walks the saved tree and the caller's state together, without touching either:
+:class:`TargetFill` walks the saved tree and the caller's state together, without touching either:
 it finds the destination tensor of every saved tensor (the target's own, or a new one), checks
 dtype and shape, collects missing and unexpected keys, and records, in post-order, the actions
 that will put values into the target's containers and call ``load_state_dict`` once the bytes
@@ -57,8 +57,9 @@ class Destination:
 
 
 @dataclass
-class Restorer:
-    """``source`` names the checkpoint in every error. A tensor whose dtype or shape differs from
+class TargetFill:
+    """How a checkpoint's tree fills a target: planned (:meth:`plan`), then applied
+    (:meth:`run_actions`) once every byte is in. ``source`` names the checkpoint in every error. A tensor whose dtype or shape differs from
     its target raises (whatever ``strict`` says, which is about keys) unless ``ignore_mismatched``:
     then it is left as it is and its key listed in ``mismatched``."""
 
@@ -83,7 +84,7 @@ class Restorer:
     _stored: int = 0
 
     # -- public ---------------------------------------------------------------------------------
-    def restore(self, target: Any) -> Any:
+    def plan(self, target: Any) -> Any:
         """Plan the load of the whole tree into ``target`` (None: build new values)."""
         return self._node(self.manifest.tree, target, (), 0)
 
