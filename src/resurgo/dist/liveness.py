@@ -24,6 +24,7 @@ within the heartbeat limit, not at gloo's timeout. A rank waiting on its peers i
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -573,13 +574,14 @@ def _watched(wait: Callable[[], None], peers: list[int]) -> None:
         finally:
             done.set()
 
-    threading.Thread(target=run, name="resurgo-collective-wait", daemon=True).start()
+    thread = threading.Thread(target=run, name="resurgo-collective-wait", daemon=True)
+    thread.start()
     watch = _Watch(job, "", 0)
-    known = [job.failed[r] for r in peers if r in job.failed]
-    if known:
-        raise rank_failed(known)
     job.transfers += 1
     try:
+        known = [job.failed[r] for r in peers if r in job.failed]
+        if known:
+            raise rank_failed(known)
         while not done.wait(BEAT_PERIOD):
             store = job.client()
             failed = job.verdict(store) or watch.failed(peers, arrival=False)
@@ -589,3 +591,24 @@ def _watched(wait: Callable[[], None], peers: list[int]) -> None:
         raise _store_failed(job, e) from e
     finally:
         job.transfers -= 1
+        if not done.is_set():
+            _left_behind(thread)
+
+
+_behind: list[threading.Thread] = []
+
+
+def _left_behind(thread: threading.Thread) -> None:
+    """A wait left inside gloo after its peer failed. gloo ends it with an error once the peer's
+    connections close (the peer killed); an error reaching it while the interpreter finalizes
+    aborts the process ("terminate called"), so exit waits a moment for it first."""
+    with _lock:
+        if not _behind:
+            atexit.register(_join_left_behind)
+        _behind.append(thread)
+
+
+def _join_left_behind(seconds: float = 2.0) -> None:
+    deadline = time.monotonic() + seconds
+    for thread in list(_behind):
+        thread.join(max(0.0, deadline - time.monotonic()))
