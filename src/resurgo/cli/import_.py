@@ -14,14 +14,14 @@ from rich.markup import escape
 from resurgo.cli.app import EXIT_USAGE, OLD_BUFFER_HELP, buffer_option, fail_cleanly
 from resurgo.cli.render import console, error, human_bytes, plural, print_json
 
-FROM = ("dcp", "hf", "peft", "torch", "spec", "deepspeed")
+FROM = ("dcp", "hf", "peft", "torch", "spec", "deepspeed", "megatron")
 
 
 def import_(
-    src: str = typer.Argument(..., metavar="SRC", help="dcp: a torch.distributed.checkpoint directory; deepspeed: a DeepSpeed checkpoint directory; hf: a model directory; peft: a PEFT adapter folder; torch: a torch.save file; "
+    src: str = typer.Argument(..., metavar="SRC", help="dcp: a torch.distributed.checkpoint directory; deepspeed: a DeepSpeed checkpoint directory; megatron: a Megatron-LM checkpoint directory; hf: a model directory; peft: a PEFT adapter folder; torch: a torch.save file; "
                                                          "spec: the directory the spec's file names are relative to."),
     dst: Optional[str] = typer.Argument(None, metavar="DST", help="The new checkpoint (must not exist)."),
-    source: str = typer.Option(..., "--from", metavar="FORMAT", help="dcp | deepspeed | hf | peft | torch | spec."),
+    source: str = typer.Option(..., "--from", metavar="FORMAT", help="dcp | deepspeed | megatron | hf | peft | torch | spec."),
     spec: Optional[Path] = typer.Option(None, "--spec", metavar="FILE", help="A spec JSON file (needed with --from spec)."),
     emit_spec: Optional[Path] = typer.Option(
         None, "--emit-spec", metavar="FILE", help="Write the spec the importer produces to FILE and import nothing."),
@@ -39,7 +39,7 @@ def import_(
                                          "(stride-0 tensors); refused otherwise."),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable report."),
 ) -> None:
-    """Import a foreign checkpoint (DCP, DeepSpeed ZeRO, Hugging Face, PEFT adapters, torch.save, or any files a spec describes).
+    """Import a foreign checkpoint (DCP, DeepSpeed ZeRO, Megatron-LM, Hugging Face, PEFT adapters, torch.save, or any files a spec describes).
 
     Exit 0 done, 2 refused (bad spec, DST exists, pickled code), 3 damaged source (truncated
     file, replicas that differ), 4 source not found."""

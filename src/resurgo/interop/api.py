@@ -22,6 +22,7 @@ from resurgo.interop.dcp import spec_from_dcp
 from resurgo.interop.deepspeed import spec_from_deepspeed
 from resurgo.interop.execute import execute
 from resurgo.interop.hf import spec_from_hf
+from resurgo.interop.megatron import spec_from_megatron
 from resurgo.interop.peft import spec_from_peft
 from resurgo.interop.spec import ImportSpec
 from resurgo.interop.torch_file import spec_from_torch_file
@@ -29,7 +30,7 @@ from resurgo.interop.unpickle import shown
 from resurgo.renamed import renamed_keywords
 from resurgo.reports import ImportReport
 
-SOURCES = ("dcp", "deepspeed", "hf", "peft", "torch", "spec")
+SOURCES = ("dcp", "deepspeed", "megatron", "hf", "peft", "torch", "spec")
 
 
 def spec_of(src: str | os.PathLike, source: str) -> tuple[ImportSpec, Path]:
@@ -40,7 +41,8 @@ def spec_of(src: str | os.PathLike, source: str) -> tuple[ImportSpec, Path]:
         raise ImportSpecError(f"{src}: source='spec' needs spec= (an ImportSpec, or the path of a spec JSON file)")
     if source not in SOURCES:
         raise UnsupportedValueError(f"source must be one of {', '.join(map(repr, SOURCES))}, not {source!r}")
-    emit = {"dcp": spec_from_dcp, "deepspeed": spec_from_deepspeed, "hf": spec_from_hf, "peft": spec_from_peft}.get(source)
+    emit = {"dcp": spec_from_dcp, "deepspeed": spec_from_deepspeed, "hf": spec_from_hf, "peft": spec_from_peft,
+            "megatron": spec_from_megatron}.get(source)
     try:
         if emit is not None:
             spec, root = emit(path), path

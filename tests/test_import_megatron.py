@@ -1,0 +1,182 @@
+"""resurgo.import_checkpoint(source="megatron") and `resurgo import --from megatron`: Megatron-LM's
+legacy layout (``iter_<N>/mp_rank_XX[_YYY]/model_optim_rng.pt``).
+
+The checkpoints are written by tests/megatron_files.py with torch.save in Megatron's structure,
+split from a consolidated model over tensor- and pipeline-parallel ranks; the import must give
+back the consolidated model, its Adam state numbered as a one-rank run's, and the metadata, bit
+for bit. (Megatron-Core cannot run a training step on this machine's CPU-only torch; the tests
+marked ``megatron`` compare with Megatron-Core's own views.)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import resurgo
+from megatron_files import consolidated_optimizer, gpt_model, trim, write_legacy
+from resurgo.cli import app
+from resurgo.errors import CorruptCheckpointError, NotACheckpointError, PickleNotAllowedError, UnsupportedValueError
+from resurgo.interop.megatron import spec_from_megatron
+
+runner = CliRunner()
+
+
+def bits(t: torch.Tensor) -> bytes:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def moments_of(model: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return {n: {"exp_avg": torch.randn(t.shape, generator=g), "exp_avg_sq": torch.rand(t.shape, generator=g)}
+            for n, t in model.items()}
+
+
+@pytest.mark.parametrize("tp, pp, gated", [(2, 2, True), (2, 1, False), (1, 2, True)])
+def test_legacy_checkpoint_imports_consolidated_bit_for_bit(tmp_path, tp, pp, gated):
+    model = gpt_model(layers=4, padded_vocab=32, gated=gated)
+    moments = moments_of(model)
+    src = write_legacy(tmp_path / "mlm", model, tp=tp, pp=pp, layers=4, gated=gated, moments=moments, vocab_size=30)
+    report = resurgo.import_checkpoint(src, tmp_path / "ckpt", source="megatron")
+    got = resurgo.load_dict(tmp_path / "ckpt")
+    assert list(got["model"]) == list(model)  # global layer numbers, in model order
+    for name, full in model.items():
+        assert bits(got["model"][name]) == bits(trim(name, full, 30)), name
+    assert got["model"]["output_layer.weight"].shape == (30, 8)  # the padding rows dropped (args.vocab_size)
+    want = consolidated_optimizer(model, moments, 30)
+    assert sorted(got["optimizer"]["state"]) == sorted(want)
+    for i, entry in want.items():
+        for moment, t in entry.items():
+            assert bits(got["optimizer"]["state"][i][moment]) == bits(t), (i, moment)
+        assert got["optimizer"]["state"][i]["step"].item() == 3.0
+    groups = got["optimizer"]["param_groups"]
+    assert [g["wd_mult"] for g in groups] == [1.0, 0.0]
+    assert groups[0]["params"] + groups[1]["params"] == list(range(len(model)))
+    assert got["iteration"] == got["step"] == 7
+    assert got["args"]["swiglu"] is gated and got["args"]["params_dtype"] == "float32"
+    assert got["opt_param_scheduler"]["num_steps"] == 28
+    assert got["megatron"] == {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "num_layers": 4}
+    assert got["rng"][f"mp_rank_{tp - 1:02d}_{pp - 1:03d}"][0]["torch_rng_state"].dtype == torch.uint8
+    assert report.num_tensors == len(model) * 4 + 3 * tp * pp
+
+
+def test_swiglu_fc1_is_gate_then_up_of_all_ranks(tmp_path):
+    """A gated fc1 is two sub-parameters per rank: naively side by side, the ranks' shards would
+    interleave gate and up; the import gathers each sub-parameter on its own."""
+    model = gpt_model(layers=2, padded_vocab=32, gated=True)
+    src = write_legacy(tmp_path / "mlm", model, tp=2, pp=1, layers=2, gated=True)
+    resurgo.import_checkpoint(src, tmp_path / "ckpt", source="megatron")
+    got = resurgo.load_dict(tmp_path / "ckpt")["model"]["decoder.layers.1.mlp.linear_fc1.weight"]
+    full = model["decoder.layers.1.mlp.linear_fc1.weight"]
+    assert bits(got) == bits(full)
+    shards = [torch.load(src / f"iter_0000007/mp_rank_{t:02d}/model_optim_rng.pt", weights_only=False)["model"]
+              ["decoder.layers.1.mlp.linear_fc1.weight"] for t in (0, 1)]
+    assert bits(torch.cat(shards)) != bits(full)
+
+
+def test_vocab_size_given_and_padding_kept_without_it(tmp_path):
+    model = gpt_model(layers=2, padded_vocab=32, gated=False)
+    src = write_legacy(tmp_path / "mlm", model, tp=2, pp=1, layers=2, gated=False)
+    resurgo.import_checkpoint(src, tmp_path / "padded", source="megatron")
+    assert resurgo.load_dict(tmp_path / "padded")["model"]["embedding.word_embeddings.weight"].shape == (32, 8)
+    spec = spec_from_megatron(src, vocab_size=29)
+    resurgo.import_checkpoint(src, tmp_path / "trimmed", source="megatron", spec=spec)
+    got = resurgo.load_dict(tmp_path / "trimmed")["model"]["embedding.word_embeddings.weight"]
+    assert bits(got) == bits(model["embedding.word_embeddings.weight"][:29])
+    with pytest.raises(CorruptCheckpointError, match="fewer than the vocabulary size 33"):
+        spec_from_megatron(src, vocab_size=33)
+
+
+def test_cli_imports_from_the_iteration_folder_too(tmp_path):
+    model = gpt_model(layers=2, padded_vocab=32, gated=False)
+    src = write_legacy(tmp_path / "mlm", model, tp=2, pp=2, layers=2, gated=False)
+    done = runner.invoke(app, ["import", str(src / "iter_0000007"), str(tmp_path / "ckpt"), "--from", "megatron",
+                               "--json"])
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.output)["num_tensors"] == len(model) + 3 * 4
+    got = resurgo.load_dict(tmp_path / "ckpt")["model"]
+    assert bits(got["decoder.layers.1.self_attention.linear_proj.weight"]) == bits(
+        model["decoder.layers.1.self_attention.linear_proj.weight"])
+
+
+def test_malformed_checkpoints_are_named(tmp_path):
+    model = gpt_model(layers=2, padded_vocab=32, gated=False)
+    src = write_legacy(tmp_path / "mlm", model, tp=2, pp=2, layers=2, gated=False)
+    it = src / "iter_0000007"
+    # a missing rank folder
+    shutil.move(it / "mp_rank_01_001", tmp_path / "away")
+    with pytest.raises(CorruptCheckpointError, match=r"mp_rank_01_001: missing"):
+        spec_from_megatron(src)
+    shutil.move(tmp_path / "away", it / "mp_rank_01_001")
+    # a replicated tensor that differs between tensor-parallel ranks: refused when read
+    f = it / "mp_rank_01_000" / "model_optim_rng.pt"
+    state = torch.load(f, weights_only=False)
+    state["model"]["decoder.layers.0.input_layernorm.weight"] += 1
+    torch.save(state, f)
+    with pytest.raises(CorruptCheckpointError, match=r"mp_rank_01_000/model_optim_rng.pt.*decoder.layers.0."
+                                                     r"input_layernorm.weight.*replicas must be equal"):
+        resurgo.import_checkpoint(src, tmp_path / "bad", source="megatron")
+    assert not (tmp_path / "bad").exists()
+    # a shard of another shape
+    state["model"]["decoder.layers.0.self_attention.linear_proj.weight"] = torch.zeros(8, 5)
+    torch.save(state, f)
+    with pytest.raises(CorruptCheckpointError, match=r"mp_rank_01_000/model_optim_rng.pt: 'decoder.layers.0.self_"
+                                                     r"attention.linear_proj.weight' is a float32 tensor of shape \[8, 5\]"):
+        spec_from_megatron(src)
+    # a missing tensor
+    del state["model"]["decoder.layers.0.self_attention.linear_proj.weight"]
+    torch.save(state, f)
+    with pytest.raises(CorruptCheckpointError, match=r"mp_rank_01_000/model_optim_rng.pt: its model holds other "
+                                                     r"tensors.*linear_proj.weight"):
+        spec_from_megatron(src)
+    # the iteration file naming a missing folder, or garbage
+    (src / "latest_checkpointed_iteration.txt").write_text("9")
+    with pytest.raises(CorruptCheckpointError, match=r"names iteration '9', but .*iter_0000009 is missing"):
+        spec_from_megatron(src)
+    (src / "latest_checkpointed_iteration.txt").write_text("../../etc")
+    with pytest.raises(CorruptCheckpointError, match="expected an iteration number or 'release'"):
+        spec_from_megatron(src)
+    with pytest.raises(NotACheckpointError, match="not a Megatron checkpoint"):
+        spec_from_megatron(tmp_path / "away2" if (tmp_path / "away2").mkdir() is None else None)
+
+
+def test_rank_grid_disagreeing_with_args_and_expert_parallel_are_refused(tmp_path):
+    model = gpt_model(layers=2, padded_vocab=32, gated=False)
+    src = write_legacy(tmp_path / "mlm", model, tp=2, pp=1, layers=2, gated=False)
+    it = src / "iter_0000007"
+    shutil.rmtree(it / "mp_rank_01")
+    with pytest.raises(CorruptCheckpointError, match=r"args.tensor_model_parallel_size is 2, but .* holds rank "
+                                                     r"folders for 1"):
+        spec_from_megatron(src)
+    (it / "mp_rank_00_000_001").mkdir()
+    with pytest.raises(UnsupportedValueError, match="expert-parallel"):
+        spec_from_megatron(src)
+
+
+def test_rank_folder_linking_outside_and_crafted_pickle_are_refused(tmp_path):
+    model = gpt_model(layers=2, padded_vocab=32, gated=False)
+    src = write_legacy(tmp_path / "mlm", model, tp=2, pp=1, layers=2, gated=False)
+    it = src / "iter_0000007"
+    outside = tmp_path / "outside"
+    shutil.move(it / "mp_rank_01", outside)
+    (it / "mp_rank_01").symlink_to(outside)
+    with pytest.raises(resurgo.ResurgoError, match="outside"):
+        spec_from_megatron(src)
+    (it / "mp_rank_01").unlink()
+    shutil.move(outside, it / "mp_rank_01")
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    f = it / "mp_rank_01" / "model_optim_rng.pt"
+    state = torch.load(f, weights_only=False)
+    state["args"].evil = Evil()
+    torch.save(state, f)
+    with pytest.raises(PickleNotAllowedError, match=r"mp_rank_01/model_optim_rng.pt.*_builtin.*print"):
+        spec_from_megatron(src)
