@@ -2,6 +2,7 @@
 #   make demo   - creates .venv, installs everything, runs the main job: the quick study
 #   make test   - creates .venv, installs everything, runs the whole test suite
 # make study-full runs the full study; make demo-kill the kill-and-resume demonstration.
+# make test-megatron runs the Megatron import tests against Megatron-Core's own views (not in make test).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -21,7 +22,13 @@ DS_PYTEST := PYTHONPATH=$(DS_SITE) DS_ACCELERATOR=cpu DS_BUILD_OPS=0 $(BIN)/pyth
 TT_SITE := .torchtitan-site
 TT_PYTEST := PYTHONPATH=$(CURDIR)/$(TT_SITE) $(BIN)/python -m pytest -q -m torchtitan
 
-.PHONY: demo study study-full study-frameworks demo-kill test typecheck test-bench test-slow test-deepspeed test-torchtitan bench bench-async bench-overhead bench-s3 bench-import bench-incremental bench-planning bench-memory bench-shared docs docs-build install lock clean
+# The Megatron import tests compare with Megatron-Core's own views of checkpoints it writes on CPU
+# (gloo). megatron-core (pure Python; its other dependencies, numpy and packaging, are in the
+# environment) goes into $(MC_SITE), outside the environment: resurgo never imports megatron.
+MC_SITE := .megatron-site
+MC_PYTEST := PYTHONPATH=$(CURDIR)/$(MC_SITE) $(BIN)/python -m pytest -q -m megatron
+
+.PHONY: demo study study-full study-frameworks demo-kill test typecheck test-bench test-slow test-deepspeed test-megatron test-torchtitan bench bench-async bench-overhead bench-s3 bench-import bench-incremental bench-planning bench-memory bench-shared docs docs-build install lock clean
 
 # The environment installs with every package pinned by $(LOCK), given as constraints: pip has
 # one version of each to consider, so it does not backtrack (unpinned, its resolver spent 7-10
@@ -97,6 +104,13 @@ $(DS_SITE)/.installed: $(STAMP)
 
 test-deepspeed: $(DS_SITE)/.installed
 	$(DS_PYTEST)
+
+$(MC_SITE)/.installed: $(STAMP)
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps --target $(MC_SITE) megatron-core==0.16.1
+	touch $@
+
+test-megatron: $(MC_SITE)/.installed
+	$(MC_PYTEST)
 
 $(TT_SITE)/.installed: $(STAMP)
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps --target $(TT_SITE) \

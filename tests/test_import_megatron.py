@@ -180,3 +180,85 @@ def test_rank_folder_linking_outside_and_crafted_pickle_are_refused(tmp_path):
     torch.save(state, f)
     with pytest.raises(PickleNotAllowedError, match=r"mp_rank_01/model_optim_rng.pt.*_builtin.*print"):
         spec_from_megatron(src)
+
+
+# -- Megatron-Core's own views (megatron-core 0.16.1 on the path: make test-megatron) --------------
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="session")
+def mcore_run(tmp_path_factory) -> Path:
+    """The checkpoints of tests/megatron_workers.py: ROOT/mcore (torch_dist), ROOT/legacy, and
+    ROOT/reference.pt (dist_checkpointing.load's view on one rank)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("megatron")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run([sys.executable, str(HERE / "megatron_workers.py"), str(root), str(port)],
+                          capture_output=True, text=True, timeout=900, env={**os.environ})
+    assert done.returncode == 0, done.stderr[-4000:]
+    return root
+
+
+@pytest.mark.megatron
+@pytest.mark.timeout(900)
+def test_torch_dist_checkpoint_imports_as_megatron_loads_it(mcore_run, tmp_path):
+    ref = torch.load(mcore_run / "reference.pt", weights_only=False)
+    report = resurgo.import_checkpoint(mcore_run / "mcore", tmp_path / "ckpt", source="megatron")
+    got = resurgo.load_dict(tmp_path / "ckpt")
+    flat = {}
+
+    def walk(node, key):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{key}.{k}" if key else str(k))
+        else:
+            flat[key] = node
+
+    walk(got, "")
+    tensors = {k: v for k, v in ref["sharded"].items() if isinstance(v, torch.Tensor)}
+    assert len(tensors) == 20  # the GPT's stacked layers, embeddings, output layer, the flat optimizer buffers
+    for key, t in tensors.items():
+        assert bits(flat[key]) == bits(t), key
+    # The ShardedObjects: each rank's RNG states, tensors bit for bit and Python's state as a value.
+    for unique in ("rng_state/shard_0.0_1.2", "rng_state/shard_0.1_1.2"):
+        want = ref["sharded"][unique][0]
+        assert bits(flat[f"{unique}.0.0.torch_rng_state"]) == bits(want["torch_rng_state"])
+        assert bits(flat[f"{unique}.0.0.rng_tracker_states.model-parallel-rng"]) == bits(
+            want["rng_tracker_states"]["model-parallel-rng"])
+        assert flat[f"{unique}.0.0.random_rng_state"] == json.loads(json.dumps(want["random_rng_state"]))
+    assert got["iteration"] == got["step"] == ref["iteration"] == 5
+    assert got["args"]["swiglu"] is True and got["args"]["params_dtype"] == "float32"
+    assert got["opt_param_scheduler"] == ref["opt_param_scheduler"]
+    assert report.num_tensors == 20 + 6
+
+
+@pytest.mark.megatron
+@pytest.mark.timeout(900)
+def test_legacy_files_of_a_real_model_import_as_its_torch_dist_view(mcore_run, tmp_path):
+    """A real Megatron-Core GPT (tensor parallelism 2, SwiGLU) saved by its ranks in the legacy
+    layout: the consolidation equals the one Megatron's sharded state dict gives (its SwiGLU
+    factory for fc1, its layer axis), layer by layer."""
+    ref = torch.load(mcore_run / "reference.pt", weights_only=False)["sharded"]
+    resurgo.import_checkpoint(mcore_run / "legacy", tmp_path / "ckpt", source="megatron")
+    got = resurgo.load_dict(tmp_path / "ckpt")["model"]
+    renames = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+               "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+    compared = 0
+    for name, t in got.items():
+        parts = name.split(".")
+        if parts[:2] == ["decoder", "layers"]:
+            rest = ".".join(parts[3:])
+            for old, new in renames.items():
+                rest = rest.replace(old, new) if rest.startswith(old) else rest
+            want = ref[f"decoder.layers.{rest}"][int(parts[2])]
+        else:
+            want = ref[name]
+        assert bits(t) == bits(want), name
+        compared += 1
+    assert compared == 29

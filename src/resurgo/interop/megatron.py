@@ -1,5 +1,6 @@
 """A spec from a Megatron-LM checkpoint in the legacy layout (``--ckpt-format torch``), without
-importing megatron and without executing any of its pickles.
+importing megatron and without executing any of its pickles; a ``torch_dist`` checkpoint
+(``metadata.json`` in the iteration folder) is handed to :mod:`.megatron_dist`.
 
 The directory holds ``latest_checkpointed_iteration.txt`` naming the iteration (or ``release``)
 and ``iter_<7 digits>/`` (``release/``), or is that folder itself. In it, one folder per model-parallel
@@ -54,6 +55,7 @@ from resurgo.errors import (
 )
 from resurgo.format import dtypes
 from resurgo.format.tree import path_key
+from resurgo.interop.megatron_dist import METADATA_JSON, spec_from_torch_dist
 from resurgo.interop.source_files import open_file_inside, resolve_inside
 from resurgo.interop.spec import Box, ImportSpec, Piece, Source, TensorSpec, row_major_strides
 from resurgo.interop.torch_file import read_objects
@@ -149,9 +151,10 @@ def find_iteration_dir(root: Path) -> tuple[Path, str]:
         if not (root / name).is_dir():
             raise CorruptCheckpointError(f"{tracker}: names iteration {text!r}, but {root / name} is missing")
         return root / name, name
-    if root.is_dir() and any(RANK_DIR.match(p.name) for p in root.iterdir()):
+    if root.is_dir() and ((root / METADATA_JSON).is_file() or any(RANK_DIR.match(p.name) for p in root.iterdir())):
         return root, ""
-    raise NotACheckpointError(f"{root}: not a Megatron checkpoint (no {TRACKER} and no mp_rank_* folders)")
+    raise NotACheckpointError(f"{root}: not a Megatron checkpoint (no {TRACKER}, no {METADATA_JSON} and no mp_rank_* "
+                              "folders)")
 
 
 def spec_from_megatron(directory: str | Path, vocab_size: int | None = None) -> ImportSpec:
@@ -203,6 +206,8 @@ def _rank_name(tp: int, pp: int, with_stage: bool) -> str:
 
 def _spec(root: Path, vocab_size: int | None) -> ImportSpec:
     folder, it = find_iteration_dir(root)
+    if (folder / METADATA_JSON).is_file():
+        return spec_from_torch_dist(root, folder, it, MEGATRON, HOLDS, _json_part, _record_namespace)
     tp_size, pp_size, with_stage = _rank_grid(folder)
     files: dict[tuple[int, int], _File] = {}
     for pp in range(pp_size):
@@ -371,7 +376,10 @@ def _piece(f: _File, ref: TensorRef, shape: list[int], src: list[int], dest: lis
 
 def _namespace(f: _File) -> dict[str, Any]:
     """The attributes of the file's ``args`` (an argparse Namespace), or {}."""
-    args = f.obj.get("args")
+    return _record_namespace(f.obj.get("args"))
+
+
+def _record_namespace(args: Any) -> dict[str, Any]:
     state = getattr(args, "state", None) if isinstance(args, Record) else None
     if isinstance(state, tuple) and state and isinstance(state[0], dict):  # copyreg's (dict, slots)
         state = state[0]

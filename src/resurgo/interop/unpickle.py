@@ -13,7 +13,7 @@ A foreign pickle is read by :class:`RestrictedUnpickler` with one allowlist. Eac
   and ints (deepspeed is never imported), and tensors rebuilt through ``torch.Tensor``'s
   ``_rebuild_from_type_v2`` stay TensorRefs.
 - :func:`dcp_metadata_allowed`: what a ``torch.distributed.checkpoint`` ``.metadata`` file holds:
-  DCP's metadata dataclasses (plain records whose construction runs no code of the file's
+  DCP's metadata and save-plan dataclasses (plain records whose construction runs no code of the file's
   choosing), torch dtypes, ``torch.Size``, the layout lookup and pure paths.
 
 Any other global, ``os.system`` or ``builtins.eval`` as much as a user's class, raises
@@ -176,13 +176,16 @@ DEEPSPEED: dict[tuple[str, str], Any] = {
 @functools.cache
 def dcp_metadata_allowed() -> dict[tuple[str, str], Any]:
     """The globals a DCP ``.metadata`` pickle may name (torch 2.x): its dataclasses, enums, dtypes."""
-    from torch.distributed.checkpoint import filesystem, metadata
+    from torch.distributed.checkpoint import filesystem, metadata, planner
 
     md = "torch.distributed.checkpoint.metadata"
     names = ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
              "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+    # Megatron's torch_dist writer also keeps every rank's save plan in the metadata (all_local_plans).
+    plans = ("SavePlan", "WriteItem", "TensorWriteData", "WriteItemType")
     return {
         **{(md, n): getattr(metadata, n) for n in names},
+        **{("torch.distributed.checkpoint.planner", n): getattr(planner, n) for n in plans},
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
         ("torch", "Size"): torch.Size,
         ("torch.serialization", "_get_layout"): _layout,
