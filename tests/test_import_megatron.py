@@ -262,3 +262,38 @@ def test_legacy_files_of_a_real_model_import_as_its_torch_dist_view(mcore_run, t
         assert bits(t) == bits(want), name
         compared += 1
     assert compared == 29
+
+
+def _torch_dist_like(folder: Path) -> dict:
+    """A torch_dist checkpoint as its files are laid out (DCP, common.pt, metadata.json), written
+    without megatron: a tensor and the common state. (DCP's own writer pickles a bytes item where
+    Megatron's writes its bytes raw, so the ShardedObjects are left to the megatron tests.)"""
+    import argparse
+
+    import torch.distributed.checkpoint as dcp
+
+    weight = torch.randn(4, 3)
+    dcp.save({"decoder.layers.mlp.linear_fc2.weight": weight}, checkpoint_id=str(folder), no_dist=True)
+    torch.save({"args": argparse.Namespace(num_layers=1, params_dtype=torch.bfloat16), "iteration": 3,
+                "opt_param_scheduler": {"num_steps": 12}}, folder / "common.pt")
+    (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                      "common_backend": "torch", "common_backend_version": 1}))
+    (folder.parent / "latest_checkpointed_iteration.txt").write_text("3")
+    return {"weight": weight}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_torch_dist_layout_imports_and_is_checked(tmp_path):
+    want = _torch_dist_like(tmp_path / "run" / "iter_0000003")
+    resurgo.import_checkpoint(tmp_path / "run", tmp_path / "ckpt", source="megatron")
+    got = resurgo.load_dict(tmp_path / "ckpt")
+    assert bits(got["decoder.layers.mlp.linear_fc2.weight"]) == bits(want["weight"])
+    assert got["args"] == {"num_layers": 1, "params_dtype": "bfloat16"}
+    assert got["iteration"] == got["step"] == 3 and got["opt_param_scheduler"] == {"num_steps": 12}
+    folder = tmp_path / "run" / "iter_0000003"
+    (folder / "common.pt").rename(tmp_path / "common.pt")
+    with pytest.raises(CorruptCheckpointError, match=r"iter_0000003/common.pt: missing"):
+        spec_from_megatron(tmp_path / "run")
+    (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr"}))
+    with pytest.raises(UnsupportedValueError, match=r"metadata.json: sharded_backend 'zarr'"):
+        spec_from_megatron(folder)
