@@ -322,17 +322,20 @@ def test_spec_path_nests_tensors_and_is_checked(tmp_path):
         "optimizer", "state", 0, "exp_avg"]
 
 
-@pytest.mark.parametrize("name, what", [("zero_pp_rank_0_mp_rank_01_optim_states.pt", "model-parallel rank 1"),
-                                        ("mp_rank_01_model_states.pt", "model-parallel rank 1"),
-                                        ("layer_01-model_00-model_states.pt", "a pipeline stage's layers")])
-def test_tensor_and_pipeline_parallel_checkpoints_are_refused_by_file(tmp_path, name, what):
+@pytest.mark.parametrize("name, missing", [("zero_pp_rank_0_mp_rank_01_optim_states.pt", "mp_rank_01_model_states.pt"),
+                                           ("mp_rank_01_model_states.pt", "mp_rank_00_model_states.pt"),
+                                           ("layer_01-model_00-model_states.pt", "mp_rank_00_model_states.pt")])
+def test_tensor_and_pipeline_parallel_files_go_to_the_model_parallel_import(tmp_path, name, missing):
+    """A file of a second tensor-parallel rank or of a pipeline stage's layer makes the checkpoint one of
+    model parallelism (tests/test_import_deepspeed_mp.py), whose missing files are named."""
     folder = tmp_path / "ds" / "global_step1"
     folder.mkdir(parents=True)
     (tmp_path / "ds" / "latest").write_text("global_step1")
     torch.save({}, folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
     torch.save({}, folder / name)
-    with pytest.raises(UnsupportedValueError, match=rf"global_step1/{re.escape(name)}: holds {what}: DeepSpeed "
-                                                    r"checkpoints with tensor or pipeline parallelism .* do not import"):
+    if missing != "mp_rank_00_model_states.pt":
+        torch.save({"module": {}}, folder / "mp_rank_00_model_states.pt")
+    with pytest.raises(CorruptCheckpointError, match=rf"global_step1/{re.escape(missing)}: missing"):
         resurgo.import_checkpoint(tmp_path / "ds", tmp_path / "out", source="deepspeed")
     result = runner.invoke(app, ["import", str(tmp_path / "ds"), str(tmp_path / "out"), "--from", "deepspeed"])
-    assert result.exit_code == 2 and not (tmp_path / "out").exists()
+    assert result.exit_code == 3 and not (tmp_path / "out").exists()

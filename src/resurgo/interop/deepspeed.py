@@ -1,6 +1,7 @@
 """A spec from a DeepSpeed ZeRO checkpoint directory (stages 1, 2 and 3; fp32 or bf16 optimizer
 files; or ``ds_to_universal``'s output), without importing deepspeed and without executing any of
-its pickles.
+its pickles. A checkpoint with tensor or pipeline parallelism (``mp_rank_01`` and up, ``layer_*``
+files) goes to :mod:`.deepspeed_mp`.
 
 The directory holds ``latest`` (or ``latest_universal``) naming the tag and ``<tag>/``, or is
 ``<tag>/`` itself. In it: ``mp_rank_00_model_states.pt`` (ZeRO 1/2) or
@@ -46,6 +47,8 @@ from resurgo.errors import (
 )
 from resurgo.format import dtypes
 from resurgo.format.tree import path_key
+from resurgo.interop.deepspeed_mp import is_model_parallel, spec_model_parallel
+from resurgo.interop.megatron import MEGATRON
 from resurgo.interop.source_files import open_file_inside, resolve_inside
 from resurgo.interop.spec import Box, Flat, ImportSpec, Piece, Source, TensorSpec, row_major_strides
 from resurgo.interop.torch_file import ZIP_ERRORS, read_objects
@@ -55,8 +58,6 @@ HOLDS = "a DeepSpeed checkpoint file"
 OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 ZERO3_MODEL = "zero_pp_rank_{}_mp_rank_00_model_states.pt"
 ZERO12_MODEL = "mp_rank_00_model_states.pt"
-MODEL_PARALLEL = re.compile(r"mp_rank_(\d+)")
-PIPELINE = re.compile(r"^layer_\d+-model_.*states\.pt$")
 UNIVERSAL = "zero/optimizer_state.pt"  # in the output of DeepSpeed's ds_to_universal
 MAX_TAG_BYTES = 4096  # a tag is a folder name
 
@@ -121,7 +122,7 @@ def spec_from_deepspeed(directory: str | Path) -> ImportSpec:
 def _spec_from_deepspeed(root: Path) -> ImportSpec:
     folder, tag = find_tag_dir(root)
 
-    def load(name: str, holds: type | tuple[type, ...] = dict) -> _File:
+    def load(name: str, holds: type | tuple[type, ...] = dict, allowed: Any = DEEPSPEED) -> _File:
         try:
             path = resolve_inside(root, f"{tag}/{name}" if tag else name, "a DeepSpeed file")
         except CheckpointNotFoundError:
@@ -135,18 +136,17 @@ def _spec_from_deepspeed(root: Path) -> ImportSpec:
             if not archive:
                 raise CorruptCheckpointError(f"{path}: not a readable torch.save archive (no zip directory at its "
                                              "end); the file is truncated or damaged")
-        obj, prefix = read_objects(path, DEEPSPEED, HOLDS)
+        obj, prefix = read_objects(path, allowed, HOLDS)
         if not isinstance(obj, holds):
             raise CorruptCheckpointError(f"{path}: holds a {type(obj).__name__}, not what DeepSpeed writes there")
         return _File(f"{tag}/{name}" if tag else name, prefix, obj)
 
-    for p in sorted(folder.iterdir()):
-        mp = MODEL_PARALLEL.search(p.name)
-        if (mp and int(mp.group(1)) != 0) or PIPELINE.match(p.name):
-            what = f"model-parallel rank {int(mp.group(1))}" if mp else "a pipeline stage's layers"
-            raise UnsupportedValueError(f"{p}: holds {what}: DeepSpeed checkpoints with tensor or pipeline "
-                                        "parallelism (mp_rank_01 and up, layer_* files) do not import; only those of "
-                                        "data parallelism alone (mp_rank_00) do")
+    if is_model_parallel(folder):
+        def read(name: str) -> tuple[str, str, Any]:
+            f = load(name, allowed=MEGATRON)  # Megatron-DeepSpeed's files also hold Megatron's args
+            return f.rel, f.prefix, f.obj
+
+        return spec_model_parallel(folder, read)
     if (folder / UNIVERSAL).is_file():
         return _universal(folder, load)
 
