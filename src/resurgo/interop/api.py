@@ -108,7 +108,9 @@ def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source:
     :class:`ImportReport`.
 
     ``source``: ``"dcp"`` (a torch.distributed.checkpoint directory), ``"deepspeed"`` (a
-    DeepSpeed ZeRO 1/2/3 checkpoint directory: the one holding ``latest``, or a tag folder), ``"hf"`` (a Hugging Face
+    DeepSpeed ZeRO 1/2/3 checkpoint directory: the one holding ``latest``, or a tag folder; with tensor or
+    pipeline parallelism, its weights), ``"megatron"`` (a Megatron ``torch_dist`` or legacy-layout checkpoint
+    directory, consolidated to one rank), ``"hf"`` (a Hugging Face
     model directory), ``"peft"`` (a PEFT adapter folder, as ``PeftModel.save_pretrained`` writes it;
     the adapters go under ``model``, as a model saved adapter-only holds them), ``"torch"`` (a torch.save file) or ``"spec"`` (``src`` is the directory the
     spec's file names are relative to; ``spec`` is an ImportSpec or a spec JSON file). With an
