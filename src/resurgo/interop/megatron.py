@@ -536,7 +536,7 @@ def _rng(files: dict[tuple[int, int], _File]) -> list[TensorSpec]:
             if not isinstance(st, dict):
                 continue
             for name, ref in _flat(f, st, "rng_state"):
-                path = ("rng", f"mp_rank_{tp:02d}_{pp:03d}", i, *name.split("."))
+                path: tuple[str | int, ...] = ("rng", f"mp_rank_{tp:02d}_{pp:03d}", i, *name.split("."))
                 whole = _Param(name, [(f, ref)])
                 out.append(_tensor(whole, path, False, None))
     return out
