@@ -291,7 +291,7 @@ def test_crafted_pickle_is_refused_and_has_no_effect(tmp_path, payload_of, globa
 
 
 def test_unknown_source_and_existing_destination(tmp_path):
-    with pytest.raises(UnsupportedValueError, match="source must be one of 'dcp', 'deepspeed', 'hf', 'peft', 'torch', 'spec', not 'tar'"):
+    with pytest.raises(UnsupportedValueError, match="source must be one of 'dcp', 'deepspeed', 'megatron', 'hf', 'peft', 'torch', 'spec', not 'tar'"):
         resurgo.import_checkpoint(tmp_path, tmp_path / "out", source="tar")
     (tmp_path / "m").mkdir()
     save_file(model_state(), str(tmp_path / "m" / "model.safetensors"))
