@@ -86,10 +86,11 @@ def no_decay(name: str, t: torch.Tensor) -> bool:
 
 def write_legacy(root: Path, model: dict[str, torch.Tensor], *, tp: int, pp: int, layers: int, gated: bool,
                  iteration: int = 7, moments: dict[str, dict[str, torch.Tensor]] | None = None,
-                 step: float = 3.0, vocab_size: int | None = None) -> Path:
+                 step: float = 3.0, vocab_size: int | None = None, bf16: bool = False) -> Path:
     """The checkpoint of ``model`` split over ``tp`` x ``pp`` ranks under ``root``; with ``moments``
     (per global name: exp_avg, exp_avg_sq of the consolidated shape), an FP32Optimizer's Adam state
-    in two param groups (weight decay first, as Megatron sorts them)."""
+    in two param groups (weight decay first, as Megatron sorts them). ``bf16``: the model saved in
+    bfloat16, the fp32 weights as Float16OptimizerWithFloat16Params keeps them (fp32_from_fp16_params)."""
     names = list(model)
     folder = root / f"iter_{iteration:07d}"
     for s in range(pp):
@@ -97,7 +98,7 @@ def write_legacy(root: Path, model: dict[str, torch.Tensor], *, tp: int, pp: int
             local = stage_names(names, layers, pp, s)
             sd: dict = {}
             for g, n in local:
-                sd[n] = shard(g, model[g], tp, t, gated)
+                sd[n] = shard(g, model[g], tp, t, gated).to(torch.bfloat16 if bf16 else torch.float32)
                 if n.endswith(".weight") and any(k in n for k in ("linear_", "output_layer")):
                     sd[n.rsplit(".", 1)[0] + "._extra_state"] = None
             args = argparse.Namespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, num_layers=layers,
@@ -131,6 +132,10 @@ def write_legacy(root: Path, model: dict[str, torch.Tensor], *, tp: int, pp: int
                     {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
                      "wd_mult": wd, "lr_mult": 1.0, "is_expert_parallel": False, "params": ids}
                     for wd, ids in zip((1.0, 0.0), params_ids)]}
+                if bf16:
+                    state["optimizer"] = {"optimizer": state["optimizer"], "grad_scaler": None,
+                                          "fp32_from_fp16_params": [[shard(g, model[g], tp, t, gated) for g in members]
+                                                                    for members in groups]}
             rank = f"mp_rank_{t:02d}_{s:03d}" if pp > 1 else f"mp_rank_{t:02d}"
             (folder / rank).mkdir(parents=True)
             torch.save(state, folder / rank / "model_optim_rng.pt")

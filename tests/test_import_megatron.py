@@ -20,7 +20,7 @@ import torch
 from typer.testing import CliRunner
 
 import resurgo
-from megatron_files import consolidated_optimizer, gpt_model, trim, write_legacy
+from megatron_files import consolidated_optimizer, gpt_model, no_decay, trim, write_legacy
 from resurgo.cli import app
 from resurgo.errors import CorruptCheckpointError, NotACheckpointError, PickleNotAllowedError, UnsupportedValueError
 from resurgo.interop.megatron import spec_from_megatron
@@ -345,3 +345,18 @@ def test_tensor_parallel_checkpoint_continues_as_fsdp2_job_on_3_ranks(tmp_path):
     assert have["missing"] and all(re.fullmatch(r"optimizer\.param_groups\.[01]\.[a-z_]+", k) for k in have["missing"])
     assert len(have["losses"]) == 4
     assert have["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=0)
+
+
+def test_mixed_precision_run_brings_its_fp32_main_params(tmp_path):
+    model = gpt_model(layers=2, padded_vocab=32, gated=True)
+    moments = moments_of(model)
+    src = write_legacy(tmp_path / "mlm", model, tp=2, pp=2, layers=2, gated=True, moments=moments, bf16=True)
+    resurgo.import_checkpoint(src, tmp_path / "ckpt", source="megatron")
+    got = resurgo.load_dict(tmp_path / "ckpt")
+    main = got["optimizer"]["fp32_from_fp16_params"]
+    assert list(main) == [n for n in model if not no_decay(n, model[n])] + [n for n in model if no_decay(n, model[n])]
+    for name, full in model.items():
+        assert bits(main[name]) == bits(full), name
+        assert bits(got["model"][name]) == bits(full.bfloat16()), name
+    want = consolidated_optimizer(model, moments, None)
+    assert bits(got["optimizer"]["state"][0]["exp_avg"]) == bits(want[0]["exp_avg"])

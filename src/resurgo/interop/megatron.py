@@ -33,7 +33,9 @@ gathered the same way and numbered as the optimizer of a one-rank run numbers it
 group (the groups as saved), the parameters of a group in global model order. Megatron numbers
 each rank's parameters by group, and puts a parameter in the group of no weight decay
 (``wd_mult`` 0) when it is a bias or one-dimensional; the importer reads the numbers back by that
-rule and checks every moment's shape against its parameter's.
+rule and checks every moment's shape against its parameter's. A mixed-precision run's fp32 main
+params (``fp32_from_fp16_params``) are consolidated likewise, under
+``optimizer.fp32_from_fp16_params.<name>``.
 """
 
 from __future__ import annotations
@@ -396,6 +398,7 @@ def _optimizer(files: dict[tuple[int, int], _File], local_names: dict[tuple[int,
     """The Adam state of every parameter, numbered as a one-rank run's optimizer numbers it, and the
     param groups (hyperparameters, ``params`` renumbered); ([], None) when the files hold no optimizer."""
     inner: dict[tuple[int, int], dict] = {}
+    masters: dict[tuple[int, int], Any] = {}  # mixed precision: the fp32 main params, per group
     for at, f in files.items():
         opt = f.obj.get("optimizer")
         if opt is None:
@@ -410,10 +413,13 @@ def _optimizer(files: dict[tuple[int, int], _File], local_names: dict[tuple[int,
             raise CorruptCheckpointError(f"{f.rel}: 'optimizer' holds no param_groups (not a Megatron optimizer "
                                          "of a version resurgo reads?)")
         inner[at] = o
+        if o is not opt and opt.get("fp32_from_fp16_params") is not None:
+            masters[at] = opt["fp32_from_fp16_params"]
     groups0 = inner[0, 0]["param_groups"]
     # Each rank's parameters by group, in the rank's order; and the consolidated order of each group.
     by_group: dict[int, list[str]] = defaultdict(list)
     state_of: dict[tuple[str, int], Any] = {}  # (global key, tp) -> the rank's state entry
+    master_of: dict[tuple[str, int], Any] = {}  # (global key, tp) -> the rank's fp32 main param
     for pp in range(pp_size):
         for tp in range(tp_size):
             f, o = files[tp, pp], inner[tp, pp]
@@ -436,6 +442,14 @@ def _optimizer(files: dict[tuple[int, int], _File], local_names: dict[tuple[int,
                     state_of[name, tp] = state.get(i)
                     if tp == 0:
                         by_group[g].append(name)
+                if (tp, pp) in masters:
+                    main = masters[tp, pp]
+                    if not isinstance(main, list) or len(main) != len(pgs) or not isinstance(main[g], list) \
+                            or len(main[g]) != len(names):
+                        raise CorruptCheckpointError(f"{f.rel}: fp32_from_fp16_params does not hold one fp32 tensor "
+                                                     f"per parameter of group {g} ({len(names)})")
+                    for name, ref in zip(names, main[g]):
+                        master_of[name, tp] = ref
     tensors: list[TensorSpec] = []
     number = 0
     renumbered = []
@@ -467,6 +481,15 @@ def _optimizer(files: dict[tuple[int, int], _File], local_names: dict[tuple[int,
                 tensors.append(_tensor(step_param, ("optimizer", "state", number, "step"), gated, None))
             number += 1
         renumbered.append({**{str(k): v for k, v in _json_part(pg).items() if k != "params"}, "params": ids})
+    for name in (n for g in range(len(groups0)) for n in by_group[g]):
+        if (name, 0) in master_of:
+            shards = [(f, master_of[name, tp]) for tp, (f, _) in enumerate(params[name].shards)]
+            for (f, ref), (_, m) in zip(params[name].shards, shards):
+                if not isinstance(m, TensorRef) or m.shape != ref.shape or m.storage.dtype != "float32":
+                    raise CorruptCheckpointError(f"{f.rel}: the fp32 main param of {name!r} is {shown(m)}, expected a "
+                                                 f"float32 tensor of the parameter's shape {list(ref.shape)}")
+            tensors.append(_tensor(params[name], ("optimizer", "fp32_from_fp16_params", name), gated, vocab_size,
+                                   shards=shards, name=f"{name} fp32 main param"))
     return tensors, renumbered
 
 
