@@ -159,6 +159,15 @@ def test_rank_grid_disagreeing_with_args_and_expert_parallel_are_refused(tmp_pat
         spec_from_megatron(src)
 
 
+def test_distributed_optimizer_in_the_legacy_layout_is_refused_by_file(tmp_path):
+    model = gpt_model(layers=2, padded_vocab=32, gated=False)
+    src = write_legacy(tmp_path / "mlm", model, tp=2, pp=1, layers=2, gated=False, moments=moments_of(model))
+    torch.save({}, src / "iter_0000007" / "mp_rank_01" / "distrib_optim.pt")
+    with pytest.raises(UnsupportedValueError, match=r"iter_0000007/mp_rank_01/distrib_optim.pt: the distributed "
+                                                    r"optimizer's state in the legacy layout does not import"):
+        spec_from_megatron(src)
+
+
 def test_rank_folder_linking_outside_and_crafted_pickle_are_refused(tmp_path):
     model = gpt_model(layers=2, padded_vocab=32, gated=False)
     src = write_legacy(tmp_path / "mlm", model, tp=2, pp=1, layers=2, gated=False)

@@ -66,6 +66,7 @@ from resurgo.interop.unpickle import DEEPSPEED, Record, TensorRef, shown
 HOLDS = "a Megatron-LM checkpoint file"
 TRACKER = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"
+DISTRIB_OPTIM = "distrib_optim.pt"  # the distributed optimizer's state, beside RANK_FILE
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 EXPERT_DIR = re.compile(r"^mp_rank_\d{2}_\d{3}_\d{3}$")
 ITER_DIR = re.compile(r"^iter_\d{7}$")
@@ -270,7 +271,8 @@ def _spec(root: Path, vocab_size: int | None) -> ImportSpec:
         offset += len(layers)
 
     tensors = [_tensor(params[n], ("model", n), gated, vocab_size) for n in order]
-    optimizer, groups = _optimizer(files, local_names, params, tp_size, pp_size, gated, vocab_size)
+    distributed = {f.rel for f in files.values() if (root / f.rel).parent.joinpath(DISTRIB_OPTIM).exists()}
+    optimizer, groups = _optimizer(files, local_names, params, tp_size, pp_size, gated, vocab_size, distributed)
     tensors += optimizer
     values = _values(first, args, groups, tp_size, pp_size, offset)
     tensors += _rng(files)
@@ -394,7 +396,7 @@ def _no_decay(name: str, ref: TensorRef) -> bool:
 
 def _optimizer(files: dict[tuple[int, int], _File], local_names: dict[tuple[int, int], list[tuple[str, TensorRef]]],
                params: dict[str, _Param], tp_size: int, pp_size: int, gated: bool,
-               vocab_size: int | None) -> tuple[list[TensorSpec], list[dict] | None]:
+               vocab_size: int | None, distributed: set[str]) -> tuple[list[TensorSpec], list[dict] | None]:
     """The Adam state of every parameter, numbered as a one-rank run's optimizer numbers it, and the
     param groups (hyperparameters, ``params`` renumbered); ([], None) when the files hold no optimizer."""
     inner: dict[tuple[int, int], dict] = {}
@@ -403,6 +405,10 @@ def _optimizer(files: dict[tuple[int, int], _File], local_names: dict[tuple[int,
         opt = f.obj.get("optimizer")
         if opt is None:
             return [], None
+        if f.rel in distributed:
+            raise UnsupportedValueError(f"{Path(f.rel).parent / DISTRIB_OPTIM}: the distributed optimizer's state in "
+                                        "the legacy layout does not import (a run saved with --ckpt-format torch_dist "
+                                        "imports with its optimizer)")
         if isinstance(opt, list):
             raise UnsupportedValueError(f"{f.rel}: 'optimizer' holds {len(opt)} chained optimizers; only a single "
                                         "optimizer's state imports")
