@@ -75,7 +75,8 @@ def stage_names(names: list[str], layers: int, pp: int, s: int) -> list[tuple[st
             i = int(n.split(".")[2])
             if i // per == s:
                 out.append((n, n.replace(f"layers.{i}.", f"layers.{i - s * per}.", 1)))
-        elif n.startswith("embedding.") and s == 0 or not n.startswith(("embedding.", "decoder.layers.")) and s == pp - 1:
+        elif (n.startswith("embedding.") and s == 0
+              or not n.startswith(("embedding.", "decoder.layers.")) and s == pp - 1):
             out.append((n, n))
     return out
 

@@ -127,7 +127,8 @@ def test_malformed_checkpoints_are_named(tmp_path):
     state["model"]["decoder.layers.0.self_attention.linear_proj.weight"] = torch.zeros(8, 5)
     torch.save(state, f)
     with pytest.raises(CorruptCheckpointError, match=r"mp_rank_01_000/model_optim_rng.pt: 'decoder.layers.0.self_"
-                                                     r"attention.linear_proj.weight' is a float32 tensor of shape \[8, 5\]"):
+                                                     r"attention.linear_proj.weight' is a float32 tensor of shape "
+                                                     r"\[8, 5\]"):
         spec_from_megatron(src)
     # a missing tensor
     del state["model"]["decoder.layers.0.self_attention.linear_proj.weight"]
@@ -236,7 +237,8 @@ def test_torch_dist_checkpoint_imports_as_megatron_loads_it(mcore_run, tmp_path)
     for key, t in tensors.items():
         assert bits(flat[key]) == bits(t), key
     # The ShardedObjects: each rank's RNG states, tensors bit for bit and Python's state as a value.
-    for unique in ("rng_state/shard_0.0_1.2", "rng_state/shard_0.1_1.2"):
+    for unique in ("rng_state/shard_0.0_2.2", "rng_state/shard_0.1_2.2", "rng_state/shard_1.0_2.2",
+                   "rng_state/shard_1.1_2.2"):
         want = ref["sharded"][unique][0]
         assert bits(flat[f"{unique}.0.0.torch_rng_state"]) == bits(want["torch_rng_state"])
         assert bits(flat[f"{unique}.0.0.rng_tracker_states.model-parallel-rng"]) == bits(
@@ -245,14 +247,14 @@ def test_torch_dist_checkpoint_imports_as_megatron_loads_it(mcore_run, tmp_path)
     assert got["iteration"] == got["step"] == ref["iteration"] == 5
     assert got["args"]["swiglu"] is True and got["args"]["params_dtype"] == "float32"
     assert got["opt_param_scheduler"] == ref["opt_param_scheduler"]
-    assert report.num_tensors == 20 + 6
+    assert report.num_tensors == 20 + 12
 
 
 @pytest.mark.megatron
 @pytest.mark.timeout(900)
 def test_legacy_files_of_a_real_model_import_as_its_torch_dist_view(mcore_run, tmp_path):
-    """A real Megatron-Core GPT (tensor parallelism 2, SwiGLU) saved by its ranks in the legacy
-    layout: the consolidation equals the one Megatron's sharded state dict gives (its SwiGLU
+    """A real Megatron-Core GPT (2 tensor- and 2 pipeline-parallel ranks, SwiGLU) saved by its ranks
+    in the legacy layout: the consolidation equals the one Megatron's sharded state dict gives (its SwiGLU
     factory for fc1, its layer axis), layer by layer."""
     ref = torch.load(mcore_run / "reference.pt", weights_only=False)["sharded"]
     resurgo.import_checkpoint(mcore_run / "legacy", tmp_path / "ckpt", source="megatron")
@@ -271,7 +273,7 @@ def test_legacy_files_of_a_real_model_import_as_its_torch_dist_view(mcore_run, t
             want = ref[name]
         assert bits(t) == bits(want), name
         compared += 1
-    assert compared == 29
+    assert compared == 53
 
 
 def _torch_dist_like(folder: Path) -> dict:

@@ -94,8 +94,8 @@ def _consolidated(files: list[_File], state_of: Callable[[_File], Any], prefix: 
     for f, these in zip(files[1:], named[1:]):
         if [n for n, _ in these] != keys:
             other = sorted(set(keys) ^ {n for n, _ in these})
-            raise CorruptCheckpointError(f"{f.rel}: holds other tensors than {files[0].rel} ({shown(other, 200)} in one "
-                                         "only): files of two different runs are mixed?")
+            raise CorruptCheckpointError(f"{f.rel}: holds other tensors than {files[0].rel} ({shown(other, 200)} in "
+                                         "one only): files of two different runs are mixed?")
     out = []
     for j, name in enumerate(keys):
         param = _Param(f"{prefix}{name}", [(f, these[j][1]) for f, these in zip(files, named)])

@@ -91,8 +91,8 @@ class _Globals(Mapping):
                ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar")}
 
     def __init__(self) -> None:
-        self.fixed = {**DEEPSPEED, ("_codecs", "encode"): _latin1,
-                      **{("torch", str(dt).removeprefix("torch.")): name for dt, name in dtypes.TORCH_DTYPE_NAMES.items()}}
+        dtype_names = {("torch", str(dt).removeprefix("torch.")): name for dt, name in dtypes.TORCH_DTYPE_NAMES.items()}
+        self.fixed = {**DEEPSPEED, ("_codecs", "encode"): _latin1, **dtype_names}
 
     def __getitem__(self, key: tuple[str, str]) -> Any:
         found = self.fixed.get(key)
@@ -112,7 +112,8 @@ class _Globals(Mapping):
 def _latin1(text: Any, encoding: Any = "latin1") -> bytes:
     """What pickle protocol 2 writes for bytes (numpy's RNG state): ``_codecs.encode(str, 'latin1')``."""
     if not isinstance(text, str) or encoding != "latin1":
-        raise CorruptCheckpointError(f"_codecs.encode of {shown(text)} with {shown(encoding)}: only latin1 text is read")
+        raise CorruptCheckpointError(f"_codecs.encode of {shown(text)} with {shown(encoding)}: only latin1 text is "
+                                     "read")
     return text.encode("latin1")
 
 
@@ -215,11 +216,13 @@ def _spec(root: Path, vocab_size: int | None) -> ImportSpec:
     files: dict[tuple[int, int], _File] = {}
     for pp in range(pp_size):
         for tp in range(tp_size):
-            rel = f"{it}/{_rank_name(tp, pp, with_stage)}/{RANK_FILE}" if it else f"{_rank_name(tp, pp, with_stage)}/{RANK_FILE}"
+            rel = f"{_rank_name(tp, pp, with_stage)}/{RANK_FILE}"
+            rel = f"{it}/{rel}" if it else rel
             try:
                 path = resolve_inside(root, rel, "a Megatron rank file")
             except CheckpointNotFoundError:
-                raise CorruptCheckpointError(f"{root / rel}: missing (the rank's folder holds no {RANK_FILE})") from None
+                raise CorruptCheckpointError(f"{root / rel}: missing (the rank's folder holds no {RANK_FILE})"
+                                             ) from None
             obj, prefix = read_objects(path, MEGATRON, HOLDS)
             if not isinstance(obj, dict):
                 raise CorruptCheckpointError(f"{path}: holds a {type(obj).__name__}, not the dict Megatron saves")
@@ -272,7 +275,7 @@ def _spec(root: Path, vocab_size: int | None) -> ImportSpec:
 
     tensors = [_tensor(params[n], ("model", n), gated, vocab_size) for n in order]
     distributed = {f.rel for f in files.values() if (root / f.rel).parent.joinpath(DISTRIB_OPTIM).exists()}
-    optimizer, groups = _optimizer(files, local_names, params, tp_size, pp_size, gated, vocab_size, distributed)
+    optimizer, groups = _optimizer(files, local_names, params, tp_size, gated, vocab_size, distributed)
     tensors += optimizer
     values = _values(first, args, groups, tp_size, pp_size, offset)
     tensors += _rng(files)
@@ -394,17 +397,16 @@ def _no_decay(name: str, ref: TensorRef) -> bool:
     return name.endswith(".bias") or len(ref.shape) == 1
 
 
-def _optimizer(files: dict[tuple[int, int], _File], local_names: dict[tuple[int, int], list[tuple[str, TensorRef]]],
-               params: dict[str, _Param], tp_size: int, pp_size: int, gated: bool,
-               vocab_size: int | None, distributed: set[str]) -> tuple[list[TensorSpec], list[dict] | None]:
-    """The Adam state of every parameter, numbered as a one-rank run's optimizer numbers it, and the
-    param groups (hyperparameters, ``params`` renumbered); ([], None) when the files hold no optimizer."""
+def _optimizer_dicts(files: dict[tuple[int, int], _File], distributed: set[str]
+                     ) -> tuple[dict[tuple[int, int], dict], dict[tuple[int, int], Any]] | None:
+    """Per rank: the torch optimizer's state dict, and a mixed-precision run's fp32 main params per
+    group (where saved); None when the files hold no optimizer."""
     inner: dict[tuple[int, int], dict] = {}
-    masters: dict[tuple[int, int], Any] = {}  # mixed precision: the fp32 main params, per group
+    masters: dict[tuple[int, int], Any] = {}
     for at, f in files.items():
         opt = f.obj.get("optimizer")
         if opt is None:
-            return [], None
+            return None
         if f.rel in distributed:
             raise UnsupportedValueError(f"{Path(f.rel).parent / DISTRIB_OPTIM}: the distributed optimizer's state in "
                                         "the legacy layout does not import (a run saved with --ckpt-format torch_dist "
@@ -421,41 +423,61 @@ def _optimizer(files: dict[tuple[int, int], _File], local_names: dict[tuple[int,
         inner[at] = o
         if o is not opt and opt.get("fp32_from_fp16_params") is not None:
             masters[at] = opt["fp32_from_fp16_params"]
+    return inner, masters
+
+
+def _rank_numbers(files: dict[tuple[int, int], _File], inner: dict[tuple[int, int], dict],
+                  masters: dict[tuple[int, int], Any], local_names: dict[tuple[int, int], list[tuple[str, TensorRef]]]
+                  ) -> tuple[dict[int, list[str]], dict[tuple[str, int], Any], dict[tuple[str, int], Any]]:
+    """(each group's parameters in global model order; per (global key, tensor-parallel rank): the
+    rank's optimizer state entry, and its fp32 main param where saved)."""
     groups0 = inner[0, 0]["param_groups"]
-    # Each rank's parameters by group, in the rank's order; and the consolidated order of each group.
     by_group: dict[int, list[str]] = defaultdict(list)
-    state_of: dict[tuple[str, int], Any] = {}  # (global key, tp) -> the rank's state entry
-    master_of: dict[tuple[str, int], Any] = {}  # (global key, tp) -> the rank's fp32 main param
-    for pp in range(pp_size):
-        for tp in range(tp_size):
-            f, o = files[tp, pp], inner[tp, pp]
-            pgs = o["param_groups"]
-            if len(pgs) != len(groups0):
-                raise CorruptCheckpointError(f"{f.rel}: the optimizer holds {len(pgs)} param groups, "
-                                             f"{files[0, 0].rel} {len(groups0)}: files of two different runs are mixed?")
-            members = _group_members(f, pgs, local_names[tp, pp])
-            state = o.get("state")
-            if not isinstance(state, dict):
-                raise CorruptCheckpointError(f"{f.rel}: the optimizer's 'state' is a {type(state).__name__}, "
-                                             "expected a dict")
-            for g, (pg, names) in enumerate(zip(pgs, members)):
-                ids = pg.get("params")
-                if not isinstance(ids, list) or len(ids) != len(names):
-                    raise CorruptCheckpointError(
-                        f"{f.rel}: optimizer param group {g} numbers {_count(ids)} parameters, but the model holds "
-                        f"{len(names)} of that group (wd_mult {pg.get('wd_mult')!r}); cannot tell which is which")
-                for i, name in zip(ids, names):
-                    state_of[name, tp] = state.get(i)
-                    if tp == 0:
-                        by_group[g].append(name)
-                if (tp, pp) in masters:
-                    main = masters[tp, pp]
-                    if not isinstance(main, list) or len(main) != len(pgs) or not isinstance(main[g], list) \
-                            or len(main[g]) != len(names):
-                        raise CorruptCheckpointError(f"{f.rel}: fp32_from_fp16_params does not hold one fp32 tensor "
-                                                     f"per parameter of group {g} ({len(names)})")
-                    for name, ref in zip(names, main[g]):
-                        master_of[name, tp] = ref
+    state_of: dict[tuple[str, int], Any] = {}
+    master_of: dict[tuple[str, int], Any] = {}
+    for (tp, pp), f in sorted(files.items(), key=lambda item: (item[0][1], item[0][0])):
+        o = inner[tp, pp]
+        pgs = o["param_groups"]
+        if len(pgs) != len(groups0):
+            raise CorruptCheckpointError(f"{f.rel}: the optimizer holds {len(pgs)} param groups, "
+                                         f"{files[0, 0].rel} {len(groups0)}: files of two different runs are mixed?")
+        members = _group_members(f, pgs, local_names[tp, pp])
+        state = o.get("state")
+        if not isinstance(state, dict):
+            raise CorruptCheckpointError(f"{f.rel}: the optimizer's 'state' is a {type(state).__name__}, "
+                                         "expected a dict")
+        for g, (pg, names) in enumerate(zip(pgs, members)):
+            ids = pg.get("params")
+            if not isinstance(ids, list) or len(ids) != len(names):
+                raise CorruptCheckpointError(
+                    f"{f.rel}: optimizer param group {g} numbers {_count(ids)} parameters, but the model holds "
+                    f"{len(names)} of that group (wd_mult {pg.get('wd_mult')!r}); cannot tell which is which")
+            for i, name in zip(ids, names):
+                state_of[name, tp] = state.get(i)
+                if tp == 0:
+                    by_group[g].append(name)
+            if (tp, pp) in masters:
+                main = masters[tp, pp]
+                if not isinstance(main, list) or len(main) != len(pgs) or not isinstance(main[g], list) \
+                        or len(main[g]) != len(names):
+                    raise CorruptCheckpointError(f"{f.rel}: fp32_from_fp16_params does not hold one fp32 tensor "
+                                                 f"per parameter of group {g} ({len(names)})")
+                for name, ref in zip(names, main[g]):
+                    master_of[name, tp] = ref
+    return by_group, state_of, master_of
+
+
+def _optimizer(files: dict[tuple[int, int], _File], local_names: dict[tuple[int, int], list[tuple[str, TensorRef]]],
+               params: dict[str, _Param], tp_size: int, gated: bool, vocab_size: int | None,
+               distributed: set[str]) -> tuple[list[TensorSpec], list[dict] | None]:
+    """The Adam state of every parameter, numbered as a one-rank run's optimizer numbers it, and the
+    param groups (hyperparameters, ``params`` renumbered); ([], None) when the files hold no optimizer."""
+    found = _optimizer_dicts(files, distributed)
+    if found is None:
+        return [], None
+    inner, masters = found
+    groups0 = inner[0, 0]["param_groups"]
+    by_group, state_of, master_of = _rank_numbers(files, inner, masters, local_names)
     tensors: list[TensorSpec] = []
     number = 0
     renumbered = []
@@ -487,16 +509,23 @@ def _optimizer(files: dict[tuple[int, int], _File], local_names: dict[tuple[int,
                 tensors.append(_tensor(step_param, ("optimizer", "state", number, "step"), gated, None))
             number += 1
         renumbered.append({**{str(k): v for k, v in _json_part(pg).items() if k != "params"}, "params": ids})
-    for name in (n for g in range(len(groups0)) for n in by_group[g]):
+    return tensors + _main_params(by_group, master_of, params, gated, vocab_size), renumbered
+
+
+def _main_params(by_group: dict[int, list[str]], master_of: dict[tuple[str, int], Any], params: dict[str, _Param],
+                 gated: bool, vocab_size: int | None) -> list[TensorSpec]:
+    """A mixed-precision run's fp32 main params, consolidated as their parameters."""
+    out = []
+    for name in (n for g in sorted(by_group) for n in by_group[g]):
         if (name, 0) in master_of:
             shards = [(f, master_of[name, tp]) for tp, (f, _) in enumerate(params[name].shards)]
             for (f, ref), (_, m) in zip(params[name].shards, shards):
                 if not isinstance(m, TensorRef) or m.shape != ref.shape or m.storage.dtype != "float32":
                     raise CorruptCheckpointError(f"{f.rel}: the fp32 main param of {name!r} is {shown(m)}, expected a "
                                                  f"float32 tensor of the parameter's shape {list(ref.shape)}")
-            tensors.append(_tensor(params[name], ("optimizer", "fp32_from_fp16_params", name), gated, vocab_size,
-                                   shards=shards, name=f"{name} fp32 main param"))
-    return tensors, renumbered
+            out.append(_tensor(params[name], ("optimizer", "fp32_from_fp16_params", name), gated, vocab_size,
+                               shards=shards, name=f"{name} fp32 main param"))
+    return out
 
 
 def _group_members(f: _File, pgs: list, names: list[tuple[str, TensorRef]]) -> list[list[str]]:
@@ -527,7 +556,8 @@ def _json_part(value: Any) -> Any:
         items = [_json_part(v) for v in value]
         return items if all(i is not None or v is None for i, v in zip(items, value)) else None
     if isinstance(value, dict):
-        return {k: p for k, v in value.items() if isinstance(k, str) and ((p := _json_part(v)) is not None or v is None)}
+        return {k: p for k, v in value.items()
+                if isinstance(k, str) and ((p := _json_part(v)) is not None or v is None)}
     return None
 
 
