@@ -37,6 +37,10 @@ def import_(
     allow_expansion: bool = typer.Option(
         False, "--allow-expansion", help="Write tensors larger than 4 times the source files they are read from "
                                          "(stride-0 tensors); refused otherwise."),
+    in_place: bool = typer.Option(
+        False, "--in-place", help="Copy no tensor bytes that lie contiguous in the source: the checkpoint points into "
+                                  "its files, which must then stay where they are, unchanged. Tensors that cannot "
+                                  "be referenced are copied and listed."),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable report."),
 ) -> None:
     """Import a foreign checkpoint (DCP, DeepSpeed ZeRO, Megatron-LM, Hugging Face, PEFT adapters, torch.save, or any files a spec describes).
@@ -71,10 +75,15 @@ def import_(
             return
         assert dst is not None
         report = import_checkpoint(src, dst, source=source, spec=spec, buffer_bytes=budget, allow_pickle=allow_pickle,
-                                    only=only or None, allow_expansion=allow_expansion)
+                                    only=only or None, allow_expansion=allow_expansion, in_place=in_place)
     if as_json:
         print_json(asdict(report))
         return
     console().print(f"[bold green]OK[/bold green] {escape(src)} -> {escape(dst)} ({source}): "
                     f"{plural(report.num_tensors, 'tensor')}, {human_bytes(report.tensor_bytes)}, "
                     f"{plural(report.num_values, 'value')}, {report.seconds['total']:.2f} s", soft_wrap=True)
+    if in_place:
+        console().print(f"in place: {human_bytes(report.in_place_bytes)} referenced in the source files, "
+                        f"{human_bytes(report.bytes_written)} written", soft_wrap=True)
+        for key, why in sorted(report.copied.items()):
+            console().print(f"  copied {escape(key)}: {escape(why)}", soft_wrap=True)

@@ -33,7 +33,8 @@ FORMAT_NAME = "resurgo.checkpoint"
 FORMAT_VERSION = 2  # what resurgo writes for a self-contained checkpoint
 REFERENCING_VERSION = 3  # what it writes for one that references another checkpoint's data files
 INDEXED_VERSION = 4  # a distributed save: an O(tensors) core, chunk details in one index per rank
-READABLE_VERSIONS = (2, 3, 4)
+EXTERNAL_VERSION = 5  # an import in place: chunks may lie in foreign files under a declared source root
+READABLE_VERSIONS = (2, 3, 4, 5)
 UNSEALED_VERSION = 1  # 2 without the manifest's own checksum: refused, nothing proves it unedited
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 30
@@ -44,6 +45,9 @@ MAX_TENSOR_BYTES = (1 << 62) - 1  # with every dimension counted as at least 1
 DATA_FILE_RE = re.compile(r"^data/[A-Za-z0-9_.-]{1,200}\.safetensors$")
 # A data file of another checkpoint of the same root: "<checkpoint>/data/<name>.safetensors".
 REFERENCE_RE = re.compile(r"^([A-Za-z0-9_.-]{1,200})/(data/[A-Za-z0-9_.-]{1,200}\.safetensors)$")
+# A chunk's bytes in a foreign file under the manifest's external root: "external:<relative path>".
+EXTERNAL_PREFIX = "external:"
+MAX_EXTERNAL_PATH = 4096
 TMP_MARKER = ".resurgo-tmp-"  # in a name: a save in progress, never a checkpoint
 _HEX128 = re.compile(r"[0-9a-f]{32}")
 SEAL_FIELD = "manifest_checksum"
@@ -193,6 +197,49 @@ class FileEntry(_Strict):
     header_checksum: str  # xxh3-128 of those header bytes
 
 
+class ExternalFile(_Strict):
+    """A foreign file an import in place reads chunks from: only its size is recorded (its bytes
+    outside the chunks are never used; the chunks' block checksums cover every byte that is)."""
+
+    bytes: int
+
+    @property
+    def header_bytes(self) -> int:  # no header of ours to verify: the data area is the whole file
+        return 0
+
+
+class External(_Strict):
+    """Version 5: the foreign files under ``root`` (absolute, canonical) whose bytes chunks name,
+    by path relative to it; ``tag``: an HMAC of ``root`` and ``files`` under the key of the user who
+    made the import (:mod:`resurgo.storage.external`), absent where none could be made."""
+
+    root: str
+    files: dict[str, ExternalFile]
+    tag: Optional[str] = None
+
+    def tagged_body(self) -> bytes:
+        """The bytes the tag covers: the root and every file with its size, as compact JSON."""
+        files = {rel: f.bytes for rel, f in sorted(self.files.items())}
+        return json.dumps({"root": self.root, "files": files}, separators=(",", ":"), sort_keys=True).encode()
+
+
+def external_name(rel: str) -> str:
+    """How a chunk names the foreign file ``rel`` (relative to the external root)."""
+    return EXTERNAL_PREFIX + rel
+
+
+def is_external(name: str) -> bool:
+    return name.startswith(EXTERNAL_PREFIX)
+
+
+def canonical_relative(rel: str) -> bool:
+    """``rel`` is a relative POSIX path in canonical form: no empty, '.' or '..' component, no
+    leading '/', no backslash or NUL, at most MAX_EXTERNAL_PATH characters."""
+    parts = rel.split("/")
+    return (0 < len(rel) <= MAX_EXTERNAL_PATH and "\\" not in rel and "\0" not in rel
+            and all(p not in ("", ".", "..") for p in parts))
+
+
 def split_reference(name: str) -> tuple[str, str]:
     """``(checkpoint, data file)`` of a reference ``"<checkpoint>/data/<name>.safetensors"``."""
     match = REFERENCE_RE.fullmatch(name)
@@ -218,6 +265,7 @@ class Manifest(_Strict):
     tree: dict[str, Any]
     ranks: Optional[RankFiles] = None  # version 4: every rank's data files and index
     file_tag: Optional[str] = None  # version 4: the prefix of this save's data file names
+    external: Optional[External] = None  # version 5: the foreign files an import in place reads
     manifest_checksum: Optional[str] = None  # required on read (checked against the bytes); set by seal()
 
     def to_json_bytes(self) -> bytes:
@@ -239,9 +287,26 @@ class Manifest(_Strict):
         """Version 4: chunks and data files are listed in the ranks' indexes, not here."""
         return self.version == INDEXED_VERSION
 
-    def file_entry(self, name: str) -> FileEntry:
-        """The entry of a data file a chunk names: this checkpoint's own, or a reference."""
-        return self.files[name] if name in self.files else self.references[name]
+    def file_entry(self, name: str) -> "FileEntry | ExternalFile":
+        """The entry of a data file a chunk names: this checkpoint's own, a reference, or a foreign file."""
+        if name in self.files:
+            return self.files[name]
+        if is_external(name) and self.external is not None:
+            return self.external.files[name[len(EXTERNAL_PREFIX):]]
+        return self.references[name]
+
+    def describe_file(self, name: str) -> str:
+        """How messages name the file ``name`` a chunk names: a foreign one by its full path."""
+        if is_external(name) and self.external is not None:
+            return f"foreign file {self.external.root.rstrip('/')}/{name[len(EXTERNAL_PREFIX):]}"
+        return name
+
+    @property
+    def external_files(self) -> dict[str, ExternalFile]:
+        """The foreign files, by the names chunks give them (``external:<path>``)."""
+        if self.external is None:
+            return {}
+        return {external_name(rel): f for rel, f in self.external.files.items()}
 
     @property
     def owned_bytes(self) -> int:
@@ -405,10 +470,12 @@ def validate_manifest(m: Manifest, source: str = MANIFEST_NAME) -> None:
             fail(f"reference {path[:200]!r} is not of the form <checkpoint>/data/<name>.safetensors "
                  f"naming another committed checkpoint of the same root")
         _check_file_entry(path, entry, fail)
+    _check_external(m, fail)
     if m.indexed:
         _check_core(m, fail)
     elif m.ranks is not None or m.file_tag is not None:
         fail(f"'ranks' and 'file_tag' need format version {INDEXED_VERSION}, the manifest says {m.version}")
+    others: dict[str, Any] = {**m.references, **m.external_files}  # where a chunk's bytes may lie beside its own files
     for key, t in m.tensors.items():
         check_tensor_entry(key, t, fail)
         if m.indexed:
@@ -419,7 +486,7 @@ def validate_manifest(m: Manifest, source: str = MANIFEST_NAME) -> None:
             fail(f"tensor {key!r}: 'chunks' is required")
         places: list[Place] = []
         for i, c in enumerate(t.chunks):
-            check_chunk(key, t, i, c, m.files, m.references, m.version, fail)
+            check_chunk(key, t, i, c, m.files, others, m.version, fail)
             places.append(c.place)
         check_coverage(key, t, places, fail)
     validate_tree(m.tree, {k: t.kind for k, t in m.tensors.items()}, m.pickled, source)
@@ -534,6 +601,32 @@ def _check_core(m: Manifest, fail: Callable[[str], None]) -> None:
             if not 0 <= p.rank < world:
                 fail(f"tensor {key!r} piece {i}: rank {_short(p.rank)} outside ranks 0..{world - 1}")
         check_coverage(key, t, [p.place for p in t.pieces], fail)
+
+
+def _check_external(m: Manifest, fail: Callable[[str], None]) -> None:
+    """Version 5 and ``external`` go together; the root is absolute and canonical, every path
+    under it relative and canonical (so that resolving it cannot climb out before symlinks are
+    even looked at), every size non-negative."""
+    ext = m.external
+    if (m.version == EXTERNAL_VERSION) != (ext is not None):
+        fail(f"'external' and format version {EXTERNAL_VERSION} go together (version {m.version}, "
+             f"{'with' if ext is not None else 'without'} 'external')")
+    if ext is None:
+        return
+    if m.references:
+        fail(f"a version {EXTERNAL_VERSION} manifest has no 'references'")
+    root = ext.root
+    if (not root.startswith("/") or len(root) > MAX_EXTERNAL_PATH or "\0" in root
+            or (root != "/" and not canonical_relative(root[1:]))):
+        fail(f"external root {root[:200]!r} is not an absolute path in canonical form")
+    if ext.tag is not None and not re.fullmatch("[0-9a-f]{64}", ext.tag):
+        fail("external tag must be 64 hex digits")
+    for rel, f in ext.files.items():
+        if not canonical_relative(rel):
+            fail(f"external file {rel[:200]!r} is not a relative path in canonical form under the external root "
+                 f"(no leading '/', no '.', '..' or empty component)")
+        if f.bytes < 0:
+            fail(f"external file {rel[:200]!r}: size {_short(f.bytes)} is negative")
 
 
 def _all_hex128(digests: list[str]) -> bool:

@@ -103,7 +103,8 @@ def select(spec: ImportSpec, only: str | Sequence[str]) -> ImportSpec:
 def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source: str,
                       spec: ImportSpec | str | os.PathLike | None = None, buffer_bytes: int | str | None = None,
                       allow_pickle: bool = False, storage_options: dict | None = None,
-                      only: str | Sequence[str] | None = None, allow_expansion: bool = False) -> ImportReport:
+                      only: str | Sequence[str] | None = None, allow_expansion: bool = False,
+                      in_place: bool = False) -> ImportReport:
     """Import the foreign checkpoint at ``src`` as a resurgo checkpoint at ``dst``; returns an
     :class:`ImportReport`.
 
@@ -123,7 +124,10 @@ def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source:
     ``only``: a pattern or list of patterns (:func:`select`); only the tensors and values whose
     keys match are read and written. ``allow_expansion``: write tensors that take more than
     ``MAX_EXPANSION`` (4) times the bytes of the source files they are read from (a stride-0 tensor
-    such as ``torch.ones(1).expand(n)``); refused with ExpansionError otherwise.
+    such as ``torch.ones(1).expand(n)``); refused with ExpansionError otherwise. ``in_place``: copy no
+    tensor bytes that lie contiguous in the source files: the checkpoint's chunks point into them
+    (format version 5; the source must then stay where it is, unchanged), and the report's
+    ``copied`` names the tensors copied after all, and why (:mod:`resurgo.interop.inplace`).
     """
     t0 = time.perf_counter()
     budget = None if buffer_bytes is None else parse_size(buffer_bytes, "buffer_bytes")
@@ -138,7 +142,7 @@ def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source:
         chosen = select(chosen, only)
     t_spec = time.perf_counter() - t0
     report = execute(chosen, root, dst, source=source, buffer_bytes=budget, storage_options=storage_options,
-                     allow_pickle=allow_pickle, allow_expansion=allow_expansion)
+                     allow_pickle=allow_pickle, allow_expansion=allow_expansion, in_place=in_place)
     report.seconds = {"spec": t_spec, **report.seconds, "total": time.perf_counter() - t0}
     report.src = str(src)
     return report

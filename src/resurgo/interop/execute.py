@@ -37,10 +37,13 @@ from resurgo.errors import (
     ImportSpecError,
     MemoryBudgetError,
     PickleNotAllowedError,
+    UnsupportedValueError,
 )
 from resurgo.conversion import check_free_space
 from resurgo.format import dtypes
 from resurgo.format.expansion import MAX_EXPANSION
+from resurgo.format.manifest import Manifest
+from resurgo.interop import inplace
 from resurgo.interop.source_files import open_file_inside, open_inside, resolve_inside
 from resurgo.interop.spec import ImportSpec, Piece, Source, TensorSpec, row_major_strides, span_elements
 from resurgo.interop.torch_file import damaged_archive, member_start
@@ -48,6 +51,7 @@ from resurgo.layout.shards import LocalPiece, Pieces
 from resurgo.pipeline.buffers import TensorStream, as_copyable, copy_flat_range
 from resurgo.pipeline.save import DEFAULT_IO_THREADS, LazySources, prepare_save, write_and_commit
 from resurgo.pipeline.writer import SLICE_BYTES
+from resurgo.plan.save_plan import FilePlan, SavePlan
 from resurgo.reports import ImportReport
 from resurgo.state.flatten import TensorLeaf
 from resurgo.storage.direct_io import BOUNCE_BYTES
@@ -72,6 +76,7 @@ class _Sources:
 
     def __init__(self, root: Path):
         self.root = root
+        self.root_real = Path(os.path.realpath(root))
         self._regions: dict[tuple[str, str | None], _Region] = {}
         self._maps: dict[Path, np.memmap] = {}
         self._fds: dict[Path, int] = {}
@@ -316,14 +321,20 @@ def _nested(spec: ImportSpec, state: dict[str, Any]) -> dict[Any, Any]:
 
 def execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, *, source: str = "spec",
             buffer_bytes: int | None = None, storage_options: dict | None = None,
-            metadata: dict | None = None, allow_pickle: bool = False, allow_expansion: bool = False) -> ImportReport:
+            metadata: dict | None = None, allow_pickle: bool = False, allow_expansion: bool = False,
+            in_place: bool = False) -> ImportReport:
     """Write the checkpoint ``dst`` from the sources under ``root`` as ``spec`` (validated) says.
+    ``in_place``: tensors whose bytes lie contiguous in the sources are not copied; their chunks
+    point into the source files (:mod:`resurgo.interop.inplace`), the others are copied.
     The spec's ``objects`` are unpickled only with ``allow_pickle`` (PickleNotAllowedError otherwise).
     Tensors of more than :data:`MAX_EXPANSION` times the source files' bytes are written only with
     ``allow_expansion`` (ExpansionError otherwise); a local ``dst`` whose filesystem has too little
     free space for them raises StorageError first."""
     t_start = time.perf_counter()
     budget = DEFAULT_MEMORY_BUDGET if buffer_bytes is None else buffer_bytes
+    if in_place and is_url(dst):
+        raise UnsupportedValueError(f"{dst}: an import in place references the source files by their local path; "
+                                    "its checkpoint goes on the local filesystem (import to a URL copies)")
     if budget < WRITER_BYTES:
         raise MemoryBudgetError(f"buffer_bytes={budget} is below what one writer holds ({WRITER_BYTES} bytes: an "
                                 f"{SLICE_BYTES >> 20} MiB slice and a {BOUNCE_BYTES >> 20} MiB aligned write buffer); raise it")
@@ -331,14 +342,14 @@ def execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, *
     try:
         return _execute(spec, root, dst, sources, source=source, budget=budget, storage_options=storage_options,
                         metadata=metadata, allow_pickle=allow_pickle, allow_expansion=allow_expansion,
-                        t_start=t_start)
+                        in_place=in_place, t_start=t_start)
     finally:
         sources.close()
 
 
 def _execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, sources: _Sources, *, source: str,
              budget: int, storage_options: dict | None, metadata: dict | None, allow_pickle: bool,
-             allow_expansion: bool, t_start: float) -> ImportReport:
+             allow_expansion: bool, in_place: bool, t_start: float) -> ImportReport:
     objects = _load_objects(spec, sources, allow_pickle)
     bytes_read = 0
     for t in spec.tensors:  # every length first: nothing is written from a truncated source
@@ -348,7 +359,8 @@ def _execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, 
                 bytes_read += sources.check_length(r, p.shape, t.dtype, f"tensor {t.key!r} piece {i} replica {j}")
     if not allow_expansion:
         _check_expansion(spec, sources, root)
-    _check_free_space(spec, dst)
+    placed = inplace.choose(spec, sources) if in_place else inplace.Placed()
+    _check_free_space(spec.model_copy(update={"tensors": [t for t in spec.tensors if t.key not in placed.refs]}), dst)
     compare_elements = budget // 4
     averaged = sum(p.numel * dtypes.itemsize(t.dtype) for t in spec.tensors for p in t.pieces if p.combine == "mean")
     if averaged + WRITER_BYTES > budget:  # the means are held until written, beside at least one writer
@@ -378,14 +390,29 @@ def _execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, 
         state = _nested(spec, state)
     # The means are held until written: the writers share what they leave of the budget.
     threads = max(1, min(DEFAULT_IO_THREADS, (budget - averaged) // WRITER_BYTES))
+    t_hashed = time.perf_counter()
+    if placed.refs:
+        inplace.checksum_pieces(placed, DEFAULT_IO_THREADS)  # before the staging exists: a failure leaves nothing
+    t_hashed = time.perf_counter() - t_hashed
     prep = prepare_save(state, dst, overwrite=False, allow_pickle=allow_pickle, step=None, metadata=metadata,
                         io_threads=threads, block_bytes=None, storage_options=storage_options)
+    amend = None
+    if placed.refs:  # their chunks are not written: the manifest points into the sources
+        prep.plan = SavePlan(tuple(FilePlan(f.path, tuple(i for i in f.items if i.key not in placed.refs))
+                                   for f in prep.plan.files))
+        prep.leaves = {name: leaf for name, leaf in prep.leaves.items() if leaf.key not in placed.refs}
+        ext_root = inplace.external_root(sources.root_real, placed)
+
+        def amend(m: Manifest) -> Manifest:
+            return inplace.amend(m, placed, ext_root)
     t_prepared = time.perf_counter()
-    saved = write_and_commit(prep, _StreamedSources(prep.leaves, sources))
+    saved = write_and_commit(prep, _StreamedSources(prep.leaves, sources), amend=amend)
     seconds = {"check": t_checked - t_start, "prepare": t_prepared - t_checked,
                "write_and_commit": saved.seconds["write_and_commit"], "read": sources.read_seconds(),
+               "in_place_checksum": t_hashed,
                **{k: saved.seconds[k] for k in ("checksum", "write", "fsync", "commit")},
                "total": time.perf_counter() - t_start}
     return ImportReport(src=str(root), dst=str(dst), source=source, num_tensors=len(spec.tensors),
                         num_values=len(spec.values) + len(objects), tensor_bytes=prep.tensor_bytes, bytes_read=bytes_read,
-                        bytes_written=saved.bytes_written, seconds=seconds)
+                        bytes_written=saved.bytes_written, seconds=seconds, in_place=in_place,
+                        in_place_bytes=placed.nbytes, copied=dict(placed.copied))

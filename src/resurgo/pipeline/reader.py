@@ -35,7 +35,7 @@ from resurgo import faults
 from resurgo.dist import liveness
 from resurgo.errors import CorruptCheckpointError
 from resurgo.format import checksum, dtypes
-from resurgo.format.manifest import Manifest, TensorEntry
+from resurgo.format.manifest import Manifest, TensorEntry, is_external
 from resurgo.gcpause import collector_paused
 from resurgo.pipeline.buffers import as_copyable, typed_view, writable_bytes
 from resurgo.pipeline.data_files import open_data_file
@@ -200,7 +200,7 @@ class _PlanReading:
         if bad is not None:
             _, start, a, b = chunk.locate(bad * chunk.block_bytes, (bad + 1) * chunk.block_bytes)[0]
             raise CorruptCheckpointError(
-                f"{self.ckpt.path}: tensor {part.key!r} is corrupt in {op.file}: block {bad} "
+                f"{self.ckpt.path}: tensor {part.key!r} is corrupt in {self.manifest.describe_file(op.file)}: block {bad} "
                 f"(file bytes {start}..{start + b - a}) does not match its xxh3-128 checksum"
             )
 
@@ -255,7 +255,8 @@ def plan_tasks(manifest: Manifest, ops: list[ReadOp], files: set[str] | dict, ve
     header with them when ``verify``; reads less than ``coalesce_reads = (gap, most)`` apart merge."""
     gap, most = coalesce_reads
     batches = coalesce(ops, gap, most) if most else [[op] for op in ops]
-    return read_tasks(batches, {name: manifest.file_entry(name).header_bytes for name in files} if verify else {}, gap)
+    headers = {name: manifest.file_entry(name).header_bytes for name in files if not is_external(name)}  # foreign: none of ours
+    return read_tasks(batches, headers if verify else {}, gap)
 
 
 def task_extent(task: ReadTask, header_bytes: int) -> tuple[int, tuple[int, ...]]:
@@ -616,7 +617,8 @@ def _open_files(ckpt: Checkpoint, manifest: Manifest, names: set[str]) -> dict[s
             expected = manifest.file_entry(name).bytes
             if h.size != expected:
                 raise CorruptCheckpointError(
-                    f"{ckpt.path}: data file {name} has {h.size} bytes, the manifest says {expected} (truncated or altered)"
+                    f"{ckpt.path}: data file {manifest.describe_file(name)} has {h.size} bytes, the manifest says {expected} "
+                    "(truncated or altered)"
                 )
     except BaseException:
         for h in handles.values():

@@ -398,12 +398,14 @@ class LazySources(Mapping):
 
 def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | TensorStream"],
                      digests: Mapping[str, list[str]] | None = None,
-                     failed_before: BaseException | None = None) -> SaveReport:
+                     failed_before: BaseException | None = None,
+                     amend: Callable[[Manifest], Manifest] | None = None) -> SaveReport:
     """Write this rank's data files (one thread per file); once every rank's are durable, rank 0
     writes the manifest and commits (:mod:`resurgo.pipeline.collective`). On any failure, on any
     rank, the staging is removed, nothing is committed, and every rank raises the same error.
     ``failed_before``: this rank's snapshot failed in the background; it is raised in the write
-    phase, so that every rank raises it rather than wait for this one."""
+    phase, so that every rank raises it rather than wait for this one. ``amend``: what the manifest
+    becomes before it is written (an import in place adds its chunks in foreign files)."""
     t_start = time.perf_counter()
     comm = prep.comm
 
@@ -437,6 +439,8 @@ def write_and_commit(prep: PreparedSave, sources: Mapping[str, "np.ndarray | Ten
                 built = build_core(prep, everyone)
             else:
                 built = build_manifest(prep, [w for ws, _ in everyone for w in ws], [c for _, cs in everyone for c in cs])
+            if amend is not None:
+                built = amend(built)
             raw = built.to_json_bytes()
         if prep.incremental:
             _manifests.wrote(raw, built)
