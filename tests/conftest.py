@@ -12,6 +12,13 @@ settings.load_profile("resurgo")
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def import_key_in_tmp(tmp_path_factory):
+    """Imports in place tag their checkpoints with a per-user key: the suite's lives in a temporary
+    directory, never in the home directory."""
+    os.environ["RESURGO_KEY_FILE"] = str(tmp_path_factory.mktemp("resurgo-key") / "import.key")
+
+
 @pytest.fixture
 def ckpt_dir(tmp_path):
     return tmp_path / "ckpt"
