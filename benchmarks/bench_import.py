@@ -12,6 +12,12 @@ Sources, written untimed at the start by the real libraries on 2 gloo CPU ranks 
 * ``dcp``: ``dcp.save`` of an FSDP2 model's state dict. Compared: torch's ``dcp_to_torch_save``
   against ``import_checkpoint(source="dcp")`` (both write every item).
 
+Import in place (``in_place=True``: the checkpoint's chunks point into the source files, which are
+read once for their checksums and never copied) runs beside the copying import of the same source
+(``resurgo_dcp_in_place``, ``resurgo_full_in_place``): the ratios ``copy/in_place`` of the durable
+time and of the bytes written are printed for each source, and its output is checked bit for bit
+against the copying import's.
+
 Every tool runs in its own Python process, started fresh for each repetition (imports done before
 the timer), so its peak memory is its own: ``peak_rss`` is the child's ``VmHWM`` (its peak resident set; ``ru_maxrss`` would
 not do: Linux carries the forking parent's peak over ``exec``; it counts
@@ -49,9 +55,10 @@ from common import GB, MiB, environment, fmt_bytes, fs_type, fsync_tree, median,
 
 SCHEMA = "resurgo-bench-import/1"
 TOOLS = {  # source -> (the framework's tool, resurgo like for like, other resurgo rows)
-    "deepspeed": ("zero_to_fp32", "resurgo_weights", ("resurgo_full",)),
-    "dcp": ("dcp_to_torch_save", "resurgo_dcp", ()),
+    "deepspeed": ("zero_to_fp32", "resurgo_weights", ("resurgo_full", "resurgo_full_in_place")),
+    "dcp": ("dcp_to_torch_save", "resurgo_dcp", ("resurgo_dcp_in_place",)),
 }
+IN_PLACE = {"resurgo_dcp_in_place": "resurgo_dcp", "resurgo_full_in_place": "resurgo_full"}  # -> the copying import
 
 
 # -- the model both sources are written from -----------------------------------------------------
@@ -184,11 +191,12 @@ def run_tool(tool: str, src: str, dst: str, budget: int) -> dict:
         import resurgo
         import resurgo.interop.api  # noqa: F401
 
-        source = "dcp" if tool == "resurgo_dcp" else "deepspeed"
+        source = "dcp" if tool.startswith("resurgo_dcp") else "deepspeed"
         only = "model.*" if tool == "resurgo_weights" else None
+        in_place = tool in IN_PLACE
 
         def op() -> None:
-            resurgo.import_checkpoint(src, dst, source=source, only=only, buffer_bytes=budget)
+            resurgo.import_checkpoint(src, dst, source=source, only=only, buffer_bytes=budget, in_place=in_place)
     gc.collect()
     base_kib = _status_kib("RssAnon:")
     sampler = _AnonSampler()
@@ -247,6 +255,12 @@ def check_outputs(kind: str, out: Path) -> list[str]:
                 theirs[k] = v
         ours = resurgo.load_dict(out / "resurgo_dcp")
         bad = []
+    for in_place, copied in IN_PLACE.items():  # the same tensors and values as the copying import
+        if (out / in_place).is_dir():
+            a, b = flat(resurgo.load_dict(out / in_place)), flat(resurgo.load_dict(out / copied))
+            if set(a) != set(b) or any(bits(v) != bits(b[k]) if isinstance(v, torch.Tensor) else v != b[k]
+                                       for k, v in a.items()):
+                bad.append(f"{in_place} differs from {copied}")
     if set(ours) != set(theirs):
         bad.append(f"keys differ: {sorted(set(ours) ^ set(theirs))[:5]}")
     for k, v in theirs.items():
@@ -366,6 +380,11 @@ def summarize(doc: dict) -> None:
             for kind_s in ("durable_s", "raw_s"):
                 paired = paired_ratios([r[kind_s] for r in entry["runs"][theirs]], [r[kind_s] for r in entry["runs"][ours]])
                 ratios[f"{theirs}/{ours} {kind_s}"] = median(paired)
+        for in_place, copied in IN_PLACE.items():
+            if in_place in entry["runs"] and copied in entry["runs"]:
+                for key in ("durable_s", "output_bytes"):
+                    ratios[f"{copied}/{in_place} {key}"] = median(paired_ratios(
+                        [r[key] for r in entry["runs"][copied]], [r[key] for r in entry["runs"][in_place]]))
         entry["ratios"] = ratios
         for k, v in ratios.items():
             head = " (headline: like for like, durable)" if k == f"{theirs}/{like} durable_s" else ""

@@ -47,18 +47,30 @@ def check_source(doc: dict, stdout: str, name: str, tools: list[str], headline: 
     assert f"{headline} durable_s = " in stdout and "(headline: like for like, durable)" in stdout
 
 
+def check_in_place(doc: dict, stdout: str, name: str, copying: str, in_place: str) -> None:
+    """The import in place writes a small part of what the copying import writes, and says by how much."""
+    runs = doc["sources"][name]["runs"]
+    assert runs[in_place][0]["output_bytes"] * 10 < runs[copying][0]["output_bytes"]
+    for key in ("durable_s", "output_bytes"):
+        assert doc["sources"][name]["ratios"][f"{copying}/{in_place} {key}"] > 0
+        assert f"{name}: {copying}/{in_place} {key} = " in stdout
+
+
 @pytest.mark.bench
 def test_dcp_rows(tmp_path):
     doc, stdout = run_bench(tmp_path, "dcp")
     assert doc["schema"] == "resurgo-bench-import/1" and doc["config"]["memory_budget"] == 16 << 20
-    check_source(doc, stdout, "dcp", ["dcp_to_torch_save", "resurgo_dcp"], "dcp_to_torch_save/resurgo_dcp")
+    check_source(doc, stdout, "dcp", ["dcp_to_torch_save", "resurgo_dcp", "resurgo_dcp_in_place"],
+                 "dcp_to_torch_save/resurgo_dcp")
+    check_in_place(doc, stdout, "dcp", "resurgo_dcp", "resurgo_dcp_in_place")
 
 
 @pytest.mark.deepspeed
 def test_deepspeed_rows(tmp_path):
     doc, stdout = run_bench(tmp_path, "deepspeed")
-    check_source(doc, stdout, "deepspeed_zero2", ["zero_to_fp32", "resurgo_weights", "resurgo_full"],
-                 "zero_to_fp32/resurgo_weights")
+    check_source(doc, stdout, "deepspeed_zero2", ["zero_to_fp32", "resurgo_weights", "resurgo_full",
+                                                  "resurgo_full_in_place"], "zero_to_fp32/resurgo_weights")
+    check_in_place(doc, stdout, "deepspeed_zero2", "resurgo_full", "resurgo_full_in_place")
     # the full import writes the weights and both Adam moments: about three times the weights
     runs = doc["sources"]["deepspeed_zero2"]["runs"]
     assert runs["resurgo_full"][0]["output_bytes"] > 2.5 * runs["resurgo_weights"][0]["output_bytes"]
