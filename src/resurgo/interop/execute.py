@@ -400,7 +400,8 @@ def _execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, 
     if placed.refs:  # their chunks are not written: the manifest points into the sources
         prep.plan = SavePlan(tuple(FilePlan(f.path, tuple(i for i in f.items if i.key not in placed.refs))
                                    for f in prep.plan.files))
-        prep.leaves = {name: leaf for name, leaf in prep.leaves.items() if leaf.key not in placed.refs}
+        kept = {i.name for f in prep.plan.files for i in f.items}  # by chunk name: a sharded tensor has several
+        prep.leaves = {name: leaf for name, leaf in prep.leaves.items() if name in kept}
         ext_root = inplace.external_root(sources.root_real, placed)
 
         def amend(m: Manifest) -> Manifest:
