@@ -73,9 +73,10 @@ class ImportReport:
     bytes_read: int  # tensor bytes read from the sources, replicas (compared) included
     bytes_written: int  # every byte of every file, manifest and headers included
     seconds: dict[str, float] = field(default_factory=dict)
+    """Phases: spec (reading the source's metadata into a spec), check (file lengths, replicas),
+    prepare (plan, staging), write_and_commit; within it, summed over the writer threads: read,
+    checksum, write, fsync; then commit; and total. In place, also in_place_checksum: the one read
+    of the referenced source bytes for their checksums."""
     in_place: bool = False  # asked to reference the source files rather than copy them
     in_place_bytes: int = 0  # tensor bytes referenced where they lie in the source files, not written
     copied: dict[str, str] = field(default_factory=dict)  # in place: the tensors copied after all, and why
-    """Phases: spec (reading the source's metadata into a spec), check (file lengths, replicas),
-    prepare (plan, staging), write_and_commit; within it, summed over the writer threads: read,
-    checksum, write, fsync; then commit; and total."""

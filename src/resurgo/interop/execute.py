@@ -410,7 +410,7 @@ def _execute(spec: ImportSpec, root: str | os.PathLike, dst: str | os.PathLike, 
     saved = write_and_commit(prep, _StreamedSources(prep.leaves, sources), amend=amend)
     seconds = {"check": t_checked - t_start, "prepare": t_prepared - t_checked,
                "write_and_commit": saved.seconds["write_and_commit"], "read": sources.read_seconds(),
-               "in_place_checksum": t_hashed,
+               **({"in_place_checksum": t_hashed} if in_place else {}),
                **{k: saved.seconds[k] for k in ("checksum", "write", "fsync", "commit")},
                "total": time.perf_counter() - t_start}
     return ImportReport(src=str(root), dst=str(dst), source=source, num_tensors=len(spec.tensors),
