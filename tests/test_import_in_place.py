@@ -230,3 +230,17 @@ def test_loads_on_two_ranks_by_rows(tmp_path):
     w = expected["w"]
     halves = run_ranks(2, "inplace_workers:load_rows", str(dst), "model.w", tuple(w.shape))
     assert halves[0] + halves[1] == bits(w)  # rows 0..19 and 20..39, each read from the foreign file
+
+
+def test_a_save_with_an_import_in_place_as_base_writes_the_foreign_bytes(tmp_path):
+    """An incremental save never references a foreign file: references stay inside the root."""
+    src = tmp_path / "src"
+    expected = dcp_source(src)
+    root = tmp_path / "run"
+    resurgo.import_checkpoint(src, root / "step_000000003", source="dcp", in_place=True)
+    state = resurgo.load_dict(root / "step_000000003")
+    resurgo.save(state, root / "step_000000004", base=root / "step_000000003")
+    m = json.loads((root / "step_000000004" / "manifest.json").read_bytes())
+    assert m["version"] == 2 and "external" not in m and "references" not in m
+    (src / "__0_0.distcp").unlink()  # the new checkpoint does not need the source
+    assert bits(resurgo.load_dict(root / "step_000000004")["model.w"]) == bits(expected["w"])

@@ -14,7 +14,7 @@ from functools import cached_property
 
 import numpy as np
 
-from resurgo.format.manifest import FileEntry, Manifest, Span, locate, split_reference
+from resurgo.format.manifest import FileEntry, Manifest, Span, is_external, locate, split_reference
 from resurgo.layout.box import Place
 
 
@@ -47,9 +47,12 @@ class BaseIndex:
             return file if file in manifest.references else f"{name}/{file}"
 
         files = {ref(f): e for f, e in manifest.files.items()} | dict(manifest.references)
+        # A chunk in a foreign file (an import in place) is never a base chunk: a reference stays
+        # inside the root, so the new save writes those bytes.
         chunks = {(key, c.place): BaseChunk(c.nbytes, c.block_bytes, tuple(c.checksums),
                                             tuple((ref(f), a, b) for f, a, b in c.spans))
-                  for key, t in manifest.tensors.items() for c in t.chunks}
+                  for key, t in manifest.tensors.items() for c in t.chunks
+                  if not any(is_external(f) for f, _, _ in c.spans)}
         for r in files:
             split_reference(r)  # every name is a well-formed reference (the manifest validated)
         return cls(name, files, chunks)
