@@ -81,6 +81,9 @@ def test_dcp_in_place_writes_no_tensor_bytes_loads_bit_for_bit_and_verifies(tmp_
     assert report_v.ok and report_v.bytes_checked == tensor_bytes
     result = CliRunner().invoke(app, ["verify", str(dst)])
     assert result.exit_code == 0, result.output
+    shown = json.loads(CliRunner().invoke(app, ["inspect", str(dst), "--json"]).output)
+    assert shown["external"] == {"root": str(src.resolve()), "files": {"__0_0.distcp": (src / "__0_0.distcp").stat().st_size},
+                                 "tagged": True}
 
 
 def test_loads_a_part_and_converts(tmp_path):

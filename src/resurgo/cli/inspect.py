@@ -69,6 +69,9 @@ def inspect_summary(path: str | os.PathLike, with_chunks: bool = False) -> dict:
         "references": {name: {"bytes_used": used, "file_bytes": manifest.references[name].bytes}
                        for name, used in sorted(manifest.referenced_bytes.items())},
         "warnings": size_problems(path, manifest),
+        "external": None if manifest.external is None else {  # an import in place: where its chunks are read
+            "root": manifest.external.root, "files": {rel: f.bytes for rel, f in manifest.external.files.items()},
+            "tagged": manifest.external.tag is not None},
     }
 
 
@@ -87,6 +90,10 @@ def _print_inspect(s: dict, with_chunks: bool) -> None:
     head.add_row("metadata", escape(clip(json.dumps(s["metadata"], default=str), 400)) if s["metadata"] else "-")
     head.add_row("save info", escape(clip(json.dumps(s["save_info"], default=str), 400)) if s["save_info"] else "-")
     head.add_row("pickled", "yes (values shown by class, never unpickled)" if s["pickled"] else "no")
+    if s["external"] is not None:
+        ext = s["external"]
+        head.add_row("in place", escape(f"reads {plural(len(ext['files']), 'foreign file')} under {ext['root']} "
+                                        f"({human_bytes(sum(ext['files'].values()))})"))
     out.print(head)
     out.print()
 
