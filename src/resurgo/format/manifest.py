@@ -207,6 +207,10 @@ class ExternalFile(_Strict):
     def header_bytes(self) -> int:  # no header of ours to verify: the data area is the whole file
         return 0
 
+    @property
+    def header_checksum(self) -> str:  # of the empty header
+        return checksum.digest(b"")
+
 
 class External(_Strict):
     """Version 5: the foreign files under ``root`` (absolute, canonical) whose bytes chunks name,
