@@ -22,6 +22,7 @@ from resurgo.errors import (
     DataPositionError,
     DTypeMismatchError,
     ExpansionError,
+    ExternalFilesError,
     ForeignFilesError,
     ImportSpecError,
     IncompleteCheckpointError,
@@ -98,5 +99,5 @@ __all__ = [
     "DTypeMismatchError", "IncompleteCheckpointError", "KeyMismatchError", "ManifestError",
     "NotACheckpointError", "PickleNotAllowedError", "ShapeMismatchError", "StorageError",
     "TypeMismatchError", "UnsupportedValueError", "MemoryBudgetError", "SaveInFlightError", "StudyError",
-    "ExpansionError", "BaseModelMismatchError",
+    "ExpansionError", "BaseModelMismatchError", "ExternalFilesError",
 ]

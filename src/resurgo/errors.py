@@ -192,7 +192,7 @@ class BaseModelMismatchError(ResurgoError, ValueError):
     whose weights differ from the one they were trained on (the two content digests differ)."""
 
 
-class ExternalFilesError(ResurgoError, PermissionError):
+class ExternalFilesError(ResurgoError):
     """A checkpoint made by an import in place reads tensor bytes from files outside it, and this
     load may not follow them there: the checkpoint was not made by this user for that source root
     (and the caller did not allow the root), or a path under the root leads out of it."""
