@@ -247,3 +247,21 @@ def test_a_save_with_an_import_in_place_as_base_writes_the_foreign_bytes(tmp_pat
     assert m["version"] == 2 and "external" not in m and "references" not in m
     (src / "__0_0.distcp").unlink()  # the new checkpoint does not need the source
     assert bits(resurgo.load_dict(root / "step_000000004")["model.w"]) == bits(expected["w"])
+
+
+def test_replicas_compared_are_referenced_averaged_ones_copied(tmp_path):
+    from resurgo.interop import spec as spec_lang
+
+    a, b = torch.arange(6, dtype=torch.float32), torch.arange(6, dtype=torch.float32) + 2
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "x.bin").write_bytes(bits(a) + bits(a) + bits(b))
+    piece = {"file": "x.bin", "shape": [6], "flat": {"start": 0, "stop": 6}}
+    doc = {"format": "resurgo.import-spec", "version": 1, "values": {}, "tensors": [
+        {"key": "same", "dtype": "float32", "shape": [6], "pieces": [{**piece, "replicas": [{"file": "x.bin", "offset": 24}]}]},
+        {"key": "mean", "dtype": "float32", "shape": [6],
+         "pieces": [{**piece, "offset": 24, "replicas": [{"file": "x.bin", "offset": 48}], "combine": "mean"}]}]}
+    report = resurgo.import_checkpoint(tmp_path / "src", tmp_path / "dst", source="spec",
+                                       spec=spec_lang.loads(json.dumps(doc)), in_place=True)
+    assert list(report.copied) == ["mean"] and "averaged" in report.copied["mean"] and report.in_place_bytes == 24
+    loaded = resurgo.load_dict(tmp_path / "dst")
+    assert bits(loaded["same"]) == bits(a) and bits(loaded["mean"]) == bits(a + 1)
