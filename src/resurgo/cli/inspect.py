@@ -77,7 +77,15 @@ def inspect_summary(path: str | os.PathLike, with_chunks: bool = False) -> dict:
 
 def _print_inspect(s: dict, with_chunks: bool) -> None:
     out = console()
-    tot = s["totals"]
+    _print_header(out, s)
+    _print_tensors(out, s)
+    if with_chunks and s["tensors"]:
+        _print_chunks(out, s)
+    _print_values(out, s)
+    _print_totals(out, s)
+
+
+def _print_header(out: Any, s: dict) -> None:
     out.print(f"[bold]Checkpoint[/bold] {escape(s['path'])}")
     head = Table(box=None, show_header=False, padding=(0, 2, 0, 2))
     head.add_column(style="bold")
@@ -97,6 +105,9 @@ def _print_inspect(s: dict, with_chunks: bool) -> None:
     out.print(head)
     out.print()
 
+
+
+def _print_tensors(out: Any, s: dict) -> None:
     table = Table(title="Tensors", title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, show_edge=False)
     table.add_column("key", overflow="fold")
     table.add_column("kind")
@@ -113,24 +124,27 @@ def _print_inspect(s: dict, with_chunks: bool) -> None:
         out.print("[bold]Tensors[/bold]: none")
     out.print()
 
-    if with_chunks and s["tensors"]:
-        ct = Table(title="Chunks", title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, show_edge=False)
-        ct.add_column("key", overflow="fold")
-        ct.add_column("#", justify="right")
-        ct.add_column("place")
-        ct.add_column("file", overflow="fold")
-        ct.add_column("bytes [start, stop)")
-        for key, t in s["tensors"].items():
-            for i, c in enumerate(t["chunks"]):
-                place = c.get("box")
-                text = ("[" + ", ".join(f"{o}:{o + n}" for o, n in zip(place["offsets"], place["shape"])) + "]"
-                        if place is not None else f"flat[{c['flat']['start']}:{c['flat']['stop']}]")
-                for j, where in enumerate(c.get("extents") or [c]):
-                    ct.add_row(escape(key) if j == 0 else "", str(i) if j == 0 else "", escape(text) if j == 0 else "",
-                               escape(where["file"]), escape(f"[{where['byte_range'][0]}, {where['byte_range'][1]})"))
-        out.print(ct)
-        out.print()
 
+def _print_chunks(out: Any, s: dict) -> None:
+    ct = Table(title="Chunks", title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, show_edge=False)
+    ct.add_column("key", overflow="fold")
+    ct.add_column("#", justify="right")
+    ct.add_column("place")
+    ct.add_column("file", overflow="fold")
+    ct.add_column("bytes [start, stop)")
+    for key, t in s["tensors"].items():
+        for i, c in enumerate(t["chunks"]):
+            place = c.get("box")
+            text = ("[" + ", ".join(f"{o}:{o + n}" for o, n in zip(place["offsets"], place["shape"])) + "]"
+                    if place is not None else f"flat[{c['flat']['start']}:{c['flat']['stop']}]")
+            for j, where in enumerate(c.get("extents") or [c]):
+                ct.add_row(escape(key) if j == 0 else "", str(i) if j == 0 else "", escape(text) if j == 0 else "",
+                           escape(where["file"]), escape(f"[{where['byte_range'][0]}, {where['byte_range'][1]})"))
+    out.print(ct)
+    out.print()
+
+
+def _print_values(out: Any, s: dict) -> None:
     if s["values"]:
         vt = Table(title="Values", title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, show_edge=False)
         vt.add_column("key", overflow="fold")
@@ -141,6 +155,9 @@ def _print_inspect(s: dict, with_chunks: bool) -> None:
         out.print(vt)
         out.print()
 
+
+def _print_totals(out: Any, s: dict) -> None:
+    tot = s["totals"]
     totals = Table(title="Totals", title_justify="left", title_style="bold", box=None, show_header=False,
                    padding=(0, 2, 0, 2))
     totals.add_column(style="bold")
@@ -159,7 +176,6 @@ def _print_inspect(s: dict, with_chunks: bool) -> None:
     out.print(totals)
     for w in s["warnings"]:
         note(f"warning: {w} (run `resurgo verify`)", style="yellow")
-
 
 def inspect(
     path: str = typer.Argument(..., metavar="PATH", help="A checkpoint directory or URL (s3://bucket/run/step_100)."),

@@ -42,7 +42,6 @@ from resurgo.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     NotACheckpointError,
-    ResurgoError,
     UnsupportedValueError,
 )
 from resurgo.format import dtypes
@@ -50,7 +49,7 @@ from resurgo.format.tree import path_key
 from resurgo.interop.deepspeed_mp import is_model_parallel, spec_model_parallel
 from resurgo.interop.megatron import MEGATRON
 from resurgo.interop.source_files import open_file_inside, resolve_inside
-from resurgo.interop.spec import Box, Flat, ImportSpec, Piece, Source, TensorSpec, row_major_strides
+from resurgo.interop.spec import Box, Flat, ImportSpec, Piece, Source, TensorSpec, from_fields, row_major_strides
 from resurgo.interop.torch_file import ZIP_ERRORS, read_objects
 from resurgo.interop.unpickle import DEEPSPEED, TensorRef, shown
 
@@ -105,18 +104,7 @@ def find_tag_dir(root: Path) -> tuple[Path, str]:
 
 def spec_from_deepspeed(directory: str | Path) -> ImportSpec:
     """The spec of the DeepSpeed ZeRO checkpoint in ``directory`` (see the module docstring)."""
-    try:
-        return _spec_from_deepspeed(Path(directory))
-    except ResurgoError:
-        raise
-    except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as e:
-        # DeepSpeed's files are dicts of whatever its version put there; the fields read are checked
-        # where they are read, and what a field of another type can still raise on the way (arithmetic
-        # or indexing with it: TypeError, KeyError, IndexError, OverflowError; a method it lacks:
-        # AttributeError; a spec it makes invalid: ValueError) is a file resurgo cannot read.
-        raise CorruptCheckpointError(f"{directory}: not a DeepSpeed checkpoint of a layout resurgo reads: a field "
-                                     f"holds another type than DeepSpeed writes ({type(e).__name__}: {e!s:.300})"
-                                     ) from None
+    return from_fields(directory, "DeepSpeed", lambda: _spec_from_deepspeed(Path(directory)))
 
 
 def _spec_from_deepspeed(root: Path) -> ImportSpec:

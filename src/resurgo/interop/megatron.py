@@ -52,14 +52,13 @@ from resurgo.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     NotACheckpointError,
-    ResurgoError,
     UnsupportedValueError,
 )
 from resurgo.format import dtypes
 from resurgo.format.tree import path_key
 from resurgo.interop.megatron_dist import METADATA_JSON, spec_from_torch_dist
 from resurgo.interop.source_files import open_file_inside, resolve_inside
-from resurgo.interop.spec import Box, ImportSpec, Piece, Source, TensorSpec, row_major_strides
+from resurgo.interop.spec import Box, ImportSpec, Piece, Source, TensorSpec, from_fields, row_major_strides
 from resurgo.interop.torch_file import read_objects
 from resurgo.interop.unpickle import DEEPSPEED, Record, TensorRef, shown
 
@@ -165,15 +164,7 @@ def spec_from_megatron(directory: str | Path, vocab_size: int | None = None) -> 
     """The spec of the Megatron-LM checkpoint (legacy layout) in ``directory``, consolidated to one
     tensor- and pipeline-parallel rank (see the module docstring); ``vocab_size``: the true
     vocabulary size, which drops the padding rows of the word embeddings and output layer."""
-    try:
-        return _spec(Path(directory), vocab_size)
-    except ResurgoError:
-        raise
-    except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as e:
-        # As for DeepSpeed: a field of another type than Megatron writes, met on the way.
-        raise CorruptCheckpointError(f"{directory}: not a Megatron checkpoint of a layout resurgo reads: a field "
-                                     f"holds another type than Megatron writes ({type(e).__name__}: {e!s:.300})"
-                                     ) from None
+    return from_fields(directory, "Megatron", lambda: _spec(Path(directory), vocab_size))
 
 
 def _rank_grid(folder: Path) -> tuple[int, int, bool]:

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from resurgo.errors import ImportSpecError
+from resurgo.errors import CorruptCheckpointError, ImportSpecError, ResurgoError
 from resurgo.format import dtypes
 from resurgo.format.manifest import BoxPlace as Box
 from resurgo.format.manifest import FlatPlace as Flat
@@ -105,6 +106,21 @@ class ImportSpec(_Strict):
     tensors: list[TensorSpec] = Field(default_factory=list)
     values: dict[str, Any] = Field(default_factory=dict)
     objects: dict[str, PickledObject] = Field(default_factory=dict)
+
+
+def from_fields(directory: object, framework: str, build: Callable[[], ImportSpec]) -> ImportSpec:
+    """``build()``, the spec of a checkpoint written as a framework's pickled dicts. Their fields
+    are checked where they are read; what a field of another type can still raise on the way
+    (arithmetic or indexing with it: TypeError, KeyError, IndexError, OverflowError; a method it
+    lacks: AttributeError; a spec it makes invalid: ValueError) is a checkpoint resurgo cannot read."""
+    try:
+        return build()
+    except ResurgoError:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as e:
+        raise CorruptCheckpointError(f"{directory}: not a {framework} checkpoint of a layout resurgo reads: a field "
+                                     f"holds another type than {framework} writes ({type(e).__name__}: {e!s:.300})"
+                                     ) from None
 
 
 def row_major_strides(shape: list[int] | tuple[int, ...]) -> tuple[int, ...]:
