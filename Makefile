@@ -2,7 +2,6 @@
 #   make demo   - creates .venv, installs everything, runs the main job: the quick study
 #   make test   - creates .venv, installs everything, runs the whole test suite
 # make study-full runs the full study; make demo-kill the kill-and-resume demonstration.
-# make test-megatron runs the Megatron import tests against Megatron-Core's own views (not in make test).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -17,7 +16,8 @@ DS_PYTEST := PYTHONPATH=$(DS_SITE) DS_ACCELERATOR=cpu DS_BUILD_OPS=0 $(BIN)/pyth
 
 # The torchtitan tests run real torchtitan jobs on CPU. torchtitan and the dependencies it imports
 # go into $(TT_SITE), outside the environment (torchtitan pulls in datasets, pyarrow, pandas and
-# tensorboard, about 300 MB): resurgo imports torchtitan only in resurgo.integrations.torchtitan.
+# tensorboard, about 300 MB, and imports triton at start-up even on CPU: 290 MB more; about 30 s to
+# install here): resurgo imports torchtitan only in resurgo.integrations.torchtitan.
 # The path is absolute: the doc tests run in their own directories.
 TT_SITE := .torchtitan-site
 TT_PYTEST := PYTHONPATH=$(CURDIR)/$(TT_SITE) $(BIN)/python -m pytest -q -m torchtitan
@@ -80,12 +80,14 @@ study-full: $(STAMP)
 demo-kill: $(STAMP)
 	$(BIN)/python examples/demo_kill_resume.py
 
-# The default suite, then the DeepSpeed import tests (deselected by default: they need deepspeed,
-# which lives outside the environment, in $(DS_SITE)), then mypy and the benchmark and study smoke
-# runs (a minute each, kept out of the default suite's time).
-test: $(STAMP) $(DS_SITE)/.installed
+# The default suite, then the DeepSpeed, Megatron and torchtitan tests (deselected by default: they
+# need packages that live outside the environment, in $(DS_SITE), $(MC_SITE) and $(TT_SITE)), then
+# mypy and the benchmark and study smoke runs (a minute each, kept out of the default suite's time).
+test: $(STAMP) $(DS_SITE)/.installed $(MC_SITE)/.installed $(TT_SITE)/.installed
 	$(BIN)/python -m pytest -q --durations=20
 	$(DS_PYTEST)
+	$(MC_PYTEST)
+	$(TT_PYTEST)
 	$(BIN)/python -m pytest -q -m 'typecheck or bench'
 
 typecheck: $(STAMP)
@@ -117,7 +119,7 @@ $(TT_SITE)/.installed: $(STAMP)
 		torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.1 shtab==1.13.0 \
 		einops==0.8.2 tensorboard==2.21.0 protobuf==7.36.2 absl-py==2.5.1 datasets==4.7.0 pyarrow==26.0.1 \
 		dill==0.4.1 multiprocess==0.70.19 pandas==3.1.1 python-dateutil==4.0.0 pytz==2026.6 tzdata==2026.6 \
-		httpx==0.28.1 httpcore==1.0.9 sniffio==1.3.1
+		httpx==0.28.1 httpcore==1.0.9 sniffio==1.3.1 triton==3.9.0
 	touch $@
 
 test-torchtitan: $(TT_SITE)/.installed
