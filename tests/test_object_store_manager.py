@@ -149,6 +149,7 @@ def test_tier_arguments_are_checked(tmp_path):
         Tier(tmp_path, keep_last=0)
 
 
+@pytest.mark.slow  # 30 s: the server's start and restart
 def test_s3_manager_server_killed_mid_save_then_restarted(seaweed, s3_bucket, monkeypatch):
     bucket, options = s3_bucket
     monkeypatch.setattr(retry, "RETRY", retry.RetryPolicy(attempts=2, first_delay=0.05))
