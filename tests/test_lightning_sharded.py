@@ -56,6 +56,7 @@ def resume_on(root: Path, kind: str, world: int, saved: dict) -> None:
     assert all(verify_checkpoint(root / "ckpts" / name).ok for name in names)
 
 
+@pytest.mark.slow  # 23 s: two processes, then one
 def test_model_parallel_fsdp2_saved_on_two_processes_resumes_on_one(tmp_path):
     saved = saved_on_two(tmp_path, "fsdp2")
     full = resurgo.load_dict(tmp_path / "ckpts" / "last.ckpt")  # one process reads it whole
