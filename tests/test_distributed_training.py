@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from dist_harness import run_ranks
 
 
@@ -24,6 +26,7 @@ def test_fsdp2_four_ranks_resume_on_two(tmp_path):
     assert len(two[0]["losses"]) == steps - save_at
 
 
+@pytest.mark.slow  # 15-21 s; FSDP2 four ranks on two stays in the default run
 def test_fsdp2_over_tensor_parallel_resumes_on_fsdp_only(tmp_path):
     import torch
 

@@ -256,6 +256,7 @@ def kill_and_restart(tmp_path: Path, kills: int, seed: int, fresh_interpreter: b
     return landed
 
 
+@pytest.mark.slow  # a soak of random kills, 13-14 s
 def test_sigkill_at_random_moments_loses_nothing(tmp_path):
     landed = kill_and_restart(tmp_path, kills=6, seed=5, fresh_interpreter=False)
     assert sum(landed.values()) == 6
