@@ -38,6 +38,7 @@ from datetime import timedelta
 from typing import Any, cast
 
 from resurgo.errors import RankFailedError, UnsupportedValueError
+from resurgo.wording import on_ranks
 
 ENV = "RESURGO_COLLECTIVE_TIMEOUT"
 DEFAULT_TIMEOUT = 120.0
@@ -124,11 +125,12 @@ def _announce() -> None:
 
 def call_tag() -> dict:
     """What this thread's collective is part of, for the ranks to compare: its operation and
-    checkpoint (empty outside one), this host, and the last call this rank made alone."""
+    checkpoint (empty outside one), this host and pid, and the last call this rank made alone."""
     op, _, ckpt = _activities.get(threading.get_ident(), ["", "", ""])
     job = _job
-    return {"operation": op, "checkpoint": ckpt, "host": socket.gethostname(), "pid": os.getpid(),
-            "alone": job.alone if job is not None else None}
+    if job is None:
+        return {"operation": op, "checkpoint": ckpt, "host": socket.gethostname(), "pid": os.getpid(), "alone": None}
+    return {"operation": op, "checkpoint": ckpt, "host": job.host, "pid": job.pid, "alone": job.alone}
 
 
 def check_same_call(tags: Sequence[dict]) -> None:
@@ -136,28 +138,21 @@ def check_same_call(tags: Sequence[dict]) -> None:
     :func:`call_tag`, by rank), when ranks meet in one collective from different calls: one rank's
     load paired with another's save, most often after a rank made alone (collective=False) the
     call the others made together. Tags without an operation are not compared."""
-    ops = {t["operation"] for t in tags if t["operation"]}
-    if len(ops) <= 1:
+    if len({t["operation"] for t in tags if t["operation"]}) <= 1:
         return
-    by_call: dict[tuple[str, str], list[int]] = {}
-    for r, t in enumerate(tags):
-        by_call.setdefault((t["operation"], t["checkpoint"]), []).append(r)
-    calls = "; ".join(f"{plural_ranks(ranks)} called {op or 'no resurgo operation'}" + (f" of {ckpt}" if ckpt else "")
-                      for (op, ckpt), ranks in by_call.items())
+    calls = {(t["operation"], t["checkpoint"]) for t in tags}
     alone = [f"rank {r} (host {t['host']}, pid {t['pid']}) made {t['alone']['operation']} of "
              f"{t['alone']['checkpoint']} alone (collective=False)"
              for r, t in enumerate(tags) if t["alone"] and (t["alone"]["operation"], t["alone"]["checkpoint"])
-             in by_call and (t["alone"]["operation"], t["alone"]["checkpoint"]) != (t["operation"], t["checkpoint"])]
+             in calls and (t["alone"]["operation"], t["alone"]["checkpoint"]) != (t["operation"], t["checkpoint"])]
     error = UnsupportedValueError(
-        f"ranks met in one collective from different calls: {calls}"
+        "ranks met in one collective from different calls: "
+        + on_ranks([(t["operation"] or "no resurgo operation") + (f" of {t['checkpoint']}" if t["checkpoint"] else "")
+                    for t in tags])
         + (f"; {'; '.join(alone)}, while the others called it collectively" if alone else "")
         + ". Every rank makes the same collective calls in the same order, with the same collective=")
     error.agreed = True  # type: ignore[attr-defined]  # raised alike on every rank: not agreed again
     raise error
-
-
-def plural_ranks(ranks: Sequence[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def _doing() -> list[str]:
@@ -202,7 +197,7 @@ class _Job:
         self.reached: dict[str, int] = {}  # channel -> collectives reached
         self.failed: dict[int, dict] = {}  # ranks found failed: final, later waits on them end at once
         self.transfers = 0  # point-to-point waits in progress: waiting on peers that it watches
-        self.alone: dict | None = None  # the last call made alone (collective=False), and when
+        self.alone: dict | None = None  # the last call made alone (collective=False), after which collectives
         self.stopped = threading.Event()
         self.where, self.port = _where(store)
         self.calls: dict[int, float] = {}  # thread ident -> when its store call began
@@ -402,7 +397,6 @@ class _Watch:
                 out.append({**rec, "rank": r, "why": why})
                 self.job.failed[r] = out[-1]
         return out
-
 
     def _made_alone(self, rec: dict) -> bool:
         """Whether the rank of ``rec`` made the call this collective is for alone: the same
