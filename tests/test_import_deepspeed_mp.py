@@ -11,6 +11,10 @@ must give back the consolidated weights bit for bit.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -103,3 +107,182 @@ def test_missing_layer_file_and_mismatched_shards_are_named(tmp_path):
                                                      r"weight' is a float32 tensor of shape \[8, 3\]"):
         resurgo.import_checkpoint(tmp_path / "ds", tmp_path / "out", source="deepspeed")
     assert not (tmp_path / "out").exists()
+
+
+# -- Universal Checkpointing's sub-parameters, the ZeRO optimizer, the vocabulary size ---------------
+NQ, NKV, HD = 4, 2, 2  # grouped-query attention: 4 query heads, 2 key/value heads of 2 channels
+QKV_ROWS = (NQ + 2 * NKV) * HD
+
+
+@dataclasses.dataclass
+class SubparamShape:  # pickled under DeepSpeed's name (deepspeed itself is not needed)
+    patterns: list
+    shape: tuple
+    partition_dim: int
+
+
+@pytest.fixture
+def deepspeed_names(monkeypatch):
+    for name in ("deepspeed", "deepspeed.checkpoint", "deepspeed.checkpoint.universal_checkpoint"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    module = sys.modules["deepspeed.checkpoint.universal_checkpoint"]
+    module.SubparamShape = SubparamShape  # type: ignore[attr-defined]
+    monkeypatch.setattr(SubparamShape, "__module__", module.__name__)
+
+
+def qkv_shard(full: torch.Tensor, tp: int, r: int) -> torch.Tensor:
+    """Rank r's own [q_r; k_r; v_r] block of the consolidated [q; k; v]."""
+    q, k, v = full.split([NQ * HD, NKV * HD, NKV * HD])
+    return torch.cat([q.chunk(tp)[r], k.chunk(tp)[r], v.chunk(tp)[r]]).clone()
+
+
+GQA_LAYER = {**LAYER, "self_attention.query_key_value.weight": (QKV_ROWS, H),
+             "self_attention.query_key_value.bias": (QKV_ROWS,)}
+
+
+def gqa_shard(name: str, t: torch.Tensor, tp: int, r: int) -> torch.Tensor:
+    return qkv_shard(t, tp, r) if "query_key_value" in name else shard(name, t, tp, r)
+
+
+def ucp_info() -> dict:
+    return {"parameter_with_sub_params": [
+        SubparamShape([r"\d+.self_attention.query_key_value.weight"], ((NQ, NKV, NKV), HD, H), 0),
+        SubparamShape([r"\d+.self_attention.query_key_value.bias"], ((NQ, NKV, NKV), HD), 0)],
+        "parameter_with_2_sub_params_cat_dim_0": [r"\d+.mlp.dense_h_to_4h.weight", r"\d+.mlp.dense_h_to_4h.bias"]}
+
+
+def gqa_model(layers: int, vocab: int = 32) -> dict[int, dict[str, torch.Tensor]]:
+    """Distinct values everywhere (a running count), so that any misplaced row shows."""
+    count = iter(range(1, 1 << 30))
+    out = {1: {"word_embeddings.weight": (vocab, H), "position_embeddings.weight": (16, H)}}
+    for i in range(layers):
+        out[3 + i] = dict(GQA_LAYER)
+    out[4 + layers] = {"weight": (H,), "bias": (H,)}
+    return {i: {n: torch.tensor([float(next(count)) for _ in range(math.prod(s))]).reshape(s) for n, s in layer.items()}
+            for i, layer in out.items()}
+
+
+def test_fused_qkv_of_each_rank_is_split_then_gathered_per_sub_parameter(tmp_path, deepspeed_names):
+    """Each rank holds its own [q_t; k_t; v_t]: laid side by side they would interleave q, k and v;
+    Universal Checkpointing's SubparamShape in the model states makes the import gather each on its own."""
+    model = gqa_model(layers=1)
+    folder = tmp_path / "ds" / "global_step9"
+    folder.mkdir(parents=True)
+    (folder.parent / "latest").write_text(folder.name)
+    for r in range(2):
+        for i, layer in model.items():
+            torch.save({n: gqa_shard(n, t, 2, r) for n, t in layer.items()},
+                       folder / f"layer_{i:02d}-model_{r:02d}-model_states.pt")
+        torch.save({**common(2, None), "universal_checkpoint_info": ucp_info()},
+                   folder / f"mp_rank_{r:02d}_model_states.pt")
+    resurgo.import_checkpoint(tmp_path / "ds", tmp_path / "ckpt", source="deepspeed")
+    got = resurgo.load_dict(tmp_path / "ckpt")["model"]
+    for n in ("self_attention.query_key_value.weight", "self_attention.query_key_value.bias"):
+        want = model[3][n]
+        assert bits(got[f"3.{n}"]) == bits(want), n
+        side_by_side = torch.cat([qkv_shard(want, 2, r) for r in range(2)])
+        assert bits(side_by_side) != bits(want)
+    assert bits(got["3.mlp.dense_h_to_4h.weight"]) == bits(model[3]["mlp.dense_h_to_4h.weight"])
+    # a sub_param_shape the shards do not fit is named
+    info = ucp_info()
+    info["parameter_with_sub_params"][0] = SubparamShape([r"\d+.self_attention.query_key_value.weight"],
+                                                         ((NQ, NKV, NKV + 2), HD, H), 0)
+    torch.save({**common(2, None), "universal_checkpoint_info": info}, folder / "mp_rank_00_model_states.pt")
+    with pytest.raises(CorruptCheckpointError, match=r"layer_03-model_00-model_states.pt: '3.self_attention."
+                                                     r"query_key_value.weight' of shape \[8, 8\] .* does not fit "
+                                                     r"the sub_param_shape"):
+        resurgo.import_checkpoint(tmp_path / "ds", tmp_path / "bad", source="deepspeed")
+
+
+def zero_files(folder: Path, model: dict[int, dict[str, torch.Tensor]], moments: dict, *, tp: int, pp: int, dp: int,
+               stages: list[list[int]], bf16: bool) -> None:
+    """Megatron-DeepSpeed's ZeRO-1 files: per model-parallel rank m = stage * tp + t its model states
+    (param_shapes: weight-decayed parameters, then the others) and per data-parallel rank d its
+    partition of each group's flat fp32 weights and Adam moments (padded to a multiple of dp)."""
+    for s, held in enumerate(stages):
+        for t in range(tp):
+            groups: list[dict[str, torch.Size]] = [{}, {}]
+            flats: dict[str, list[torch.Tensor]] = {"fp32": [[], []], "exp_avg": [[], []], "exp_avg_sq": [[], []]}
+            for i in held:
+                for n, full in model[i].items():
+                    g = 1 if n.endswith("bias") or full.dim() == 1 else 0
+                    part = gqa_shard(n, full, tp, t)
+                    groups[g][f"{i}.{n}"] = part.shape
+                    flats["fp32"][g].append(part.reshape(-1))
+                    for k in ("exp_avg", "exp_avg_sq"):
+                        flats[k][g].append(gqa_shard(n, moments[i, n][k], tp, t).reshape(-1))
+            mp = s * tp + t
+            torch.save({**common(tp, None), "param_shapes": groups, "universal_checkpoint_info": ucp_info(),
+                        "args": argparse.Namespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                   swiglu=True, vocab_size=30)},
+                       folder / f"mp_rank_{mp:02d}_model_states.pt")
+            for d in range(dp):
+                parts: dict[str, list[torch.Tensor]] = {}
+                for k, per_group in flats.items():
+                    parts[k] = []
+                    for tensors in per_group:
+                        flat = torch.cat(tensors)
+                        flat = torch.cat([flat, torch.zeros(-len(flat) % dp)])
+                        parts[k].append(flat.chunk(dp)[d].clone())
+                base = {"state": {g: {"step": torch.tensor(3.0), "exp_avg": parts["exp_avg"][g],
+                                      "exp_avg_sq": parts["exp_avg_sq"][g]} for g in range(2)},
+                        "param_groups": [{"lr": 1e-3, "weight_decay": wd, "betas": (0.9, 0.95), "params": [g]}
+                                         for g, wd in enumerate((0.1, 0.0))]}
+                osd = {"zero_stage": 1, "partition_count": [dp, dp], "base_optimizer_state": base,
+                       "single_partition_of_fp32_groups": parts["fp32"]}
+                torch.save({"optimizer_state_dict": osd, "ds_config": {}, "ds_version": "0.14.0"},
+                           folder / f"{'bf16_' if bf16 else ''}zero_pp_rank_{d}_mp_rank_{mp:02d}_optim_states.pt")
+            for i in held:
+                torch.save({n: gqa_shard(n, full, tp, t).to(torch.bfloat16 if bf16 else torch.float32)
+                            for n, full in model[i].items()}, folder / f"layer_{i:02d}-model_{t:02d}-model_states.pt")
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_zero_optimizer_of_tensor_and_pipeline_parallel_ranks_imports_consolidated(tmp_path, deepspeed_names, bf16):
+    """2 tensor- x 2 pipeline- x 2 data-parallel ranks: each rank's ZeRO partitions are cut at the
+    parameters, laid in place as the weights are (fused qkv per sub-parameter, gate and up, a
+    row-parallel weight on dimension 1, the vocabulary padding dropped, replicated norms compared)
+    and numbered as a one-rank run's optimizer numbers its parameters."""
+    model = gqa_model(layers=2)
+    g = torch.Generator().manual_seed(2)
+    moments = {(i, n): {"exp_avg": torch.randn(t.shape, generator=g), "exp_avg_sq": torch.rand(t.shape, generator=g)}
+               for i, layer in model.items() for n, t in layer.items()}
+    for i, layer in model.items():  # replicated tensors' moments are the same on every rank
+        for n in layer:
+            if gqa_shard(n, layer[n], 2, 0).shape == layer[n].shape:
+                assert bits(gqa_shard(n, moments[i, n]["exp_avg"], 2, 1)) == bits(moments[i, n]["exp_avg"])
+    folder = tmp_path / "ds" / "global_step9"
+    folder.mkdir(parents=True)
+    (folder.parent / "latest").write_text(folder.name)
+    zero_files(folder, model, moments, tp=2, pp=2, dp=2, stages=[[1, 3], [4, 6]], bf16=bf16)
+    resurgo.import_checkpoint(tmp_path / "ds", tmp_path / "ckpt", source="deepspeed")
+    got = resurgo.load_dict(tmp_path / "ckpt")
+    trim = {(1, "word_embeddings.weight"): 30}  # args.vocab_size 30 of a vocabulary padded to 32
+    order = [(i, n) for i in (1, 3, 4, 6) for n, t in model[i].items() if not (n.endswith("bias") or t.dim() == 1)]
+    order += [(i, n) for i in (1, 3, 4, 6) for n, t in model[i].items() if n.endswith("bias") or t.dim() == 1]
+    state = got["optimizer"]["state"]
+    assert sorted(state) == list(range(len(order)))
+    for number, (i, n) in enumerate(order):
+        rows = trim.get((i, n))
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert bits(state[number][k]) == bits(moments[i, n][k][:rows]), (i, n, k)
+        assert state[number]["step"].item() == 3.0
+        weight = model[i][n][:rows]
+        assert bits(got["model"][f"{i}.{n}"]) == bits(weight.to(torch.bfloat16) if bf16 else weight), (i, n)
+        if bf16:
+            assert bits(got["optimizer"]["fp32_from_fp16_params"][f"{i}.{n}"]) == bits(weight), (i, n)
+    assert ("fp32_from_fp16_params" in got["optimizer"]) is bf16
+    groups = got["optimizer"]["param_groups"]
+    assert [pg["weight_decay"] for pg in groups] == [0.1, 0.0]
+    assert groups[0]["params"] + groups[1]["params"] == list(range(len(order)))
+    # a replicated tensor's moments that differ between tensor-parallel ranks are refused when read
+    name = next(f for f in sorted(folder.iterdir()) if f.name.startswith(f"{'bf16_' if bf16 else ''}zero_pp_rank_0_mp_rank_01"))
+    osd = torch.load(name, weights_only=False)
+    osd["optimizer_state_dict"]["base_optimizer_state"]["state"][1]["exp_avg"] += 1
+    torch.save(osd, name)
+    with pytest.raises(CorruptCheckpointError, match=r"replicas must be equal"):
+        resurgo.import_checkpoint(tmp_path / "ds", tmp_path / "bad", source="deepspeed")
+    name.unlink()
+    with pytest.raises(CorruptCheckpointError, match=rf"global_step9/{name.name}: missing"):
+        resurgo.import_checkpoint(tmp_path / "ds", tmp_path / "bad", source="deepspeed")
+    assert not (tmp_path / "bad").exists()

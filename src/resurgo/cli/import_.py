@@ -41,6 +41,9 @@ def import_(
         False, "--in-place", help="Copy no tensor bytes that lie contiguous in the source: the checkpoint points into "
                                   "its files, which must then stay where they are, unchanged. Tensors that cannot "
                                   "be referenced are copied and listed."),
+    vocab_size: Optional[int] = typer.Option(
+        None, "--vocab-size", metavar="N", help="megatron, deepspeed (tensor-parallel): the true vocabulary size; "
+                                                "the padding rows of the word embeddings and output layer are dropped."),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable report."),
 ) -> None:
     """Import a foreign checkpoint (DCP, DeepSpeed ZeRO, Megatron-LM, Hugging Face, PEFT adapters, torch.save, or any files a spec describes).
@@ -62,7 +65,7 @@ def import_(
 
     with fail_cleanly():
         if emit_spec is not None:
-            produced, _ = spec_of(src, source)
+            produced, _ = spec_of(src, source, vocab_size)
             if only:
                 produced = select(produced, only)
             if emit_spec.exists():
@@ -75,7 +78,8 @@ def import_(
             return
         assert dst is not None
         report = import_checkpoint(src, dst, source=source, spec=spec, buffer_bytes=budget, allow_pickle=allow_pickle,
-                                    only=only or None, allow_expansion=allow_expansion, in_place=in_place)
+                                    only=only or None, allow_expansion=allow_expansion, in_place=in_place,
+                                    vocab_size=vocab_size)
     if as_json:
         print_json(asdict(report))
         return

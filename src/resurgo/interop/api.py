@@ -33,16 +33,26 @@ from resurgo.reports import ImportReport
 SOURCES = ("dcp", "deepspeed", "megatron", "hf", "peft", "torch", "spec")
 
 
-def spec_of(src: str | os.PathLike, source: str) -> tuple[ImportSpec, Path]:
+# The importers that consolidate tensor-parallel shards, and so can drop the vocabulary padding.
+VOCAB_SOURCES = ("megatron", "deepspeed")
+
+
+def spec_of(src: str | os.PathLike, source: str, vocab_size: int | None = None) -> tuple[ImportSpec, Path]:
     """(the spec an importer emits for ``src``, validated as a user's spec is; the directory its
-    file names are relative to)."""
+    file names are relative to). ``vocab_size``: the true vocabulary size, for the importers of
+    :data:`VOCAB_SOURCES` (the padding rows of the word embeddings and output layer are dropped)."""
     path = Path(src)
+    if vocab_size is not None and (source not in VOCAB_SOURCES or isinstance(vocab_size, bool)
+                                   or not isinstance(vocab_size, int) or vocab_size < 1):
+        raise UnsupportedValueError(f"vocab_size={vocab_size!r}: a positive vocabulary size, for the importers that "
+                                    f"consolidate tensor-parallel shards ({', '.join(VOCAB_SOURCES)}), not {source!r}")
     if source == "spec":
         raise ImportSpecError(f"{src}: source='spec' needs spec= (an ImportSpec, or the path of a spec JSON file)")
     if source not in SOURCES:
         raise UnsupportedValueError(f"source must be one of {', '.join(map(repr, SOURCES))}, not {source!r}")
-    emit = {"dcp": spec_from_dcp, "deepspeed": spec_from_deepspeed, "hf": spec_from_hf, "peft": spec_from_peft,
-            "megatron": spec_from_megatron}.get(source)
+    emit = {"dcp": spec_from_dcp, "deepspeed": lambda p: spec_from_deepspeed(p, vocab_size=vocab_size),
+            "hf": spec_from_hf, "peft": spec_from_peft,
+            "megatron": lambda p: spec_from_megatron(p, vocab_size=vocab_size)}.get(source)
     try:
         if emit is not None:
             spec, root = emit(path), path
@@ -104,7 +114,7 @@ def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source:
                       spec: ImportSpec | str | os.PathLike | None = None, buffer_bytes: int | str | None = None,
                       allow_pickle: bool = False, storage_options: dict | None = None,
                       only: str | Sequence[str] | None = None, allow_expansion: bool = False,
-                      in_place: bool = False) -> ImportReport:
+                      in_place: bool = False, vocab_size: int | None = None) -> ImportReport:
     """Import the foreign checkpoint at ``src`` as a resurgo checkpoint at ``dst``; returns an
     :class:`ImportReport`.
 
@@ -128,6 +138,8 @@ def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source:
     tensor bytes that lie contiguous in the source files: the checkpoint's chunks point into them
     (format version 5; the source must then stay where it is, unchanged), and the report's
     ``copied`` names the tensors copied after all, and why (:mod:`resurgo.interop.inplace`).
+    ``vocab_size``: the true vocabulary size of a ``"megatron"`` or ``"deepspeed"`` (tensor-parallel)
+    source whose ``args`` lack it: the padding rows of the word embeddings and output layer are dropped.
     """
     t0 = time.perf_counter()
     budget = None if buffer_bytes is None else parse_size(buffer_bytes, "buffer_bytes")
@@ -136,8 +148,11 @@ def import_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, source:
         root = Path(src) if source != "torch" else source_files.real_root(src).parent
         if source not in SOURCES:
             spec_of(src, source)  # the same refusal
+        if vocab_size is not None:
+            raise UnsupportedValueError(f"vocab_size={vocab_size!r} with spec=: the vocabulary size shapes the spec "
+                                        "an importer emits; a spec given is imported as it is (trim it there)")
     else:
-        chosen, root = spec_of(src, source)
+        chosen, root = spec_of(src, source, vocab_size)
     if only is not None:
         chosen = select(chosen, only)
     t_spec = time.perf_counter() - t0

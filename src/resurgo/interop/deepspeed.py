@@ -102,12 +102,14 @@ def find_tag_dir(root: Path) -> tuple[Path, str]:
                               f"zero_pp_rank_*_mp_rank_00_optim_states.pt files and no {UNIVERSAL})")
 
 
-def spec_from_deepspeed(directory: str | Path) -> ImportSpec:
-    """The spec of the DeepSpeed ZeRO checkpoint in ``directory`` (see the module docstring)."""
-    return from_fields(directory, "DeepSpeed", lambda: _spec_from_deepspeed(Path(directory)))
+def spec_from_deepspeed(directory: str | Path, vocab_size: int | None = None) -> ImportSpec:
+    """The spec of the DeepSpeed ZeRO checkpoint in ``directory`` (see the module docstring);
+    ``vocab_size``: of a checkpoint with tensor parallelism, the true vocabulary size, which drops
+    the padding rows of the word embeddings."""
+    return from_fields(directory, "DeepSpeed", lambda: _spec_from_deepspeed(Path(directory), vocab_size))
 
 
-def _spec_from_deepspeed(root: Path) -> ImportSpec:
+def _spec_from_deepspeed(root: Path, vocab_size: int | None = None) -> ImportSpec:
     folder, tag = find_tag_dir(root)
 
     def load(name: str, holds: type | tuple[type, ...] = dict, allowed: Any = DEEPSPEED) -> _File:
@@ -134,7 +136,10 @@ def _spec_from_deepspeed(root: Path) -> ImportSpec:
             f = load(name, allowed=MEGATRON)  # Megatron-DeepSpeed's files also hold Megatron's args
             return f.rel, f.prefix, f.obj
 
-        return spec_model_parallel(folder, read)
+        return spec_model_parallel(folder, read, vocab_size)
+    if vocab_size is not None:
+        raise UnsupportedValueError(f"{folder}: vocab_size={vocab_size} applies to checkpoints with tensor "
+                                    "parallelism (their shards pad the vocabulary); this one has none")
     if (folder / UNIVERSAL).is_file():
         return _universal(folder, load)
 

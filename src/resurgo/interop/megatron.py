@@ -82,12 +82,15 @@ VOCAB = ("word_embeddings", "output_layer")
 class _Globals(Mapping):
     """The globals a Megatron file may name: torch.save's and DeepSpeed's, torch dtypes (as their
     names), and inert records for ``argparse.Namespace``, numpy arrays (the RNG state), ``io.BytesIO``
-    (Transformer Engine's extra state) and any class of megatron (enums of its arguments): a record
+    (Transformer Engine's extra state), DeepSpeed's ``SubparamShape`` and any class of megatron (enums of its arguments): a record
     keeps its pickled arguments and state as data, and nothing is imported."""
 
     RECORDS = {("argparse", "Namespace"), ("numpy", "ndarray"), ("numpy", "dtype"), ("io", "BytesIO"),
                ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-               ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar")}
+               ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+               # Universal Checkpointing's description of fused sub-parameters, in Megatron-DeepSpeed's files
+               ("deepspeed.checkpoint.universal_checkpoint", "SubparamShape"),
+               ("deepspeed.checkpoint.constants", "SubparamShape")}
 
     def __init__(self) -> None:
         dtype_names = {("torch", str(dt).removeprefix("torch.")): name for dt, name in dtypes.TORCH_DTYPE_NAMES.items()}
@@ -202,6 +205,10 @@ def _rank_name(tp: int, pp: int, with_stage: bool) -> str:
 def _spec(root: Path, vocab_size: int | None) -> ImportSpec:
     folder, it = find_iteration_dir(root)
     if (folder / METADATA_JSON).is_file():
+        if vocab_size is not None:
+            raise UnsupportedValueError(f"{folder}: a torch_dist checkpoint imports as dist_checkpointing.load gives "
+                                        f"it, padded vocabulary included; vocab_size={vocab_size} applies to the "
+                                        "legacy layout only")
         return spec_from_torch_dist(root, folder, it, MEGATRON, HOLDS, _json_part, _record_namespace)
     tp_size, pp_size, with_stage = _rank_grid(folder)
     files: dict[tuple[int, int], _File] = {}
@@ -306,11 +313,17 @@ def _rule(key: str, gated: bool) -> tuple[int | None, int]:
 
 
 def _tensor(param: _Param, path: tuple[str | int, ...], gated: bool, vocab_size: int | None,
-            shards: list[tuple[_File, Any]] | None = None, name: str | None = None) -> TensorSpec:
-    """The consolidated tensor of ``shards`` (default: the parameter's), partitioned as ``param``'s key says."""
+            shards: list[tuple[_File, Any]] | None = None, name: str | None = None,
+            sub_sizes: tuple[int, ...] | None = None) -> TensorSpec:
+    """The consolidated tensor of ``shards`` (default: the parameter's), partitioned as ``param``'s key
+    says; ``sub_sizes``: the consolidated sizes along dimension 0 of the sub-parameters each rank holds
+    a slice of, in order (a fused [q; k; v] held as [q_t; k_t; v_t] by rank t: Universal
+    Checkpointing's ``SubparamShape``), which overrides the rule's."""
     shards = shards if shards is not None else param.shards
     what = name or param.key
     dim, subs = _rule(param.key, gated)
+    if sub_sizes is not None:
+        dim, subs = 0, len(sub_sizes)
     f0, r0 = shards[0]
     for f, ref in shards:
         if not isinstance(ref, TensorRef):
@@ -327,10 +340,18 @@ def _tensor(param: _Param, path: tuple[str | int, ...], gated: bool, vocab_size:
         pieces = [piece.model_copy(update={"replicas": replicas})] if math.prod(shape) else []
         return TensorSpec(key=path_key(path), path=list(path), dtype=r0.storage.dtype, shape=shape, pieces=pieces)
     n = len(shards)
-    if shape[dim] % subs:
+    if sub_sizes is not None:
+        if any(size % n for size in sub_sizes) or sum(sub_sizes) != shape[dim] * n:
+            raise CorruptCheckpointError(f"{f0.rel}: {what!r} of shape {shape} on each of {n} tensor-parallel ranks "
+                                         f"does not hold a 1/{n} slice of each of its sub-parameters of sizes "
+                                         f"{list(sub_sizes)} along dimension 0 (universal_checkpoint_info's "
+                                         "sub_param_shape)")
+        sizes = [size // n for size in sub_sizes]
+    elif shape[dim] % subs:
         raise CorruptCheckpointError(f"{f0.rel}: {what!r} of shape {shape} holds {subs} sub-parameters (gate and up) "
                                      f"along dimension {dim}, which {shape[dim]} does not divide")
-    sub = shape[dim] // subs
+    else:
+        sizes = [shape[dim] // subs] * subs
     full = list(shape)
     full[dim] = shape[dim] * n
     keep = full[dim]
@@ -340,16 +361,17 @@ def _tensor(param: _Param, path: tuple[str | int, ...], gated: bool, vocab_size:
                                          f"than the vocabulary size {vocab_size}")
         keep = full[0] = vocab_size
     pieces = []
-    for k in range(subs):
+    for k, sub in enumerate(sizes):
+        before = sum(sizes[:k])  # the rank's rows of the sub-parameters before this one
         for t, (f, ref) in enumerate(shards):
-            start = k * sub * n + t * sub  # the sub-parameter's rows of this rank, in the consolidated tensor
+            start = before * n + t * sub  # the sub-parameter's rows of this rank, in the consolidated tensor
             rows = min(sub, keep - start)
             if rows <= 0:
                 continue
             part = list(shape)
             part[dim] = rows
             src = [0] * len(shape)
-            src[dim] = k * sub
+            src[dim] = before
             dest = [0] * len(shape)
             dest[dim] = start
             if math.prod(part):
