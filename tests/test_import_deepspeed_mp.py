@@ -90,6 +90,10 @@ def test_tensor_and_pipeline_parallel_checkpoint_imports_consolidated(tmp_path, 
                    f"language_model.encoder.layers.{i - 3}.{n}" if n in LAYER else f"language_model.{i}.{n}")
             assert bits(got["model"][key]) == bits(t), key
     assert report.num_tensors == sum(len(layer) for layer in model.values())
+    trimmed = resurgo.import_checkpoint(tmp_path / "ds", tmp_path / "trimmed", source="deepspeed", vocab_size=30)
+    key = "1.word_embeddings.weight" if pipeline else "language_model.1.word_embeddings.weight"
+    assert bits(resurgo.load_dict(tmp_path / "trimmed")["model"][key]) == bits(model[1]["word_embeddings.weight"][:30])
+    assert trimmed.num_tensors == report.num_tensors
     assert got["step"] == got["iteration"] == 9 and got["tensor_model_parallel_size"] == 2
     assert got["args"]["swiglu"] is True
 

@@ -302,6 +302,9 @@ def test_torch_dist_layout_imports_and_is_checked(tmp_path):
     assert bits(got["decoder.layers.mlp.linear_fc2.weight"]) == bits(want["weight"])
     assert got["args"] == {"num_layers": 1, "params_dtype": "bfloat16"}
     assert got["iteration"] == got["step"] == 3 and got["opt_param_scheduler"] == {"num_steps": 12}
+    with pytest.raises(UnsupportedValueError, match=r"iter_0000003: a torch_dist checkpoint .* vocab_size=30 "
+                                                    r"applies to the legacy layout only"):
+        spec_from_megatron(tmp_path / "run", vocab_size=30)
     folder = tmp_path / "run" / "iter_0000003"
     (folder / "common.pt").rename(tmp_path / "common.pt")
     with pytest.raises(CorruptCheckpointError, match=r"iter_0000003/common.pt: missing"):
@@ -371,3 +374,27 @@ def test_mixed_precision_run_brings_its_fp32_main_params(tmp_path):
         assert bits(got["model"][name]) == bits(full.bfloat16()), name
     want = consolidated_optimizer(model, moments, None)
     assert bits(got["optimizer"]["state"][0]["exp_avg"]) == bits(want[0]["exp_avg"])
+
+
+def test_cli_vocab_size_drops_the_padding_and_is_refused_where_it_does_not_apply(tmp_path):
+    model = gpt_model(layers=2, padded_vocab=32, gated=False)
+    src = write_legacy(tmp_path / "mlm", model, tp=2, pp=1, layers=2, gated=False, moments=moments_of(model))
+    done = runner.invoke(app, ["import", str(src), str(tmp_path / "ckpt"), "--from", "megatron", "--vocab-size", "29"])
+    assert done.exit_code == 0, done.output
+    got = resurgo.load_dict(tmp_path / "ckpt")
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        assert bits(got["model"][name]) == bits(model[name][:29]), name
+    assert bits(got["optimizer"]["state"][0]["exp_avg"]) == bits(consolidated_optimizer(
+        model, moments_of(model), 29)[0]["exp_avg"])  # the word embeddings' moments trimmed alike
+    emitted = runner.invoke(app, ["import", str(src), "--from", "megatron", "--vocab-size", "29", "--emit-spec",
+                                  str(tmp_path / "spec.json")])
+    assert emitted.exit_code == 0 and '"shape":[29,8]' in (tmp_path / "spec.json").read_text()
+    refused = runner.invoke(app, ["import", str(src), str(tmp_path / "no"), "--from", "megatron", "--vocab-size", "33"])
+    assert refused.exit_code == 3 and "fewer than the vocabulary size 33" in refused.output
+    for source, where in (("hf", str(src)), ("dcp", str(src))):
+        refused = runner.invoke(app, ["import", where, str(tmp_path / "no"), "--from", source, "--vocab-size", "29"])
+        assert refused.exit_code == 2 and "vocab_size=29" in refused.output, refused.output
+    with pytest.raises(UnsupportedValueError, match=r"vocab_size=29 with spec="):
+        resurgo.import_checkpoint(src, tmp_path / "no", source="megatron", spec=spec_from_megatron(src),
+                                  vocab_size=29)
+    assert not (tmp_path / "no").exists()
