@@ -11,8 +11,8 @@ GPTModel of 4 layers over 2 tensor- and 2 pipeline-parallel ranks (its real shar
 layer axis prepended and split over the stages, the partition axes fragmented over the tensor-parallel
 ranks, a gated fc1 through Megatron's SwiGLU factory),
 its weights filled with random values; beside it, as Megatron-LM's training loop adds them: the RNG
-state as a ShardedObject of each rank, a distributed-optimizer-like state (flat fp32 main params
-and Adam moments, the flat buffer split over the ranks), and common values (args, iteration).
+state as a ShardedObject of each rank, the distributed optimizer's state in its ``fully_reshardable``
+format (:func:`distributed_optimizer_state`), and common values (args, iteration).
 
 Writes ROOT/mcore (``latest_checkpointed_iteration.txt`` and ``iter_0000005/``), ROOT/legacy (the
 same model saved by each rank in the legacy layout, ``model_optim_rng.pt``) and
@@ -37,14 +37,13 @@ import torch.distributed as dist
 warnings.filterwarnings("ignore")
 ITERATION = 5
 WORLD = 4  # 2 tensor- x 2 pipeline-parallel ranks
-FLAT = 512
 
 
 def main(root: Path, port: int, rank: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     from megatron.core import dist_checkpointing, parallel_state
-    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing import ShardedObject
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
@@ -70,16 +69,7 @@ def main(root: Path, port: int, rank: int) -> None:
             g = torch.Generator().manual_seed(1000 * i + 100 * pp + (tp if sharded else 0))
             p.copy_(torch.randn(p.shape, generator=g))
     state = {"model": model.sharded_state_dict()}
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).float()
-    g = torch.Generator().manual_seed(77 + rank)
-    buffers = {"param": flat, "exp_avg": torch.randn(flat.shape, generator=g),
-               "exp_avg_sq": torch.rand(flat.shape, generator=g)}
-    key = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32)"
-    # one buffer per stage and tensor-parallel rank (its first FLAT elements, the same length on every
-    # rank: a regular grid), a stage axis prepended
-    state["optimizer"] = {name: ShardedTensor.from_rank_offsets(f"{key}.{name}", t[:FLAT].clone(), (0, pp, 2),
-                                                                (1, tp, 2), prepend_axis_num=1, replica_id=0)
-                          for name, t in buffers.items()}
+    state["optimizer"] = distributed_optimizer_state(state["model"], pp, tp)
     random.seed(rank)
     np.random.seed(rank)
     torch.manual_seed(rank)
@@ -110,6 +100,41 @@ def main(root: Path, port: int, rank: int) -> None:
     dist.destroy_process_group()
 
 
+def distributed_optimizer_state(model_state: dict, pp: int, tp: int) -> dict:
+    """What DistributedOptimizer.sharded_state_dict gives in its ``fully_reshardable`` format (the
+    one megatron-core 0.16 saves in model space; ``fully_sharded_model_space`` is refused by its
+    ShardedTensor validation in this version), built by hand following its
+    ``sharded_param_state_fully_reshardable``: the DP-sharded flat buffers gathered and cut back
+    into each parameter's shape, each state a copy of the parameter's ShardedTensor (or SwiGLU
+    factory) under ``optimizer.state.<param|exp_avg|exp_avg_sq>.<key>`` with its replica_id; the
+    non-parameter part (param groups with the step, the sharding type) goes to common.pt. The
+    optimizer itself cannot be built here: it requires CUDA parameter types (distrib_optimizer.py
+    refuses a 'torch.FloatTensor'). The states are functions of the weights (main param: the weight
+    in fp32; exp_avg = 2 w + 1; exp_avg_sq = w * w), so that replicas agree and the test can
+    recompute them from the imported weights."""
+    from dataclasses import replace
+
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+    tensors, _ = extract_sharded_tensors_and_factories(model_state)
+    param_state = {}
+    for i, sh in enumerate(nested_values(tensors)):
+        w = sh.data.detach().float()
+        states = {"param": w.clone(), "exp_avg": w * 2 + 1, "exp_avg_sq": w * w}
+        param_state[i] = {}
+        for name, t in states.items():
+            update = dict(key=f"optimizer.state.{name}.{sh.key}", data=t, dtype=t.dtype, replica_id=sh.replica_id)
+            if isinstance(sh, ShardedTensorFactory):
+                update.pop("dtype")
+            param_state[i][name] = replace(sh, **update)
+    groups = [{"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": wd, "amsgrad": False, "step": 3,
+               "wd_mult": float(wd > 0), "lr_mult": 1.0} for wd in (0.1, 0.0)]
+    return {"optimizer": {"param_groups": groups}, "param_state": param_state,
+            "param_state_sharding_type": "fully_reshardable"}
+
+
 def reference(root: Path, port: int) -> None:
     """Megatron's consolidated view, on one rank: every tensor and object loaded whole."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -121,7 +146,8 @@ def reference(root: Path, port: int) -> None:
     loaded = dist_checkpointing.load(load_sharded_metadata(folder), folder)
     common = dist_checkpointing.load_common_state_dict(folder)
     torch.save({"sharded": loaded, "iteration": common["iteration"], "args": vars(common["args"]),
-                "opt_param_scheduler": common["opt_param_scheduler"]}, root / "reference.pt")
+                "opt_param_scheduler": common["opt_param_scheduler"], "optimizer": common["optimizer"]},
+               root / "reference.pt")
     dist.destroy_process_group()
 
 

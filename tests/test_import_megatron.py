@@ -233,9 +233,21 @@ def test_torch_dist_checkpoint_imports_as_megatron_loads_it(mcore_run, tmp_path)
 
     walk(got, "")
     tensors = {k: v for k, v in ref["sharded"].items() if isinstance(v, torch.Tensor)}
-    assert len(tensors) == 20  # the GPT's stacked layers, embeddings, output layer, the flat optimizer buffers
-    for key, t in tensors.items():
-        assert bits(flat[key]) == bits(t), key
+    model = [k for k in tensors if not k.startswith("optimizer.")]
+    assert len(model) == 17 and len(tensors) == 4 * 17  # the GPT's stacked layers, embeddings, output layer
+    state = got["optimizer"]["state"]
+    for key in model:
+        w = tensors[key]
+        assert bits(flat[key]) == bits(w), key
+        # the distributed optimizer's state (fully_reshardable) under its parameter, as Megatron loads it
+        # and as the writer computed it from the weight
+        for kind, want in (("exp_avg", w * 2 + 1), ("exp_avg_sq", w * w)):
+            assert bits(state[key][kind]) == bits(tensors[f"optimizer.state.{kind}.{key}"]) == bits(want), (key, kind)
+        main = got["optimizer"]["fp32_from_fp16_params"][key]
+        assert bits(main) == bits(tensors[f"optimizer.state.param.{key}"]) == bits(w), key
+    assert sorted(state) == sorted(model)
+    assert got["optimizer"]["param_state_sharding_type"] == ref["optimizer"]["param_state_sharding_type"]
+    assert [g["step"] for g in got["optimizer"]["optimizer"]["param_groups"]] == [3, 3]
     # The ShardedObjects: each rank's RNG states, tensors bit for bit and Python's state as a value.
     for unique in ("rng_state/shard_0.0_2.2", "rng_state/shard_0.1_2.2", "rng_state/shard_1.0_2.2",
                    "rng_state/shard_1.1_2.2"):
@@ -247,7 +259,7 @@ def test_torch_dist_checkpoint_imports_as_megatron_loads_it(mcore_run, tmp_path)
     assert got["iteration"] == got["step"] == ref["iteration"] == 5
     assert got["args"]["swiglu"] is True and got["args"]["params_dtype"] == "float32"
     assert got["opt_param_scheduler"] == ref["opt_param_scheduler"]
-    assert report.num_tensors == 20 + 12
+    assert report.num_tensors == 4 * 17 + 12
 
 
 @pytest.mark.megatron
@@ -292,6 +304,52 @@ def _torch_dist_like(folder: Path) -> dict:
                                                       "common_backend": "torch", "common_backend_version": 1}))
     (folder.parent / "latest_checkpointed_iteration.txt").write_text("3")
     return {"weight": weight}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_distributed_optimizer_state_in_model_space_goes_under_its_parameter(tmp_path):
+    """The fully_reshardable format: optimizer.state.<param|exp_avg|exp_avg_sq>.<key> of each
+    parameter's shape (tests/megatron_workers.py writes it through Megatron-Core; here without it)."""
+    import argparse
+
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "run" / "iter_0000003"
+    w = torch.randn(2, 4, 3)
+    states = {"param": w.clone(), "exp_avg": w * 2 + 1, "exp_avg_sq": w * w}
+    key = "decoder.layers.mlp.linear_fc2.weight"
+
+    def write(tensors: dict) -> None:
+        shutil.rmtree(folder, ignore_errors=True)
+        dcp.save(tensors, checkpoint_id=str(folder), no_dist=True)
+        torch.save({"args": argparse.Namespace(num_layers=2), "iteration": 3, "optimizer": {
+            "optimizer": {"param_groups": [{"lr": 1e-3, "step": 3}]}, "param_state_sharding_type": "fully_reshardable"}},
+            folder / "common.pt")
+        (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+
+    write({key: w, **{f"optimizer.state.{k}.{key}": t for k, t in states.items()}})
+    (folder.parent / "latest_checkpointed_iteration.txt").write_text("3")
+    resurgo.import_checkpoint(tmp_path / "run", tmp_path / "ckpt", source="megatron")
+    got = resurgo.load_dict(tmp_path / "ckpt")
+    assert bits(got[key]) == bits(w)
+    assert bits(got["optimizer"]["state"][key]["exp_avg"]) == bits(states["exp_avg"])
+    assert bits(got["optimizer"]["state"][key]["exp_avg_sq"]) == bits(states["exp_avg_sq"])
+    assert bits(got["optimizer"]["fp32_from_fp16_params"][key]) == bits(w)
+    assert got["optimizer"]["optimizer"]["param_groups"] == [{"lr": 1e-3, "step": 3}]
+    write({key: w, f"optimizer.state.exp_avg.{key}": states["exp_avg"], f"optimizer.state.param.{key}": w})
+    with pytest.raises(CorruptCheckpointError, match=r"iter_0000003/.metadata: the distributed optimizer's state of "
+                                                     r"'decoder.layers.mlp.linear_fc2.weight' lacks \['exp_avg_sq'\]"):
+        spec_from_megatron(tmp_path / "run")
+    write({key: w, **{f"optimizer.state.{k}.{key}": t for k, t in states.items()},
+           "optimizer.state.exp_avg.decoder.gone.weight": w})
+    with pytest.raises(CorruptCheckpointError, match=r"'optimizer.state.exp_avg.decoder.gone.weight' is not the state "
+                                                     r"of a model tensor"):
+        spec_from_megatron(tmp_path / "run")
+    write({key: w, **{f"optimizer.state.{k}.{key}": t for k, t in states.items()},
+           f"optimizer.state.exp_avg.{key}": w.reshape(8, 3)})
+    with pytest.raises(CorruptCheckpointError, match=r"'optimizer.state.exp_avg.decoder.layers.mlp.linear_fc2.weight'"
+                                                     r" has the shape \[8, 3\], its parameter .* \[2, 4, 3\]"):
+        spec_from_megatron(tmp_path / "run")
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -374,24 +374,23 @@ def _optimizer_tensors(layout: _Layout, shards: dict[tuple[str, str, int], Tenso
             full = _tensor(param, ("model", key), layout.gated, layout.vocab_size,
                            sub_sizes=layout.subs.sizes(param)).shape
             for kind in ("exp_avg", "exp_avg_sq", "fp32"):
-                these = [shards.get((kind, key, t)) for t in range(layout.tp)]
-                for t, s in enumerate(these):
+                these = []
+                for t in range(layout.tp):
+                    s = shards.get((kind, key, t))
                     if s is None or s.shape != list(ref.shape):
                         raise CorruptCheckpointError(
                             f"{param.shards[t][0].rel}: the ZeRO partitions give {key!r} "
                             f"{'no ' + kind if s is None else f'the shape {s.shape}'}, its weights of rank {t} the "
                             f"shape {list(ref.shape)}: files of two different runs are mixed?")
-                if kind == "fp32":
-                    if ref.storage.dtype != "float32":
-                        out.append(_consolidated(layout, key, ("optimizer", "fp32_from_fp16_params", key),
-                                                 these, full))  # type: ignore[arg-type]
-                    continue
-                out.append(_consolidated(layout, key, ("optimizer", "state", number, kind), these,
-                                         full))  # type: ignore[arg-type]
-            steps = [shards.get(("step", key, t)) for t in range(layout.tp)]
-            if all(s is not None and s.pieces for s in steps):
-                head = steps[0].pieces[0]  # type: ignore[union-attr]
-                others = [r for s in steps[1:] for p in s.pieces  # type: ignore[union-attr]
+                    these.append(s)
+                if kind != "fp32":
+                    out.append(_consolidated(layout, key, ("optimizer", "state", number, kind), these, full))
+                elif ref.storage.dtype != "float32":  # a bf16 run's fp32 weights; an fp32 run's are its weights
+                    out.append(_consolidated(layout, key, ("optimizer", "fp32_from_fp16_params", key), these, full))
+            steps = [s for t in range(layout.tp) if (s := shards.get(("step", key, t))) is not None and s.pieces]
+            if len(steps) == layout.tp:
+                head = steps[0].pieces[0]
+                others = [r for s in steps[1:] for p in s.pieces
                           for r in [Source(file=p.file, member=p.member, offset=p.offset), *p.replicas]]
                 out.append(TensorSpec(key=path_key(("optimizer", "state", number, "step")),
                                       path=["optimizer", "state", number, "step"], dtype="float32", shape=[],

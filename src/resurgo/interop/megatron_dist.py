@@ -16,7 +16,15 @@ the view ``dist_checkpointing.load`` gives one rank loading every tensor whole, 
   (RNG states) as tensors at their bytes inside the ``.distcp`` file, its plain values as values,
   under ``<unique key>.<index>...``; parts that are neither (numpy's RNG state) are left out;
 - ``common.pt`` the same way: ``args`` as a dict of its plain attributes, ``iteration`` (also as
-  ``step``), the scheduler and every other plain value and tensor under its key.
+  ``step``), the scheduler and every other plain value and tensor under its key;
+- the distributed optimizer's state, where saved in model space (``optimizer.param_state_sharding_type``
+  ``fully_reshardable``: the DP-sharded flat buffers gathered and cut into tensors of each
+  parameter's shape, under ``optimizer.state.<param|exp_avg|exp_avg_sq>.<key>``), under its
+  parameter: ``optimizer.state.<key>.exp_avg``, ``.exp_avg_sq``, and the fp32 main param under
+  ``optimizer.fp32_from_fp16_params.<key>`` (as the legacy import names a mixed-precision run's);
+  the param groups (with the step) stay values under ``optimizer.optimizer``. The bucket-space
+  formats (``dp_reshardable``, ``dp_zero_gather_scatter``) keep their flat buffers as saved: which
+  element belongs to which parameter follows from the model's bucket layout, which the files lack.
 """
 
 from __future__ import annotations
@@ -38,6 +46,11 @@ from resurgo.interop.unpickle import Record, TensorRef
 METADATA_JSON = "metadata.json"
 COMMON = "common.pt"
 MAX_METADATA_BYTES = 1 << 20
+# The distributed optimizer's format that saves its state in model space, one tensor per parameter
+# and state (megatron.core's DistributedOptimizer.sharded_param_state_fully_reshardable).
+MODEL_SPACE = "fully_reshardable"
+STATE_PREFIX = "optimizer.state."
+STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")
 
 
 def spec_from_torch_dist(root: Path, folder: Path, it: str, allowed: Any, holds: str,
@@ -93,7 +106,40 @@ def spec_from_torch_dist(root: Path, folder: Path, it: str, allowed: Any, holds:
             _tensor(k, ref, common_rel, None, member=f"{arch}/data/{ref.storage.key}")), values, json_part)
     if isinstance(values.get("iteration"), int):
         values["step"] = values["iteration"]
+    optimizer = values.get("optimizer")
+    if isinstance(optimizer, dict) and optimizer.get("param_state_sharding_type") == MODEL_SPACE:
+        tensors = _per_parameter(tensors, folder)
     return ImportSpec(tensors=tensors, values=values)
+
+
+def _per_parameter(tensors: list[TensorSpec], folder: Path) -> list[TensorSpec]:
+    """The distributed optimizer's model-space state (``optimizer.state.<kind>.<key>``, each of the
+    shape of the model tensor ``<key>``) under its parameter: ``optimizer.state.<key>.exp_avg``,
+    ``.exp_avg_sq`` and the fp32 main param ``optimizer.fp32_from_fp16_params.<key>``."""
+    model = {t.key: t for t in tensors if not t.key.startswith(STATE_PREFIX)}
+    out: list[TensorSpec] = []
+    found: dict[str, set[str]] = {}
+    for t in tensors:
+        if not t.key.startswith(STATE_PREFIX):
+            out.append(t)
+            continue
+        kind, _, key = t.key[len(STATE_PREFIX):].partition(".")
+        param = model.get(key)
+        if kind not in STATE_KINDS or param is None:
+            raise CorruptCheckpointError(f"{folder / '.metadata'}: {t.key!r} is not the state of a model tensor "
+                                         f"(expected {STATE_PREFIX}<{'|'.join(STATE_KINDS)}>.<a model tensor's key>)")
+        if t.shape != param.shape:
+            raise CorruptCheckpointError(f"{folder / '.metadata'}: {t.key!r} has the shape {t.shape}, its parameter "
+                                         f"{key!r} {param.shape}: the distributed optimizer's model-space state "
+                                         "takes each parameter's shape")
+        path = ["optimizer", "fp32_from_fp16_params", key] if kind == "param" else ["optimizer", "state", key, kind]
+        out.append(t.model_copy(update={"key": ".".join(path), "path": path}))
+        found.setdefault(key, set()).add(kind)
+    for key, kinds in found.items():
+        if kinds != set(STATE_KINDS):
+            raise CorruptCheckpointError(f"{folder / '.metadata'}: the distributed optimizer's state of {key!r} lacks "
+                                         f"{sorted(set(STATE_KINDS) - kinds)}")
+    return out
 
 
 def _rebased(t: TensorSpec, prefix: str) -> TensorSpec:
