@@ -199,7 +199,7 @@ def test_fused_qkv_of_each_rank_is_split_then_gathered_per_sub_parameter(tmp_pat
 
 
 def zero_files(folder: Path, model: dict[int, dict[str, torch.Tensor]], moments: dict, *, tp: int, pp: int, dp: int,
-               stages: list[list[int]], bf16: bool) -> None:
+               stages: list[list[int]], bf16: bool, tied: bool = False) -> None:
     """Megatron-DeepSpeed's ZeRO-1 files: per model-parallel rank m = stage * tp + t its model states
     (param_shapes: weight-decayed parameters, then the others) and per data-parallel rank d its
     partition of each group's flat fp32 weights and Adam moments (padded to a multiple of dp)."""
@@ -211,7 +211,8 @@ def zero_files(folder: Path, model: dict[int, dict[str, torch.Tensor]], moments:
                 for n, full in model[i].items():
                     g = 1 if n.endswith("bias") or full.dim() == 1 else 0
                     part = gqa_shard(n, full, tp, t)
-                    groups[g][f"{i}.{n}"] = part.shape
+                    # a PipelineModule names a tied layer's parameters after its key
+                    groups[g][f"tied_modules.embed.{n}" if tied and i == 1 else f"{i}.{n}"] = part.shape
                     flats["fp32"][g].append(part.reshape(-1))
                     for k in ("exp_avg", "exp_avg_sq"):
                         flats[k][g].append(gqa_shard(n, moments[i, n][k], tp, t).reshape(-1))
@@ -241,8 +242,9 @@ def zero_files(folder: Path, model: dict[int, dict[str, torch.Tensor]], moments:
                             for n, full in model[i].items()}, folder / f"layer_{i:02d}-model_{t:02d}-model_states.pt")
 
 
-@pytest.mark.parametrize("bf16", [False, True])
-def test_zero_optimizer_of_tensor_and_pipeline_parallel_ranks_imports_consolidated(tmp_path, deepspeed_names, bf16):
+@pytest.mark.parametrize("bf16, tied", [(False, True), (True, False)])
+def test_zero_optimizer_of_tensor_and_pipeline_parallel_ranks_imports_consolidated(tmp_path, deepspeed_names, bf16,
+                                                                                    tied):
     """2 tensor- x 2 pipeline- x 2 data-parallel ranks: each rank's ZeRO partitions are cut at the
     parameters, laid in place as the weights are (fused qkv per sub-parameter, gate and up, a
     row-parallel weight on dimension 1, the vocabulary padding dropped, replicated norms compared)
@@ -258,7 +260,7 @@ def test_zero_optimizer_of_tensor_and_pipeline_parallel_ranks_imports_consolidat
     folder = tmp_path / "ds" / "global_step9"
     folder.mkdir(parents=True)
     (folder.parent / "latest").write_text(folder.name)
-    zero_files(folder, model, moments, tp=2, pp=2, dp=2, stages=[[1, 3], [4, 6]], bf16=bf16)
+    zero_files(folder, model, moments, tp=2, pp=2, dp=2, stages=[[1, 3], [4, 6]], bf16=bf16, tied=tied)
     resurgo.import_checkpoint(tmp_path / "ds", tmp_path / "ckpt", source="deepspeed")
     got = resurgo.load_dict(tmp_path / "ckpt")
     trim = {(1, "word_embeddings.weight"): 30}  # args.vocab_size 30 of a vocabulary padded to 32
