@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import resurgo
-from resurgo.errors import CorruptCheckpointError
+from resurgo.errors import CorruptCheckpointError, UnsupportedValueError
 
 H, FFN = 8, 12
 LAYER = {"input_layernorm.weight": (H,), "self_attention.query_key_value.weight": (3 * H, H),
@@ -200,7 +200,7 @@ def test_fused_qkv_of_each_rank_is_split_then_gathered_per_sub_parameter(tmp_pat
 
 def zero_files(folder: Path, model: dict[int, dict[str, torch.Tensor]], moments: dict, *, tp: int, pp: int, dp: int,
                stages: list[list[int]], bf16: bool, tied: bool = False) -> None:
-    """Megatron-DeepSpeed's ZeRO-1 files: per model-parallel rank m = stage * tp + t its model states
+    """Megatron-DeepSpeed's ZeRO-1 (``bf16``: its bf16 optimizer's) files: per model-parallel rank m = stage * tp + t its model states
     (param_shapes: weight-decayed parameters, then the others) and per data-parallel rank d its
     partition of each group's flat fp32 weights and Adam moments (padded to a multiple of dp)."""
     for s, held in enumerate(stages):
@@ -233,8 +233,10 @@ def zero_files(folder: Path, model: dict[int, dict[str, torch.Tensor]], moments:
                                       "exp_avg_sq": parts["exp_avg_sq"][g]} for g in range(2)},
                         "param_groups": [{"lr": 1e-3, "weight_decay": wd, "betas": (0.9, 0.95), "params": [g]}
                                          for g, wd in enumerate((0.1, 0.0))]}
-                osd = {"zero_stage": 1, "partition_count": [dp, dp], "base_optimizer_state": base,
+                osd = {"partition_count": [dp, dp], "base_optimizer_state": base,
                        "single_partition_of_fp32_groups": parts["fp32"]}
+                if not bf16:  # DeepSpeed's bf16 optimizer names no ZeRO stage
+                    osd["zero_stage"] = 1
                 torch.save({"optimizer_state_dict": osd, "ds_config": {}, "ds_version": "0.14.0"},
                            folder / f"{'bf16_' if bf16 else ''}zero_pp_rank_{d}_mp_rank_{mp:02d}_optim_states.pt")
             for i in held:
@@ -287,6 +289,10 @@ def test_zero_optimizer_of_tensor_and_pipeline_parallel_ranks_imports_consolidat
     osd["optimizer_state_dict"]["base_optimizer_state"]["state"][1]["exp_avg"] += 1
     torch.save(osd, name)
     with pytest.raises(CorruptCheckpointError, match=r"replicas must be equal"):
+        resurgo.import_checkpoint(tmp_path / "ds", tmp_path / "bad", source="deepspeed")
+    osd["optimizer_state_dict"]["zero_stage"] = 3
+    torch.save(osd, name)
+    with pytest.raises(UnsupportedValueError, match=rf"{name.name}: ZeRO stage 3; .* the optimizer of ZeRO 1 and 2"):
         resurgo.import_checkpoint(tmp_path / "ds", tmp_path / "bad", source="deepspeed")
     name.unlink()
     with pytest.raises(CorruptCheckpointError, match=rf"global_step9/{name.name}: missing"):

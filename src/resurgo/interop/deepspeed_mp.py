@@ -20,8 +20,9 @@ rank ``t`` holds as its own [q_t; k_t; v_t]) is split per rank and each sub-para
 its own, [q of all ranks; k of all ranks; v of all ranks], as ``ds_to_universal`` merges it;
 ``parameter_with_2_sub_params_cat_dim_0`` likewise as [gate; up].
 
-The optimizer: ZeRO 1/2 files ``[bf16_]zero_pp_rank_<d>_mp_rank_<m:02d>_optim_states.pt`` per
-data-parallel rank ``d`` and model-parallel rank ``m``. Each model-parallel rank's files are read as
+The optimizer: ZeRO 1/2 (or DeepSpeed's bf16 optimizer, partitioned as ZeRO 1) files
+``[bf16_]zero_pp_rank_<d>_mp_rank_<m:02d>_optim_states.pt`` per data-parallel rank ``d`` and
+model-parallel rank ``m``. Each model-parallel rank's files are read as
 :mod:`.deepspeed` reads a ZeRO checkpoint (its ``param_shapes``, the data-parallel partitions laid
 end to end), which gives each parameter's shard of the fp32 weights and Adam moments as flat runs;
 the shards are then placed in the consolidated tensor by the same rules as the weights (a flat run
@@ -332,10 +333,13 @@ def _optimizer(folder: Path, load: Load, layout: _Layout, stages: int) -> tuple[
             model = zero._File(*load(f"mp_rank_{mp:02d}_model_states.pt"))
             optims = [zero._File(*load(name.format(d, mp))) for d in range(world)]
             osd = zero._get(optims[0], "optimizer_state_dict", dict)
-            if osd.get("zero_stage") not in (1, 2):
+            # DeepSpeed's bf16 optimizer (no ZeRO stage; Megatron-DeepSpeed's usual one) partitions
+            # each group's flat weights over the data-parallel ranks as ZeRO 1 does
+            bf16_optimizer = kinds[0] and osd.get("zero_stage") is None and "single_partition_of_fp32_groups" in osd
+            if osd.get("zero_stage") not in (1, 2) and not bf16_optimizer:
                 raise UnsupportedValueError(f"{optims[0].rel}: ZeRO stage {osd.get('zero_stage')!r}; of checkpoints "
                                             "with tensor or pipeline parallelism, the optimizer of ZeRO 1 and 2 "
-                                            "imports")
+                                            "and the bf16 optimizer import")
             groups, index = zero._groups(model)
             if first_groups is None:
                 inner = osd.get("base_optimizer_state")
