@@ -148,10 +148,12 @@ def gqa_shard(name: str, t: torch.Tensor, tp: int, r: int) -> torch.Tensor:
     return qkv_shard(t, tp, r) if "query_key_value" in name else shard(name, t, tp, r)
 
 
-def ucp_info() -> dict:
-    return {"parameter_with_sub_params": [
-        SubparamShape([r"\d+.self_attention.query_key_value.weight"], ((NQ, NKV, NKV), HD, H), 0),
-        SubparamShape([r"\d+.self_attention.query_key_value.bias"], ((NQ, NKV, NKV), HD), 0)],
+def ucp_info(as_dicts: bool = False) -> dict:
+    """Megatron-DeepSpeed's universal_checkpoint_info: SubparamShape objects, or (``as_dicts``, the
+    form DeepSpeed's ds_to_universal now reads) dicts of their fields."""
+    shapes = [SubparamShape([r"\d+.self_attention.query_key_value.weight"], ((NQ, NKV, NKV), HD, H), 0),
+              SubparamShape([r"\d+.self_attention.query_key_value.bias"], ((NQ, NKV, NKV), HD), 0)]
+    return {"parameter_with_sub_params": [dataclasses.asdict(s) for s in shapes] if as_dicts else shapes,
         "parameter_with_2_sub_params_cat_dim_0": [r"\d+.mlp.dense_h_to_4h.weight", r"\d+.mlp.dense_h_to_4h.bias"]}
 
 
@@ -177,7 +179,7 @@ def test_fused_qkv_of_each_rank_is_split_then_gathered_per_sub_parameter(tmp_pat
         for i, layer in model.items():
             torch.save({n: gqa_shard(n, t, 2, r) for n, t in layer.items()},
                        folder / f"layer_{i:02d}-model_{r:02d}-model_states.pt")
-        torch.save({**common(2, None), "universal_checkpoint_info": ucp_info()},
+        torch.save({**common(2, None), "universal_checkpoint_info": ucp_info(as_dicts=True)},
                    folder / f"mp_rank_{r:02d}_model_states.pt")
     resurgo.import_checkpoint(tmp_path / "ds", tmp_path / "ckpt", source="deepspeed")
     got = resurgo.load_dict(tmp_path / "ckpt")["model"]
@@ -199,7 +201,7 @@ def test_fused_qkv_of_each_rank_is_split_then_gathered_per_sub_parameter(tmp_pat
 
 
 def zero_files(folder: Path, model: dict[int, dict[str, torch.Tensor]], moments: dict, *, tp: int, pp: int, dp: int,
-               stages: list[list[int]], bf16: bool, tied: bool = False) -> None:
+               stages: list[list[int]], bf16: bool, tied: bool = False, info: dict | None = None) -> None:
     """Megatron-DeepSpeed's ZeRO-1 (``bf16``: its bf16 optimizer's) files: per model-parallel rank m = stage * tp + t its model states
     (param_shapes: weight-decayed parameters, then the others) and per data-parallel rank d its
     partition of each group's flat fp32 weights and Adam moments (padded to a multiple of dp)."""
@@ -217,7 +219,7 @@ def zero_files(folder: Path, model: dict[int, dict[str, torch.Tensor]], moments:
                     for k in ("exp_avg", "exp_avg_sq"):
                         flats[k][g].append(gqa_shard(n, moments[i, n][k], tp, t).reshape(-1))
             mp = s * tp + t
-            torch.save({**common(tp, None), "param_shapes": groups, "universal_checkpoint_info": ucp_info(),
+            torch.save({**common(tp, None), "param_shapes": groups, "universal_checkpoint_info": info or ucp_info(),
                         "args": argparse.Namespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                                    swiglu=True, vocab_size=30)},
                        folder / f"mp_rank_{mp:02d}_model_states.pt")
@@ -298,3 +300,47 @@ def test_zero_optimizer_of_tensor_and_pipeline_parallel_ranks_imports_consolidat
     with pytest.raises(CorruptCheckpointError, match=rf"global_step9/{name.name}: missing"):
         resurgo.import_checkpoint(tmp_path / "ds", tmp_path / "bad", source="deepspeed")
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.deepspeed
+def test_sub_parameters_and_moments_merge_as_deepspeeds_ds_to_universal_merges_them(tmp_path):
+    """DeepSpeed's own merge of tensor-parallel slices (ds_to_universal.merge_tp_slices, as it
+    builds a universal checkpoint) gives the same fused qkv, gate/up and row-parallel tensors, weights
+    and Adam moments, as the import of the same ranks' ZeRO files."""
+    from deepspeed.checkpoint.ds_to_universal import merge_tp_slices
+
+    model = gqa_model(layers=2)
+    g = torch.Generator().manual_seed(4)
+    moments = {(i, n): {"exp_avg": torch.randn(t.shape, generator=g), "exp_avg_sq": torch.rand(t.shape, generator=g)}
+               for i, layer in model.items() for n, t in layer.items()}
+    folder = tmp_path / "ds" / "global_step9"
+    folder.mkdir(parents=True)
+    (folder.parent / "latest").write_text(folder.name)
+    info = ucp_info(as_dicts=True)
+    zero_files(folder, model, moments, tp=2, pp=2, dp=2, stages=[[1, 3], [4, 6]], bf16=False, info=info)
+    resurgo.import_checkpoint(tmp_path / "ds", tmp_path / "ckpt", source="deepspeed")
+    got = resurgo.load_dict(tmp_path / "ckpt")
+    order = [(i, n) for i in (1, 3, 4, 6) for n, t in model[i].items() if not (n.endswith("bias") or t.dim() == 1)]
+    order += [(i, n) for i in (1, 3, 4, 6) for n, t in model[i].items() if n.endswith("bias") or t.dim() == 1]
+    info["parameter_with_row_parallelism_patterns"] = [r"\d+.self_attention.dense.weight", r"\d+.mlp.dense_4h_to_h.weight"]
+    compared = 0
+    for i, n in [(4, "self_attention.query_key_value.weight"), (4, "self_attention.query_key_value.bias"),
+                 (3, "mlp.dense_h_to_4h.weight"), (3, "mlp.dense_h_to_4h.bias"), (4, "self_attention.dense.weight")]:
+        name = f"{i}.{n}"
+        shards = {"fp32": [gqa_shard(n, model[i][n], 2, t) for t in range(2)],
+                  **{k: [gqa_shard(n, moments[i, n][k], 2, t) for t in range(2)] for k in ("exp_avg", "exp_avg_sq")}}
+        for state, per_rank in shards.items():
+            for t, shard_t in enumerate(per_rank):
+                for d, fragment in enumerate(shard_t.reshape(-1).chunk(2)):  # two data-parallel fragments
+                    path = tmp_path / "slices" / name / str(t) / f"{state}.{d:02d}"
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    torch.save(fragment.clone(), path)
+        merge_tp_slices(info, str(tmp_path / "universal"), str(tmp_path / "slices"), 2,
+                        (name, [list(s.shape) for s in shards["fp32"]]))
+        number = order.index((i, n))
+        for state, mine in (("fp32", got["model"][name]), ("exp_avg", got["optimizer"]["state"][number]["exp_avg"]),
+                            ("exp_avg_sq", got["optimizer"]["state"][number]["exp_avg_sq"])):
+            theirs = torch.load(tmp_path / "universal" / name / f"{state}.pt", weights_only=False)["param"]
+            assert bits(mine) == bits(theirs), (name, state)
+            compared += 1
+    assert compared == 15

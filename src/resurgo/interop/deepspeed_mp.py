@@ -79,7 +79,8 @@ def is_model_parallel(folder: Path) -> bool:
 def spec_model_parallel(folder: Path, load: Load, vocab_size: int | None = None) -> ImportSpec:
     """The consolidated checkpoint of the tag folder ``folder``; ``load(name)`` reads one of its files
     (deepspeed's loader: inside the source, restricted unpickling) and returns (rel, prefix, obj);
-    ``vocab_size``: the true vocabulary size (default ``args.vocab_size``)."""
+    ``vocab_size``: the true vocabulary size (default ``args.vocab_size``, or the
+    ``original_vocab_size`` of ``universal_checkpoint_info``)."""
     layers: dict[int, set[int]] = {}
     ranks: set[int] = set()
     for p in folder.iterdir():
@@ -93,6 +94,8 @@ def spec_model_parallel(folder: Path, load: Load, vocab_size: int | None = None)
     if vocab_size is None and isinstance(args.get("vocab_size"), int) and not isinstance(args.get("vocab_size"), bool):
         vocab_size = args["vocab_size"]
     subs = _SubParams(first)
+    if vocab_size is None and isinstance(subs.vocab_size, int) and not isinstance(subs.vocab_size, bool):
+        vocab_size = subs.vocab_size  # universal_checkpoint_info's original_vocab_size
     params: dict[str, _Param] = {}
     if layers:
         tp = 1 + max(t for ts in layers.values() for t in ts)
@@ -155,8 +158,10 @@ class _SubParams:
         info = first.obj.get(UCP_INFO)
         info = info if isinstance(info, dict) else {}
         self.shapes: list[tuple[list[str], Any]] = []
+        self.vocab_size = info.get("original_vocab_size")
         for entry in info.get("parameter_with_sub_params") or []:
-            state = entry.state if isinstance(entry, Record) else None
+            # a dict of SubparamShape's fields (DeepSpeed's current form), or a pickled SubparamShape
+            state = entry.state if isinstance(entry, Record) else entry
             state = state[0] if isinstance(state, tuple) and state else state
             if not isinstance(state, dict) or not isinstance(state.get("patterns"), list) \
                     or not isinstance(state.get("shape"), (list, tuple)) or not state["shape"]:
@@ -177,10 +182,17 @@ class _SubParams:
             return (rows // 2, rows - rows // 2)
         for patterns, shape in self.shapes:
             if any(isinstance(p, str) and re.match(p, param.key) for p in patterns):
-                heads = shape[0] if isinstance(shape[0], (list, tuple)) else (shape[0],)
+                if not isinstance(shape[0], (list, tuple)):  # a count of equal sub-parameters
+                    count = shape[0]
+                    if not isinstance(count, int) or count < 1 or rows % count:
+                        raise CorruptCheckpointError(f"{param.shards[0][0].rel}: {param.key!r} of {rows} rows "
+                                                     f"cannot hold the {shown(count)} equal sub-parameters the "
+                                                     f"sub_param_shape {shown(shape, 120)} of {self.rel} names")
+                    return (rows // count,) * count
+                heads = tuple(shape[0])
                 unit = math.prod(sum(d) if isinstance(d, (list, tuple)) else d for d in shape[1:])
                 row = math.prod(shard.shape[1:])
-                if not all(isinstance(h, int) and h > 0 for h in heads) or unit % row \
+                if not all(isinstance(h, int) and h > 0 for h in heads) or unit <= 0 or unit % row \
                         or sum(heads) * (unit // row) != rows:
                     raise CorruptCheckpointError(
                         f"{param.shards[0][0].rel}: {param.key!r} of shape {list(shard.shape)} on each of "
