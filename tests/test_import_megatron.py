@@ -319,12 +319,13 @@ def test_distributed_optimizer_state_in_model_space_goes_under_its_parameter(tmp
     states = {"param": w.clone(), "exp_avg": w * 2 + 1, "exp_avg_sq": w * w}
     key = "decoder.layers.mlp.linear_fc2.weight"
 
-    def write(tensors: dict) -> None:
+    one = {"optimizer": {"param_groups": [{"lr": 1e-3, "step": 3}]}, "param_state_sharding_type": "fully_reshardable"}
+
+    def write(tensors: dict, optimizer: dict = one) -> None:
         shutil.rmtree(folder, ignore_errors=True)
         dcp.save(tensors, checkpoint_id=str(folder), no_dist=True)
-        torch.save({"args": argparse.Namespace(num_layers=2), "iteration": 3, "optimizer": {
-            "optimizer": {"param_groups": [{"lr": 1e-3, "step": 3}]}, "param_state_sharding_type": "fully_reshardable"}},
-            folder / "common.pt")
+        torch.save({"args": argparse.Namespace(num_layers=2), "iteration": 3, "optimizer": optimizer},
+                   folder / "common.pt")
         (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
 
     write({key: w, **{f"optimizer.state.{k}.{key}": t for k, t in states.items()}})
@@ -336,6 +337,15 @@ def test_distributed_optimizer_state_in_model_space_goes_under_its_parameter(tmp
     assert bits(got["optimizer"]["state"][key]["exp_avg_sq"]) == bits(states["exp_avg_sq"])
     assert bits(got["optimizer"]["fp32_from_fp16_params"][key]) == bits(w)
     assert got["optimizer"]["optimizer"]["param_groups"] == [{"lr": 1e-3, "step": 3}]
+    # a ChainedOptimizer of two (dense and expert parameters): its tensors' keys prefixed chained_<i>.
+    expert = "decoder.layers.mlp.experts.linear_fc1.weight"
+    write({key: w, expert: w + 1, **{f"chained_0.optimizer.state.{k}.{key}": t for k, t in states.items()},
+           **{f"chained_1.optimizer.state.{k}.{expert}": t + 1 for k, t in states.items()}}, {0: one, 1: one})
+    resurgo.import_checkpoint(tmp_path / "run", tmp_path / "chained", source="megatron")
+    got = resurgo.load_dict(tmp_path / "chained")
+    assert bits(got["optimizer"]["state"][expert]["exp_avg_sq"]) == bits(states["exp_avg_sq"] + 1)
+    assert bits(got["optimizer"]["state"][key]["exp_avg"]) == bits(states["exp_avg"])
+    assert got["optimizer"]["1"]["optimizer"]["param_groups"] == [{"lr": 1e-3, "step": 3}]
     write({key: w, f"optimizer.state.exp_avg.{key}": states["exp_avg"], f"optimizer.state.param.{key}": w})
     with pytest.raises(CorruptCheckpointError, match=r"iter_0000003/.metadata: the distributed optimizer's state of "
                                                      r"'decoder.layers.mlp.linear_fc2.weight' lacks \['exp_avg_sq'\]"):

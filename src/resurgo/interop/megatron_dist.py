@@ -22,7 +22,8 @@ the view ``dist_checkpointing.load`` gives one rank loading every tensor whole, 
   parameter's shape, under ``optimizer.state.<param|exp_avg|exp_avg_sq>.<key>``), under its
   parameter: ``optimizer.state.<key>.exp_avg``, ``.exp_avg_sq``, and the fp32 main param under
   ``optimizer.fp32_from_fp16_params.<key>`` (as the legacy import names a mixed-precision run's);
-  the param groups (with the step) stay values under ``optimizer.optimizer``. The bucket-space
+  the param groups (with the step) stay values under ``optimizer.optimizer`` (of a ChainedOptimizer
+  of several, ``optimizer.<i>.optimizer``, whose tensors' keys may start ``chained_<i>.``). The bucket-space
   formats (``dp_reshardable``, ``dp_zero_gather_scatter``) keep their flat buffers as saved: which
   element belongs to which parameter follows from the model's bucket layout, which the files lack.
 """
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,7 @@ MAX_METADATA_BYTES = 1 << 20
 # and state (megatron.core's DistributedOptimizer.sharded_param_state_fully_reshardable).
 MODEL_SPACE = "fully_reshardable"
 STATE_PREFIX = "optimizer.state."
+STATE_KEY = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.")  # a ChainedOptimizer's prefix
 STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")
 
 
@@ -106,8 +109,15 @@ def spec_from_torch_dist(root: Path, folder: Path, it: str, allowed: Any, holds:
             _tensor(k, ref, common_rel, None, member=f"{arch}/data/{ref.storage.key}")), values, json_part)
     if isinstance(values.get("iteration"), int):
         values["step"] = values["iteration"]
-    optimizer = values.get("optimizer")
-    if isinstance(optimizer, dict) and optimizer.get("param_state_sharding_type") == MODEL_SPACE:
+    optimizer = common.get("optimizer")
+    if isinstance(optimizer, dict) and optimizer and all(isinstance(k, int) for k in optimizer):
+        # a ChainedOptimizer of several (dense and expert parameters): one state dict per optimizer,
+        # its tensors' keys prefixed chained_<i>. (or not, where Megatron was told to avoid it)
+        values["optimizer"] = {str(i): json_part(o) for i, o in sorted(optimizer.items())}
+        chained = list(optimizer.values())
+    else:
+        chained = [optimizer]
+    if all(isinstance(o, dict) and o.get("param_state_sharding_type") == MODEL_SPACE for o in chained):
         tensors = _per_parameter(tensors, folder)
     return ImportSpec(tensors=tensors, values=values)
 
@@ -116,14 +126,14 @@ def _per_parameter(tensors: list[TensorSpec], folder: Path) -> list[TensorSpec]:
     """The distributed optimizer's model-space state (``optimizer.state.<kind>.<key>``, each of the
     shape of the model tensor ``<key>``) under its parameter: ``optimizer.state.<key>.exp_avg``,
     ``.exp_avg_sq`` and the fp32 main param ``optimizer.fp32_from_fp16_params.<key>``."""
-    model = {t.key: t for t in tensors if not t.key.startswith(STATE_PREFIX)}
+    model = {t.key: t for t in tensors if not STATE_KEY.match(t.key)}
     out: list[TensorSpec] = []
     found: dict[str, set[str]] = {}
     for t in tensors:
-        if not t.key.startswith(STATE_PREFIX):
+        if not (m := STATE_KEY.match(t.key)):
             out.append(t)
             continue
-        kind, _, key = t.key[len(STATE_PREFIX):].partition(".")
+        kind, _, key = t.key[m.end():].partition(".")
         param = model.get(key)
         if kind not in STATE_KINDS or param is None:
             raise CorruptCheckpointError(f"{folder / '.metadata'}: {t.key!r} is not the state of a model tensor "
