@@ -202,7 +202,8 @@ def test_fused_qkv_of_each_rank_is_split_then_gathered_per_sub_parameter(tmp_pat
 
 def zero_files(folder: Path, model: dict[int, dict[str, torch.Tensor]], moments: dict, *, tp: int, pp: int, dp: int,
                stages: list[list[int]], bf16: bool, tied: bool = False, info: dict | None = None) -> None:
-    """Megatron-DeepSpeed's ZeRO-1 (``bf16``: its bf16 optimizer's) files: per model-parallel rank m = stage * tp + t its model states
+    """Megatron-DeepSpeed's ZeRO-1 (``bf16``: its bf16 optimizer's) files: per model-parallel rank
+    m = stage * tp + t its model states
     (param_shapes: weight-decayed parameters, then the others) and per data-parallel rank d its
     partition of each group's flat fp32 weights and Adam moments (padded to a multiple of dp)."""
     for s, held in enumerate(stages):
@@ -286,7 +287,8 @@ def test_zero_optimizer_of_tensor_and_pipeline_parallel_ranks_imports_consolidat
     assert [pg["weight_decay"] for pg in groups] == [0.1, 0.0]
     assert groups[0]["params"] + groups[1]["params"] == list(range(len(order)))
     # a replicated tensor's moments that differ between tensor-parallel ranks are refused when read
-    name = next(f for f in sorted(folder.iterdir()) if f.name.startswith(f"{'bf16_' if bf16 else ''}zero_pp_rank_0_mp_rank_01"))
+    prefix = f"{'bf16_' if bf16 else ''}zero_pp_rank_0_mp_rank_01"
+    name = next(f for f in sorted(folder.iterdir()) if f.name.startswith(prefix))
     osd = torch.load(name, weights_only=False)
     osd["optimizer_state_dict"]["base_optimizer_state"]["state"][1]["exp_avg"] += 1
     torch.save(osd, name)
@@ -322,7 +324,8 @@ def test_sub_parameters_and_moments_merge_as_deepspeeds_ds_to_universal_merges_t
     got = resurgo.load_dict(tmp_path / "ckpt")
     order = [(i, n) for i in (1, 3, 4, 6) for n, t in model[i].items() if not (n.endswith("bias") or t.dim() == 1)]
     order += [(i, n) for i in (1, 3, 4, 6) for n, t in model[i].items() if n.endswith("bias") or t.dim() == 1]
-    info["parameter_with_row_parallelism_patterns"] = [r"\d+.self_attention.dense.weight", r"\d+.mlp.dense_4h_to_h.weight"]
+    info["parameter_with_row_parallelism_patterns"] = [r"\d+.self_attention.dense.weight",
+                                                       r"\d+.mlp.dense_4h_to_h.weight"]
     compared = 0
     for i, n in [(4, "self_attention.query_key_value.weight"), (4, "self_attention.query_key_value.bias"),
                  (3, "mlp.dense_h_to_4h.weight"), (3, "mlp.dense_h_to_4h.bias"), (4, "self_attention.dense.weight")]:

@@ -381,6 +381,8 @@ def _optimizer(folder: Path, load: Load, layout: _Layout, stages: int) -> tuple[
 
 def _optimizer_tensors(layout: _Layout, shards: dict[tuple[str, str, int], TensorSpec],
                        order: list[list[str]]) -> list[TensorSpec]:
+    """Per parameter of ``order`` (group after group), numbered from 0: its moments, step and (bf16
+    weights) fp32 weights, each rank's shard laid in place."""
     out = []
     number = 0
     for members in order:
@@ -416,10 +418,11 @@ def _optimizer_tensors(layout: _Layout, shards: dict[tuple[str, str, int], Tenso
 
 
 def _param_groups(groups: Any, order: list[list[str]], folder: Path) -> list[dict]:
+    """Rank 0's param groups (plain values), ``params`` numbered as :func:`_optimizer_tensors` numbers them."""
     if not isinstance(groups, list) or len(groups) != len(order):
-        raise CorruptCheckpointError(f"{folder}: the optimizer holds {len(groups) if isinstance(groups, list) else 'no'}"
-                                     f" param groups, the model states {len(order)}: files of two different runs are "
-                                     "mixed?")
+        count = len(groups) if isinstance(groups, list) else "no"
+        raise CorruptCheckpointError(f"{folder}: the optimizer holds {count} param groups, the model states "
+                                     f"{len(order)}: files of two different runs are mixed?")
     out, number = [], 0
     for pg, members in zip(groups, order):
         plain = _json_part(pg) if isinstance(pg, dict) else {}
