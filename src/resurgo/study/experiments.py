@@ -39,6 +39,7 @@ from resurgo.study.data import make_dataset
 from resurgo.study.frameworks import FRAMEWORKS, could_not_run, merge_framework, run_framework
 from resurgo.study.mechanisms import MECHANISMS, Mechanism, make_mechanism, quiet_single_process
 from resurgo.study.models import MODELS
+from resurgo.study.resume import Journal
 from resurgo.study.stats import pair_timings, spread
 from resurgo.dist.launch import run_ranks
 from resurgo.errors import RankFailedError
@@ -135,8 +136,12 @@ def count_units(cfg: StudyConfig) -> int:
 
 
 class _Progress:
-    def __init__(self, total: int, fn: Optional[ProgressFn]) -> None:
-        self.total, self.done, self.fn = total, 0, fn
+    def __init__(self, total: int, fn: Optional[ProgressFn], journal: Optional[Journal] = None) -> None:
+        self.total, self.done, self.fn, self.journal = total, 0, fn, journal
+
+    def unit(self, key: str, measure: Callable[[], Any]) -> Any:
+        """A unit of measurement: ``measure()``, or its result recorded by an earlier run (resume.py)."""
+        return measure() if self.journal is None else self.journal.unit(key, measure, self)
 
     def start(self, label: str) -> None:
         if self.fn is not None:
@@ -236,15 +241,19 @@ def cost_and_formats(cfg: StudyConfig, model: str, dataset: Any, work: Path,
         # rotate the order between repeats so that no mechanism always runs first or last
         order = list(cfg.mechanisms[repeat % len(cfg.mechanisms):] + cfg.mechanisms[:repeat % len(cfg.mechanisms)])
         for name in order:
-            progress.start(f"{model}: cost, {name} ({repeat + 1}/{cfg.cost_repeats})")
-            without = timed_steps(job, cfg.cost_steps)  # its pair, just before: the same machine load
-            mech = make_mechanism(name)
-            try:
-                run = _checkpointing_run(job, mech, cfg.cost_steps, cfg.checkpoint_every, work / name)
-                formats[name].append(_format_row(job, mech, work / name / "alone"))
-            finally:
-                mech.close()
-            runs[name].append({**run, "baseline_s": without})
+            def measure(name: str = name) -> dict[str, Any]:
+                progress.start(f"{model}: cost, {name} ({repeat + 1}/{cfg.cost_repeats})")
+                without = timed_steps(job, cfg.cost_steps)  # its pair, just before: the same machine load
+                mech = make_mechanism(name)
+                try:
+                    run = _checkpointing_run(job, mech, cfg.cost_steps, cfg.checkpoint_every, work / name)
+                    return {"run": {**run, "baseline_s": without},
+                            "format": _format_row(job, mech, work / name / "alone")}
+                finally:
+                    mech.close()
+            unit = progress.unit(f"{model}: cost, {name}, pair {repeat + 1}", measure)
+            runs[name].append(unit["run"])
+            formats[name].append(unit["format"])
     cost = [{"model": model, "mechanism": name, "label": MECHANISMS[name].label, "steps": cfg.cost_steps,
              "every": cfg.checkpoint_every, "checkpoints": runs[name][0]["checkpoints"],
              **pair_timings(runs[name])} for name in cfg.mechanisms]
@@ -289,12 +298,16 @@ def scale(cfg: StudyConfig, work: Path, progress: _Progress) -> list[dict]:
     rows = []
     for model in cfg.scale_models:
         for world in cfg.scale_worlds:
-            progress.start(f"{model}: scale, {world} rank{'s' if world > 1 else ''}")
-            try:
-                ranks = run_ranks(world, scale_worker, {"config": cfg, "model": model, "work": str(work / f"{model}-{world}")})
-            except RankFailedError as e:
-                raise StudyError(f"the scale experiment failed on {plural(world, 'rank')}: {e}") from None
-            _remove(work / f"{model}-{world}")
+            def measure(model: str = model, world: int = world) -> list[dict[str, Any]]:
+                progress.start(f"{model}: scale, {world} rank{'s' if world > 1 else ''}")
+                try:
+                    return run_ranks(world, scale_worker, {"config": cfg, "model": model,
+                                                           "work": str(work / f"{model}-{world}")})
+                except RankFailedError as e:
+                    raise StudyError(f"the scale experiment failed on {plural(world, 'rank')}: {e}") from None
+                finally:
+                    _remove(work / f"{model}-{world}")
+            ranks = progress.unit(f"{model}: scale, {world} ranks", measure)
             for name in cfg.mechanisms:
                 # a step (and a checkpoint) finishes when its slowest rank does: the maximum over ranks
                 pairs = []
@@ -352,21 +365,25 @@ def environment() -> dict[str, Any]:
 
 
 def run_study(cfg: StudyConfig, out: Path, on_progress: Optional[ProgressFn] = None,
-              envs: Optional[Path] = None) -> dict[str, Any]:
+              envs: Optional[Path] = None, restart: bool = False) -> dict[str, Any]:
     """Run every experiment; returns the results (what ``results.json`` holds). Checkpoints are
     written under ``out/checkpoints`` and removed as soon as they are measured. The frameworks of
-    ``cfg.frameworks`` run last, in their environments under ``envs`` (``frameworks.env_root``)."""
+    ``cfg.frameworks`` run last, in their environments under ``envs`` (``frameworks.env_root``).
+    Each completed unit of measurement is recorded in ``out``'s journal (``resume.py``): a run of
+    the same ``cfg`` after one that was killed measures only what the journal lacks; ``restart``
+    measures everything again."""
     cfg.check()
     out = Path(out)
+    journal = Journal(out, asdict(cfg), environment(), restart)
     work = out / "checkpoints"
     _remove(work)
     work.mkdir(parents=True)
-    progress = _Progress(count_units(cfg), on_progress)
+    progress = _Progress(count_units(cfg), on_progress, journal)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
     dataset = make_dataset(cfg.samples, cfg.data_dir, cfg.seed)
-    results: dict[str, Any] = {"config": asdict(cfg), "environment": environment(), "models": {},
+    results: dict[str, Any] = {"config": asdict(cfg), "environment": journal.environment, "models": {},
                                "cost": [], "formats": [], "scale": [], "determinism": {}, "frameworks": {}}
     try:
         with quiet_single_process():
@@ -375,18 +392,22 @@ def run_study(cfg: StudyConfig, out: Path, on_progress: Optional[ProgressFn] = N
                 results["models"][model] = info
                 results["cost"] += cost
                 results["formats"] += formats
-                results["determinism"][model] = determinism(cfg, model, dataset, work / "det" / model, progress)
+                results["determinism"][model] = progress.unit(
+                    f"{model}: determinism", lambda: determinism(cfg, model, dataset, work / "det" / model, progress))
             results["scale"] = scale(cfg, work / "scale", progress)
         for name in cfg.frameworks:
-            progress.start(f"{FRAMEWORKS[name].label}: environment and experiments")
+            def measure(name: str = name) -> dict[str, Any]:
+                progress.start(f"{FRAMEWORKS[name].label}: environment and experiments")
+                return run_framework(name, cfg, work / "frameworks", envs)
             try:
-                merge_framework(results, name, run_framework(name, cfg, work / "frameworks", envs))
+                merge_framework(results, name, progress.unit(f"framework {name}", measure))
             except StudyError as e:  # the row says why; the other frameworks still run
                 results.setdefault("frameworks", {})[name] = could_not_run(name, str(e))
     finally:
         _remove(work)
         torch.set_num_threads(threads_before)
     results["environment"]["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    results["duration_s"] = time.perf_counter() - t0
+    results["duration_s"] = time.perf_counter() - t0 + journal.replayed_s
+    results["journal"] = journal.summary()
     progress.finish()
     return results
