@@ -4,7 +4,9 @@ different configuration is refused, naming what differs; ``restart`` measures ev
 
 from __future__ import annotations
 
+import copy
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,14 +15,21 @@ import pytest
 from resurgo.api import load_dict
 from resurgo.errors import StudyError
 from resurgo.study.experiments import StudyConfig, count_units, run_study
+from resurgo.study.frameworks import could_not_run, merge_framework
+from resurgo.study.reference import check_report, require_reference_structure
+from resurgo.study.report import render_markdown
 from resurgo.study.resume import JOURNAL, config_differences
+from resurgo.study.workers import driver
+from test_study_frameworks import CONFIG as TOY_CONFIG
+from test_study_frameworks import Toy
 
 TINY = StudyConfig(models=("vgg16",), mechanisms=("torch_save", "resurgo"), width=4, batch_size=2, samples=16,
-                   warmup_steps=1, cost_steps=2, checkpoint_every=1, cost_repeats=2, scale_worlds=(),
+                   warmup_steps=1, cost_steps=2, checkpoint_every=1, cost_repeats=2, scale_worlds=(1,),
+                   scale_models=("vgg16",), scale_steps=2, scale_every=1,
                    det_steps=4, det_restart=2, preset="tiny")
-# the units of measurement, in the order they run: the pairs in rotated order, then determinism
+# the units of measurement, in the order they run: the pairs in rotated order, determinism, scale
 UNITS = ["vgg16: cost, torch_save, pair 1", "vgg16: cost, resurgo, pair 1", "vgg16: cost, resurgo, pair 2",
-         "vgg16: cost, torch_save, pair 2", "vgg16: determinism"]
+         "vgg16: cost, torch_save, pair 2", "vgg16: determinism", "vgg16: scale, 1 ranks"]
 
 
 class Stop(Exception):
@@ -44,21 +53,30 @@ def _journal(out: Path) -> dict:
     return {u["key"]: json.loads(u["result"]) for u in state["units"]}
 
 
-def test_a_stopped_study_resumes_after_its_last_completed_unit(tmp_path: Path):
-    first, on_progress = _labels(stop_at=3)  # stopped as the fourth progress step starts
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory) -> dict:
+    """A tiny study stopped as its fourth unit starts, then run again: its output directory, its
+    journal after the stop, the progress labels and steps of the second run, and its results."""
+    out = tmp_path_factory.mktemp("resumed")
+    _, on_progress = _labels(stop_at=3)  # stopped as the fourth progress step starts
     with pytest.raises(Stop):
-        run_study(TINY, tmp_path, on_progress)
-    recorded = _journal(tmp_path)
-    assert list(recorded) == UNITS[:3]  # each completed unit was committed as it completed
-    assert not (tmp_path / "results.json").exists()
-
+        run_study(TINY, out, on_progress)
+    recorded = _journal(out)
+    assert not (out / "results.json").exists()
     second, on_progress = _labels()
     steps: list[tuple[int, int]] = []
-    results = run_study(TINY, tmp_path, lambda d, t, label: (steps.append((d, t)), on_progress(d, t, label)))
+    results = run_study(TINY, out, lambda d, t, label: (steps.append((d, t)), on_progress(d, t, label)))
+    return {"out": out, "recorded": recorded, "second": second, "steps": steps, "results": results}
+
+
+def test_a_stopped_study_resumes_after_its_last_completed_unit(resumed: dict):
+    tmp_path, recorded, second, steps, results = (resumed[k] for k in ("out", "recorded", "second", "steps", "results"))
+    assert list(recorded) == UNITS[:3]  # each completed unit was committed as it completed
     # the first three units are not measured again: only the fourth pair and determinism start
     assert second == ["vgg16: cost, torch_save (2/2)", "vgg16: determinism, uninterrupted run",
-                      "vgg16: determinism, restart with torch_save", "vgg16: determinism, restart with resurgo"]
-    assert steps[0] == (3, count_units(TINY)) and steps[-1] == (7, 7)  # progress counts the replayed steps
+                      "vgg16: determinism, restart with torch_save", "vgg16: determinism, restart with resurgo",
+                      "vgg16: scale, 1 rank"]
+    assert steps[0] == (3, count_units(TINY)) and steps[-1] == (8, 8)  # progress counts the replayed steps
     assert list(_journal(tmp_path)) == UNITS
     # the results are complete, and hold the recorded measurements as they were measured
     by_mech = {r["mechanism"]: r for r in results["cost"]}
@@ -66,7 +84,8 @@ def test_a_stopped_study_resumes_after_its_last_completed_unit(tmp_path: Path):
     assert by_mech["torch_save"]["runs"][0] == recorded[UNITS[0]]["run"]
     assert [r["pairs"] for r in results["cost"]] == [2, 2] and len(results["formats"]) == 2
     assert list(results["determinism"]["vgg16"]["restarts"]) == ["torch_save", "resurgo"]
-    assert results["journal"]["units_replayed"] == 3 and results["journal"]["units_measured"] == 2
+    assert [r["mechanism"] for r in results["scale"]] == ["torch_save", "resurgo"]
+    assert results["journal"]["units_replayed"] == 3 and results["journal"]["units_measured"] == 3
     assert results["journal"]["sessions"] == 2
 
     # a third run replays everything, measures nothing, and gives the same results
@@ -101,3 +120,72 @@ def test_config_differences_name_each_field():
     assert config_differences({"a": 1, "b": [1]}, {"a": 1, "b": [1]}) == []
     assert config_differences({"a": 1, "gone": 2}, {"a": 2, "new": 3}) == [
         "a: recorded 1, now 2", "new: recorded (absent), now 3", "gone: recorded 2, now (absent)"]
+
+
+class _SameNet(Toy):
+    """A framework in miniature whose network has PyTorch's parameter count (or ``delta`` more)."""
+
+    def __init__(self, parameters: int) -> None:
+        super().__init__(keeps_rng=False)
+        self.count = parameters
+
+    def parameters(self, job: dict) -> int:
+        return self.count
+
+
+def _reference_results(resumed: dict, tmp_path: Path) -> dict:
+    """The tiny study's results with the three other frameworks beside PyTorch."""
+    results = copy.deepcopy(resumed["results"])
+    params = results["models"]["vgg16"]["parameters"]
+    for name in ("tensorflow", "jax", "chainer"):
+        worker = driver.run(_SameNet(params + (params // 2000 if name == "jax" else 0)),  # 0.05% more: allowed
+                            {**TOY_CONFIG, "models": ["vgg16"]}, tmp_path / name, progress=lambda label: None)
+        merge_framework(results, name, worker)
+    return results
+
+
+def test_the_reference_structure_check_passes_a_complete_report(resumed: dict, tmp_path: Path):
+    report = render_markdown(_reference_results(resumed, tmp_path))
+    assert check_report(report) == []
+    path = tmp_path / "report.md"
+    path.write_text(report)
+    require_reference_structure(path)
+    # the machine section: read from this machine
+    machine = report[report.index("## Machine"):]
+    assert f"| cores | {os.cpu_count()} |" in machine and "| date | 20" in machine and "torch " in machine
+
+
+def test_the_reference_structure_check_names_each_broken_rule(resumed: dict, tmp_path: Path):
+    results = _reference_results(resumed, tmp_path)
+    good = render_markdown(results)
+    params = results["models"]["vgg16"]["parameters"]
+
+    def problems(doctored: dict | str) -> list[str]:
+        return check_report(doctored if isinstance(doctored, str) else render_markdown(doctored))
+
+    missing = copy.deepcopy(results)
+    missing["frameworks"]["chainer"] = could_not_run("chainer", "pip failed")
+    assert problems(missing) == ["framework Chainer: did not run (could not run: pip failed)",
+                                 "Chainer VGG-16: no parameter count shown ('-')"]
+    gone = copy.deepcopy(results)
+    del gone["frameworks"]["jax"]
+    assert "framework JAX/Orbax: no row in the frameworks table" in problems(gone)
+    bigger = copy.deepcopy(results)
+    bigger["frameworks"]["tensorflow"]["models"]["vgg16"]["parameters"] = params + params // 500  # 0.2% more
+    assert problems(bigger) == [f"VGG-16: TensorFlow has {params + params // 500:,} parameters, PyTorch {params:,}: "
+                                "more than 0.1% apart"]
+    first = results["cost"][0]
+    shown = f"| {first['overhead_pct']:+.1f} [{first['overhead_low_pct']:+.1f}, {first['overhead_high_pct']:+.1f}]"
+    bare = good.replace(shown, f"| {first['overhead_pct']:+.1f}", 1)  # the first overhead without its interval
+    assert len(problems(bare)) == 1 and "shows no interval for its overhead" in problems(bare)[0]
+    assert problems(good.replace("**Findings.**", "Findings:", 1)) == [
+        "section '## 1. Cost of checkpointing' has no findings ('**Findings.**' paragraph)"]
+    no_scale = copy.deepcopy(results)
+    no_scale["scale"] = []
+    assert problems(no_scale) == ["3. Scale: no table with an 'overhead %' column"]
+    assert problems(good.replace("| CPU |", "| processor |")) == ["machine: no CPU"]
+    assert problems(good[:good.index("## Machine")]) == [
+        "no section '## Machine' (CPU, cores, memory, disk, library versions, date)"]
+    with pytest.raises(StudyError, match=r"report.md: not a complete reference report: machine: no CPU"):
+        (tmp_path / "report.md").write_text(good.replace("| CPU |", "| processor |"))
+        require_reference_structure(tmp_path / "report.md")

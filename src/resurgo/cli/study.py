@@ -32,15 +32,18 @@ def _check_writable(directory: Path) -> None:
         raise storage_error(e, directory, "cannot write there", "choose another --out") from None
 
 
-def _study_config(quick: bool, models: Optional[str], mechanisms: Optional[str], ranks: Optional[str],
+def _study_config(quick: bool, reference: bool, models: Optional[str], mechanisms: Optional[str], ranks: Optional[str],
                   width: Optional[int], threads: Optional[int], repeats: Optional[int], data: Optional[Path],
                   steps: Optional[int], frameworks: Optional[str]) -> StudyConfig:
     """The study's configuration: the preset, with each option given replacing its part."""
     from dataclasses import replace
 
     from resurgo.study.experiments import full_config, quick_config, with_steps
+    from resurgo.study.reference import reference_config
 
-    cfg = quick_config() if quick else full_config()
+    if quick and reference:
+        raise typer.BadParameter("--quick and --reference are two presets: choose one")
+    cfg = reference_config() if reference else quick_config() if quick else full_config()
     chosen_models = _names(models)
     if chosen_models is not None:
         cfg = replace(cfg, models=chosen_models,
@@ -70,6 +73,11 @@ def _study_config(quick: bool, models: Optional[str], mechanisms: Optional[str],
 
 def study(
     quick: bool = typer.Option(False, "--quick", help="The published networks at full width, batch 2, a few steps: minutes on 2 cores."),
+    reference: bool = typer.Option(False, "--reference", help="The reference report's preset: the published networks, "
+                                   "all four frameworks, the scale experiment, 95% intervals; about 100 minutes on 2 "
+                                   "cores. Resumable: run the same command again after a kill."),
+    restart: bool = typer.Option(False, "--restart", help="Measure everything again, discarding the units of "
+                                 "measurement an earlier run recorded in --out (its study-journal)."),
     out: Path = typer.Option(Path("study-results"), "--out", metavar="DIR", help="Directory for report.md, the plots, results.json."),
     data: Optional[Path] = typer.Option(None, "--data", metavar="DIR", help="A local CIFAR-10 python copy (data_batch_1..5) "
                                         "instead of synthetic data."),
@@ -99,7 +107,7 @@ def study(
 
     with fail_cleanly():
         require_matplotlib()  # before minutes of training, not after
-        cfg = _study_config(quick, models, mechanisms, ranks, width, threads, repeats, data, steps, frameworks)
+        cfg = _study_config(quick, reference, models, mechanisms, ranks, width, threads, repeats, data, steps, frameworks)
         cfg.check()
         if data is not None and not data.is_dir():
             raise CheckpointNotFoundError(f"{data}: no such directory (--data takes a local CIFAR-10 python copy, "
@@ -116,9 +124,12 @@ def study(
             def on_progress(done: int, total: int, label: str) -> None:
                 progress.update(task, completed=done, total=total, description=label)
 
-            results = run_study(cfg, out, on_progress, envs)
+            results = run_study(cfg, out, on_progress, envs, restart)
         write_outputs(results, out)
     console.print(f"study done in {results['duration_s']:.0f} s: {escape(str(out / REPORT))}")
+    if results["journal"]["units_replayed"]:
+        console.print(f"  {results['journal']['units_replayed']} units of measurement were recorded by an earlier "
+                      f"run ({escape(results['journal']['path'])}) and not measured again; --restart measures them again")
     for fw in results["frameworks"].values():
         if not fw["ran"]:
             console.print(f"  {escape(fw['label'])} could not run: {escape(fw['why'])}")

@@ -39,6 +39,7 @@ from resurgo.study.data import make_dataset
 from resurgo.study.frameworks import FRAMEWORKS, could_not_run, merge_framework, run_framework
 from resurgo.study.mechanisms import MECHANISMS, Mechanism, make_mechanism, quiet_single_process
 from resurgo.study.models import MODELS
+from resurgo.study.machine import describe as describe_machine
 from resurgo.study.resume import Journal
 from resurgo.study.stats import pair_timings, spread
 from resurgo.dist.launch import run_ranks
@@ -357,11 +358,11 @@ def determinism(cfg: StudyConfig, model: str, dataset: Any, work: Path, progress
 
 
 # -- the whole study --------------------------------------------------------------------------
-def environment() -> dict[str, Any]:
+def environment(out: Optional[Path] = None) -> dict[str, Any]:
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return {"python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "load_average_1_5_15": list(load) if load else None}
+            "load_average_1_5_15": list(load) if load else None, **describe_machine(out)}
 
 
 def run_study(cfg: StudyConfig, out: Path, on_progress: Optional[ProgressFn] = None,
@@ -374,7 +375,7 @@ def run_study(cfg: StudyConfig, out: Path, on_progress: Optional[ProgressFn] = N
     measures everything again."""
     cfg.check()
     out = Path(out)
-    journal = Journal(out, asdict(cfg), environment(), restart)
+    journal = Journal(out, asdict(cfg), environment(out), restart)
     work = out / "checkpoints"
     _remove(work)
     work.mkdir(parents=True)

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from resurgo.errors import StudyError
+from resurgo.study.findings import closing_sections, section_findings
+from resurgo.study.machine import machine_section
 from resurgo.study.models import LABELS
 from resurgo.wording import plural
 
@@ -258,8 +260,9 @@ def render_markdown(results: dict) -> str:
     if results.get("frameworks"):
         out.append(render_frameworks(results))
 
-    for section in (_cost_section, _formats_section, _scale_section, _determinism_section):
-        out.extend(section(results))
+    for number, section in enumerate((_cost_section, _formats_section, _scale_section, _determinism_section), 1):
+        out.extend(section(results) + section_findings(number, results))
+    out.extend(closing_sections(results) + machine_section(results))
     return "\n".join(out)
 
 
