@@ -189,3 +189,20 @@ def test_the_reference_structure_check_names_each_broken_rule(resumed: dict, tmp
     with pytest.raises(StudyError, match=r"report.md: not a complete reference report: machine: no CPU"):
         (tmp_path / "report.md").write_text(good.replace("| CPU |", "| processor |"))
         require_reference_structure(tmp_path / "report.md")
+
+
+def test_the_reference_preset_and_its_options(tmp_path: Path):
+    from typer.testing import CliRunner
+
+    from resurgo.cli import app
+    from resurgo.cli.study import _study_config
+    from resurgo.study.reference import reference_config
+
+    cfg = reference_config()
+    cfg.check()
+    assert (cfg.width, cfg.batch_size, cfg.cost_repeats, cfg.scale_worlds) == (64, 2, 6, (1, 2, 4))
+    assert cfg.frameworks == ("tensorflow", "jax", "chainer") and cfg.models == ("resnet50", "vgg16")
+    assert _study_config(False, True, None, None, None, None, None, None, None, None, None) == cfg
+    result = CliRunner().invoke(app, ["study", "--quick", "--reference", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "--quick and --reference are two presets: choose one" in result.output
+    assert list(tmp_path.iterdir()) == []
