@@ -47,7 +47,8 @@ def _section_tables(report: str) -> dict[str, list[list[str]]]:
     tables: dict[str, list[list[str]]] = {}
     for i, heading in enumerate(SECTIONS):
         start = report.index(heading)
-        end = report.index(SECTIONS[i + 1]) if i + 1 < len(SECTIONS) else len(report)
+        following = report.find("\n## ", start + 1)  # the sections after the four (findings, machine)
+        end = following if following >= 0 else len(report)
         lines = [ln for ln in report[start:end].splitlines() if ln.startswith("|")]
         tables[heading] = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]
     return tables

@@ -35,11 +35,17 @@ def reference_config(**overrides: Any) -> StudyConfig:
     """The reference report's preset: the published networks (width 64) at batch 2, runs of 4
     steps checkpointing twice, 6 pairs per mechanism (the overhead's interval [min, max] of 6
     paired differences holds the median with probability 97%), 12-step determinism runs
-    restarted at step 6, the scale experiment on 1, 2 and 4 ranks (VGG-16, 2 steps, a checkpoint
-    each), and TensorFlow, JAX and Chainer beside PyTorch."""
+    restarted at step 6, the scale experiment on 1, 2 and 4 ranks (VGG-16, 2-step runs with one
+    checkpoint, as ``--quick``), and TensorFlow, JAX and Chainer beside PyTorch (their scale
+    experiment too, where they run it).
+
+    Its duration was estimated, not run: about 70 minutes on 2 free cores (PyTorch ~23, the
+    other frameworks' cost, formats and determinism ~32, their scale runs ~17), from unit timings
+    measured at these sizes on the shared 2-core VM under load 7-15, scaled down by the slowdown
+    a CPU-bound step showed at the same load (3.3x at load 14)."""
     return replace(StudyConfig(width=64, batch_size=2, samples=256, warmup_steps=2, cost_steps=4, checkpoint_every=2,
                                cost_repeats=6, scale_worlds=(1, 2, 4), scale_models=("vgg16",), scale_steps=2,
-                               scale_every=1, det_steps=12, det_restart=6, preset="reference",
+                               scale_every=2, det_steps=12, det_restart=6, preset="reference",
                                frameworks=("tensorflow", "jax", "chainer")), **overrides)
 
 
