@@ -39,8 +39,8 @@ def reference_config(**overrides: Any) -> StudyConfig:
     checkpoint, as ``--quick``), and TensorFlow, JAX and Chainer beside PyTorch (their scale
     experiment too, where they run it).
 
-    Its duration was estimated, not run: about 70 minutes on 2 free cores (PyTorch ~23, the
-    other frameworks' cost, formats and determinism ~32, their scale runs ~17), from unit timings
+    Its duration was estimated, not run: about 80 minutes on 2 free cores (PyTorch ~23, the
+    other frameworks' cost, formats and determinism ~40, their scale runs ~17), from unit timings
     measured at these sizes on the shared 2-core VM under load 7-15, scaled down by the slowdown
     a CPU-bound step showed at the same load (3.3x at load 14)."""
     return replace(StudyConfig(width=64, batch_size=2, samples=256, warmup_steps=2, cost_steps=4, checkpoint_every=2,
