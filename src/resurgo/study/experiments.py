@@ -13,7 +13,8 @@ group of spawned ranks) so that a caller can show progress.
    done before its last checkpoint is.
 2. Formats and sizes: after each cost run, the mechanism saves the job once more, alone (timed
    until complete), and loads it back (timed); the files are counted and measured.
-3. Scale: the cost experiment (paired runs) on 1, 2, 4 data-parallel ranks (DDP, gloo, CPU), real processes.
+3. Scale: the cost experiment (paired runs) on 1, 2, 4 data-parallel ranks (DDP, gloo, CPU), real processes;
+   the other frameworks' processes are started by ``framework_scale``.
 4. Determinism: an uninterrupted run of ``det_steps`` steps checkpoints with every mechanism at
    step ``det_restart``; then, per mechanism, fresh objects are built as a new training script
    builds them, the global RNGs are moved elsewhere, the checkpoint is loaded the way that
@@ -36,6 +37,7 @@ import torch
 
 from resurgo.errors import StudyError
 from resurgo.study.data import make_dataset
+from resurgo.study.framework_scale import add_framework_scale, measure_framework_scale
 from resurgo.study.frameworks import FRAMEWORKS, could_not_run, merge_framework, run_framework
 from resurgo.study.mechanisms import MECHANISMS, Mechanism, make_mechanism, quiet_single_process
 from resurgo.study.models import MODELS
@@ -402,6 +404,9 @@ def run_study(cfg: StudyConfig, out: Path, on_progress: Optional[ProgressFn] = N
                 return run_framework(name, cfg, work / "frameworks", envs)
             try:
                 merge_framework(results, name, progress.unit(f"framework {name}", measure))
+                add_framework_scale(results, name, progress.unit(
+                    f"framework {name}: scale", lambda name=name: measure_framework_scale(name, cfg, work / "frameworks",
+                                                                                          envs)))
             except StudyError as e:  # the row says why; the other frameworks still run
                 results.setdefault("frameworks", {})[name] = could_not_run(name, str(e))
     finally:

@@ -28,39 +28,40 @@ from typing import Any, Optional
 from resurgo.errors import StudyError
 from resurgo.study.stats import pair_timings, spread
 
-__all__ = ["Framework", "FRAMEWORKS", "env_key", "env_root", "ensure_env", "worker_config", "run_framework",
+__all__ = ["Framework", "FRAMEWORKS", "env_key", "env_root", "ensure_env", "ensure_scale_env", "worker_config",
+           "run_framework",
            "merge_framework", "could_not_run", "DRIVER"]
 
 DRIVER = Path(__file__).resolve().parent / "workers" / "driver.py"
 ENVS_VARIABLE = "RESURGO_STUDY_ENVS"
 READY = "resurgo-env.json"  # written last: an environment without it is incomplete and made again
+SCALE_READY = "resurgo-scale-env.json"  # the scale installs present in an environment
 
 
 @dataclass(frozen=True)
 class Framework:
-    """A framework the study can add: its label and the pip installs (in order) of its environment."""
+    """A framework the study can add: its label, the pip installs (in order) of its environment,
+    how its scale experiment runs several processes, and what that needs installed besides
+    (added to the environment when scale runs, so that a failed install costs only scale)."""
 
     name: str
     label: str
     installs: tuple[tuple[str, ...], ...]  # each a pip install command line, pinned
-    scale: str  # why the scale experiment is not run for it
+    scale: str  # how its processes train together in the scale experiment
+    scale_installs: tuple[str, ...] = ()  # one pip install command line, pinned
 
-
-_SCALE = ("not run: {how} would start one process per rank, each loading {what} (hundreds of MiB, tens of "
-          "seconds) on this machine's shared cores; PyTorch's gloo ranks are the only multi-process runs")
 
 FRAMEWORKS: dict[str, Framework] = {
     "tensorflow": Framework("tensorflow", "TensorFlow", (("tensorflow-cpu==2.21.0",),),
-                            _SCALE.format(how="MultiWorkerMirroredStrategy (TF_CONFIG, one gRPC server per worker)",
-                                          what="TensorFlow")),
+                            "MultiWorkerMirroredStrategy, TF_CONFIG on loopback, one process per worker"),
     "jax": Framework("jax", "JAX/Orbax", (("jax[cpu]==0.10.2", "flax==0.12.8", "orbax-checkpoint==0.12.8"),),
-                     _SCALE.format(how="jax.distributed.initialize (one coordinator, one process per host)",
-                                   what="JAX and XLA")),
+                     "jax.distributed.initialize on loopback, CPU collectives over gloo, one process per rank"),
     # chainer 7.8.1 is a source package whose setup.py imports pkg_resources: it builds against
     # the pinned setuptools already installed, not in pip's isolated build environment
     "chainer": Framework("chainer", "Chainer", (("setuptools==69.5.1", "wheel==0.43.0", "numpy==1.26.4"),
                                                 ("--no-build-isolation", "chainer==7.8.1")),
-                         _SCALE.format(how="ChainerMN (MPI, mpi4py)", what="Chainer")),
+                         "ChainerMN over MPI (mpiexec -n N; PyPI's mpich with mpi4py)",
+                         scale_installs=("mpi4py==4.1.2", "mpich==5.0.2")),
 }
 
 
@@ -126,6 +127,30 @@ def ensure_env(name: str, root: Optional[Path] = None, log: Any = None) -> Path:
     return _env_python(env)
 
 
+def ensure_scale_env(name: str, root: Optional[Path] = None, log: Any = None) -> Path:
+    """``ensure_env``'s Python, with ``name``'s scale installs added to that environment (once;
+    recorded in SCALE_READY). StudyError with pip's error line when they fail; the environment,
+    which the other experiments still use, is kept."""
+    fw = _framework(name)
+    python = ensure_env(name, root, log)
+    if not fw.scale_installs:
+        return python
+    env = env_root(root) / env_key(fw)
+    marker = env / SCALE_READY
+    wanted = json.dumps(list(fw.scale_installs))
+    if marker.is_file() and marker.read_text() == wanted:
+        return python
+    cmd = [str(python), "-m", "pip", "install", "--quiet", *fw.scale_installs]
+    if log is not None:
+        log(f"{fw.label} scale: {' '.join(cmd[2:])}")
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise StudyError(f"{fw.label} environment {env}: `{' '.join(cmd[2:])}` failed: "
+                         f"{_last_error_line(done.stdout + done.stderr)}")
+    marker.write_text(wanted)
+    return python
+
+
 def worker_config(cfg: Any) -> dict[str, Any]:
     """What the driver needs from a StudyConfig (its CONFIG_KEYS)."""
     from resurgo.study.workers.driver import CONFIG_KEYS
@@ -159,7 +184,7 @@ def run_framework(name: str, cfg: Any, work: Path, root: Optional[Path] = None, 
 def could_not_run(name: str, why: str) -> dict[str, Any]:
     """The entry of a framework that could not run, with the reason shown in the report."""
     fw = _framework(name)
-    return {"label": fw.label, "ran": False, "why": why, "scale": fw.scale}
+    return {"label": fw.label, "ran": False, "why": why, "scale": "not run: the framework could not run"}
 
 
 def merge_framework(results: dict[str, Any], name: str, worker: dict[str, Any]) -> None:
@@ -175,4 +200,5 @@ def merge_framework(results: dict[str, Any], name: str, worker: dict[str, Any]) 
                                    "load": spread(row["load_s"])})
     results.setdefault("frameworks", {})[name] = {
         "label": fw.label, "ran": True, "versions": worker["versions"], "models": worker["models"],
-        "determinism": worker["determinism"], "scale": fw.scale, "duration_s": worker["duration_s"]}
+        "determinism": worker["determinism"], "scale": "not run: no process counts were given",
+        "duration_s": worker["duration_s"]}

@@ -214,7 +214,7 @@ PYTORCH_NETS = {"resnet50": "CIFAR-10 variant (3x3 stem, no max-pool)",
 
 def render_frameworks(results: dict) -> str:
     """The frameworks beside PyTorch: versions, what ran or why not, each network's parameter
-    count per framework (the same architecture or not), and why scale ran for PyTorch only."""
+    count per framework (the same architecture or not), and how scale ran or why not."""
     frameworks = results.get("frameworks", {})
     models = list(results["models"])
     out = ["## Frameworks and networks\n",
@@ -332,11 +332,12 @@ def _scale_section(results: dict) -> list[str]:
     if not worlds:
         out.append("Not run: no rank counts were given (`--ranks` was empty).\n")
     else:
-        out.append(f"Data-parallel training (DistributedDataParallel, gloo, CPU) on {', '.join(map(str, worlds))} "
+        out.append(f"Data-parallel training on {', '.join(map(str, worlds))} "
                    f"real processes, {cfg['batch_size']} images per rank, {cfg['scale_steps']} steps per run, a "
                    f"checkpoint every {cfg['scale_every']} steps, {cfg['cost_repeats']} pairs of runs per "
-                   "mechanism as in Table I; every rank calls the save (torch.save and "
-                   "safetensors write from rank 0 only, as their users do). Times are the slowest rank's. "
+                   "mechanism as in Table I. PyTorch: DistributedDataParallel, gloo, CPU; every rank calls the "
+                   "save (torch.save and safetensors write from rank 0 only, as their users do). "
+                   "Times are the slowest rank's. "
                    f"**The ranks share this machine's {cores} CPU cores** (one thread each): with more ranks "
                    "than cores, ranks wait for CPU, so this measures the mechanisms' coordination and I/O under "
                    "contention, not the speed-up of a cluster. " + _coverage_note(results["scale"]) + "\n")
@@ -345,7 +346,20 @@ def _scale_section(results: dict) -> list[str]:
         out.append(_table(["model", "ranks", "global batch", "mechanism", "train, no ckpt (s)",
                            "train with ckpt (s)", "blocked per ckpt (s)", "extra (s)", "overhead %"], rows) + "\n")
         out.append(f"![Figure 4: time blocked per checkpoint by number of ranks]({SCALE_PLOT})\n")
+    out += _framework_scale_lines(results)
     return out
+
+
+def _framework_scale_lines(results: dict) -> list[str]:
+    """Per framework beside PyTorch: how its processes trained together, the wall time of each
+    process count (start-up included), and exactly why a count did not run."""
+    lines = []
+    for name, fw in results.get("frameworks", {}).items():
+        rows = [r for r in results["scale"] if r.get("framework") == name]
+        walls = ", ".join(f"{plural(r['ranks'], 'process', 'processes')} {r['wall_s']:.0f} s"
+                          for r in rows if r.get("wall_s"))
+        lines.append(f"- {fw['label']}: {fw['scale']}" + (f". Wall time per group: {walls}" if walls else "") + ".")
+    return (["Other frameworks:\n", "\n".join(lines) + "\n"]) if lines else []
 
 
 def _determinism_section(results: dict) -> list[str]:
