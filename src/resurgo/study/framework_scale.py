@@ -113,12 +113,13 @@ def _error_line(log: Path) -> str:
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL to each process's session: the process and whatever it started (an MPI launcher's
+    proxies and ranks), even after the process itself has exited."""
     for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # its session: the process and whatever it started
-            except ProcessLookupError:
-                pass
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     for p in procs:
         p.wait()
 
