@@ -59,7 +59,8 @@ def test_launch_commands_per_framework(tmp_path: Path):
         {"RESURGO_SCALE_RANK": str(r), "RESURGO_SCALE_WORLD": "2", "RESURGO_SCALE_COORDINATOR": "127.0.0.1:4242"}
         for r in range(2)]
     (mpi,) = fs.launch_commands("chainer", py, 4, tmp_path / "c.json", tmp_path / "out")
-    assert mpi.argv[:3] == [str(py.parent / "mpiexec"), "-n", "4"] and mpi.argv[4:6] == [str(fs.SCALE_DRIVER), "chainer"]
+    assert mpi.argv[:3] == [str(py.parent / "mpiexec"), "-n", "4"]
+    assert mpi.argv[4:6] == [str(fs.SCALE_DRIVER), "chainer"]
     with pytest.raises(StudyError, match="no scale launch for framework 'mxnet'"):
         fs.launch_commands("mxnet", py, 1, tmp_path / "c.json", tmp_path / "out", ports=[1])
     cfg = fs.scale_config({"models": ["vgg16"], "seed": 0}, CFG, "vgg16")
@@ -107,7 +108,8 @@ def test_merge_takes_the_slowest_rank_of_each_pair(tmp_path: Path):
         (tmp_path / f"rank-{r['rank']}.json").write_text(json.dumps(r))
     row = fs.merge_ranks("jax", 2, tmp_path, CFG)
     assert row["runs"] == [_pair(1.5, 3.0, [0.5]), _pair(2.0, 2.6, [0.2])]
-    assert (row["framework"], row["ranks"], row["global_batch"], row["pairs"], row["checkpoints"]) == ("jax", 2, 4, 2, 1)
+    assert (row["framework"], row["ranks"], row["global_batch"]) == ("jax", 2, 4)
+    assert (row["pairs"], row["checkpoints"]) == (2, 1)
     assert row["stall_s"] == [0.5, 0.2] and row["extra_s"] == pytest.approx(1.05)
     (tmp_path / "rank-1.json").unlink()
     with pytest.raises(StudyError, match=r"rank-1.json: rank 1 of 2 wrote no result"):

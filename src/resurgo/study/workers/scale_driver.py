@@ -9,9 +9,9 @@ before each run and after it); it writes this process's raw timings to ``OUT_DIR
 (``scale_<framework>`` beside this file) owns joining the job and data-parallel training:
 
 ``start()`` joins the job (from the launcher's environment variables, or MPI) and returns an
-object with ``rank``, ``world`` and ``barrier()``; ``build(model, config, dist)``, ``train(job, steps, on_step=None)``, ``MECHANISM``,
-``LABEL`` and ``Checkpointer(directory, dist)`` with ``save(job, step)``, ``wait()`` and
-``close()``; ``versions()``.
+object with ``rank``, ``world`` and ``barrier()``; ``build(model, config, dist)``,
+``train(job, steps, on_step=None)``, ``MECHANISM``, ``LABEL``, ``versions()`` and
+``Checkpointer(directory, dist)`` with ``save(job, step)``, ``wait()`` and ``close()``.
 """
 
 from __future__ import annotations
