@@ -29,8 +29,7 @@ from resurgo.errors import StudyError
 from resurgo.study.stats import pair_timings, spread
 
 __all__ = ["Framework", "FRAMEWORKS", "env_key", "env_root", "ensure_env", "ensure_scale_env", "worker_config",
-           "run_framework",
-           "merge_framework", "could_not_run", "DRIVER"]
+           "run_framework", "merge_framework", "could_not_run", "DRIVER"]
 
 DRIVER = Path(__file__).resolve().parent / "workers" / "driver.py"
 ENVS_VARIABLE = "RESURGO_STUDY_ENVS"
