@@ -278,6 +278,7 @@ def test_scale_modules_import_only_the_standard_library_and_their_framework():
 
 # -- the real frameworks, each in its environment: pytest -m frameworks ---------------------------------
 @pytest.mark.frameworks
+@pytest.mark.timeout(1800)  # two groups of processes, each bounded by its own 600 s deadline
 @pytest.mark.parametrize("name", list(FRAMEWORKS))
 def test_framework_scales_to_two_processes(name: str, tmp_path: Path):
     cfg = replace(quick_config(), width=4, samples=16, warmup_steps=1, scale_steps=2, scale_every=1, cost_repeats=2,
