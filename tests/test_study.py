@@ -320,9 +320,12 @@ def test_report_puts_other_frameworks_beside_pytorch(study_out: Path, tmp_path: 
     assert "| JAX/Orbax | toy 1.0 | ran (" in frameworks
     assert f"| Chainer | - | could not run: {why} | not run: the framework could not run |" in frameworks
     # each network's parameter count per framework
-    assert f"| PyTorch | VGG-16 | {results['models']['vgg16']['parameters']:,} | resurgo.study.models" in frameworks
-    assert "| JAX/Orbax | VGG-16 | 4 | four floats |" in frameworks
-    assert f"| Chainer | ResNet-50 | - | could not run: {why} |" in frameworks
+    vgg = f"{results['models']['vgg16']['parameters']:,}"
+    assert f"| PyTorch | VGG-16 | {vgg} | {vgg} | 1.0000 | resurgo.study.models" in frameworks
+    assert f"| JAX/Orbax | VGG-16 | 4 | {vgg} | " in frameworks and "| four floats |" in frameworks
+    assert f"| JAX/Orbax (stock, not the shared architecture) | VGG-16 | 5 | {vgg} | " in frameworks
+    assert f"| Chainer | ResNet-50 | - | {results['models']['resnet50']['parameters']:,} | - | could not run: {why} |" \
+        in frameworks
     # Figure 1 draws the framework's bar and interval beside PyTorch's
     plt = require_matplotlib()
     fig = cost_figure(plt, results)

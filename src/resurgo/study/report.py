@@ -216,7 +216,6 @@ def render_frameworks(results: dict) -> str:
     """The frameworks beside PyTorch: versions, what ran or why not, each network's parameter
     count per framework (the same architecture or not), and how scale ran or why not."""
     frameworks = results.get("frameworks", {})
-    models = list(results["models"])
     out = ["## Frameworks and networks\n",
            "PyTorch runs in this process; each other framework runs the same experiments (Tables I, II and the "
            "determinism table) in its own virtualenv with pinned versions, created on first use and cached "
@@ -229,15 +228,39 @@ def render_frameworks(results: dict) -> str:
         status = f"ran ({fw['duration_s']:.0f} s)" if fw["ran"] else f"could not run: {fw['why']}"
         rows.append([fw["label"], versions or "-", status, fw["scale"]])
     out.append(_table(["framework", "versions", "cost, formats, determinism", "scale"], rows) + "\n")
-    rows = [["PyTorch", _model(m), f"{results['models'][m]['parameters']:,}", f"resurgo.study.models, {PYTORCH_NETS[m]}"]
-            for m in models]
-    for fw in frameworks.values():
+    out.append("Every framework trains the same two networks, PyTorch's CIFAR-10 definitions written layer for "
+               "layer in its own layers. *Parameters* are trainable ones, counted as PyTorch's `parameters()` "
+               "counts them (batch norm's scale and shift, not its running statistics); *ratio* is a framework's "
+               "count over PyTorch's. A framework's own stock network is listed as an extra row: it is another "
+               "architecture, and nothing in the tables below uses it.\n")
+    out.append(_table(["framework", "model", "parameters", "PyTorch's", "ratio", "definition"],
+                      _architecture_rows(results)) + "\n")
+    return "\n".join(out)
+
+
+def _architecture_rows(results: dict) -> list[list[str]]:
+    """Each framework's count of each network beside PyTorch's, then its stock network, labelled."""
+    models = list(results["models"])
+    pytorch = {m: results["models"][m]["parameters"] for m in models}
+
+    def row(label: str, m: str, count: int, definition: str) -> list[str]:
+        return [label, _model(m), f"{count:,}", f"{pytorch[m]:,}", f"{count / pytorch[m]:.4f}", definition]
+
+    rows = [row("PyTorch", m, pytorch[m], f"resurgo.study.models, {PYTORCH_NETS[m]}") for m in models]
+    for fw in results.get("frameworks", {}).values():
         for m in models:
             info = fw.get("models", {}).get(m)
-            rows.append([fw["label"], _model(m), f"{info['parameters']:,}" if info else "-",
-                         info["architecture"] if info else f"could not run: {fw.get('why', 'not run')}"])
-    out.append(_table(["framework", "model", "parameters", "definition"], rows) + "\n")
-    return "\n".join(out)
+            if info is None:
+                rows.append([fw["label"], _model(m), "-", f"{pytorch[m]:,}", "-",
+                             f"could not run: {fw.get('why', 'not run')}"])
+                continue
+            rows.append(row(fw["label"], m, info["parameters"], info["architecture"]))
+        for m in models:
+            stock = fw.get("models", {}).get(m, {}).get("stock")
+            if stock:
+                rows.append(row(f"{fw['label']} (stock, not the shared architecture)", m, stock["parameters"],
+                                stock["definition"]))
+    return rows
 
 
 def render_markdown(results: dict) -> str:

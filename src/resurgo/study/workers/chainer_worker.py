@@ -1,13 +1,14 @@
 """Chainer for the study's driver: ``serializers.save_npz`` of the model and of the optimizer,
-with Chainer's own ResNet-50 and VGG-16 (``chainer.links.ResNet50Layers`` / ``VGG16Layers``,
-``pretrained_model=None``), written as Chainer users write a training loop.
+written as Chainer users write a training loop, training the study's ResNet-50 and VGG-16
+(``chainer_nets``: PyTorch's CIFAR-10 definitions, layer for layer).
 
 Imports the standard library, numpy and chainer only (this runs in the chainer environment).
-The networks are the ImageNet definitions, fitted to CIFAR-10 as users fine-tune them: the last
-classifier layer replaced by a 10-class one and, for VGG-16, ``fc6`` by one that takes the
-512x1x1 features a 32x32 image leaves after five poolings. Data: synthetic CIFAR-10-shaped
-images, random crop + flip drawn from numpy's global RNG (as a ``TransformDataset`` does),
-shuffled by a ``SerialIterator``; VGG-16's ``fc6``/``fc7`` use dropout.
+Chainer's own ImageNet networks (``chainer.links.ResNet50Layers`` / ``VGG16Layers``,
+``pretrained_model=None``, fitted to CIFAR-10 as users fine-tune them: the last classifier layer
+replaced by a 10-class one and, for VGG-16, ``fc6`` by one that takes the 512x1x1 features a
+32x32 image leaves after five poolings) are built only to count their parameters, for the
+report's extra row. Data: synthetic CIFAR-10-shaped images, random crop + flip drawn from numpy's
+global RNG (as a ``TransformDataset`` does), shuffled by a ``SerialIterator``; VGG-16 uses dropout.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import chainer.functions as F
 import chainer.links as L
 import numpy as np
 from chainer import serializers
+
+from chainer_nets import DESCRIPTIONS, NETWORKS
 
 MECHANISM = "chainer_save_npz"
 LABEL = "Chainer serializers.save_npz"
@@ -42,13 +45,11 @@ def setup(threads: int) -> None:
 
 
 def describe(model: str) -> str:
-    if model == "resnet50":
-        return "chainer.links.ResNet50Layers (ImageNet stem: 7x7 conv, max-pool), fc6 replaced by 2048->10"
-    return "chainer.links.VGG16Layers (no batch norm), fc6 replaced by 512->4096, fc8 by 4096->10, dropout"
+    return DESCRIPTIONS[model]
 
 
-class Net(chainer.Chain):
-    """Chainer's network with the CIFAR-10 head; ``forward`` returns the logits."""
+class Stock(chainer.Chain):
+    """Chainer's ImageNet network with the CIFAR-10 head (counted, not trained)."""
 
     def __init__(self, model: str) -> None:
         super().__init__()
@@ -67,8 +68,14 @@ class Net(chainer.Chain):
                     self.base.fc8 = L.Linear(4096, 10)
                 self.out = "fc8"
 
-    def forward(self, x: Any) -> Any:
-        return self.base(x, layers=[self.out])[self.out]
+
+def stock(model: str) -> Optional[dict[str, Any]]:
+    """Chainer's own network of that name, as users fit it to CIFAR-10: its definition and
+    parameter count (built, not trained)."""
+    definition = ("chainer.links.ResNet50Layers (ImageNet stem: 7x7 conv, max-pool), fc6 replaced by 2048->10"
+                  if model == "resnet50" else
+                  "chainer.links.VGG16Layers (no batch norm), fc6 replaced by 512->4096, fc8 by 4096->10")
+    return {"definition": definition, "parameters": int(sum(p.size for p in Stock(model).params()))}
 
 
 def _augment(pair: tuple) -> tuple:
@@ -87,7 +94,7 @@ class Job:
         rng = np.random.RandomState(seed)
         images = rng.standard_normal((config["samples"], 3, 32, 32)).astype(np.float32)
         labels = rng.randint(0, 10, config["samples"]).astype(np.int32)
-        self.net = Net(model)
+        self.net = NETWORKS[model](config["width"])
         self.classifier = L.Classifier(self.net)
         self.optimizer = chainer.optimizers.MomentumSGD(lr=LR, momentum=MOMENTUM)
         self.optimizer.setup(self.classifier)

@@ -12,9 +12,11 @@ A framework module provides: ``MECHANISM``, ``LABEL``, ``FORMAT``, ``STORES`` (w
 optimizer, rng, data_position), ``EXECUTES_CODE`` and ``EXECUTES_CODE_NOTE``, ``FSYNC``,
 ``versions()``, ``setup(threads)``, ``build(model, config)`` (a job, built and seeded as a
 training script builds it), ``train(job, steps, on_step=None)`` (losses; ``on_step(step)`` after
-each step), ``set_step(job, step)``, ``parameters(job)``, ``state_bytes(job)`` (raw bytes of the
-model's and the optimizer's stored arrays), ``describe(model)``, ``disturb_rng()`` and
-``Checkpointer(directory)`` with ``save(job, step)``, ``wait()``, ``load(job)`` (the restored step,
+each step), ``set_step(job, step)``, ``parameters(job)`` (trainable parameters, as PyTorch's
+``parameters()`` counts them: BatchNorm's scale and shift, not its running statistics),
+``state_bytes(job)`` (raw bytes of the model's and the optimizer's stored arrays),
+``describe(model)``, ``stock(model)`` (the framework's own network of that name, ``{"definition",
+"parameters"}``, or None), ``disturb_rng()`` and ``Checkpointer(directory)`` with ``save(job, step)``, ``wait()``, ``load(job)`` (the restored step,
 None when not stored) and ``close()``.
 """
 
@@ -33,8 +35,8 @@ __all__ = ["CONFIG_KEYS", "check_config", "checkpointing_run", "format_row", "co
            "run", "main"]
 
 # What the study process sends (StudyConfig's fields that apply outside PyTorch).
-CONFIG_KEYS = ("models", "batch_size", "samples", "warmup_steps", "cost_steps", "cost_repeats", "checkpoint_every",
-               "det_steps", "det_restart", "seed", "threads")
+CONFIG_KEYS = ("models", "width", "batch_size", "samples", "warmup_steps", "cost_steps", "cost_repeats",
+               "checkpoint_every", "det_steps", "det_restart", "seed", "threads")
 
 
 def check_config(config: dict) -> dict:
@@ -127,7 +129,7 @@ def cost_and_formats(fw: Any, model: str, config: dict, work: Path,
         step += config["warmup_steps"]
     model_bytes, optim_bytes = fw.state_bytes(job)
     info = {"parameters": fw.parameters(job), "model_state_bytes": model_bytes, "optimizer_state_bytes": optim_bytes,
-            "architecture": fw.describe(model)}
+            "architecture": fw.describe(model), "stock": fw.stock(model)}
     cost = {"model": model, **_facts(fw), "steps": config["cost_steps"], "every": config["checkpoint_every"],
             "checkpoints": runs[0]["checkpoints"], "runs": runs}
     first = formats[0]

@@ -2,12 +2,10 @@
 default) saving a Flax ``TrainState`` with ``ocp.args.StandardSave``, as Flax's examples write it.
 
 Imports the standard library, numpy, jax, flax, optax and orbax only (this runs in the jax
-environment). No package ships CIFAR-10 ResNet-50/VGG-16 for Flax, so both are defined here as the
-PyTorch study's networks are (``resurgo.study.models``): 3x3 stem without max-pooling, bottleneck
-stages 3-4-6-3; batch-normalised VGG-16 with a 512-512-10 classifier and dropout. Their parameter
-counts equal PyTorch's (23,520,842 and 14,990,922). Data: synthetic CIFAR-10-shaped images,
-shuffled and augmented (random crop + flip) with numpy's global RNG; dropout keys are folded from
-the step, as Flax's examples do.
+environment). The networks are the study's ResNet-50 and VGG-16 (``jax_nets``: PyTorch's CIFAR-10
+definitions, layer for layer); Flax ships no stock ResNet-50 or VGG-16 to compare with. Data:
+synthetic CIFAR-10-shaped images, shuffled and augmented (random crop + flip) with numpy's global
+RNG; dropout keys are folded from the step, as Flax's examples do.
 """
 
 from __future__ import annotations
@@ -16,13 +14,14 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import flax
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax.training import train_state
+
+from jax_nets import DESCRIPTIONS, NETWORKS
 
 MECHANISM = "orbax_async"
 LABEL = "JAX Orbax CheckpointManager (async)"
@@ -44,50 +43,12 @@ def setup(threads: int) -> None:
 
 
 def describe(model: str) -> str:
-    if model == "resnet50":
-        return "Flax linen, defined as the PyTorch CIFAR-10 variant (3x3 stem, no max-pool)"
-    return "Flax linen, defined as the PyTorch CIFAR-10 variant (batch norm, 512-512-10 classifier, dropout)"
+    return DESCRIPTIONS[model]
 
 
-class Bottleneck(nn.Module):
-    mid: int
-    stride: int
-
-    @nn.compact
-    def __call__(self, x: Any, train: bool) -> Any:
-        norm = lambda: nn.BatchNorm(use_running_average=not train, momentum=0.9)  # noqa: E731
-        out = nn.relu(norm()(nn.Conv(self.mid, (1, 1), use_bias=False)(x)))
-        out = nn.relu(norm()(nn.Conv(self.mid, (3, 3), self.stride, padding=1, use_bias=False)(out)))
-        out = norm()(nn.Conv(self.mid * 4, (1, 1), use_bias=False)(out))
-        if self.stride != 1 or x.shape[-1] != self.mid * 4:
-            x = norm()(nn.Conv(self.mid * 4, (1, 1), self.stride, use_bias=False)(x))
-        return nn.relu(out + x)
-
-
-class ResNet50(nn.Module):
-    @nn.compact
-    def __call__(self, x: Any, train: bool) -> Any:
-        x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(
-            nn.Conv(64, (3, 3), padding=1, use_bias=False)(x)))
-        for stage, blocks in enumerate((3, 4, 6, 3)):
-            for i in range(blocks):
-                x = Bottleneck(64 * 2 ** stage, 2 if (i == 0 and stage > 0) else 1)(x, train)
-        return nn.Dense(10)(jnp.mean(x, axis=(1, 2)))
-
-
-class VGG16(nn.Module):
-    @nn.compact
-    def __call__(self, x: Any, train: bool) -> Any:
-        for item in (1, 1, "M", 2, 2, "M", 4, 4, 4, "M", 8, 8, 8, "M", 8, 8, 8, "M"):
-            if item == "M":
-                x = nn.max_pool(x, (2, 2), (2, 2))
-            else:
-                x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(
-                    nn.Conv(64 * item, (3, 3), padding=1)(x)))
-        x = x.reshape((x.shape[0], -1))
-        x = nn.Dropout(0.5, deterministic=not train)(x)
-        x = nn.Dropout(0.5, deterministic=not train)(nn.relu(nn.Dense(512)(x)))
-        return nn.Dense(10)(x)
+def stock(model: str) -> Optional[dict[str, Any]]:
+    """None: neither Flax nor JAX ships a ResNet-50 or VGG-16."""
+    return None
 
 
 class TrainState(train_state.TrainState):
@@ -122,7 +83,7 @@ class Job:
         self.images = rng.standard_normal((config["samples"], 32, 32, 3)).astype(np.float32)
         self.labels = rng.randint(0, 10, config["samples"]).astype(np.int32)
         self.batch_size = config["batch_size"]
-        net = ResNet50() if model == "resnet50" else VGG16()
+        net = NETWORKS[model](config["width"])
         init_key, self.dropout_key = jax.random.split(jax.random.PRNGKey(seed))
         variables = net.init(init_key, jnp.zeros((1, 32, 32, 3)), train=False)
         tx = optax.chain(optax.add_decayed_weights(WEIGHT_DECAY), optax.sgd(LR, momentum=MOMENTUM))

@@ -1,13 +1,16 @@
-"""TensorFlow for the study's driver: ``tf.train.Checkpoint`` + ``tf.train.CheckpointManager``
-with Keras's ResNet-50 and VGG-16 (``keras.applications``, ``weights=None``, 32x32x3 input, 10
-classes), as TensorFlow's checkpoint guide writes it: the checkpoint tracks the step, the
-optimizer, the network and the ``tf.data`` iterator.
+"""TensorFlow for the study's driver: ``tf.train.Checkpoint`` + ``tf.train.CheckpointManager``,
+as TensorFlow's checkpoint guide writes it (the checkpoint tracks the step, the optimizer, the
+network and the ``tf.data`` iterator), training the study's ResNet-50 and VGG-16
+(``tensorflow_nets``: PyTorch's CIFAR-10 definitions in ``tf.keras`` layers).
 
 Imports the standard library, numpy and tensorflow only (this runs in the tensorflow
 environment). Data: synthetic CIFAR-10-shaped images in a ``tf.data`` pipeline (shuffle, random
 crop + flip with stateless ops seeded from ``Dataset.random``, as the augmentation guide does, so
 the iterator can be checkpointed); a ``tf.function`` training step; SGD with momentum and weight
-decay. Keras's VGG-16 keeps its 4096-4096 classifier, without dropout.
+decay. Keras's dropout layers draw their masks from a ``SeedGenerator`` whose state variable is no
+trackable of the network: the checkpoint neither saves nor restores it, so a restart of VGG-16
+draws other masks. Keras's own ImageNet networks (``keras.applications``, ``weights=None``,
+32x32x3 input, 10 classes) are built only to count their parameters, for the report's extra row.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import tensorflow as tf
+
+from tensorflow_nets import DESCRIPTIONS, NETWORKS
 
 MECHANISM = "tf_checkpoint_manager"
 LABEL = "TensorFlow tf.train.CheckpointManager"
@@ -40,14 +45,21 @@ def setup(threads: int) -> None:
 
 
 def describe(model: str) -> str:
+    return DESCRIPTIONS[model]
+
+
+def stock(model: str) -> Optional[dict[str, Any]]:
+    """Keras's own network of that name (``keras.applications``, ``weights=None``, 32x32x3, 10
+    classes): its definition and trainable parameter count (built, not trained)."""
     if model == "resnet50":
-        return "keras.applications.ResNet50 (ImageNet stem: 7x7 conv, max-pool), 10 classes"
-    return "keras.applications.VGG16 (no batch norm, classifier 4096-4096-10, no dropout)"
-
-
-def _network(model: str) -> Any:
-    build = tf.keras.applications.ResNet50 if model == "resnet50" else tf.keras.applications.VGG16
-    return build(weights=None, input_shape=(32, 32, 3), classes=10, classifier_activation=None)
+        net = tf.keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10)
+        definition = "keras.applications.ResNet50 (ImageNet stem: 7x7 conv, max-pool), 10 classes"
+    else:
+        net = tf.keras.applications.VGG16(weights=None, input_shape=(32, 32, 3), classes=10)
+        definition = "keras.applications.VGG16 (no batch norm, classifier 4096-4096-10, no dropout)"
+    count = int(sum(np.prod(v.shape) for v in net.trainable_variables))
+    tf.keras.backend.clear_session()
+    return {"definition": definition, "parameters": count}
 
 
 def _augment(pair: Any, seed: Any) -> Any:
@@ -64,7 +76,7 @@ class Job:
         rng = np.random.RandomState(seed)
         images = rng.standard_normal((config["samples"], 32, 32, 3)).astype(np.float32)
         labels = rng.randint(0, 10, config["samples"]).astype(np.int32)
-        self.net = _network(model)
+        self.net = NETWORKS[model](config["width"])
         self.optimizer = tf.keras.optimizers.SGD(LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
         self.optimizer.build(self.net.trainable_variables)  # its slots exist before a restore fills them
         pairs = tf.data.Dataset.from_tensor_slices((images, labels)).shuffle(config["samples"], seed=seed)
@@ -116,8 +128,10 @@ def _bytes(variables: Any) -> int:
 
 
 def state_bytes(job: Job) -> tuple[int, int]:
-    """Bytes of the network's variables (weights and BatchNorm statistics) and the optimizer's."""
-    return _bytes(job.net.variables), _bytes(job.optimizer.variables)
+    """Bytes of the network's variables that the checkpoint holds (weights and BatchNorm statistics;
+    not the dropout seed generators' state) and of the optimizer's."""
+    stored = [v for v in job.net.variables if "seed_generator" not in v.path]
+    return _bytes(stored), _bytes(job.optimizer.variables)
 
 
 def disturb_rng() -> None:
