@@ -99,6 +99,9 @@ def test_results_json_has_every_mechanism(study_out: Path):
     for row in results["scale"]:
         assert row["repeats"] == 2 and row["checkpoints"] == 3 and len(row["stall_s"]) == 6  # 3 steps, one every 1
         assert all(r["seconds"] > 0 for r in row["runs"])
+    disk = results["disk"]  # every experiment's checkpoints counted, the scale's by its rank 0
+    assert sorted(disk["written"]) == ["cost", "determinism", "formats", "scale"] and min(disk["written"].values()) > 0
+    assert disk["total"] == sum(disk["written"].values()) and 0 < disk["peak"] < disk["total"]
 
 
 @pytest.mark.bench  # a quick study end to end: make test runs it after the default suite

@@ -41,6 +41,7 @@ class Toy:
         self.STORES = {"weights": True, "optimizer": True, "rng": keeps_rng, "data_position": keeps_rng}
         self.shared = random.Random(0)  # the "global" RNG: a new job reseeds it, disturb_rng moves it
         self.compile_s = 0.0  # the first steps after a load compile again (as jit does), this long
+        self.written: list[int] = []  # bytes of each checkpoint saved
 
     def versions(self) -> dict:
         return {"toy": "1.0"}
@@ -93,7 +94,11 @@ class ToyCheckpointer:
     def save(self, job: dict, step: int) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         state = self.toy.shared.getstate() if self.toy.keeps_rng else None
-        (self.directory / "ckpt.json").write_text(json.dumps({"w": job["w"], "step": step, "rng": state}))
+        text = json.dumps({"w": job["w"], "step": step, "rng": state})
+        # one file, overwritten by each save, written under a temporary name first
+        (self.directory / "ckpt.json.tmp").write_text(text)
+        (self.directory / "ckpt.json.tmp").replace(self.directory / "ckpt.json")
+        self.toy.written.append(len(text))
 
     def wait(self) -> None:
         pass
@@ -112,8 +117,16 @@ class ToyCheckpointer:
 
 
 def test_driver_writes_the_raw_timings_formats_and_restarts(tmp_path: Path):
-    out = driver.run(Toy(keeps_rng=True), dict(CONFIG), tmp_path, progress=lambda label: None)
-    assert list(out) == ["versions", "mechanism", "label", "models", "cost", "formats", "determinism", "duration_s"]
+    toy = Toy(keeps_rng=True)
+    out = driver.run(toy, dict(CONFIG), tmp_path, progress=lambda label: None)
+    assert list(out) == ["versions", "mechanism", "label", "models", "cost", "formats", "determinism", "disk",
+                         "duration_s"]
+    # every save counted, each cost run's two saves into the same file included: 3 x (2 + 1) + 1
+    assert len(toy.written) == 10 and out["disk"]["total"] == sum(toy.written) > 0
+    assert out["disk"]["written"] == {"cost": sum(toy.written[i] for i in (0, 1, 3, 4, 6, 7)),
+                                      "formats": toy.written[2] + toy.written[5] + toy.written[8],
+                                      "determinism": toy.written[9]}
+    assert 0 < out["disk"]["peak"] <= max(toy.written)  # one checkpoint on disk at a time
     assert out["models"]["toy"] == {"parameters": 4, "model_state_bytes": 32, "optimizer_state_bytes": 8,
                                     "architecture": "four floats",
                                     "stock": {"definition": "five floats", "parameters": 5}}
@@ -205,7 +218,8 @@ def test_a_worker_whose_framework_is_missing_fails_with_the_import_error(tmp_pat
 
 
 STDLIB = set(sys.stdlib_module_names) | {"__future__"}
-FRAMEWORK_PACKAGES = {"driver": set(), "tensorflow_worker": {"numpy", "tensorflow", "tensorflow_nets"},
+FRAMEWORK_PACKAGES = {"driver": {"disk"}, "disk": set(),
+                      "tensorflow_worker": {"numpy", "tensorflow", "tensorflow_nets"},
                       "jax_worker": {"numpy", "jax", "flax", "optax", "orbax", "jax_nets"},
                       "chainer_worker": {"numpy", "chainer", "chainer_nets"},
                       "tensorflow_nets": {"tensorflow"}, "jax_nets": {"flax", "jax"}, "chainer_nets": {"chainer"}}

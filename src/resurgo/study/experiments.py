@@ -20,13 +20,17 @@ group of spawned ranks) so that a caller can show progress.
    builds them, the global RNGs are moved elsewhere, the checkpoint is loaded the way that
    mechanism's users load it, and training continues to ``det_steps``. The largest absolute
    difference between the restarted and the uninterrupted losses is recorded.
+
+Disk: every checkpoint is deleted as soon as it is measured (a cost run's once the run ends, the
+formats row's once loaded back, a determinism checkpoint once its restart has loaded it); the
+bytes of each are counted first (``workers/disk.py``), per experiment, with the most on disk at
+once: ``results["disk"]``.
 """
 
 from __future__ import annotations
 
 import os
 import platform
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -44,6 +48,7 @@ from resurgo.study.models import MODELS
 from resurgo.study.machine import describe as describe_machine
 from resurgo.study.resume import Journal
 from resurgo.study.stats import pair_timings, spread
+from resurgo.study.workers.disk import Ledger, remove, tree_bytes
 from resurgo.dist.launch import run_ranks
 from resurgo.errors import RankFailedError
 from resurgo.study.training import (
@@ -163,13 +168,6 @@ def _files(path: Path) -> list[Path]:
     return sorted(p for p in path.rglob("*") if p.is_file())
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
-
-
 def _state_bytes(job: Training) -> tuple[int, int]:
     """Raw bytes of the model's state_dict tensors and of the optimizer's state tensors."""
     return tensor_bytes(job.unwrapped_model.state_dict()), tensor_bytes(job.optimizer.state_dict()["state"])
@@ -184,9 +182,10 @@ def _format_timings(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _checkpointing_run(job: Training, mech: Mechanism, steps: int, every: int, root: Path,
-                       cleanup: bool = True) -> dict[str, Any]:
+                       cleanup: bool = True, ledger: Optional[Ledger] = None) -> dict[str, Any]:
     """Train ``steps`` steps saving every ``every``; seconds, and the time blocked in each save.
-    The checkpoints are removed afterwards if ``cleanup`` (ranks other than 0 leave it to rank 0)."""
+    The checkpoints are counted in ``ledger`` and removed afterwards if ``cleanup`` (ranks other
+    than 0 leave it to rank 0)."""
     start = job.step
     stalls: list[float] = []
     saved: list[Path] = []
@@ -203,12 +202,17 @@ def _checkpointing_run(job: Training, mech: Mechanism, steps: int, every: int, r
     train_steps(job, steps, checkpoint)
     mech.wait()  # the run is finished when its last checkpoint is
     seconds = time.perf_counter() - t0
-    for p in saved if cleanup else ():
-        _remove(p)
+    if cleanup:
+        ledger = ledger or Ledger(root)
+        for p in saved:
+            ledger.wrote("cost", p)
+        ledger.observe()
+        for p in saved:
+            remove(p)
     return {"seconds": seconds, "checkpoints": len(stalls), "stall_s": stalls}
 
 
-def _format_row(job: Training, mech: Mechanism, path: Path) -> dict[str, Any]:
+def _format_row(job: Training, mech: Mechanism, path: Path, ledger: Optional[Ledger] = None) -> dict[str, Any]:
     """Save once alone (timed to completion), measure the files, load back (timed)."""
     t0 = time.perf_counter()
     mech.save(job, path)
@@ -216,12 +220,15 @@ def _format_row(job: Training, mech: Mechanism, path: Path) -> dict[str, Any]:
     save_s = time.perf_counter() - t0
     files = _files(path)
     total = sum(f.stat().st_size for f in files)
+    ledger = ledger or Ledger(path)
+    ledger.add("formats", total)
+    ledger.observe()
     model_bytes, optim_bytes = _state_bytes(job)
     raw = model_bytes + (optim_bytes if mech.stores.optimizer else 0)
     t0 = time.perf_counter()
     mech.load(job, path)
     load_s = time.perf_counter() - t0
-    _remove(path)
+    remove(path)
     return {
         "mechanism": mech.name, "label": mech.label, "files": len(files),
         "file_names": [str(f.relative_to(path)) for f in files], "bytes": total, "raw_tensor_bytes": raw,
@@ -232,7 +239,7 @@ def _format_row(job: Training, mech: Mechanism, path: Path) -> dict[str, Any]:
 
 
 def cost_and_formats(cfg: StudyConfig, model: str, dataset: Any, work: Path,
-                     progress: _Progress) -> tuple[list[dict], list[dict], dict]:
+                     progress: _Progress, ledger: Optional[Ledger] = None) -> tuple[list[dict], list[dict], dict]:
     spec = JobSpec(model, cfg.width, cfg.batch_size, cfg.seed)
     job = build_training(spec, dataset)
     model_bytes, _ = _state_bytes(job)
@@ -249,9 +256,10 @@ def cost_and_formats(cfg: StudyConfig, model: str, dataset: Any, work: Path,
                 without = timed_steps(job, cfg.cost_steps)  # its pair, just before: the same machine load
                 mech = make_mechanism(name)
                 try:
-                    run = _checkpointing_run(job, mech, cfg.cost_steps, cfg.checkpoint_every, work / name)
+                    run = _checkpointing_run(job, mech, cfg.cost_steps, cfg.checkpoint_every, work / name,
+                                             ledger=ledger)
                     return {"run": {**run, "baseline_s": without},
-                            "format": _format_row(job, mech, work / name / "alone")}
+                            "format": _format_row(job, mech, work / name / "alone", ledger)}
                 finally:
                     mech.close()
             unit = progress.unit(f"{model}: cost, {name}, pair {repeat + 1}", measure)
@@ -290,14 +298,17 @@ def scale_worker(rank: int, world: int, arg: dict[str, Any]) -> dict[str, Any]:
             finally:
                 mech.close()
             dist.barrier()
-            if rank == 0:
-                _remove(root / name)
-            out[name].append({**run, "baseline_s": without})
+            written = 0
+            if rank == 0:  # every rank's files are in: count them once, then remove them
+                written = tree_bytes(root / name)
+                remove(root / name)
+            out[name].append({**run, "baseline_s": without, "written_bytes": written})
     dist.barrier()
     return out
 
 
-def scale(cfg: StudyConfig, work: Path, progress: _Progress) -> list[dict]:
+def scale(cfg: StudyConfig, work: Path, progress: _Progress, ledger: Optional[Ledger] = None) -> list[dict]:
+    ledger = ledger or Ledger(work)
     rows = []
     for model in cfg.scale_models:
         for world in cfg.scale_worlds:
@@ -309,9 +320,12 @@ def scale(cfg: StudyConfig, work: Path, progress: _Progress) -> list[dict]:
                 except RankFailedError as e:
                     raise StudyError(f"the scale experiment failed on {plural(world, 'rank')}: {e}") from None
                 finally:
-                    _remove(work / f"{model}-{world}")
+                    remove(work / f"{model}-{world}")
             ranks = progress.unit(f"{model}: scale, {world} ranks", measure)
             for name in cfg.mechanisms:
+                for run_ in (r for rank_runs in ranks for r in rank_runs[name]):
+                    ledger.add("scale", run_["written_bytes"])
+                    ledger.observe(run_["written_bytes"])  # one run's checkpoints are on disk at once
                 # a step (and a checkpoint) finishes when its slowest rank does: the maximum over ranks
                 pairs = []
                 for i, first in enumerate(ranks[0][name]):
@@ -326,7 +340,8 @@ def scale(cfg: StudyConfig, work: Path, progress: _Progress) -> list[dict]:
 
 
 # -- experiment 4: determinism ------------------------------------------------------------------
-def determinism(cfg: StudyConfig, model: str, dataset: Any, work: Path, progress: _Progress) -> dict[str, Any]:
+def determinism(cfg: StudyConfig, model: str, dataset: Any, work: Path, progress: _Progress,
+                ledger: Optional[Ledger] = None) -> dict[str, Any]:
     spec = JobSpec(model, cfg.width, cfg.batch_size, cfg.seed)
     k = cfg.det_restart
     mechs = [make_mechanism(name) for name in cfg.mechanisms]
@@ -339,6 +354,10 @@ def determinism(cfg: StudyConfig, model: str, dataset: Any, work: Path, progress
 
     progress.start(f"{model}: determinism, uninterrupted run")
     reference = train_steps(build_training(spec, dataset), cfg.det_steps, checkpoint_all)
+    ledger = ledger or Ledger(work)
+    for m in mechs:
+        ledger.wrote("determinism", work / m.name)
+    ledger.observe()  # every mechanism's checkpoint waits for its restart
     restarts: dict[str, Any] = {}
     for m in mechs:
         progress.start(f"{model}: determinism, restart with {m.name}")
@@ -354,7 +373,7 @@ def determinism(cfg: StudyConfig, model: str, dataset: Any, work: Path, progress
         restarts[m.name] = {"label": m.label, "restored_step": step, "losses": losses,
                             "max_abs_diff": max(diffs), "identical": losses == reference[k:],
                             "stores": asdict(m.stores)}
-        _remove(work / m.name)
+        remove(work / m.name)
     return {"model": model, "steps": cfg.det_steps, "restart_step": k, "reference": reference,
             "restarts": restarts}
 
@@ -379,9 +398,10 @@ def run_study(cfg: StudyConfig, out: Path, on_progress: Optional[ProgressFn] = N
     out = Path(out)
     journal = Journal(out, asdict(cfg), environment(out), restart)
     work = out / "checkpoints"
-    _remove(work)
+    remove(work)
     work.mkdir(parents=True)
     progress = _Progress(count_units(cfg), on_progress, journal)
+    ledger = Ledger(work)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
@@ -391,13 +411,15 @@ def run_study(cfg: StudyConfig, out: Path, on_progress: Optional[ProgressFn] = N
     try:
         with quiet_single_process():
             for model in cfg.models:
-                cost, formats, info = cost_and_formats(cfg, model, dataset, work / "cost" / model, progress)
+                cost, formats, info = cost_and_formats(cfg, model, dataset, work / "cost" / model, progress, ledger)
                 results["models"][model] = info
                 results["cost"] += cost
                 results["formats"] += formats
                 results["determinism"][model] = progress.unit(
-                    f"{model}: determinism", lambda: determinism(cfg, model, dataset, work / "det" / model, progress))
-            results["scale"] = scale(cfg, work / "scale", progress)
+                    f"{model}: determinism", lambda: determinism(cfg, model, dataset, work / "det" / model, progress,
+                                                      ledger))
+            results["scale"] = scale(cfg, work / "scale", progress, ledger)
+        results["disk"] = ledger.summary()
         for name in cfg.frameworks:
             def measure(name: str = name) -> dict[str, Any]:
                 progress.start(f"{FRAMEWORKS[name].label}: environment and experiments")
@@ -410,7 +432,7 @@ def run_study(cfg: StudyConfig, out: Path, on_progress: Optional[ProgressFn] = N
             except StudyError as e:  # the row says why; the other frameworks still run
                 results.setdefault("frameworks", {})[name] = could_not_run(name, str(e))
     finally:
-        _remove(work)
+        remove(work)
         torch.set_num_threads(threads_before)
     results["environment"]["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     results["duration_s"] = time.perf_counter() - t0 + journal.replayed_s

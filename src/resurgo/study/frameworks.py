@@ -200,4 +200,4 @@ def merge_framework(results: dict[str, Any], name: str, worker: dict[str, Any]) 
     results.setdefault("frameworks", {})[name] = {
         "label": fw.label, "ran": True, "versions": worker["versions"], "models": worker["models"],
         "determinism": worker["determinism"], "scale": "not run: no process counts were given",
-        "duration_s": worker["duration_s"]}
+        "duration_s": worker["duration_s"], "disk": worker["disk"]}

@@ -285,6 +285,7 @@ def render_markdown(results: dict) -> str:
 
     for number, section in enumerate((_cost_section, _formats_section, _scale_section, _determinism_section), 1):
         out.extend(section(results) + section_findings(number, results))
+    out.extend(_disk_section(results))
     out.extend(closing_sections(results) + machine_section(results))
     return "\n".join(out)
 
@@ -416,6 +417,33 @@ def _determinism_section(results: dict) -> list[str]:
     for i, model in enumerate(models):
         out.append(f"![Figure {i + 2}: {_model(model)} loss after restart]({determinism_plot_name(i, model)})\n")
     return out
+
+DISK_EXPERIMENTS = (("cost", "cost runs"), ("formats", "formats (saved alone)"), ("determinism", "determinism"),
+                    ("scale", "scale"))
+
+
+def _disk_section(results: dict) -> list[str]:
+    """The bytes of checkpoints written, per framework and experiment, and the most on disk at once."""
+    disks = [("PyTorch", results.get("disk"))] + [(fw["label"], fw.get("disk"))
+                                                   for fw in results.get("frameworks", {}).values() if fw["ran"]]
+    disks = [(label, d) for label, d in disks if d]
+    if not disks:
+        return []
+    out = ["## Disk: bytes written\n",
+           "Every checkpoint is deleted as soon as it is measured: a cost run's when the run ends, the one "
+           "saved alone when it is loaded back, a determinism checkpoint when its restart has loaded it. "
+           "*Written* sums the bytes of every checkpoint an experiment created (counted when complete, an "
+           "overwritten or pruned one included); *most on disk* is the largest total of checkpoints present "
+           "at one time.\n"]
+    rows = [[label, *(_human_bytes(d["written"].get(key, 0)) for key, _ in DISK_EXPERIMENTS),
+             _human_bytes(d["total"]), _human_bytes(d["peak"])] for label, d in disks]
+    if len(disks) > 1:  # the frameworks run one after another: the most on disk is one of theirs
+        rows.append(["all", *(_human_bytes(sum(d["written"].get(key, 0) for _, d in disks))
+                              for key, _ in DISK_EXPERIMENTS),
+                     _human_bytes(sum(d["total"] for _, d in disks)), _human_bytes(max(d["peak"] for _, d in disks))])
+    out.append(_table(["framework", *(title for _, title in DISK_EXPERIMENTS), "written", "most on disk"], rows) + "\n")
+    return out
+
 
 def write_outputs(results: dict, out: Path) -> list[Path]:
     """results.json, the PNG plots and report.md into ``out``; the paths written."""

@@ -6,7 +6,8 @@ It owns what is measured, the same quantities as ``resurgo.study.experiments`` m
 PyTorch, and the JSON written to OUT.json; the framework module (``<framework>_worker`` beside
 this file, imported by name) owns the network, the training loop and the checkpoint calls. The
 raw timings are written, not summaries: the study process computes the spreads, intervals and
-paired overheads with the same code as PyTorch's (``resurgo.study.stats``).
+paired overheads with the same code as PyTorch's (``resurgo.study.stats``). Every checkpoint is
+deleted once measured, its bytes counted first (``disk.py``, beside this file).
 
 A framework module provides: ``MECHANISM``, ``LABEL``, ``FORMAT``, ``STORES`` (weights,
 optimizer, rng, data_position), ``EXECUTES_CODE`` and ``EXECUTES_CODE_NOTE``, ``FSYNC``,
@@ -30,6 +31,11 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
+
+if __package__:  # imported from resurgo (the tests)
+    from .disk import Ledger, NewFiles, remove
+else:  # run as a script: its folder is on sys.path
+    from disk import Ledger, NewFiles, remove  # type: ignore[no-redef]
 
 __all__ = ["CONFIG_KEYS", "check_config", "checkpointing_run", "format_row", "cost_and_formats", "determinism",
            "run", "main"]
@@ -56,30 +62,39 @@ def _files(path: Path) -> list[Path]:
     return sorted(p for p in path.rglob("*") if p.is_file()) if path.exists() else []
 
 
-def checkpointing_run(fw: Any, job: Any, steps: int, every: int, directory: Path) -> dict[str, Any]:
+def checkpointing_run(fw: Any, job: Any, steps: int, every: int, directory: Path,
+                      ledger: Ledger) -> dict[str, Any]:
     """Train ``steps`` steps checkpointing every ``every``; seconds (the last save included), and
-    the time blocked in each save. The checkpoints are removed afterwards."""
+    the time blocked in each save. The checkpoints are counted in ``ledger``, then removed."""
     ckpt = fw.Checkpointer(directory)
     stalls: list[float] = []
     count = [0]
+    new_files = NewFiles(directory)
+    looking = [0.0]  # seconds spent counting files during the run: not the mechanism's
 
     def on_step(step: int) -> None:
         count[0] += 1
         if count[0] % every == 0:
             t0 = time.perf_counter()
             ckpt.save(job, step)
-            stalls.append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            stalls.append(t1 - t0)
+            # a mechanism may prune or overwrite its earlier checkpoints: count them as they appear
+            ledger.add("cost", new_files.look())
+            looking[0] += time.perf_counter() - t1
 
     t0 = time.perf_counter()
     fw.train(job, steps, on_step)
     ckpt.wait()  # the run is finished when its last checkpoint is
-    seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0 - looking[0]
     ckpt.close()
-    shutil.rmtree(directory, ignore_errors=True)
+    ledger.add("cost", new_files.look())
+    ledger.observe()
+    remove(directory)
     return {"seconds": seconds, "checkpoints": len(stalls), "stall_s": stalls}
 
 
-def format_row(fw: Any, job: Any, directory: Path, step: int) -> dict[str, Any]:
+def format_row(fw: Any, job: Any, directory: Path, step: int, ledger: Ledger) -> dict[str, Any]:
     """Save once alone (timed until complete), measure the files, load back (timed)."""
     ckpt = fw.Checkpointer(directory)
     t0 = time.perf_counter()
@@ -91,12 +106,14 @@ def format_row(fw: Any, job: Any, directory: Path, step: int) -> dict[str, Any]:
     model_bytes, optim_bytes = fw.state_bytes(job)
     raw = model_bytes + (optim_bytes if fw.STORES["optimizer"] else 0)
     total = sum(f.stat().st_size for f in files)
+    ledger.add("formats", total)
+    ledger.observe()
     reader = fw.Checkpointer(directory)
     t0 = time.perf_counter()
     reader.load(job)
     load_s = time.perf_counter() - t0
     reader.close()
-    shutil.rmtree(directory, ignore_errors=True)
+    remove(directory)
     return {"files": len(files), "file_names": [str(f.relative_to(directory)) for f in files], "bytes": total,
             "raw_tensor_bytes": raw, "size_over_raw": total / raw, "save_s": save_s, "load_s": load_s}
 
@@ -105,8 +122,8 @@ def _facts(fw: Any) -> dict[str, Any]:
     return {"mechanism": fw.MECHANISM, "label": fw.LABEL}
 
 
-def cost_and_formats(fw: Any, model: str, config: dict, work: Path,
-                     progress: Callable[[str], None]) -> tuple[dict, dict, dict]:
+def cost_and_formats(fw: Any, model: str, config: dict, work: Path, progress: Callable[[str], None],
+                     ledger: Ledger) -> tuple[dict, dict, dict]:
     """Experiments 1 and 2 for one network: ``cost_repeats`` pairs (without, then with
     checkpoints, back to back), each followed by one save alone, its load, and untimed warm-up
     steps."""
@@ -119,10 +136,10 @@ def cost_and_formats(fw: Any, model: str, config: dict, work: Path,
         t0 = time.perf_counter()
         fw.train(job, config["cost_steps"])
         without = time.perf_counter() - t0  # its pair, just before: the same machine load
-        run_ = checkpointing_run(fw, job, config["cost_steps"], config["checkpoint_every"], work / "cost")
+        run_ = checkpointing_run(fw, job, config["cost_steps"], config["checkpoint_every"], work / "cost", ledger)
         runs.append({**run_, "baseline_s": without})
         step += 2 * config["cost_steps"]
-        formats.append(format_row(fw, job, work / "alone", step))
+        formats.append(format_row(fw, job, work / "alone", step, ledger))
         # the first steps after a restore may compile again (jit sees restored arrays as new
         # inputs): that belongs to no pair, so it happens here, untimed
         fw.train(job, config["warmup_steps"])
@@ -140,7 +157,8 @@ def cost_and_formats(fw: Any, model: str, config: dict, work: Path,
     return cost, fmt, info
 
 
-def determinism(fw: Any, model: str, config: dict, work: Path, progress: Callable[[str], None]) -> dict[str, Any]:
+def determinism(fw: Any, model: str, config: dict, work: Path, progress: Callable[[str], None],
+                ledger: Ledger) -> dict[str, Any]:
     """Experiment 4: an uninterrupted run checkpoints at ``det_restart``; a new job, built as a new
     script builds it, with the global RNGs moved elsewhere, loads it as users do and continues."""
     k, steps = config["det_restart"], config["det_steps"]
@@ -155,6 +173,8 @@ def determinism(fw: Any, model: str, config: dict, work: Path, progress: Callabl
 
     reference = fw.train(job, steps, at_restart)
     ckpt.close()
+    ledger.wrote("determinism", work / "det")
+    ledger.observe()
     progress(f"{model}: determinism, restart")
     job = fw.build(model, config)
     fw.disturb_rng()
@@ -163,7 +183,7 @@ def determinism(fw: Any, model: str, config: dict, work: Path, progress: Callabl
     reader.close()
     fw.set_step(job, k if restored is None else restored)  # otherwise users know it from the file name
     losses = fw.train(job, steps - k)
-    shutil.rmtree(work / "det", ignore_errors=True)
+    remove(work / "det")
     diffs = [abs(a - b) for a, b in zip(losses, reference[k:])]
     return {"model": model, "steps": steps, "restart_step": k, "reference": reference,
             "restarts": {fw.MECHANISM: {"label": fw.LABEL, "restored_step": restored, "losses": losses,
@@ -177,14 +197,16 @@ def run(fw: Any, config: dict, work: Path, progress: Optional[Callable[[str], No
     say = progress or (lambda label: print(label, file=sys.stderr, flush=True))
     fw.setup(config["threads"])
     t0 = time.perf_counter()
+    ledger = Ledger(work)
     out: dict[str, Any] = {"versions": fw.versions(), "mechanism": fw.MECHANISM, "label": fw.LABEL, "models": {},
                            "cost": [], "formats": [], "determinism": {}}
     for model in config["models"]:
-        cost, fmt, info = cost_and_formats(fw, model, config, work / model, say)
+        cost, fmt, info = cost_and_formats(fw, model, config, work / model, say, ledger)
         out["models"][model] = info
         out["cost"].append(cost)
         out["formats"].append(fmt)
-        out["determinism"][model] = determinism(fw, model, config, work / model, say)
+        out["determinism"][model] = determinism(fw, model, config, work / model, say, ledger)
+    out["disk"] = ledger.summary()
     out["duration_s"] = time.perf_counter() - t0
     return out
 
