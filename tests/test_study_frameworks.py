@@ -42,6 +42,8 @@ class Toy:
         self.shared = random.Random(0)  # the "global" RNG: a new job reseeds it, disturb_rng moves it
         self.compile_s = 0.0  # the first steps after a load compile again (as jit does), this long
         self.written: list[int] = []  # bytes of each checkpoint saved
+        self.opened: list[tuple[Path, list[Path]]] = []  # each checkpointer's folder, and the files then on disk
+        self.work: Optional[Path] = None
 
     def versions(self) -> dict:
         return {"toy": "1.0"}
@@ -84,6 +86,8 @@ class Toy:
         self.shared.seed(12345)
 
     def Checkpointer(self, directory: Path) -> "ToyCheckpointer":  # noqa: N802 - the driver's name for it
+        if self.work is not None:
+            self.opened.append((Path(directory), [f for f in self.work.rglob("*") if f.is_file()]))
         return ToyCheckpointer(self, Path(directory))
 
 
@@ -118,7 +122,13 @@ class ToyCheckpointer:
 
 def test_driver_writes_the_raw_timings_formats_and_restarts(tmp_path: Path):
     toy = Toy(keeps_rng=True)
+    toy.work = tmp_path
     out = driver.run(toy, dict(CONFIG), tmp_path, progress=lambda label: None)
+    # when a measurement opens a checkpointer, the only checkpoint on disk is the one it is to read
+    # (the one saved alone, the determinism one): every earlier one was deleted once measured
+    assert len(toy.opened) == 3 * 3 + 2
+    assert [len(files) for _, files in toy.opened] == [0, 0, 1] * 3 + [0, 1]
+    assert all(f.parent == directory for directory, files in toy.opened for f in files)
     assert list(out) == ["versions", "mechanism", "label", "models", "cost", "formats", "determinism", "disk",
                          "duration_s"]
     # every save counted, each cost run's two saves into the same file included: 3 x (2 + 1) + 1
