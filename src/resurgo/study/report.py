@@ -214,7 +214,7 @@ PYTORCH_NETS = {"resnet50": "CIFAR-10 variant (3x3 stem, no max-pool)",
 
 def render_frameworks(results: dict) -> str:
     """The frameworks beside PyTorch: versions, what ran or why not, each network's parameter
-    count per framework (the same architecture or not), and how scale ran or why not."""
+    count per framework beside PyTorch's (stock networks as extra rows), and how scale ran or why not."""
     frameworks = results.get("frameworks", {})
     out = ["## Frameworks and networks\n",
            "PyTorch runs in this process; each other framework runs the same experiments (Tables I, II and the "
@@ -417,6 +417,7 @@ def _determinism_section(results: dict) -> list[str]:
     for i, model in enumerate(models):
         out.append(f"![Figure {i + 2}: {_model(model)} loss after restart]({determinism_plot_name(i, model)})\n")
     return out
+
 
 DISK_EXPERIMENTS = (("cost", "cost runs"), ("formats", "formats (saved alone)"), ("determinism", "determinism"),
                     ("scale", "scale"))
