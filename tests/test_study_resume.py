@@ -48,9 +48,14 @@ def _labels(stop_at: int | None = None) -> tuple[list[str], object]:
     return seen, on_progress
 
 
-def _journal(out: Path) -> dict:
+def _records(out: Path) -> dict:
+    """Each recorded unit: its result and the bytes its checkpoints took."""
     state = load_dict(out / JOURNAL, collective=False)
     return {u["key"]: json.loads(u["result"]) for u in state["units"]}
+
+
+def _journal(out: Path) -> dict:
+    return {key: record["result"] for key, record in _records(out).items()}
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +97,12 @@ def test_a_stopped_study_resumes_after_its_last_completed_unit(resumed: dict):
     third, on_progress = _labels()
     again = run_study(TINY, tmp_path, on_progress)
     assert third == [] and again["cost"] == results["cost"] and again["determinism"] == results["determinism"]
+    # the bytes written count the replayed units as the run that measured them counted them
+    disk = {key: record["disk"]["written"] for key, record in _records(tmp_path).items()}
+    cost = sum(d.get("cost", 0) for d in disk.values())
+    assert cost > 0 and all(disk[u].get("cost", 0) > 0 for u in UNITS[:4])
+    assert results["disk"]["written"]["cost"] == cost == again["disk"]["written"]["cost"]
+    assert again["disk"] == results["disk"] and results["disk"]["total"] == sum(results["disk"]["written"].values())
 
 
 def test_another_configuration_is_refused_and_restart_measures_again(tmp_path: Path):

@@ -144,12 +144,27 @@ def count_units(cfg: StudyConfig) -> int:
 
 
 class _Progress:
-    def __init__(self, total: int, fn: Optional[ProgressFn], journal: Optional[Journal] = None) -> None:
-        self.total, self.done, self.fn, self.journal = total, 0, fn, journal
+    def __init__(self, total: int, fn: Optional[ProgressFn], journal: Optional[Journal] = None,
+                 ledger: Optional[Ledger] = None) -> None:
+        self.total, self.done, self.fn, self.journal, self.ledger = total, 0, fn, journal, ledger
 
     def unit(self, key: str, measure: Callable[[], Any]) -> Any:
-        """A unit of measurement: ``measure()``, or its result recorded by an earlier run (resume.py)."""
-        return measure() if self.journal is None else self.journal.unit(key, measure, self)
+        """A unit of measurement: ``measure()``, or its result recorded by an earlier run
+        (resume.py), the bytes it wrote then counted again in the ledger."""
+        if self.journal is None:
+            return measure()
+        ledger = self.ledger or Ledger(Path("."))
+
+        def measured() -> dict[str, Any]:
+            mark = ledger.mark()
+            result = measure()
+            return {"result": result, "disk": ledger.since(mark)}
+
+        replayed = self.journal.has(key)
+        record = self.journal.unit(key, measured, self)
+        if replayed:
+            ledger.replay(record["disk"])
+        return record["result"]
 
     def start(self, label: str) -> None:
         if self.fn is not None:
@@ -400,8 +415,8 @@ def run_study(cfg: StudyConfig, out: Path, on_progress: Optional[ProgressFn] = N
     work = out / "checkpoints"
     remove(work)
     work.mkdir(parents=True)
-    progress = _Progress(count_units(cfg), on_progress, journal)
     ledger = Ledger(work)
+    progress = _Progress(count_units(cfg), on_progress, journal, ledger)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
@@ -425,10 +440,10 @@ def run_study(cfg: StudyConfig, out: Path, on_progress: Optional[ProgressFn] = N
                 progress.start(f"{FRAMEWORKS[name].label}: environment and experiments")
                 return run_framework(name, cfg, work / "frameworks", envs)
             try:
+                def measure_scale(name: str = name) -> dict[str, Any]:
+                    return measure_framework_scale(name, cfg, work / "frameworks", envs)
                 merge_framework(results, name, progress.unit(f"framework {name}", measure))
-                add_framework_scale(results, name, progress.unit(
-                    f"framework {name}: scale", lambda name=name: measure_framework_scale(name, cfg, work / "frameworks",
-                                                                                          envs)))
+                add_framework_scale(results, name, progress.unit(f"framework {name}: scale", measure_scale))
             except StudyError as e:  # the row says why; the other frameworks still run
                 results.setdefault("frameworks", {})[name] = could_not_run(name, str(e))
     finally:

@@ -105,6 +105,10 @@ class Journal:
                  "sessions": json.dumps(self.sessions), "units": units}
         save(state, self.path, overwrite=True, collective=False)
 
+    def has(self, key: str) -> bool:
+        """Whether an earlier run recorded the unit ``key``."""
+        return key in self.units
+
     def unit(self, key: str, measure: Callable[[], Any], progress: Counter) -> Any:
         """``measure()``'s result, recorded in the journal before it is returned; or, when an
         earlier run recorded ``key``, that result, with the progress steps it took counted."""

@@ -70,6 +70,22 @@ class Ledger:
         """Note what is on disk now: ``present`` bytes, or everything under the root."""
         self.peak = max(self.peak, tree_bytes(self.root) if present < 0 else present)
 
+    def mark(self) -> dict[str, int]:
+        """The bytes written so far per experiment, for :meth:`since`."""
+        return dict(self.written)
+
+    def since(self, mark: dict[str, int]) -> dict[str, Any]:
+        """The bytes written per experiment since ``mark`` and the most on disk at once so far:
+        what a unit of measurement adds when a resumed run replays it (:meth:`replay`)."""
+        added = {k: n - mark.get(k, 0) for k, n in self.written.items() if n != mark.get(k, 0)}
+        return {"written": added, "peak": self.peak}
+
+    def replay(self, recorded: dict[str, Any]) -> None:
+        """Count again what a unit measured by an earlier run wrote (:meth:`since`'s record)."""
+        for experiment, nbytes in recorded["written"].items():
+            self.add(experiment, nbytes)
+        self.peak = max(self.peak, recorded["peak"])
+
     def summary(self) -> dict[str, Any]:
         return {"written": dict(self.written), "total": sum(self.written.values()), "peak": self.peak}
 
