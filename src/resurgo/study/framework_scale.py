@@ -208,12 +208,7 @@ def scale_status(rows: list[dict[str, Any]], failures: dict[int, str]) -> str:
 
 
 def _child_env(cfg: Any) -> dict[str, str]:
-    threads = str(cfg.threads)
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-           "TF_NUM_INTRAOP_THREADS": threads, "TF_NUM_INTEROP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
-           "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=" + threads,
-           "JAX_PLATFORMS": "cpu", "PYTHONNOUSERSITE": "1"}
-    env.pop("PYTHONPATH", None)  # the worker must not see resurgo or torch
+    env = frameworks.worker_env(cfg)
     for key in ("TF_CONFIG", "RESURGO_SCALE_RANK", "RESURGO_SCALE_WORLD", "RESURGO_SCALE_COORDINATOR"):
         env.pop(key, None)
     return env

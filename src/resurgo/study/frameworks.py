@@ -158,6 +158,18 @@ def worker_config(cfg: Any) -> dict[str, Any]:
     return {k: (list(fields[k]) if isinstance(fields[k], tuple) else fields[k]) for k in CONFIG_KEYS}
 
 
+def worker_env(cfg: Any) -> dict[str, str]:
+    """The environment of a framework's worker process: ``cfg.threads`` threads in every library
+    that reads its own variable, CPU only, and nothing of this process's Python path."""
+    threads = str(cfg.threads)
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+           "TF_NUM_INTRAOP_THREADS": threads, "TF_NUM_INTEROP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
+           "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=" + threads,
+           "JAX_PLATFORMS": "cpu", "PYTHONNOUSERSITE": "1"}
+    env.pop("PYTHONPATH", None)  # the worker must not see resurgo or torch
+    return env
+
+
 def run_framework(name: str, cfg: Any, work: Path, root: Optional[Path] = None, log: Any = None) -> dict[str, Any]:
     """Run ``name``'s worker on ``cfg`` in its environment; the JSON it wrote.
     StudyError (with the error line) when the environment or the worker fails."""
@@ -166,14 +178,8 @@ def run_framework(name: str, cfg: Any, work: Path, root: Optional[Path] = None, 
     work.mkdir(parents=True, exist_ok=True)
     config, out = work / f"{name}-config.json", work / f"{name}-results.json"
     config.write_text(json.dumps(worker_config(cfg)))
-    threads = str(cfg.threads)
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-           "TF_NUM_INTRAOP_THREADS": threads, "TF_NUM_INTEROP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
-           "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=" + threads,
-           "JAX_PLATFORMS": "cpu", "PYTHONNOUSERSITE": "1"}
-    env.pop("PYTHONPATH", None)  # the worker must not see resurgo or torch
     done = subprocess.run([str(python), str(DRIVER), name, str(config), str(out)], capture_output=True, text=True,
-                          env=env)
+                          env=worker_env(cfg))
     if done.returncode != 0 or not out.is_file():
         raise StudyError(f"{FRAMEWORKS[name].label} worker failed (exit {done.returncode}): "
                          f"{_last_error_line(done.stderr or done.stdout)}")
