@@ -34,7 +34,7 @@ def _check_writable(directory: Path) -> None:
 
 def _study_config(quick: bool, reference: bool, models: Optional[str], mechanisms: Optional[str], ranks: Optional[str],
                   width: Optional[int], threads: Optional[int], repeats: Optional[int], data: Optional[Path],
-                  steps: Optional[int], frameworks: Optional[str]) -> StudyConfig:
+                  steps: Optional[int], frameworks: Optional[str], device: str = "cpu") -> StudyConfig:
     """The study's configuration: the preset, with each option given replacing its part."""
     from dataclasses import replace
 
@@ -58,6 +58,7 @@ def _study_config(quick: bool, reference: bool, models: Optional[str], mechanism
             raise typer.BadParameter(f"--ranks takes comma-separated integers, got {ranks!r}") from None
     if width is not None:
         cfg = replace(cfg, width=width)
+    cfg = replace(cfg, device=device)
     if threads is not None:
         cfg = replace(cfg, threads=threads)
     if repeats is not None:
@@ -74,8 +75,8 @@ def _study_config(quick: bool, reference: bool, models: Optional[str], mechanism
 def study(
     quick: bool = typer.Option(False, "--quick", help="The published networks at full width, batch 2, a few steps: minutes on 2 cores."),
     reference: bool = typer.Option(False, "--reference", help="The reference report's preset: the published networks, "
-                                   "all four frameworks, the scale experiment, 95% intervals; about 100 minutes on 2 "
-                                   "cores. Resumable: run the same command again after a kill."),
+                                   "all four frameworks, the scale experiment, a 97% interval per overhead; estimated at "
+                                   "80-100 minutes on 2 cores. Resumable: run the same command again after a kill."),
     restart: bool = typer.Option(False, "--restart", help="Measure everything again, discarding the units of "
                                  "measurement an earlier run recorded in --out (its study-journal)."),
     out: Path = typer.Option(Path("study-results"), "--out", metavar="DIR", help="Directory for report.md, the plots, results.json."),
@@ -95,6 +96,9 @@ def study(
     frameworks: Optional[str] = typer.Option(None, "--frameworks", metavar="NAMES", help="Comma-separated frameworks beside "
                                              "PyTorch (which always runs): tensorflow,jax,chainer. Each runs in its own "
                                              "pinned virtualenv, created on first use (needs PyPI) and cached."),
+    device: str = typer.Option("cpu", "--device", metavar="DEVICE", help="Where PyTorch trains: cpu, or cuda (the "
+                               "published setting with the full preset; scale rank r on GPU r modulo the GPUs). "
+                               "TensorFlow, JAX and Chainer run on the CPU."),
     envs: Optional[Path] = typer.Option(None, "--envs", metavar="DIR", help="Where the frameworks' virtualenvs are cached "
                                         "(default $RESURGO_STUDY_ENVS, else ~/.cache/resurgo/study-envs)."),
 ) -> None:
@@ -107,7 +111,7 @@ def study(
 
     with fail_cleanly():
         require_matplotlib()  # before minutes of training, not after
-        cfg = _study_config(quick, reference, models, mechanisms, ranks, width, threads, repeats, data, steps, frameworks)
+        cfg = _study_config(quick, reference, models, mechanisms, ranks, width, threads, repeats, data, steps, frameworks, device)
         cfg.check()
         if data is not None and not data.is_dir():
             raise CheckpointNotFoundError(f"{data}: no such directory (--data takes a local CIFAR-10 python copy, "

@@ -32,7 +32,9 @@ from __future__ import annotations
 import os
 import platform
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -83,6 +85,7 @@ class StudyConfig:
     data_dir: Optional[str] = None
     seed: int = 0
     threads: int = 1  # torch intra-op threads of the study process (each scale rank uses one)
+    device: str = "cpu"  # PyTorch's: "cpu", or "cuda" (scale rank r on GPU r modulo the GPUs)
     preset: str = "custom"
     frameworks: tuple[str, ...] = ()  # others beside PyTorch, each in its own environment (frameworks.py)
 
@@ -103,6 +106,12 @@ class StudyConfig:
             raise StudyError(f"scale worlds must be >= 1, got {self.scale_worlds}")
         if not 0 < self.det_restart < self.det_steps:
             raise StudyError(f"the restart step must be inside the run: 0 < {self.det_restart} < {self.det_steps}")
+        if self.device != "cpu":
+            if self.device != "cuda":
+                raise StudyError(f"unknown device {self.device!r}; expected cpu or cuda")
+            if not torch.cuda.is_available():
+                raise StudyError("--device cuda: this torch sees no CUDA device (torch.cuda.is_available() is False; "
+                                 f"torch {torch.__version__}); run on a GPU machine with a CUDA build of torch")
         if self.threads < 1:
             raise StudyError(f"threads must be >= 1, got {self.threads}")
         if self.cost_repeats < 2:
@@ -255,7 +264,7 @@ def _format_row(job: Training, mech: Mechanism, path: Path, ledger: Optional[Led
 
 def cost_and_formats(cfg: StudyConfig, model: str, dataset: Any, work: Path,
                      progress: _Progress, ledger: Optional[Ledger] = None) -> tuple[list[dict], list[dict], dict]:
-    spec = JobSpec(model, cfg.width, cfg.batch_size, cfg.seed)
+    spec = JobSpec(model, cfg.width, cfg.batch_size, cfg.seed, cfg.device)
     job = build_training(spec, dataset)
     model_bytes, _ = _state_bytes(job)
     params = sum(p.numel() for p in job.model.parameters())
@@ -289,6 +298,12 @@ def cost_and_formats(cfg: StudyConfig, model: str, dataset: Any, work: Path,
 
 
 # -- experiment 3: scale ----------------------------------------------------------------------
+def rank_device(device: str, rank: int) -> str:
+    """Where scale rank ``rank`` trains: the CPU, or GPU ``rank`` modulo the GPUs (several ranks
+    share one GPU where there are fewer; their gradients are averaged over gloo either way)."""
+    return device if device == "cpu" else f"cuda:{rank % max(1, torch.cuda.device_count())}"
+
+
 def scale_worker(rank: int, world: int, arg: dict[str, Any]) -> dict[str, Any]:
     """One rank of the scale experiment: per repetition and mechanism, a run without checkpoints
     and its pair with them, back to back, all ranks in step."""
@@ -296,7 +311,7 @@ def scale_worker(rank: int, world: int, arg: dict[str, Any]) -> dict[str, Any]:
 
     cfg: StudyConfig = arg["config"]
     dataset = make_dataset(cfg.samples, cfg.data_dir, cfg.seed)
-    spec = JobSpec(arg["model"], cfg.width, cfg.batch_size, cfg.seed)
+    spec = JobSpec(arg["model"], cfg.width, cfg.batch_size, cfg.seed, rank_device(cfg.device, rank))
     job = build_training(spec, dataset, rank=rank, world=world, ddp=True)
     train_steps(job, cfg.warmup_steps)
     root = Path(arg["work"])
@@ -357,7 +372,7 @@ def scale(cfg: StudyConfig, work: Path, progress: _Progress, ledger: Optional[Le
 # -- experiment 4: determinism ------------------------------------------------------------------
 def determinism(cfg: StudyConfig, model: str, dataset: Any, work: Path, progress: _Progress,
                 ledger: Optional[Ledger] = None) -> dict[str, Any]:
-    spec = JobSpec(model, cfg.width, cfg.batch_size, cfg.seed)
+    spec = JobSpec(model, cfg.width, cfg.batch_size, cfg.seed, cfg.device)
     k = cfg.det_restart
     mechs = [make_mechanism(name) for name in cfg.mechanisms]
 
@@ -394,11 +409,35 @@ def determinism(cfg: StudyConfig, model: str, dataset: Any, work: Path, progress
 
 
 # -- the whole study --------------------------------------------------------------------------
+@contextmanager
+def deterministic_kernels(device: str) -> Iterator[None]:
+    """On a GPU, kernels that compute the same result on every run (cuDNN's deterministic
+    convolutions without autotuning, cuBLAS's deterministic workspace, PyTorch's deterministic
+    algorithms where it has them), so that the determinism experiment measures what a restart
+    changes rather than the GPU's scheduling; the flags are restored afterwards. Nothing on the CPU."""
+    if device == "cpu":
+        yield
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read by cuBLAS at its first call
+    cudnn = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    algorithms = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    torch.use_deterministic_algorithms(True, warn_only=True)  # an op without such a kernel still runs
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*does not have a deterministic implementation.*")
+            yield
+    finally:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
+        torch.use_deterministic_algorithms(algorithms[0], warn_only=algorithms[1])
+
+
 def environment(out: Optional[Path] = None) -> dict[str, Any]:
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return {"python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "load_average_1_5_15": list(load) if load else None, **describe_machine(out)}
+            "load_average_1_5_15": list(load) if load else None,
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, **describe_machine(out)}
 
 
 def run_study(cfg: StudyConfig, out: Path, on_progress: Optional[ProgressFn] = None,
@@ -424,7 +463,7 @@ def run_study(cfg: StudyConfig, out: Path, on_progress: Optional[ProgressFn] = N
     results: dict[str, Any] = {"config": asdict(cfg), "environment": journal.environment, "models": {},
                                "cost": [], "formats": [], "scale": [], "determinism": {}, "frameworks": {}}
     try:
-        with quiet_single_process():
+        with quiet_single_process(), deterministic_kernels(cfg.device):
             for model in cfg.models:
                 cost, formats, info = cost_and_formats(cfg, model, dataset, work / "cost" / model, progress, ledger)
                 results["models"][model] = info

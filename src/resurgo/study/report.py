@@ -93,6 +93,13 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _device(cfg: dict, env: dict) -> str:
+    """Where PyTorch trained: the CPU, or the GPU by name (the other frameworks run on the CPU)."""
+    if cfg.get("device", "cpu") == "cpu":
+        return "the CPU"
+    return f"{env.get('gpu') or 'a CUDA GPU'} (TensorFlow, JAX and Chainer on the CPU)"
+
+
 def _model(name: str) -> str:
     return LABELS.get(name, name)
 
@@ -275,6 +282,7 @@ def render_markdown(results: dict) -> str:
         f"{'real CIFAR-10 from ' + cfg['data_dir'] if cfg['data_dir'] else 'synthetic CIFAR-10-shaped data'} "
         f"({cfg['samples']} images, random crop + flip, shuffled). "
         f"Machine: {cores} CPU cores, torch {env['torch']}, {cfg['threads']} intra-op thread(s) per process, "
+        f"PyTorch on {_device(cfg, env)}, "
         f"load average {env.get('load_average_1_5_15')} at start. Study duration {results['duration_s']:.0f} s.\n")
     out.append("Mechanisms, as their users write them: torch.save of the model and optimizer state_dicts; "
                "PyTorch DCP `save`/`async_save` of `get_state_dict(model, optimizer)`; safetensors "

@@ -43,6 +43,7 @@ class JobSpec:
     width: int
     batch_size: int
     seed: int = 0
+    device: str = "cpu"  # where the network, its optimizer state and each batch live
 
 
 class Training:
@@ -80,7 +81,7 @@ def build_training(spec: JobSpec, dataset: Dataset, *, rank: int = 0, world: int
     torch.manual_seed(spec.seed)
     random.seed(spec.seed)
     np.random.seed(spec.seed)
-    model: nn.Module = build_model(spec.model, spec.width)
+    model: nn.Module = build_model(spec.model, spec.width).to(spec.device)
     if ddp:
         model = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
@@ -107,10 +108,12 @@ def train_steps(job: Training, steps: int, on_step: Optional[StepHook] = None) -
                          "build_training, or give Training a DataLoader")
     loader = job.loader
     job.model.train()
+    device = next(job.model.parameters()).device
     losses: list[float] = []
     until = job.step + steps
     while job.step < until:
         for x, y in loader:
+            x, y = x.to(device), y.to(device)
             loss = nn.functional.cross_entropy(job.model(x), y)
             job.optimizer.zero_grad(set_to_none=True)
             loss.backward()
