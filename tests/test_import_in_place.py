@@ -265,3 +265,30 @@ def test_replicas_compared_are_referenced_averaged_ones_copied(tmp_path):
     assert list(report.copied) == ["mean"] and "averaged" in report.copied["mean"] and report.in_place_bytes == 24
     loaded = resurgo.load_dict(tmp_path / "dst")
     assert bits(loaded["same"]) == bits(a) and bits(loaded["mean"]) == bits(a + 1)
+
+
+def test_a_copy_by_resurgo_holds_the_foreign_bytes_and_loads_without_them(tmp_path):
+    """A tier copy (pipeline.copy) of an import in place is self-contained: each foreign file's
+    chunks become a data file of the copy, a valid safetensors file, with the same checksums."""
+    from resurgo.pipeline.copy import copy_checkpoint
+    from resurgo.pipeline.verify import verify_checkpoint
+
+    src, dst, expected, _ = imported(tmp_path)
+    source_files = tree_bytes(src)
+    copy_checkpoint(dst, tmp_path / "copy")
+    assert tree_bytes(src) == source_files  # the foreign files are only read
+    m = json.loads((tmp_path / "copy" / "manifest.json").read_bytes())
+    assert m["version"] == 2 and "external" not in m
+    made = [name for name in m["files"] if name.startswith("data/rank1")]
+    assert made == ["data/rank100000-000.safetensors"]  # one foreign file, one data file
+    declared = load_file(tmp_path / "copy" / made[0])
+    assert {k: bits(v) for k, v in declared.items()} == {"model.w#0": bits(expected["w"]),
+                                                          "model.b#0": bits(expected["model.b"]),
+                                                          "ids#0": bits(expected["ids"])}
+    (src / "__0_0.distcp").rename(tmp_path / "moved.distcp")  # the source is gone
+    assert verify_checkpoint(tmp_path / "copy").problems == []
+    loaded = resurgo.load_dict(tmp_path / "copy")
+    assert bits(loaded["model.w"]) == bits(expected["w"]) and bits(loaded["model.b"]) == bits(expected["model.b"])
+    assert bits(loaded["ids"]) == bits(expected["ids"]) and loaded["step"] == 3
+    with pytest.raises(CorruptCheckpointError, match="moved or deleted"):
+        resurgo.load_dict(dst)  # the import itself still reads the source

@@ -7,7 +7,9 @@ same collective sequence as a save (:mod:`resurgo.pipeline.collective`). A check
 references another's data files is copied self-contained: the referenced files become its own
 (:func:`self_contained`), and the manifest is rewritten to say so: the destination's commit
 protocol applies (temporary directory and rename on a filesystem; data objects, then the manifest,
-on an object store), so a copy cut short is never a checkpoint.
+on an object store), so a copy cut short is never a checkpoint. A checkpoint imported in place (its chunks in foreign
+files) is copied self-contained too: each foreign file's chunks become a data file of the copy
+(:func:`without_foreign_files`), so the copy loads where the foreign files are not.
 
 In a distributed job every rank copies its share of the files (:func:`resurgo.plan.copy_plan.assign_files`)
 and rank 0 commits once all are done, so a large checkpoint is not funnelled through one node.
@@ -20,11 +22,15 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from resurgo import faults
 from resurgo.dist import liveness
 from resurgo.dist.comm import Comm
-from resurgo.format.manifest import Manifest
+from resurgo.format import checksum
+from resurgo.format.manifest import FORMAT_VERSION, Manifest, is_external
+from resurgo.format.safetensors_file import HeaderEntry, build_header
+from resurgo.layout.box import ChunkBox
 from resurgo.pipeline.collective import open_staging, write_then_commit
 from resurgo.pipeline.data_files import open_data_file
 from resurgo.pipeline.manifest_read import read_manifest_and_bytes
@@ -61,6 +67,55 @@ def self_contained(manifest: Manifest) -> tuple[Manifest, dict[str, str]]:
     return Manifest.model_validate(doc), sources
 
 
+@dataclass(frozen=True)
+class MadeFile:
+    """A data file of a copy that is not a file of the source: ``header`` (a safetensors header),
+    then the bytes ``[start, stop)`` of each source file in ``pieces``, in order."""
+
+    header: bytes
+    pieces: tuple[tuple[str, int, int], ...]
+
+
+def without_foreign_files(manifest: Manifest) -> tuple[Manifest, dict[str, MadeFile]]:
+    """``manifest`` with every chunk in a foreign file (an import in place, version 5) moved into
+    a data file of its own (one per foreign file, each chunk a tensor of its safetensors header,
+    its block checksums unchanged: the same bytes), and what each such file is made of. A copy
+    then holds every byte it needs, as a copy of a checkpoint with references does."""
+    ext = manifest.external
+    if ext is None:
+        return manifest, {}
+    chunks_in: dict[str, list[tuple[str, int]]] = {}  # foreign file -> (key, chunk index) of its chunks
+    for key, t in manifest.tensors.items():
+        for ci, c in enumerate(t.chunks):
+            if c.file is not None and is_external(c.file):
+                chunks_in.setdefault(c.file, []).append((key, ci))
+    tensors = {key: t.model_dump(exclude_none=True) for key, t in manifest.tensors.items()}
+    files = {name: e.model_dump() for name, e in manifest.files.items()}
+    made: dict[str, MadeFile] = {}
+    n = 0
+    for foreign in sorted(chunks_in):
+        while (name := f"data/rank{100000 + n}-000.safetensors") in files:  # a name resurgo writes (see above)
+            n += 1
+        n += 1
+        entries, pieces = [], []
+        for key, ci in chunks_in[foreign]:
+            t, c = manifest.tensors[key], manifest.tensors[key].chunks[ci]
+            place = c.place
+            shape = tuple(place.shape) if isinstance(place, ChunkBox) else (place.numel,)
+            entries.append(HeaderEntry(f"{key}#{ci}", t.dtype, shape, c.nbytes))
+            assert c.byte_range is not None  # version 5 chunks in foreign files have one span (format.md 12)
+            pieces.append((foreign, c.byte_range[0], c.byte_range[1]))
+        header, ranges = build_header(entries)
+        for (key, ci), (start, stop) in zip(chunks_in[foreign], ranges):
+            tensors[key]["chunks"][ci].update(file=name, name=f"{key}#{ci}", byte_range=[start, stop])
+        files[name] = {"bytes": ranges[-1][1], "header_bytes": len(header), "header_checksum": checksum.digest(header)}
+        made[name] = MadeFile(header, tuple(pieces))
+    doc = manifest.model_dump(exclude_none=True)
+    doc.pop("external")
+    doc.update(version=FORMAT_VERSION, tensors=tensors, files=files)
+    return Manifest.model_validate(doc), made
+
+
 def data_files(manifest: Manifest) -> list[tuple[str, int]]:
     """``(name, size)`` of every data file the manifest lists, by name."""
     return sorted((name, entry.bytes) for name, entry in manifest.files.items())
@@ -88,6 +143,7 @@ def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, src_optio
     source = open_checkpoint(src, src_options)
     original, raw = read_manifest_and_bytes(source)
     manifest, sources = self_contained(original)
+    manifest, made = without_foreign_files(manifest)
     if manifest is not original:
         raw = manifest.to_json_bytes()
     files = data_files(manifest)
@@ -96,23 +152,26 @@ def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, src_optio
     staging = open_staging(group, lambda: open_checkpoint(dst, dst_options).stage(overwrite, declared_files))
 
     def copy_file(name: str) -> None:
-        total = sizes[name]
-        buf = bytearray(min(PIECE_BYTES, total))
-        reader = open_data_file(source, original, sources[name])
+        recipe = made.get(name) or MadeFile(b"", ((sources[name], 0, sizes[name]),))
+        buf = bytearray(min(PIECE_BYTES, max((b - a for _, a, b in recipe.pieces), default=0)))
+        writer = staging.create(name)
         try:
-            check_size(source.path, sources[name], reader.size, total)
-            writer = staging.create(name)
-            try:
-                for off in range(0, total, PIECE_BYTES):
-                    view = memoryview(buf)[: min(PIECE_BYTES, total - off)]
-                    reader.read_into(off, view)
-                    writer.write(view)
-                    liveness.progress()  # a slow copy is not a stalled rank
-                writer.fsync()
-            finally:
-                writer.close()
+            if recipe.header:
+                writer.write(memoryview(recipe.header))
+            for file, start, stop in recipe.pieces:
+                reader = open_data_file(source, original, file)
+                try:
+                    check_size(source.path, file, reader.size, original.file_entry(file).bytes)
+                    for off in range(start, stop, PIECE_BYTES):
+                        view = memoryview(buf)[: min(PIECE_BYTES, stop - off)]
+                        reader.read_into(off, view)
+                        writer.write(view)
+                        liveness.progress()  # a slow copy is not a stalled rank
+                finally:
+                    reader.close()
+            writer.fsync()
         finally:
-            reader.close()
+            writer.close()
 
     def copy_mine() -> None:
         faults.point("tier.copy")
