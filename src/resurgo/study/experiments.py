@@ -153,8 +153,7 @@ def count_units(cfg: StudyConfig) -> int:
 
 
 class _Progress:
-    def __init__(self, total: int, fn: Optional[ProgressFn], journal: Optional[Journal] = None,
-                 ledger: Optional[Ledger] = None) -> None:
+    def __init__(self, total: int, fn: Optional[ProgressFn], journal: Optional[Journal], ledger: Ledger) -> None:
         self.total, self.done, self.fn, self.journal, self.ledger = total, 0, fn, journal, ledger
 
     def unit(self, key: str, measure: Callable[[], Any]) -> Any:
@@ -162,7 +161,7 @@ class _Progress:
         (resume.py), the bytes it wrote then counted again in the ledger."""
         if self.journal is None:
             return measure()
-        ledger = self.ledger or Ledger(Path("."))
+        ledger = self.ledger
 
         def measured() -> dict[str, Any]:
             mark = ledger.mark()
