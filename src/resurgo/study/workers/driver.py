@@ -37,7 +37,7 @@ if __package__:  # imported from resurgo (the tests)
 else:  # run as a script: its folder is on sys.path
     from disk import Ledger, NewFiles, remove  # type: ignore[no-redef]
 
-__all__ = ["CONFIG_KEYS", "check_config", "checkpointing_run", "format_row", "cost_and_formats", "determinism",
+__all__ = ["CONFIG_KEYS", "check_config", "timed_checkpoints", "checkpointing_run", "format_row", "cost_and_formats", "determinism",
            "run", "main"]
 
 # What the study process sends (StudyConfig's fields that apply outside PyTorch).
@@ -62,15 +62,14 @@ def _files(path: Path) -> list[Path]:
     return sorted(p for p in path.rglob("*") if p.is_file()) if path.exists() else []
 
 
-def checkpointing_run(fw: Any, job: Any, steps: int, every: int, directory: Path,
-                      ledger: Ledger) -> dict[str, Any]:
-    """Train ``steps`` steps checkpointing every ``every``; seconds (the last save included), and
-    the time blocked in each save. The checkpoints are counted in ``ledger``, then removed."""
-    ckpt = fw.Checkpointer(directory)
+def timed_checkpoints(train: Callable[..., Any], ckpt: Any, job: Any, steps: int, every: int,
+                      after_save: Optional[Callable[[], None]] = None) -> dict[str, Any]:
+    """Train ``steps`` steps (``train(job, steps, on_step)``) saving with ``ckpt`` every ``every``;
+    seconds (the last save waited for, time in ``after_save`` left out: it is not the mechanism's)
+    and the time blocked in each save. ``ckpt`` is closed afterwards."""
     stalls: list[float] = []
     count = [0]
-    new_files = NewFiles(directory)
-    looking = [0.0]  # seconds spent counting files during the run: not the mechanism's
+    outside = [0.0]
 
     def on_step(step: int) -> None:
         count[0] += 1
@@ -79,19 +78,33 @@ def checkpointing_run(fw: Any, job: Any, steps: int, every: int, directory: Path
             ckpt.save(job, step)
             t1 = time.perf_counter()
             stalls.append(t1 - t0)
-            # a mechanism may prune or overwrite its earlier checkpoints: count them as they appear
-            ledger.add("cost", new_files.look())
-            looking[0] += time.perf_counter() - t1
+            if after_save is not None:
+                after_save()
+                outside[0] += time.perf_counter() - t1
 
     t0 = time.perf_counter()
-    fw.train(job, steps, on_step)
+    train(job, steps, on_step)
     ckpt.wait()  # the run is finished when its last checkpoint is
-    seconds = time.perf_counter() - t0 - looking[0]
+    seconds = time.perf_counter() - t0 - outside[0]
     ckpt.close()
+    return {"seconds": seconds, "checkpoints": len(stalls), "stall_s": stalls}
+
+
+def checkpointing_run(fw: Any, job: Any, steps: int, every: int, directory: Path,
+                      ledger: Ledger) -> dict[str, Any]:
+    """Train ``steps`` steps checkpointing every ``every``; seconds (the last save included), and
+    the time blocked in each save. The checkpoints are counted in ``ledger``, then removed."""
+    ckpt = fw.Checkpointer(directory)
+    new_files = NewFiles(directory)
+
+    def count_new_files() -> None:  # a mechanism may prune or overwrite its earlier checkpoints
+        ledger.add("cost", new_files.look())
+
+    run = timed_checkpoints(fw.train, ckpt, job, steps, every, count_new_files)
     ledger.add("cost", new_files.look())
     ledger.observe()
     remove(directory)
-    return {"seconds": seconds, "checkpoints": len(stalls), "stall_s": stalls}
+    return run
 
 
 def format_row(fw: Any, job: Any, directory: Path, step: int, ledger: Ledger) -> dict[str, Any]:

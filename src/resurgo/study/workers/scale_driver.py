@@ -1,7 +1,8 @@
 """One process of the scale experiment for a framework other than PyTorch, run inside that
 framework's environment: ``python scale_driver.py FRAMEWORK CONFIG.json OUT_DIR``.
 
-This module imports only the standard library. It owns the measurement, the same as PyTorch's
+This module imports only the standard library and ``driver.py`` beside it (whose timed run it
+shares). It owns the measurement, the same as PyTorch's
 ``experiments.scale_worker``: per repetition, a timed run without checkpoints and, right after
 it, its pair with a checkpoint every ``scale_every`` steps, every process in step (a barrier
 before each run and after it); it writes this process's raw timings to ``OUT_DIR/rank-<r>.json``
@@ -25,6 +26,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+if __package__:  # imported from resurgo (the tests)
+    from .driver import timed_checkpoints
+else:  # run as a script: its folder is on sys.path
+    from driver import timed_checkpoints  # type: ignore[no-redef]
+
 __all__ = ["SCALE_KEYS", "check_scale_config", "paired_runs", "main"]
 
 # What the launcher adds to the worker config (``driver.CONFIG_KEYS``) for a scale run.
@@ -37,26 +43,6 @@ def check_scale_config(config: dict) -> dict:
     if missing:
         raise ValueError(f"scale config: missing {missing}; expected at least the keys {list(SCALE_KEYS)}")
     return config
-
-
-def _checkpointing_run(sc: Any, dist: Any, job: Any, steps: int, every: int, directory: Path) -> dict[str, Any]:
-    ckpt = sc.Checkpointer(directory, dist)
-    stalls: list[float] = []
-    count = [0]
-
-    def on_step(step: int) -> None:
-        count[0] += 1
-        if count[0] % every == 0:
-            t0 = time.perf_counter()
-            ckpt.save(job, step)
-            stalls.append(time.perf_counter() - t0)
-
-    t0 = time.perf_counter()
-    sc.train(job, steps, on_step)
-    ckpt.wait()  # the run is finished when its last checkpoint is
-    seconds = time.perf_counter() - t0
-    ckpt.close()
-    return {"seconds": seconds, "checkpoints": len(stalls), "stall_s": stalls}
 
 
 def paired_runs(sc: Any, dist: Any, config: dict, work: Path) -> list[dict[str, Any]]:
@@ -72,7 +58,8 @@ def paired_runs(sc: Any, dist: Any, config: dict, work: Path) -> list[dict[str, 
         sc.train(job, config["scale_steps"])
         without = time.perf_counter() - t0
         dist.barrier()
-        run = _checkpointing_run(sc, dist, job, config["scale_steps"], config["scale_every"], directory)
+        run = timed_checkpoints(sc.train, sc.Checkpointer(directory, dist), job, config["scale_steps"],
+                                config["scale_every"])
         dist.barrier()
         if dist.rank == 0:
             shutil.rmtree(directory, ignore_errors=True)
