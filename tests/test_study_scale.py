@@ -92,6 +92,54 @@ def test_a_group_past_its_deadline_is_ended_and_says_so(tmp_path: Path):
     fs.run_group([_proc(tmp_path, "pass", 0)], dict(os.environ), timeout_s=30)  # a group that succeeds returns
 
 
+SIGTERMED = """
+import os, sys, time
+from pathlib import Path
+from resurgo.cli.study import terminated_as_exit
+from resurgo.dist.launch import run_ranks
+from resurgo.study import framework_scale as fs
+
+out, kind = Path(sys.argv[1]), sys.argv[2]
+with terminated_as_exit():
+    if kind == "group":
+        sleeper = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(600)"
+        fs.run_group([fs.Process([sys.executable, "-c", sleeper, str(out / f"pid{r}")], {}, out / f"log{r}")
+                      for r in range(2)], dict(os.environ), timeout_s=600)
+    else:
+        run_ranks(2, "sleeping_rank:main", str(out), sys_path=[str(out)])
+"""
+
+SLEEPING_RANK = """
+import os, time
+from pathlib import Path
+
+
+def main(rank, world, out):
+    Path(out, f"pid{rank}").write_text(str(os.getpid()))
+    time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("kind", ["group", "ranks"])
+def test_sigterm_ends_the_study_with_every_process_it_started(kind: str, tmp_path: Path):
+    """A study told to stop (SIGTERM, as a batch system or `kill` does) exits with 143 and leaves
+    none of its framework processes or spawned ranks running: each would otherwise train on,
+    orphaned, for minutes."""
+    (tmp_path / "sleeping_rank.py").write_text(SLEEPING_RANK)
+    study = subprocess.Popen([sys.executable, "-c", SIGTERMED, str(tmp_path), kind])
+    pids = [tmp_path / "pid0", tmp_path / "pid1"]
+    deadline = time.monotonic() + 120
+    while not all(p.exists() and p.read_text() for p in pids):
+        assert time.monotonic() < deadline and study.poll() is None, "the processes never started"
+        time.sleep(0.1)
+    children = [int(p.read_text()) for p in pids]
+    study.terminate()
+    assert study.wait(timeout=60) == 143
+    for pid in children:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 def _rank(rank: int, world: int, pairs: list[dict]) -> dict[str, Any]:
     return {"framework": "jax", "rank": rank, "world": world, "model": "vgg16", "mechanism": "orbax_async",
             "label": "JAX Orbax", "how": "gloo", "versions": {}, "pairs": pairs, "duration_s": 1.0}

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -14,6 +17,23 @@ from resurgo.errors import CheckpointNotFoundError, storage_error
 
 if TYPE_CHECKING:  # the study (torch, models) is imported only when it runs
     from resurgo.study.experiments import StudyConfig
+
+
+@contextlib.contextmanager
+def terminated_as_exit() -> Iterator[None]:
+    """Within it, SIGTERM raises SystemExit (status 143) in the main thread, as Ctrl-C raises
+    KeyboardInterrupt: the study's ``finally`` clauses run, so the rank groups and framework
+    processes it started are ended with it instead of training on, orphaned. (By default SIGTERM
+    ends the process at once, cleanup included.)"""
+
+    def leave(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    before = signal.signal(signal.SIGTERM, leave)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _names(text: Optional[str]) -> Optional[tuple[str, ...]]:
@@ -128,7 +148,8 @@ def study(
             def on_progress(done: int, total: int, label: str) -> None:
                 progress.update(task, completed=done, total=total, description=label)
 
-            results = run_study(cfg, out, on_progress, envs, restart)
+            with terminated_as_exit():
+                results = run_study(cfg, out, on_progress, envs, restart)
         write_outputs(results, out)
     console.print(f"study done in {results['duration_s']:.0f} s: {escape(str(out / REPORT))}")
     if results["journal"]["units_replayed"]:

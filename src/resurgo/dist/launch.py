@@ -70,14 +70,16 @@ def run_ranks(world: int, target: Callable[..., Any] | str, *args: Any, timeout:
         port = _free_port()
         procs = [ctx.Process(target=_entry, args=(r, world, port, target, args, list(sys_path or []), out_dir))
                  for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+        try:
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(timeout)
+        finally:  # also when this process is interrupted or told to exit: no rank outlives the call
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
         results, errors = [], []
         for r, p in enumerate(procs):
             path = Path(out_dir) / f"rank{r}.pkl"
