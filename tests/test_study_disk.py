@@ -117,3 +117,26 @@ def test_new_files_counts_overwrites_and_skips_files_being_written(tmp_path: Pat
     ledger.observe()
     ledger.observe(3)
     assert ledger.summary() == {"written": {"cost": 15}, "total": 15, "peak": 20}
+
+
+def test_bytes_no_ledger_saw_are_not_counted_not_zero():
+    """Another framework's scale processes write and delete their checkpoints themselves: their
+    bytes are "not counted" (not 0 B), and the sums they miss say "at least"."""
+    from resurgo.study.report import _disk_section
+
+    gib = 1 << 30
+    ledger = {"written": {"cost": 3 * gib, "formats": gib, "determinism": gib}, "total": 5 * gib, "peak": gib // 4}
+    results = {"disk": {"written": {"cost": 8 * gib, "formats": 2 * gib, "determinism": gib, "scale": 4 * gib},
+                        "total": 15 * gib, "peak": gib},
+               "frameworks": {"jax": {"label": "JAX/Orbax", "ran": True, "disk": ledger,
+                                      "scale": "ran on 1, 2 processes (gloo)"},
+                              "chainer": {"label": "Chainer", "ran": True, "disk": ledger,
+                                          "scale": "could not run on 2 processes: boom"}}}
+    rows = [ln for ln in "".join(_disk_section(results)).splitlines() if ln.startswith("| ") and "---" not in ln]
+    assert rows[1:] == [
+        "| PyTorch | 8.00 GiB | 2.00 GiB | 1.00 GiB | 4.00 GiB | 15.00 GiB | 1.00 GiB |",
+        "| JAX/Orbax | 3.00 GiB | 1.00 GiB | 1.00 GiB | not counted | at least 5.00 GiB | 256.00 MiB |",
+        "| Chainer | 3.00 GiB | 1.00 GiB | 1.00 GiB | 0 B | 5.00 GiB | 256.00 MiB |",
+        "| all | 14.00 GiB | 4.00 GiB | 3.00 GiB | at least 4.00 GiB | at least 25.00 GiB | 1.00 GiB |"]
+    del results["frameworks"]["jax"]
+    assert "not counted" not in "".join(_disk_section(results)) and "at least" not in "".join(_disk_section(results))

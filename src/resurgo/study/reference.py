@@ -39,10 +39,8 @@ def reference_config(**overrides: Any) -> StudyConfig:
     checkpoint, as ``--quick``), and TensorFlow, JAX and Chainer beside PyTorch (their scale
     experiment too, where they run it).
 
-    Its duration was estimated, not run: about 80 minutes on 2 free cores (PyTorch ~23, the
-    other frameworks' cost, formats and determinism ~40, their scale runs ~17), from unit timings
-    measured at these sizes on the shared 2-core VM under load 7-15, scaled down by the slowdown
-    a CPU-bound step showed at the same load (3.3x at load 14)."""
+    On the 2-core development VM, otherwise idle, it ran in 1544 s (the frameworks' environments
+    already built); docs/study/reference.md is that run's report."""
     return replace(StudyConfig(width=64, batch_size=2, samples=256, warmup_steps=2, cost_steps=4, checkpoint_every=2,
                                cost_repeats=6, scale_worlds=(1, 2, 4), scale_models=("vgg16",), scale_steps=2,
                                scale_every=2, det_steps=12, det_restart=6, preset="reference",

@@ -283,7 +283,7 @@ def render_markdown(results: dict) -> str:
         f"({cfg['samples']} images, random crop + flip, shuffled). "
         f"Machine: {cores} CPU cores, torch {env['torch']}, {cfg['threads']} intra-op thread(s) per process, "
         f"PyTorch on {_device(cfg, env)}, "
-        f"load average {env.get('load_average_1_5_15')} at start. Study duration {results['duration_s']:.0f} s.\n")
+        f"load average {_load(env.get('load_average_1_5_15'))} at start. Study duration {results['duration_s']:.0f} s.\n")
     out.append("Mechanisms, as their users write them: torch.save of the model and optimizer state_dicts; "
                "PyTorch DCP `save`/`async_save` of `get_state_dict(model, optimizer)`; safetensors "
                "`save_file(model.state_dict())` (weights only); resurgo `save`/`async_save` of "
@@ -416,7 +416,7 @@ def _determinism_section(results: dict) -> list[str]:
         for r in [r for d in [det, *others] for r in d["restarts"].values()]:
             st = r["stores"]
             rows.append([_model(model), r["label"], _yes(st["optimizer"]), _yes(st["rng"]),
-                         _yes(st["data_position"]), repr(r["max_abs_diff"]), _yes(r["identical"])])
+                         _yes(st["data_position"]), f"{r['max_abs_diff']:.4g}", _yes(r["identical"])])
     out.append(_table(["model", "mechanism", "optimizer", "RNG", "data position",
                        "largest abs. loss difference after restart", "identical curve"], rows) + "\n")
     if results.get("frameworks"):
@@ -431,11 +431,21 @@ DISK_EXPERIMENTS = (("cost", "cost runs"), ("formats", "formats (saved alone)"),
                     ("scale", "scale"))
 
 
+def _load(averages: object) -> str:
+    """The 1, 5 and 15 minute load averages as the system shows them."""
+    if isinstance(averages, (list, tuple)) and averages:
+        return ", ".join(f"{x:.2f}" for x in averages)
+    return "unknown"
+
+
 def _disk_section(results: dict) -> list[str]:
     """The bytes of checkpoints written, per framework and experiment, and the most on disk at once."""
-    disks = [("PyTorch", results.get("disk"))] + [(fw["label"], fw.get("disk"))
-                                                   for fw in results.get("frameworks", {}).values() if fw["ran"]]
-    disks = [(label, d) for label, d in disks if d]
+    # (label, ledger, experiments that ran but whose bytes no ledger saw: another framework's scale
+    # processes write and delete their checkpoints themselves)
+    disks = [("PyTorch", results.get("disk"), set())] + [
+        (fw["label"], fw.get("disk"), {"scale"} if str(fw.get("scale", "")).startswith("ran") else set())
+        for fw in results.get("frameworks", {}).values() if fw["ran"]]
+    disks = [(label, d, unseen - set(d["written"])) for label, d, unseen in disks if d]
     if not disks:
         return []
     out = ["## Disk: bytes written\n",
@@ -444,12 +454,21 @@ def _disk_section(results: dict) -> list[str]:
            "*Written* sums the bytes of every checkpoint an experiment created (counted when complete, an "
            "overwritten or pruned one included); *most on disk* is the largest total of checkpoints present "
            "at one time.\n"]
-    rows = [[label, *(_human_bytes(d["written"].get(key, 0)) for key, _ in DISK_EXPERIMENTS),
-             _human_bytes(d["total"]), _human_bytes(d["peak"])] for label, d in disks]
+    if any(unseen for _, _, unseen in disks):
+        out.append("*Not counted*: that framework's processes wrote and deleted those checkpoints themselves, "
+                   "unmeasured (nor are they in *most on disk*); a sum that misses them is shown as *at least*.\n")
+
+    def at_least(n: int, partial: bool) -> str:
+        return ("at least " if partial else "") + _human_bytes(n)
+
+    rows = [[label, *("not counted" if key in unseen else _human_bytes(d["written"].get(key, 0))
+                      for key, _ in DISK_EXPERIMENTS), at_least(d["total"], bool(unseen)), _human_bytes(d["peak"])]
+            for label, d, unseen in disks]
     if len(disks) > 1:  # the frameworks run one after another: the most on disk is one of theirs
-        rows.append(["all", *(_human_bytes(sum(d["written"].get(key, 0) for _, d in disks))
-                              for key, _ in DISK_EXPERIMENTS),
-                     _human_bytes(sum(d["total"] for _, d in disks)), _human_bytes(max(d["peak"] for _, d in disks))])
+        rows.append(["all", *(at_least(sum(d["written"].get(key, 0) for _, d, _ in disks),
+                                       any(key in unseen for _, _, unseen in disks)) for key, _ in DISK_EXPERIMENTS),
+                     at_least(sum(d["total"] for _, d, _ in disks), any(unseen for _, _, unseen in disks)),
+                     _human_bytes(max(d["peak"] for _, d, _ in disks))])
     out.append(_table(["framework", *(title for _, title in DISK_EXPERIMENTS), "written", "most on disk"], rows) + "\n")
     return out
 
