@@ -156,6 +156,25 @@ def test_merge_takes_the_slowest_rank_of_each_pair(tmp_path: Path):
         (tmp_path / f"rank-{r['rank']}.json").write_text(json.dumps(r))
     row = fs.merge_ranks("jax", 2, tmp_path, CFG)
     assert row["runs"] == [_pair(1.5, 3.0, [0.5]), _pair(2.0, 2.6, [0.2])]
+    assert (row["written_bytes"], row["run_bytes"]) == (0, 0)  # (these ranks counted nothing)
+    ranks[0]["pairs"][0]["written_bytes"], ranks[0]["pairs"][1]["written_bytes"] = 300, 200
+    (tmp_path / "rank-0.json").write_text(json.dumps(ranks[0]))
+    row = fs.merge_ranks("jax", 2, tmp_path, CFG)
+    assert (row["written_bytes"], row["run_bytes"]) == (500, 300)
+    # the framework's disk ledger gets them: written per experiment, total, the most on disk at once
+    def ledger() -> dict:
+        return {"written": {"cost": 1000, "formats": 500, "determinism": 100}, "total": 1600, "peak": 250}
+
+    results = {"scale": [], "frameworks": {"jax": {"label": "JAX/Orbax", "ran": True, "disk": ledger()}}}
+    fs.add_framework_scale(results, "jax", {"rows": [row, {**row, "ranks": 1, "written_bytes": 40,
+                                                           "run_bytes": 20}], "failures": {}})
+    assert results["frameworks"]["jax"]["disk"] == {"written": {"cost": 1000, "formats": 500, "determinism": 100,
+                                                                "scale": 540}, "total": 2140, "peak": 300}
+    old_journal = {"label": "JAX/Orbax", "ran": True, "disk": ledger()}
+    results = {"scale": [], "frameworks": {"jax": old_journal}}
+    fs.add_framework_scale(results, "jax", {"rows": [{k: v for k, v in row.items() if not k.endswith("_bytes")}],
+                                            "failures": {}})
+    assert "scale" not in old_journal["disk"]["written"]  # rows of an older run: not counted, not 0
     assert (row["framework"], row["ranks"], row["global_batch"]) == ("jax", 2, 4)
     assert (row["pairs"], row["checkpoints"]) == (2, 1)
     assert row["stall_s"] == [0.5, 0.2] and row["extra_s"] == pytest.approx(1.05)
@@ -277,9 +296,11 @@ class ToyScale:
         toy = self
 
         class Ckpt:
-            def save(self, job: dict, step: int) -> None:
+            def save(self, job: dict, step: int) -> None:  # keeps only its last checkpoint, of 10 bytes a step
                 directory.mkdir(parents=True, exist_ok=True)
-                (directory / f"{step}.json").write_text("{}")
+                for old in directory.iterdir():
+                    old.unlink()
+                (directory / f"{step}.bin").write_bytes(b"x" * 10 * step)
                 toy.saved.append(step)
 
             def wait(self) -> None:
@@ -301,6 +322,10 @@ def test_driver_pairs_runs_in_step_and_removes_the_checkpoints(tmp_path: Path):
     # warm-up 1, then per pair 4 steps without and 4 with a checkpoint every 2
     assert sc.saved == [7, 9, 15, 17, 23, 25] and dist.barriers == 3 * 3 + 1
     assert list(tmp_path.iterdir()) == []
+    # every checkpoint's bytes, the ones the mechanism pruned itself included
+    assert [p["written_bytes"] for p in pairs] == [160, 320, 480]
+    dist.rank = 1  # another rank: rank 0 counts the shared directory
+    assert [p["written_bytes"] for p in scale_driver.paired_runs(sc, dist, config, tmp_path)] == [0, 0, 0]
     with pytest.raises(ValueError, match=r"scale config: missing \['scale_every'\]"):
         scale_driver.check_scale_config({k: v for k, v in config.items() if k != "scale_every"})
 
@@ -315,7 +340,7 @@ def test_scale_modules_import_only_the_standard_library_and_their_framework():
         names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         return names | {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
 
-    expected = {"scale_driver": {"driver"}, "scale_tensorflow": {"tensorflow", "tensorflow_worker"},
+    expected = {"scale_driver": {"driver", "disk"}, "scale_tensorflow": {"tensorflow", "tensorflow_worker"},
                 "scale_jax": {"jax", "numpy", "jax_worker"}, "scale_chainer": {"chainermn", "chainer_worker"}}
     for module, packages in expected.items():
         assert _imports(WORKERS / f"{module}.py") - STDLIB - {"mpi4py"} == packages, module
@@ -331,7 +356,8 @@ def test_scale_modules_import_only_the_standard_library_and_their_framework():
 def test_framework_scales_to_two_processes(name: str, tmp_path: Path):
     cfg = replace(quick_config(), width=4, samples=16, warmup_steps=1, scale_steps=2, scale_every=1, cost_repeats=2,
                   scale_worlds=(1, 2), scale_models=("vgg16",))
-    results: dict[str, Any] = {"scale": [], "frameworks": {name: {"label": FRAMEWORKS[name].label, "ran": True}}}
+    results: dict[str, Any] = {"scale": [], "frameworks": {name: {"label": FRAMEWORKS[name].label, "ran": True,
+                                                                   "disk": {"written": {}, "total": 0, "peak": 0}}}}
     fs.add_framework_scale(results, name, fs.measure_framework_scale(name, cfg, tmp_path, timeout_s=600))
     entry = results["frameworks"][name]
     assert entry["scale_failures"] == {}, entry["scale"]
@@ -340,7 +366,10 @@ def test_framework_scales_to_two_processes(name: str, tmp_path: Path):
         assert row["framework"] == name and row["pairs"] == 2 and row["checkpoints"] == 2
         assert len(row["stall_s"]) == 4 and all(s > 0 for s in row["stall_s"])
         assert row["global_batch"] == 2 * row["ranks"] and row["wall_s"] > 0
+        # every checkpoint counted: 2 pairs of 2, each at least the network's float32 weights (59,742 at width 4)
+        assert row["written_bytes"] >= 4 * 4 * 59_742 and row["run_bytes"] >= 2 * 4 * 59_742, row
     assert entry["scale"].startswith(f"ran on 1, 2 processes ({FRAMEWORKS[name].scale}")
     assert not list(tmp_path.rglob("checkpoints/*"))
+    assert entry["disk"]["written"]["scale"] == sum(r["written_bytes"] for r in results["scale"])
     print(json.dumps({"framework": name, "wall_s": [r["wall_s"] for r in results["scale"]],
                       "stall_median_s": [r["stall"]["median"] for r in results["scale"]]}))

@@ -189,10 +189,11 @@ def merge_ranks(name: str, world: int, out: Path, cfg: Any) -> dict[str, Any]:
         raise StudyError(f"{out}: ranks report worlds {sorted({r['world'] for r in ranks})}, expected {world}")
     first = ranks[0]
     pairs = slowest_pairs(ranks)
+    written = [sum(r["pairs"][i].get("written_bytes", 0) for r in ranks) for i in range(len(pairs))]
     return {"framework": name, "model": first["model"], "ranks": world, "mechanism": first["mechanism"],
             "label": first["label"], "how": frameworks.FRAMEWORKS[name].scale, "steps": cfg.scale_steps,
             "every": cfg.scale_every, "global_batch": cfg.batch_size * world, "checkpoints": pairs[0]["checkpoints"],
-            **pair_timings(pairs)}
+            "written_bytes": sum(written), "run_bytes": max(written, default=0), **pair_timings(pairs)}
 
 
 def scale_status(rows: list[dict[str, Any]], failures: dict[int, str]) -> str:
@@ -261,5 +262,12 @@ def add_framework_scale(results: dict[str, Any], name: str, measured: dict[str, 
     PyTorch's, and what ran or why not into its framework entry (which ``merge_framework`` made)."""
     results["scale"] += measured["rows"]
     entry = results["frameworks"][name]
+    counted = [r for r in measured["rows"] if "written_bytes" in r]  # (a journal of an older run has none)
+    disk = entry.get("disk")
+    if counted and disk is not None:
+        # one run's checkpoints are on disk at once; the groups run one after another
+        disk["written"]["scale"] = sum(r["written_bytes"] for r in counted)
+        disk["total"] = sum(disk["written"].values())
+        disk["peak"] = max(disk["peak"], *(r["run_bytes"] for r in counted))
     entry["scale"] = scale_status(measured["rows"], {int(w): why for w, why in measured["failures"].items()})
     entry["scale_failures"] = dict(measured["failures"])

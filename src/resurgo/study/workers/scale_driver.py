@@ -27,8 +27,10 @@ from pathlib import Path
 from typing import Any
 
 if __package__:  # imported from resurgo (the tests)
+    from .disk import NewFiles
     from .driver import timed_checkpoints
 else:  # run as a script: its folder is on sys.path
+    from disk import NewFiles  # type: ignore[no-redef]
     from driver import timed_checkpoints  # type: ignore[no-redef]
 
 __all__ = ["SCALE_KEYS", "check_scale_config", "paired_runs", "main"]
@@ -47,7 +49,9 @@ def check_scale_config(config: dict) -> dict:
 
 def paired_runs(sc: Any, dist: Any, config: dict, work: Path) -> list[dict[str, Any]]:
     """``cost_repeats`` pairs (without, then with checkpoints), all processes in step; rank 0
-    removes each run's checkpoints once every process has finished it."""
+    counts the bytes of each run's checkpoints in the shared directory (``written_bytes``: the
+    files that appeared or changed, an overwritten or pruned one included; 0 on the other ranks)
+    and removes them once every process has finished the run."""
     job = sc.build(config["model"], config, dist)
     sc.train(job, config["warmup_steps"])
     pairs = []
@@ -58,12 +62,19 @@ def paired_runs(sc: Any, dist: Any, config: dict, work: Path) -> list[dict[str, 
         sc.train(job, config["scale_steps"])
         without = time.perf_counter() - t0
         dist.barrier()
+        new_files = NewFiles(directory)
+        written = [0]
+
+        def count_new_files() -> None:  # a mechanism may prune or overwrite its earlier checkpoints
+            written[0] += new_files.look()
+
         run = timed_checkpoints(sc.train, sc.Checkpointer(directory, dist), job, config["scale_steps"],
-                                config["scale_every"])
+                                config["scale_every"], count_new_files if dist.rank == 0 else None)
         dist.barrier()
         if dist.rank == 0:
+            count_new_files()
             shutil.rmtree(directory, ignore_errors=True)
-        pairs.append({**run, "baseline_s": without})
+        pairs.append({**run, "baseline_s": without, "written_bytes": written[0]})
     dist.barrier()
     return pairs
 
