@@ -39,8 +39,8 @@ def reference_config(**overrides: Any) -> StudyConfig:
     checkpoint, as ``--quick``), and TensorFlow, JAX and Chainer beside PyTorch (their scale
     experiment too, where they run it).
 
-    On the 2-core development VM, otherwise idle, it ran in 1544 s (the frameworks' environments
-    already built); docs/study/reference.md is that run's report."""
+    On the 2-core development VM, otherwise idle, it ran in 1457 s and 1544 s (two runs, the
+    frameworks' environments already built); docs/study/reference.md is the 1457 s run's report."""
     return replace(StudyConfig(width=64, batch_size=2, samples=256, warmup_steps=2, cost_steps=4, checkpoint_every=2,
                                cost_repeats=6, scale_worlds=(1, 2, 4), scale_models=("vgg16",), scale_steps=2,
                                scale_every=2, det_steps=12, det_restart=6, preset="reference",
