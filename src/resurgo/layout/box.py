@@ -91,6 +91,8 @@ def covers_exactly_once(places: list[Place], global_shape: tuple[int, ...]) -> b
     if sum(p.numel for p in places) != math.prod(global_shape):
         return False
     nonempty = [p for p in places if p.numel > 0]
+    if len(nonempty) <= 1:  # inside the tensor and as many elements as it has: the whole of it
+        return True
     flats = [p for p in nonempty if isinstance(p, FlatRange)]
     boxes = [p for p in nonempty if isinstance(p, ChunkBox)]
     if len(flats) == len(nonempty):
