@@ -317,7 +317,7 @@ def test_report_puts_other_frameworks_beside_pytorch(study_out: Path, tmp_path: 
     assert toy["framework"] == "jax" and toy["pairs"] == 3 and toy["coverage"] == 0.75
     assert tables[SECTIONS[0]][-1][-2] == f"{toy['extra_s']:+.3f} [{toy['extra_low_s']:+.3f}, {toy['extra_high_s']:+.3f}]"
     assert tables[SECTIONS[1]][-1][:4] == ["VGG-16", "Toy save", "JSON", "1"]
-    assert tables[SECTIONS[3]][-1] == ["VGG-16", "Toy save", "yes", "yes", "yes", "0.0", "yes"]
+    assert tables[SECTIONS[3]][-1] == ["VGG-16", "Toy save", "yes", "yes", "yes", "0", "yes"]
     # the frameworks table: what ran, with versions, and the exact reason of what could not
     frameworks = report[report.index("## Frameworks and networks"):report.index(SECTIONS[0])]
     assert "| JAX/Orbax | toy 1.0 | ran (" in frameworks

@@ -139,8 +139,11 @@ def cost_findings(results: dict) -> list[str]:
 def _compression_costs(results: dict) -> list[str]:
     """Where a mechanism's cost is its compression: the time one checkpoint takes to save alone,
     beside the median of the mechanisms that write the tensors' bytes as they are."""
-    out = []
-    model = next(iter(_models(results)), None)
+    out: list[str] = []
+    models = _models(results)
+    if not models:
+        return out
+    model = models[0]
     rows = [r for r in results["formats"] if r["model"] == model and r["stores"]["optimizer"]]
     plain = [statistics.median(r["save_s"]) for r in rows if r["size_over_raw"] >= 1.0]
     for r in sorted((r for r in rows if r["size_over_raw"] < 1.0), key=lambda r: r["label"]):

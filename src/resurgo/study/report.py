@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from resurgo.errors import StudyError
 from resurgo.study.findings import closing_sections, section_findings
@@ -442,10 +442,10 @@ def _disk_section(results: dict) -> list[str]:
     """The bytes of checkpoints written, per framework and experiment, and the most on disk at once."""
     # (label, ledger, experiments that ran but whose bytes no ledger saw: another framework's scale
     # processes write and delete their checkpoints themselves)
-    disks = [("PyTorch", results.get("disk"), set())] + [
+    ledgers: list[tuple[str, Optional[dict], set[str]]] = [("PyTorch", results.get("disk"), set())] + [
         (fw["label"], fw.get("disk"), {"scale"} if str(fw.get("scale", "")).startswith("ran") else set())
         for fw in results.get("frameworks", {}).values() if fw["ran"]]
-    disks = [(label, d, unseen - set(d["written"])) for label, d, unseen in disks if d]
+    disks = [(label, d, unseen - set(d["written"])) for label, d, unseen in ledgers if d]
     if not disks:
         return []
     out = ["## Disk: bytes written\n",
