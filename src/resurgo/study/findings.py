@@ -146,11 +146,12 @@ def _compression_costs(results: dict) -> list[str]:
     model = models[0]
     rows = [r for r in results["formats"] if r["model"] == model and r["stores"]["optimizer"]]
     plain = [statistics.median(r["save_s"]) for r in rows if r["size_over_raw"] >= 1.0]
+    if not plain:
+        return out
     for r in sorted((r for r in rows if r["size_over_raw"] < 1.0), key=lambda r: r["label"]):
-        if plain:
-            out.append(f"{r['label']} compresses ({r['size_over_raw']:.3f} x the raw tensor bytes) and takes "
-                       f"{statistics.median(r['save_s']):.2f} s to save one {_model(model)} checkpoint alone, against a "
-                       f"median {statistics.median(plain):.2f} s for the mechanisms that write the bytes as they are.")
+        out.append(f"{r['label']} compresses ({r['size_over_raw']:.3f} x the raw tensor bytes) and takes "
+                   f"{statistics.median(r['save_s']):.2f} s to save one {_model(model)} checkpoint alone, against a "
+                   f"median {statistics.median(plain):.2f} s for the mechanisms that write the bytes as they are.")
     return out
 
 
@@ -299,11 +300,10 @@ def paper_comparison(results: dict) -> list[str]:
         out.append(f"- {PAPER_TAKEAWAYS['size']}: {_model(model)}, {verdict} ({_mib(chainer[0]['bytes'])}, "
                    "compressed npz).")
     per_label, _ = _restarts(results)
-    native_diffs = {NATIVE[r["mechanism"]]: (label, by) for label, by in per_label.items()
-                    for r in by.values() if r["mechanism"] in NATIVE}
+    restarts = {NATIVE[r["mechanism"]]: by for by in per_label.values() for r in by.values() if r["mechanism"] in NATIVE}
     checked = False
     for model in _models(results):
-        diff = {fw: by[model]["max_abs_diff"] for fw, (_, by) in native_diffs.items() if model in by}
+        diff = {fw: by[model]["max_abs_diff"] for fw, by in restarts.items() if model in by}
         if "PyTorch" not in diff or len(diff) < 2:
             continue
         checked = True

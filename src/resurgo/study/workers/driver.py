@@ -38,7 +38,7 @@ else:  # run as a script: its folder is on sys.path
     from disk import Ledger, NewFiles, remove  # type: ignore[no-redef]
 
 __all__ = ["CONFIG_KEYS", "check_config", "timed_checkpoints", "checkpointing_run", "format_row", "cost_and_formats", "determinism",
-           "run", "main"]
+           "write_result", "run", "main"]
 
 # What the study process sends (StudyConfig's fields that apply outside PyTorch).
 CONFIG_KEYS = ("models", "width", "batch_size", "samples", "warmup_steps", "cost_steps", "cost_repeats",
@@ -224,6 +224,13 @@ def run(fw: Any, config: dict, work: Path, progress: Optional[Callable[[str], No
     return out
 
 
+def write_result(path: Path, result: dict[str, Any]) -> None:
+    """``result`` as JSON at ``path``, whole or not at all (the study process reads it after the exit)."""
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(json.dumps(result, allow_nan=False))
+    os.replace(tmp, path)
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 3:
         print("usage: driver.py FRAMEWORK CONFIG.json OUT.json", file=sys.stderr)
@@ -237,9 +244,7 @@ def main(argv: list[str]) -> int:
         result = run(fw, config, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    tmp = Path(out_path + ".tmp")
-    tmp.write_text(json.dumps({"framework": name, **result}, allow_nan=False))
-    os.replace(tmp, out_path)
+    write_result(Path(out_path), {"framework": name, **result})
     return 0
 
 

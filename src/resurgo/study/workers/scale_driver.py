@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import shutil
 import sys
 import time
@@ -28,10 +27,10 @@ from typing import Any
 
 if __package__:  # imported from resurgo (the tests)
     from .disk import NewFiles
-    from .driver import timed_checkpoints
+    from .driver import timed_checkpoints, write_result
 else:  # run as a script: its folder is on sys.path
     from disk import NewFiles  # type: ignore[no-redef]
-    from driver import timed_checkpoints  # type: ignore[no-redef]
+    from driver import timed_checkpoints, write_result  # type: ignore[no-redef]
 
 __all__ = ["SCALE_KEYS", "check_scale_config", "paired_runs", "main"]
 
@@ -94,10 +93,7 @@ def main(argv: list[str]) -> int:
     result = {"framework": name, "rank": dist.rank, "world": dist.world, "model": config["model"],
               "mechanism": sc.MECHANISM, "label": sc.LABEL, "versions": sc.versions(),
               "pairs": pairs, "duration_s": time.perf_counter() - t0}
-    path = out / f"rank-{dist.rank}.json"
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text(json.dumps(result, allow_nan=False))
-    os.replace(tmp, path)
+    write_result(out / f"rank-{dist.rank}.json", result)
     return 0
 
 
