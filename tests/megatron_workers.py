@@ -151,15 +151,21 @@ def reference(root: Path, port: int) -> None:
     dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+def launch(script: str, main, reference, world: int) -> None:
+    """``script ROOT PORT``: ``world`` ranks of ``main`` in processes of their own, then ``reference``;
+    ``script ROOT PORT RANK``: one rank."""
     root, port = Path(sys.argv[1]), int(sys.argv[2])
     if len(sys.argv) > 3:
         main(root, port, int(sys.argv[3]))
-    else:
-        import subprocess
+        return
+    import subprocess
 
-        procs = [subprocess.Popen([sys.executable, __file__, str(root), str(port), str(r)]) for r in range(WORLD)]
-        codes = [p.wait(timeout=600) for p in procs]
-        if max(codes):
-            sys.exit(max(codes))
-        reference(root, port + 1)
+    procs = [subprocess.Popen([sys.executable, script, str(root), str(port), str(r)]) for r in range(world)]
+    codes = [p.wait(timeout=600) for p in procs]
+    if max(codes):
+        sys.exit(max(codes))
+    reference(root, port + 1)
+
+
+if __name__ == "__main__":
+    launch(__file__, main, reference, WORLD)

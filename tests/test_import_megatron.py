@@ -201,16 +201,20 @@ HERE = Path(__file__).parent
 def mcore_run(tmp_path_factory) -> Path:
     """The checkpoints of tests/megatron_workers.py: ROOT/mcore (torch_dist), ROOT/legacy, and
     ROOT/reference.pt (dist_checkpointing.load's view on one rank)."""
+    return _workers("megatron_workers.py", tmp_path_factory.mktemp("megatron"))
+
+
+def _workers(script: str, root: Path) -> Path:
+    """``root`` after tests/``script`` ran its ranks and its reference into it."""
     import os
     import socket
     import subprocess
     import sys
 
-    root = tmp_path_factory.mktemp("megatron")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    done = subprocess.run([sys.executable, str(HERE / "megatron_workers.py"), str(root), str(port)],
+    done = subprocess.run([sys.executable, str(HERE / script), str(root), str(port)],
                           capture_output=True, text=True, timeout=900, env={**os.environ})
     assert done.returncode == 0, done.stderr[-4000:]
     return root
@@ -288,6 +292,73 @@ def test_legacy_files_of_a_real_model_import_as_its_torch_dist_view(mcore_run, t
     assert compared == 53
 
 
+@pytest.fixture(scope="session")
+def mcore_optimizer_run(tmp_path_factory) -> Path:
+    """The checkpoints of tests/megatron_optimizer_workers.py: a real DistributedOptimizer's
+    ROOT/dp (dp_reshardable) and ROOT/full (fully_reshardable), and ROOT/reference.pt."""
+    return _workers("megatron_optimizer_workers.py", tmp_path_factory.mktemp("megatron-optimizer"))
+
+
+def _flat(node: dict, key: str = "") -> dict:
+    out = {}
+    for k, v in node.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{key}{k}."))
+        else:
+            out[f"{key}{k}"] = v
+    return out
+
+
+@pytest.mark.megatron
+@pytest.mark.timeout(900)
+def test_distributed_optimizer_in_bucket_space_imports_as_the_optimizer_held_it(mcore_optimizer_run, tmp_path):
+    """Megatron-LM's default dp_reshardable format, written by a real DistributedOptimizer (TP 2 x
+    PP 2 x DP 2, several buckets per stage, tied embeddings in buckets of their own): every
+    parameter's main param, exp_avg and exp_avg_sq, found in the buckets by value, equal bit for bit
+    what the optimizer held, gathered from its DP shards and placed by the model's sharded state dict."""
+    truth = _flat(torch.load(mcore_optimizer_run / "reference.pt", weights_only=False)["truth"])
+    resurgo.import_checkpoint(mcore_optimizer_run / "dp", tmp_path / "ckpt", source="megatron")
+    got = resurgo.load_dict(tmp_path / "ckpt")
+    opt = got.pop("optimizer")
+    model = _flat(got)
+    compared = 0
+    for key, want in truth.items():
+        if not isinstance(want, torch.Tensor) or not want.is_floating_point():
+            continue
+        if key.startswith("optimizer.state."):
+            kind, name = key.removeprefix("optimizer.state.").split(".", 1)
+            mine = opt["fp32_from_fp16_params"][name] if kind == "param" else opt["state"][name][kind]
+        else:
+            mine = model[key]
+        assert bits(mine) == bits(want), key
+        compared += 1
+    assert compared == 4 * 16 and len(opt["state"]) == 16
+    assert opt["param_state_sharding_type"] == "dp_reshardable"
+    assert not any(".bucket_idx_" in k for k in _flat(opt)) and not any(".bucket_idx_" in k for k in model)
+    # in place: the states' pieces point into Megatron's .distcp files, which stay as they are
+    resurgo.import_checkpoint(mcore_optimizer_run / "dp", tmp_path / "inplace", source="megatron", in_place=True)
+    again = _flat(resurgo.load_dict(tmp_path / "inplace"))
+    assert all(bits(again[k]) == bits(v) for k, v in _flat({**got, "optimizer": opt}).items()
+               if isinstance(v, torch.Tensor))
+
+
+@pytest.mark.megatron
+@pytest.mark.timeout(900)
+def test_megatrons_own_model_space_save_of_several_buckets_is_refused(mcore_optimizer_run, tmp_path):
+    """The same optimizer saved by megatron-core in fully_reshardable: its writer cuts each
+    parameter's range from buffers that leave out the padding between buckets, so most states are
+    another parameter's (Megatron's own load of it gives them so); the import finds main params
+    that are not the weights and refuses, naming one."""
+    ref = torch.load(mcore_optimizer_run / "reference.pt", weights_only=False)
+    truth, full = _flat(ref["truth"]), _flat(ref["full"])
+    wrong = [k for k in truth if k.startswith("optimizer.state.") and not torch.equal(truth[k], full[k])]
+    assert len(wrong) >= 30  # of 48
+    with pytest.raises(CorruptCheckpointError, match=r"iter_0000003: the distributed optimizer's main parameter of "
+                                                     r"'.*' at \[.*\] is not the model's weight there"):
+        resurgo.import_checkpoint(mcore_optimizer_run / "full", tmp_path / "ckpt", source="megatron")
+    assert not (tmp_path / "ckpt").exists()
+
+
 def _torch_dist_like(folder: Path) -> dict:
     """A torch_dist checkpoint as its files are laid out (DCP, common.pt, metadata.json), written
     without megatron: a tensor and the common state. (DCP's own writer pickles a bytes item where
@@ -359,6 +430,13 @@ def test_distributed_optimizer_state_in_model_space_goes_under_its_parameter(tmp
            f"optimizer.state.exp_avg.{key}": w.reshape(8, 3)})
     with pytest.raises(CorruptCheckpointError, match=r"'optimizer.state.exp_avg.decoder.layers.mlp.linear_fc2.weight'"
                                                      r" has the shape \[8, 3\], its parameter .* \[2, 4, 3\]"):
+        spec_from_megatron(tmp_path / "run")
+    # main params that are not the weights: the state was saved out of place
+    moved = {**states, "param": torch.roll(w, 1, dims=2)}
+    write({key: w, **{f"optimizer.state.{k}.{key}": t for k, t in moved.items()}})
+    with pytest.raises(CorruptCheckpointError, match=r"iter_0000003: the distributed optimizer's main parameter of "
+                                                     r"'decoder.layers.mlp.linear_fc2.weight' at \[0, 0, 0\] is not "
+                                                     r"the model's weight there"):
         spec_from_megatron(tmp_path / "run")
 
 

@@ -40,6 +40,7 @@ from typing import Any
 from resurgo.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedValueError
 from resurgo.format import dtypes
 from resurgo.interop.dcp import spec_from_dcp
+from resurgo.interop.megatron_buckets import BUCKET_SPACE, check_main_params, per_parameter
 from resurgo.interop.source_files import open_file_inside, resolve_inside
 from resurgo.interop.spec import Box, ImportSpec, Piece, TensorSpec, row_major_strides
 from resurgo.interop.torch_file import MAX_PICKLE_BYTES, ZIP_ERRORS, member_start, read_archive, read_objects
@@ -117,8 +118,13 @@ def spec_from_torch_dist(root: Path, folder: Path, it: str, allowed: Any, holds:
         chained = list(optimizer.values())
     else:
         chained = [optimizer]
-    if all(isinstance(o, dict) and o.get("param_state_sharding_type") == MODEL_SPACE for o in chained):
+    kinds = {o.get("param_state_sharding_type") if isinstance(o, dict) else None for o in chained}
+    if kinds == {MODEL_SPACE}:
         tensors = _per_parameter(tensors, folder)
+        mains = {str(t.path[-1]): t for t in tensors if t.path and t.path[:2] == ["optimizer", "fp32_from_fp16_params"]}
+        check_main_params({t.key: t for t in tensors}, mains, root, str(folder))
+    elif kinds and kinds <= set(BUCKET_SPACE):
+        tensors = per_parameter(tensors, root, str(folder))
     return ImportSpec(tensors=tensors, values=values)
 
 

@@ -96,7 +96,7 @@ def _row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(strides)
 
 
-def _flat_range_boxes(flat: FlatRange, shape: tuple[int, ...]) -> list[ChunkBox]:
+def flat_range_boxes(flat: FlatRange, shape: tuple[int, ...]) -> list[ChunkBox]:
     """The boxes that tile ``flat``, in global order: at most ``2 * ndim - 1`` of them.
 
     At each dimension the range splits into a partial head slice, whole slices, and a partial tail
@@ -141,7 +141,7 @@ def _pieces(place: Place, shape: tuple[int, ...]) -> list[_Piece]:
         base = -sum(o * s for o, s in zip(place.offsets, strides))
         return [_Piece(place, strides, base)]
     strides = _row_major_strides(shape)
-    return [_Piece(box, strides, -place.start) for box in _flat_range_boxes(place, shape)]
+    return [_Piece(box, strides, -place.start) for box in flat_range_boxes(place, shape)]
 
 
 def _check_place(place: Place, shape: tuple[int, ...], role: str) -> None:

@@ -1,0 +1,185 @@
+"""A real Megatron-Core distributed optimizer on 8 gloo ranks (2 tensor- x 2 pipeline- x 2
+data-parallel), trained 3 Adam steps, its checkpoint saved in the bucket-space ``dp_reshardable``
+format (Megatron-LM's default for ``torch_dist``), and what the optimizer held.
+
+Usage: python megatron_optimizer_workers.py ROOT PORT. Needs megatron-core on the path (make
+test-megatron installs it in .megatron-site/).
+
+Megatron-Core's DistributedDataParallel and DistributedOptimizer are built for CUDA; on this
+CPU-only torch they run with four stand-ins, set before megatron is imported: ``torch.cuda``'s
+``current_device`` and ``synchronize`` (the CPU; nothing to wait for), tensor factories asked for
+``device='cuda'`` make CPU tensors, and ``Tensor.type()`` reports a CPU float tensor as
+``torch.cuda.FloatTensor`` (the optimizer accepts only CUDA parameter types by that name).
+Everything else is Megatron's own: the parameter and gradient buffers and their buckets (small
+buckets, ``overlap_grad_reduce``, so each stage has several; the tied word embeddings in their own
+bucket on the first and last stage), the reduce-scatter of gradients, Adam's steps on the DP
+shards, and ``dist_checkpointing.save``. A forward pass cannot run here (attention takes a CUDA
+buffer), so each step's gradients are random, equal where Megatron keeps parameters equal
+(tensor-parallel replicas, the tied embeddings).
+
+Writes ROOT/dp/iter_0000003 (the model and the optimizer in ``dp_reshardable``, common.pt with args and
+iteration), ROOT/full/iter_0000003 (the same optimizer saved by Megatron in ``fully_reshardable``)
+and ROOT/reference.pt: per parameter key and state (``param``, ``exp_avg``, ``exp_avg_sq``), the
+optimizer's state gathered from its DP shards on each rank, placed by the model's own sharded
+state dict and loaded whole by ``dist_checkpointing.load``, with the model's weights; and the
+``fully_reshardable`` checkpoint as ``dist_checkpointing.load`` gives it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import warnings
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+warnings.filterwarnings("ignore")
+ITERATION = 3
+TP, PP, DP = 2, 2, 2
+WORLD = TP * PP * DP
+
+
+def on_cpu() -> None:
+    """The stand-ins for CUDA named in the module docstring."""
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    tensor_type = torch.Tensor.type
+
+    def cuda_type(self, *a, **k):
+        name = tensor_type(self, *a, **k)
+        return name.replace("torch.", "torch.cuda.", 1) if not a and not k and ".cuda." not in name else name
+
+    torch.Tensor.type = cuda_type
+    torch.Tensor.cuda = lambda self, *a, **k: self
+
+    def cpu_factory(fn):
+        @functools.wraps(fn)
+        def make(*a, **k):
+            if str(k.get("device", "")).startswith("cuda"):
+                k["device"] = "cpu"
+            return fn(*a, **k)
+        return make
+
+    for name in ("tensor", "zeros", "empty", "ones", "full", "arange", "zeros_like", "empty_like"):
+        setattr(torch, name, cpu_factory(getattr(torch, name)))
+
+
+def main(root: Path, port: int, rank: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    on_cpu()
+    from dataclasses import replace
+
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP)
+    tp, pp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    dp = parallel_state.get_data_parallel_rank()
+    torch.manual_seed(0)
+    cfg = TransformerConfig(num_layers=4, pipeline_model_parallel_size=PP, tensor_model_parallel_size=TP,
+                            pipeline_dtype=torch.float32, hidden_size=8, num_attention_heads=4, num_query_groups=2,
+                            ffn_hidden_size=12, use_cpu_initialization=True, gated_linear_unit=True,
+                            add_bias_linear=True)
+    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=32, max_sequence_length=16, pre_process=pp == 0,
+                     post_process=pp == PP - 1, share_embeddings_and_output_weights=True)
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=200), model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True), [ddp])
+    names = {p: n for n, p in model.named_parameters()}
+    for step in range(ITERATION):
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        for p in ddp.parameters():
+            shared = getattr(p, "shared_embedding", False)
+            # equal where Megatron keeps the parameters equal: tensor-parallel replicas, tied embeddings
+            tag = "embedding" if shared else f"{pp}.{names[p]}"
+            seed = zlib.crc32(repr((step, dp, tp if getattr(p, "tensor_model_parallel", False) or shared else -1,
+                                    tag)).encode())
+            p.main_grad.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
+        ddp.start_grad_sync()
+        ddp.finish_grad_sync()
+        assert opt.step()[0]
+    common = {"args": argparse.Namespace(tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP,
+                                         num_layers=4, swiglu=True, params_dtype=torch.float32,
+                                         use_distributed_optimizer=True, ckpt_format="torch_dist"),
+              "iteration": ITERATION, "checkpoint_version": 3.0}
+    for kind, sub in (("dp_reshardable", "dp"), ("fully_reshardable", "full")):
+        state = {"model": model.sharded_state_dict()}
+        state["optimizer"] = opt.sharded_state_dict(state["model"], metadata={"distrib_optim_sharding_type": kind})
+        folder = root / sub / f"iter_{ITERATION:07d}"
+        if rank == 0:
+            folder.mkdir(parents=True)
+        dist.barrier()
+        dist_checkpointing.save({**state, **common}, str(folder))
+        if rank == 0:
+            (root / sub / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+
+    # What the optimizer holds: each parameter's state gathered from its DP shards, placed in the
+    # global tensors by the model's own sharded state dict (as fully_reshardable places it).
+    (dopt,) = getattr(opt, "chained_optimizers", [opt])
+    held = {}
+    for p, name in names.items():
+        if p in dopt.model_param_gbuf_map:  # the parameters with a part in this DP rank's shard
+            gbuf, dtype, bucket = dopt.model_param_gbuf_map[p]
+            r = dopt.gbuf_ranges[gbuf][dtype][bucket]["param_map"][p]["param"]
+            states = dopt._get_main_param_and_optimizer_states(p)
+            held[name] = (r.start, r.end, {k: states[k].detach().clone() for k in ("param", "exp_avg", "exp_avg_sq")})
+    shards: list = [None] * DP
+    dist.all_gather_object(shards, held, group=parallel_state.get_data_parallel_group())
+    tensors, _ = extract_sharded_tensors_and_factories(model.sharded_state_dict())
+    truth = {}
+    for sh in nested_values(tensors):
+        name = names[sh.data]
+        for kind in ("param", "exp_avg", "exp_avg_sq"):
+            whole = torch.full((sh.data.numel(),), float("nan"))
+            for part in shards:
+                if name in part:
+                    start, end, states = part[name]
+                    whole[start:end] = states[kind]
+            assert not whole.isnan().any(), (name, kind)
+            data = whole.reshape(sh.data.shape)
+            update = dict(key=f"optimizer.state.{kind}.{sh.key}", data=data, dtype=data.dtype, replica_id=sh.replica_id)
+            if isinstance(sh, ShardedTensorFactory):
+                update.pop("dtype")
+            truth[len(truth)] = replace(sh, **update)
+    folder = root / "truth"
+    if rank == 0:
+        folder.mkdir()
+    dist.barrier()
+    dist_checkpointing.save({"model": model.sharded_state_dict(), "optimizer": truth}, str(folder))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def reference(root: Path, port: int) -> None:
+    """dist_checkpointing.load's view on one rank of the optimizer's state and of ``fully_reshardable``."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    views = {}
+    for name, folder in (("truth", root / "truth"), ("full", root / "full" / f"iter_{ITERATION:07d}")):
+        views[name] = dist_checkpointing.load(load_sharded_metadata(str(folder)), str(folder))
+    torch.save(views, root / "reference.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
+    from megatron_workers import launch
+
+    launch(__file__, main, reference, WORLD)
