@@ -18,8 +18,9 @@ buffer), so each step's gradients are random, equal where Megatron keeps paramet
 (tensor-parallel replicas, the tied embeddings).
 
 Writes ROOT/dp/iter_0000003 (the model and the optimizer in ``dp_reshardable``, common.pt with args and
-iteration), ROOT/full/iter_0000003 (the same optimizer saved by Megatron in ``fully_reshardable``)
-and ROOT/reference.pt: per parameter key and state (``param``, ``exp_avg``, ``exp_avg_sq``), the
+iteration), ROOT/full/iter_0000003 (the same optimizer saved by Megatron in ``fully_reshardable``),
+ROOT/legacy (the legacy layout: ``mp_rank_XX_YYY/model_optim_rng.pt`` and the optimizer's
+``distrib_optim.pt``) and ROOT/reference.pt: per parameter key and state (``param``, ``exp_avg``, ``exp_avg_sq``), the
 optimizer's state gathered from its DP shards on each rank, placed by the model's own sharded
 state dict and loaded whole by ``dist_checkpointing.load``, with the model's weights; and the
 ``fully_reshardable`` checkpoint as ``dist_checkpointing.load`` gives it.
@@ -126,6 +127,20 @@ def main(root: Path, port: int, rank: int) -> None:
         dist_checkpointing.save({**state, **common}, str(folder))
         if rank == 0:
             (root / sub / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+    # The legacy layout (--ckpt-format torch) of the same run: per model-parallel rank the model and
+    # the optimizer's param groups in model_optim_rng.pt, its state gathered on DP rank 0 into
+    # distrib_optim.pt (as Megatron-LM's save_checkpoint writes them).
+    legacy = root / "legacy" / f"iter_{ITERATION:07d}" / f"mp_rank_{tp:02d}_{pp:03d}"
+    if dp == 0:
+        legacy.mkdir(parents=True)
+    dist.barrier()
+    opt.save_parameter_state(str(legacy / "distrib_optim.pt"))
+    if dp == 0:
+        torch.save({**common, "model": model.state_dict_for_save_checkpoint(), "optimizer": opt.state_dict()},
+                   legacy / "model_optim_rng.pt")
+    if rank == 0:
+        (root / "legacy" / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+    dist.barrier()
 
     # What the optimizer holds: each parameter's state gathered from its DP shards, placed in the
     # global tensors by the model's own sharded state dict (as fully_reshardable places it).

@@ -160,12 +160,57 @@ def test_rank_grid_disagreeing_with_args_and_expert_parallel_are_refused(tmp_pat
         spec_from_megatron(src)
 
 
-def test_distributed_optimizer_in_the_legacy_layout_is_refused_by_file(tmp_path):
-    model = gpt_model(layers=2, padded_vocab=32, gated=False)
-    src = write_legacy(tmp_path / "mlm", model, tp=2, pp=1, layers=2, gated=False, moments=moments_of(model))
-    torch.save({}, src / "iter_0000007" / "mp_rank_01" / "distrib_optim.pt")
-    with pytest.raises(UnsupportedValueError, match=r"iter_0000007/mp_rank_01/distrib_optim.pt: the distributed "
-                                                    r"optimizer's state in the legacy layout does not import"):
+def test_distributed_optimizer_in_the_legacy_layout_imports_under_each_parameter(tmp_path):
+    """distrib_optim.pt beside each rank's model_optim_rng.pt, as megatron-core's DistributedOptimizer
+    gathers it: per buffer, its parameters in reverse order, each at a multiple of 64 (padding
+    zeros), a flat tensor per state. Found by value under each parameter, consolidated and trimmed
+    to the vocabulary as the weights are (a real optimizer's files: the ``megatron`` tests)."""
+    model = gpt_model(layers=2, padded_vocab=32, gated=True)
+    src = write_legacy(tmp_path / "mlm", model, tp=2, pp=1, layers=2, gated=True, vocab_size=30)
+    groups = [{"lr": 1e-3, "weight_decay": wd, "step": 3.0} for wd in (0.1, 0.0)]
+
+    def distrib(rank: Path, states=lambda w: {"param": w, "exp_avg": w * 2 + 1, "exp_avg_sq": w * w}) -> None:
+        state = torch.load(rank / "model_optim_rng.pt", weights_only=False)
+        state["optimizer"] = {"optimizer": {"param_groups": groups}}
+        torch.save(state, rank / "model_optim_rng.pt")
+        flat: dict[str, list[torch.Tensor]] = {"param": [], "exp_avg": [], "exp_avg_sq": []}
+        at = 0
+        for w in reversed([t for t in state["model"].values() if isinstance(t, torch.Tensor)]):
+            start = -(-at // 64) * 64
+            for kind, t in states(w.float().reshape(-1)).items():
+                flat[kind] += [torch.zeros(start - at), t]
+            at = start + w.numel()
+        torch.save({"buckets_coalesced": True, 0: {(torch.float32, torch.float32): {
+            **{k: torch.cat(v) for k, v in flat.items()}, "numel_unpadded": at}}}, rank / "distrib_optim.pt")
+
+    for t in (0, 1):
+        distrib(src / "iter_0000007" / f"mp_rank_{t:02d}")
+    resurgo.import_checkpoint(src, tmp_path / "ckpt", source="megatron")
+    got = resurgo.load_dict(tmp_path / "ckpt")
+    assert sorted(got["optimizer"]["state"]) == sorted(got["model"]) == sorted(model)
+    for name, full in model.items():
+        w = trim(name, full, 30)
+        assert bits(got["model"][name]) == bits(w), name
+        assert bits(got["optimizer"]["fp32_from_fp16_params"][name]) == bits(w), name
+        assert bits(got["optimizer"]["state"][name]["exp_avg"]) == bits(w * 2 + 1), name
+        assert bits(got["optimizer"]["state"][name]["exp_avg_sq"]) == bits(w * w), name
+    assert got["optimizer"]["optimizer"]["param_groups"] == groups
+    # refused: a rank without its file; chained optimizers' list; a file of another layout
+    rank1 = src / "iter_0000007" / "mp_rank_01" / "distrib_optim.pt"
+    rank1.unlink()
+    with pytest.raises(CorruptCheckpointError, match=r"mp_rank_01/distrib_optim.pt: missing, while other ranks' "):
+        spec_from_megatron(src)
+    torch.save([{}, {}], rank1)
+    with pytest.raises(UnsupportedValueError, match=r"mp_rank_01/distrib_optim.pt: holds 2 chained optimizers' states"):
+        spec_from_megatron(src)
+    torch.save({0: {}}, rank1)
+    with pytest.raises(UnsupportedValueError, match=r"mp_rank_01/distrib_optim.pt: not the distributed optimizer's "
+                                                    r"state as megatron-core writes it"):
+        spec_from_megatron(src)
+    # a main param that is no weight of the rank
+    distrib(rank1.parent, states=lambda w: {"param": w + 1, "exp_avg": w, "exp_avg_sq": w})
+    with pytest.raises(CorruptCheckpointError, match=r"no model tensor's chunk holds the values at element 0 of "
+                                                     r"iter_0000007/mp_rank_01/distrib_optim.pt buffer 0"):
         spec_from_megatron(src)
 
 
@@ -340,6 +385,36 @@ def test_distributed_optimizer_in_bucket_space_imports_as_the_optimizer_held_it(
     again = _flat(resurgo.load_dict(tmp_path / "inplace"))
     assert all(bits(again[k]) == bits(v) for k, v in _flat({**got, "optimizer": opt}).items()
                if isinstance(v, torch.Tensor))
+
+
+@pytest.mark.megatron
+@pytest.mark.timeout(900)
+def test_legacy_distributed_optimizer_imports_as_the_optimizer_held_it(mcore_optimizer_run, tmp_path):
+    """The same run in the legacy layout: each rank's distrib_optim.pt (the optimizer's buffers
+    gathered from its DP ranks, buckets coalesced) found under each parameter by value, bit for bit
+    what the optimizer held; layers numbered globally, the tied output layer of the last stage with
+    the state of the word embeddings it equals."""
+    truth = _flat(torch.load(mcore_optimizer_run / "reference.pt", weights_only=False)["truth"])
+    resurgo.import_checkpoint(mcore_optimizer_run / "legacy", tmp_path / "ckpt", source="megatron")
+    got = resurgo.load_dict(tmp_path / "ckpt")
+    opt = got["optimizer"]
+    renames = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+               "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+    for name, w in got["model"].items():
+        parts = name.split(".")
+        if parts[:2] == ["decoder", "layers"]:
+            rest = ".".join(parts[3:])
+            for old, new in renames.items():
+                rest = rest.replace(old, new) if rest.startswith(old) else rest
+            key, pick = f"decoder.layers.{rest}", (lambda t, i=int(parts[2]): t[i])
+        else:
+            key, pick = ("embedding.word_embeddings.weight" if name == "output_layer.weight" else name), (lambda t: t)
+        assert bits(w) == bits(pick(truth[key])), name
+        assert bits(opt["fp32_from_fp16_params"][name]) == bits(pick(truth[f"optimizer.state.param.{key}"])), name
+        for kind in ("exp_avg", "exp_avg_sq"):
+            assert bits(opt["state"][name][kind]) == bits(pick(truth[f"optimizer.state.{kind}.{key}"])), (name, kind)
+    assert len(got["model"]) == len(opt["state"]) == 4 * 12 + 5
+    assert [g["step"] for g in opt["optimizer"]["param_groups"]] == [3, 3]
 
 
 @pytest.mark.megatron

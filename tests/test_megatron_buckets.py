@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from resurgo.errors import CorruptCheckpointError, UnsupportedValueError
-from resurgo.interop.megatron_buckets import per_parameter
+from resurgo.interop.megatron_buckets import per_parameter, states_by_value
 from resurgo.interop.spec import Box, Piece, TensorSpec
 
 DOMAIN = "optimizer.distributed.dp_group_idx_{}"
@@ -52,12 +52,12 @@ def model_tensor(src: Source, key: str, whole: torch.Tensor, boxes: list[tuple[l
     return TensorSpec(key=key, dtype=str(whole.dtype).removeprefix("torch."), shape=list(whole.shape), pieces=pieces)
 
 
-def bucket_tensors(src: Source, domain: int, bucket: int, params: list[list[dict[str, torch.Tensor]]],
-                   rng: random.Random, splits: int = 2) -> list[TensorSpec]:
-    """One bucket as Megatron writes it: per state, the parameters (each a list of chunks' states)
-    at multiples of 64, random padding between; runs at each parameter and padding and ``splits``
-    random DP-shard ends."""
-    flat = {s: [] for s in STATES}
+def bucket_states(params: list[list[dict[str, torch.Tensor]]], rng: random.Random, splits: int = 2
+                  ) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """One bucket as Megatron lays it out, per state: the parameters (each a list of chunks'
+    states) at multiples of 64, random padding between; and where its stored runs start: at each
+    parameter and padding, and at ``splits`` random DP-shard ends."""
+    flat: dict[str, list[torch.Tensor]] = {s: [] for s in STATES}
     bounds, at = {0}, 0
     for param in params:
         start = -(-at // 64) * 64
@@ -71,15 +71,21 @@ def bucket_tensors(src: Source, domain: int, bucket: int, params: list[list[dict
                 flat[s].append(chunk[s].reshape(-1).float())
         at = start + sum(c["param"].numel() for c in param)
     bounds |= {rng.randrange(1, at) for _ in range(splits)} if at > 1 else set()
-    cuts = sorted(bounds) + [at]
-    out = []
-    for s in STATES:
-        whole = torch.cat(flat[s])
-        pieces = [Piece(file="data.bin", offset=src.put(whole[a:b]), shape=[b - a], box=Box(offsets=[a], shape=[b - a]))
-                  for a, b in zip(cuts, cuts[1:]) if b > a]
-        out.append(TensorSpec(key=f"{DOMAIN.format(domain)}.{BUCKET.format(bucket)}.{s}", dtype="float32",
-                              shape=[at], pieces=pieces))
-    return out
+    return {s: torch.cat(flat[s]) for s in STATES}, sorted(bounds)
+
+
+def stored(src: Source, key: str, whole: torch.Tensor, starts: list[int]) -> TensorSpec:
+    cuts = starts + [whole.numel()]
+    pieces = [Piece(file="data.bin", offset=src.put(whole[a:b]), shape=[b - a], box=Box(offsets=[a], shape=[b - a]))
+              for a, b in zip(cuts, cuts[1:]) if b > a]
+    return TensorSpec(key=key, dtype="float32", shape=[whole.numel()], pieces=pieces)
+
+
+def bucket_tensors(src: Source, domain: int, bucket: int, params: list[list[dict[str, torch.Tensor]]],
+                   rng: random.Random, splits: int = 2) -> list[TensorSpec]:
+    """One bucket as ``dp_reshardable`` saves it: a tensor per state."""
+    states, starts = bucket_states(params, rng, splits)
+    return [stored(src, f"{DOMAIN.format(domain)}.{BUCKET.format(bucket)}.{s}", t, starts) for s, t in states.items()]
 
 
 def assemble(root: Path, t: TensorSpec) -> torch.Tensor:
@@ -98,13 +104,14 @@ def bits(t: torch.Tensor) -> bytes:
 
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), layers=st.integers(1, 4), tp=st.integers(1, 3), width=st.integers(1, 70),
-       domains=st.integers(1, 3), splits=st.integers(0, 4))
+       domains=st.integers(1, 3), splits=st.integers(0, 4), coalesced=st.booleans())
 def test_each_chunk_gets_the_state_at_its_place_in_the_buckets(tmp_path_factory, seed, layers, tp, width, domains,
-                                                               splits):
+                                                               splits, coalesced):
     """A model of stacked layers (a tensor-parallel weight, a gated weight of gate and up chunks, a
     norm replicated in every domain with each domain's own moments), its parameters spread over
     domains and buckets in a random order: every chunk's main parameter, exp_avg and exp_avg_sq
-    come back bit for bit in its place, a replicated one's from the first domain."""
+    come back bit for bit in its place, a replicated one's from the first domain. ``coalesced``: a
+    domain's buckets one after another, each cut at its end (the legacy layout's distrib_optim.pt)."""
     root = tmp_path_factory.mktemp("buckets")
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
@@ -131,6 +138,7 @@ def test_each_chunk_gets_the_state_at_its_place_in_the_buckets(tmp_path_factory,
     want: dict[str, dict[str, torch.Tensor]] = {s: {k: torch.full(v.shape, float("nan")) for k, v in keys.items()}
                                                  for s in STATES}
     buckets = []
+    domain_buckets: dict[int, dict[tuple[str, str], dict[str, TensorSpec]]] = {}
     norms = [[("norm", [layer, 0], [1, width])] for layer in range(layers)]
     per_domain = [rng.sample(locals_[d::domains] + norms, len(locals_[d::domains]) + layers) for d in range(domains)]
     for d, params in enumerate(per_domain):
@@ -148,9 +156,26 @@ def test_each_chunk_gets_the_state_at_its_place_in_the_buckets(tmp_path_factory,
                             want[s][key][where] = st_[s]
                     chunks.append(st_)
                 states.append(chunks)
-            buckets += bucket_tensors(src, d, b, states, rng, splits)
+            buckets.append(bucket_states(states, rng, splits))
+        if coalesced:  # each bucket's runs kept; the buffer's whole as one tensor per state
+            whole = {s: torch.cat([b[0][s] for b in buckets]) for s in STATES}
+            starts, at = [], 0
+            for b in buckets:
+                starts += [at + x for x in b[1]]
+                at += b[0]["param"].numel()
+            domain_buckets[d] = {s: stored(src, f"rank{d}.{s}", whole[s], starts) for s in STATES}
+        else:
+            for b, (states_, starts) in enumerate(buckets):
+                domain_buckets[d * 10 + b] = {s: stored(src, f"{DOMAIN.format(d)}.{BUCKET.format(b)}.{s}", t, starts)
+                                              for s, t in states_.items()}
+        buckets = []
     src.save()
-    out = {t.key: t for t in per_parameter(model + buckets, root, "src")}
+    if coalesced:
+        found = states_by_value(model, {(f"rank{d}", "buffer 0"): v for d, v in domain_buckets.items()}, root, "src",
+                                coalesced=True)
+    else:
+        found = per_parameter(model + [t for v in domain_buckets.values() for t in v.values()], root, "src")
+    out = {t.key: t for t in model + found}
     assert not any("distributed" in k for k in out)
     for key in keys:
         assert bits(assemble(root, out[key])) == bits(keys[key])
@@ -208,7 +233,7 @@ def test_a_main_param_that_is_not_the_weight_is_named(tmp_path):
     specs = model + bucket_tensors(src, 2, 0, params, random.Random(0), splits=0)
     src.save()
     with pytest.raises(CorruptCheckpointError, match=r"src: no model tensor's chunk holds the values at element 64 of "
-                                                     r"optimizer.distributed.dp_group_idx_2.gbuf_idx_0.*bucket_idx_0.param"):
+                                                     r"optimizer.distributed.dp_group_idx_2 gbuf_idx_0.*bucket_idx_0 'param'"):
         per_parameter(specs, tmp_path, "src")
 
 

@@ -35,7 +35,10 @@ each rank's parameters by group, and puts a parameter in the group of no weight 
 (``wd_mult`` 0) when it is a bias or one-dimensional; the importer reads the numbers back by that
 rule and checks every moment's shape against its parameter's. A mixed-precision run's fp32 main
 params (``fp32_from_fp16_params``) are consolidated likewise, under
-``optimizer.fp32_from_fp16_params.<name>``.
+``optimizer.fp32_from_fp16_params.<name>``. The distributed optimizer's state, each rank's
+``distrib_optim.pt`` beside its ``model_optim_rng.pt``, is found in its buffers by value
+(:mod:`.megatron_buckets`) and goes under each parameter's name: ``optimizer.state.<name>.exp_avg``,
+``.exp_avg_sq`` and ``optimizer.fp32_from_fp16_params.<name>``.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import re
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Iterator
 
 from resurgo.errors import (
@@ -56,7 +59,8 @@ from resurgo.errors import (
 )
 from resurgo.format import dtypes
 from resurgo.format.tree import path_key
-from resurgo.interop.megatron_dist import METADATA_JSON, spec_from_torch_dist
+from resurgo.interop.megatron_buckets import states_by_value
+from resurgo.interop.megatron_dist import METADATA_JSON, spec_from_torch_dist, whole_tensor
 from resurgo.interop.source_files import open_file_inside, resolve_inside
 from resurgo.interop.spec import Box, ImportSpec, Piece, Source, TensorSpec, from_fields, row_major_strides
 from resurgo.interop.torch_file import read_objects
@@ -273,11 +277,58 @@ def _spec(root: Path, vocab_size: int | None) -> ImportSpec:
 
     tensors = [_tensor(params[n], ("model", n), gated, vocab_size) for n in order]
     distributed = {f.rel for f in files.values() if (root / f.rel).parent.joinpath(DISTRIB_OPTIM).exists()}
-    optimizer, groups = _optimizer(files, local_names, params, tp_size, gated, vocab_size, distributed)
+    if distributed:
+        # the distributed optimizer's state: found in its buffers by the untrimmed weights' values
+        whole = [_tensor(params[n], ("model", n), gated, None) for n in order]
+        optimizer = states_by_value(whole, _distrib_optim(root, files, distributed), root, str(folder),
+                                    coalesced=True, shapes={t.key: list(t.shape) for t in tensors})
+        groups = None
+    else:
+        optimizer, groups = _optimizer(files, local_names, params, tp_size, gated, vocab_size)
     tensors += optimizer
     values = _values(first, args, groups, tp_size, pp_size, offset)
+    if distributed:
+        values["optimizer"] = _json_part(first.obj.get("optimizer"))
     tensors += _rng(files)
     return ImportSpec(tensors=tensors, values=values)
+
+
+def _distrib_optim(root: Path, files: dict[tuple[int, int], _File], distributed: set[str]
+                   ) -> dict[tuple[str, str], dict[str, TensorSpec]]:
+    """Each rank's ``distrib_optim.pt`` (the distributed optimizer's state gathered from its DP
+    ranks: per buffer and dtype, its buckets one after another, a flat tensor per state), as
+    :func:`.megatron_buckets.states_by_value` takes them."""
+    out: dict[tuple[str, str], dict[str, TensorSpec]] = {}
+    for f in files.values():
+        rel = str(PurePosixPath(f.rel).parent / DISTRIB_OPTIM)
+        if f.rel not in distributed:
+            raise CorruptCheckpointError(f"{root / rel}: missing, while other ranks' folders hold theirs")
+        obj, arch = read_objects(resolve_inside(root, rel, "a distributed optimizer's state"), MEGATRON, HOLDS)
+        if isinstance(obj, list):
+            raise UnsupportedValueError(f"{root / rel}: holds {len(obj)} chained optimizers' states; only a single "
+                                        "distributed optimizer's imports")
+        if not isinstance(obj, dict) or obj.get("buckets_coalesced") is not True:
+            raise UnsupportedValueError(f"{root / rel}: not the distributed optimizer's state as megatron-core writes "
+                                        "it (a dict with buckets_coalesced: buffers of coalesced buckets)")
+        for g, by_dtype in obj.items():
+            if g == "buckets_coalesced" or g in ("per_bucket_numel", "per_bucket_numel_unpadded"):
+                continue
+            if not isinstance(g, int) or not isinstance(by_dtype, dict):
+                raise CorruptCheckpointError(f"{root / rel}: holds {shown(g)}: {shown(by_dtype)}, expected a buffer "
+                                             "number and its states per dtype")
+            for dtype, states in by_dtype.items():
+                if not isinstance(states, dict):
+                    raise CorruptCheckpointError(f"{root / rel}: buffer {g} {shown(dtype)} holds {shown(states)}, "
+                                                 "expected its states")
+                bucket = out.setdefault((rel, f"buffer {g} {shown(dtype)}"), {})
+                for name, ref in states.items():
+                    if isinstance(ref, TensorRef):
+                        if len(ref.shape) != 1:
+                            raise CorruptCheckpointError(f"{root / rel}: buffer {g} {name!r} has the shape "
+                                                         f"{list(ref.shape)}; a buffer is one-dimensional")
+                        bucket[str(name)] = whole_tensor(f"{rel}:{g}:{name}", ref, rel, None,
+                                                              member=f"{arch}/data/{ref.storage.key}")
+    return out
 
 
 def _flat(f: _File, node: Any, where: str) -> list[tuple[str, TensorRef]]:
@@ -410,7 +461,7 @@ def _no_decay(name: str, ref: TensorRef) -> bool:
     return name.endswith(".bias") or len(ref.shape) == 1
 
 
-def _optimizer_dicts(files: dict[tuple[int, int], _File], distributed: set[str]
+def _optimizer_dicts(files: dict[tuple[int, int], _File]
                      ) -> tuple[dict[tuple[int, int], dict], dict[tuple[int, int], Any]] | None:
     """Per rank: the torch optimizer's state dict, and a mixed-precision run's fp32 main params per
     group (where saved); None when the files hold no optimizer."""
@@ -420,10 +471,6 @@ def _optimizer_dicts(files: dict[tuple[int, int], _File], distributed: set[str]
         opt = f.obj.get("optimizer")
         if opt is None:
             return None
-        if f.rel in distributed:
-            raise UnsupportedValueError(f"{Path(f.rel).parent / DISTRIB_OPTIM}: the distributed optimizer's state in "
-                                        "the legacy layout does not import (a run saved with --ckpt-format torch_dist "
-                                        "imports with its optimizer)")
         if isinstance(opt, list):
             raise UnsupportedValueError(f"{f.rel}: 'optimizer' holds {len(opt)} chained optimizers; only a single "
                                         "optimizer's state imports")
@@ -481,11 +528,11 @@ def _rank_numbers(files: dict[tuple[int, int], _File], inner: dict[tuple[int, in
 
 
 def _optimizer(files: dict[tuple[int, int], _File], local_names: dict[tuple[int, int], list[tuple[str, TensorRef]]],
-               params: dict[str, _Param], tp_size: int, gated: bool, vocab_size: int | None,
-               distributed: set[str]) -> tuple[list[TensorSpec], list[dict] | None]:
+               params: dict[str, _Param], tp_size: int, gated: bool, vocab_size: int | None
+               ) -> tuple[list[TensorSpec], list[dict] | None]:
     """The Adam state of every parameter, numbered as a one-rank run's optimizer numbers it, and the
     param groups (hyperparameters, ``params`` renumbered); ([], None) when the files hold no optimizer."""
-    found = _optimizer_dicts(files, distributed)
+    found = _optimizer_dicts(files)
     if found is None:
         return [], None
     inner, masters = found

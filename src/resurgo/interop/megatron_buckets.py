@@ -5,9 +5,10 @@ layout of its gradient buckets: per model-parallel domain (``dp_group_idx_<g>``,
 pipeline-parallel rank) and buffer, each bucket is a flat tensor holding that domain's parameters
 one after another, each starting at a multiple of 64 elements, with unwritten padding between. Its
 ``dp_reshardable`` checkpoint format (Megatron-LM's default) saves those tensors as they are, under
-``optimizer.distributed.dp_group_idx_<g>.gbuf_idx_<i>.dtype_<d>.bucket_idx_<b>.<state>``; which
-element belongs to which parameter is not in the files (Megatron recomputes it from the model it
-is handed).
+``optimizer.distributed.dp_group_idx_<g>.gbuf_idx_<i>.dtype_<d>.bucket_idx_<b>.<state>``, and the
+legacy layout's ``distrib_optim.pt`` per rank holds each buffer's buckets one after another
+(coalesced, each cut at its last parameter's end); which element belongs to which parameter is not
+in the files (Megatron recomputes it from the model it is handed).
 
 An import has no model, so it finds each parameter by its values: the ``param`` bucket holds the
 main parameters, and a main parameter cast to the model's dtype is the model's weight (the
@@ -31,12 +32,13 @@ the moments are not read (their pieces point into the files).
 
 from __future__ import annotations
 
+import io
 import math
 import re
+import zipfile
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import torch
 import xxhash
@@ -45,6 +47,7 @@ from resurgo.errors import CorruptCheckpointError, UnsupportedValueError
 from resurgo.format import dtypes
 from resurgo.interop.source_files import open_file_inside, resolve_inside
 from resurgo.interop.spec import Box, Piece, TensorSpec
+from resurgo.interop.torch_file import member_start
 from resurgo.layout.box import FlatRange
 from resurgo.layout.regions import flat_range_boxes
 
@@ -67,6 +70,7 @@ class Chunk:
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
     file: str
+    member: str | None
     offset: int
 
     @property
@@ -94,16 +98,31 @@ class Found:
 
 
 class _Files:
-    """Bytes of the source's files, each resolved inside the source directory once."""
+    """Bytes of the source's files (or of stored members of the zip archives torch.save writes),
+    each file resolved inside the source directory once, each read checked to lie inside."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.open: dict[str, BinaryIO] = {}
+        self.open: dict[str, io.BufferedReader] = {}
+        self.members: dict[tuple[str, str], tuple[int, int]] = {}  # (start, size) in the file
 
-    def read(self, rel: str, offset: int, nbytes: int) -> bytes:
+    def read(self, rel: str, offset: int, nbytes: int, member: str | None = None) -> bytes:
         f = self.open.get(rel)
         if f is None:
-            f = self.open[rel] = open_file_inside(resolve_inside(self.root, rel, "a .distcp file"))
+            f = self.open[rel] = open_file_inside(resolve_inside(self.root, rel, "a checkpoint file"))
+        if member is not None:
+            if (rel, member) not in self.members:
+                try:
+                    with zipfile.ZipFile(f) as z:
+                        info = z.getinfo(member)
+                except (zipfile.BadZipFile, KeyError, OSError) as e:
+                    raise CorruptCheckpointError(f"{self.root / rel}: no stored member {member!r} ({e})") from None
+                self.members[(rel, member)] = (member_start(f, info, str(self.root / rel)), info.file_size)
+            start, size = self.members[(rel, member)]
+            if offset + nbytes > size:
+                raise CorruptCheckpointError(f"{self.root / rel}: member {member!r} ends before byte "
+                                             f"{offset + nbytes}, where a tensor's bytes should be")
+            offset += start
         f.seek(offset)
         data = f.read(nbytes)
         if len(data) != nbytes:
@@ -124,28 +143,28 @@ class _Flat:
             raise CorruptCheckpointError(f"{where}: {t.key!r} has the shape {t.shape}; a bucket is one-dimensional")
         self.spec = t
         self.itemsize = dtypes.itemsize(t.dtype)
-        self.runs: list[tuple[int, int, str, int]] = []  # (start, stop, file, byte offset)
+        self.runs: list[tuple[int, int, str, str | None, int]] = []  # (start, stop, file, member, byte offset)
         at = 0
         for p in sorted(t.pieces, key=lambda p: p.box.offsets[0] if p.box else -1):
-            if p.box is None or p.member is not None or p.strides is not None or p.box.offsets[0] != at:
+            if p.box is None or p.strides is not None or p.box.offsets[0] != at:
                 raise CorruptCheckpointError(f"{where}: {t.key!r} is not stored as runs of elements from its start")
-            self.runs.append((at, at + p.shape[0], p.file, p.offset))
+            self.runs.append((at, at + p.shape[0], p.file, p.member, p.offset))
             at += p.shape[0]
         if at != t.shape[0]:
             raise CorruptCheckpointError(f"{where}: {t.key!r} holds {at} of its {t.shape[0]} elements")
         self.length = at
 
-    def parts(self, start: int, stop: int) -> list[tuple[int, int, str, int]]:
-        """(start, stop, file, byte offset of start) of each stored run that [start, stop) overlaps."""
+    def parts(self, start: int, stop: int) -> list[tuple[int, int, str, str | None, int]]:
+        """(start, stop, file, member, byte offset of start) of each stored run that [start, stop) overlaps."""
         out = []
-        for lo, hi, file, offset in self.runs:
+        for lo, hi, file, member, offset in self.runs:
             a, b = max(lo, start), min(hi, stop)
             if a < b:
-                out.append((a, b, file, offset + (a - lo) * self.itemsize))
+                out.append((a, b, file, member, offset + (a - lo) * self.itemsize))
         return out
 
     def read(self, files: _Files, start: int, stop: int) -> bytes:
-        return b"".join(files.read(f, off, (b - a) * self.itemsize) for a, b, f, off in self.parts(start, stop))
+        return b"".join(files.read(f, off, (b - a) * self.itemsize, m) for a, b, f, m, off in self.parts(start, stop))
 
 
 def _cast(raw: bytes, src: str, dst: str) -> bytes:
@@ -166,8 +185,8 @@ def chunks_of(tensors: list[TensorSpec]) -> list[Chunk]:
         if t.dtype not in MODEL_DTYPES:
             continue
         for p in t.pieces:
-            if p.box is not None and p.member is None and p.strides is None and p.numel:
-                out.append(Chunk(t.key, t.dtype, tuple(p.box.offsets), tuple(p.box.shape), p.file, p.offset))
+            if p.box is not None and p.strides is None and p.numel:
+                out.append(Chunk(t.key, t.dtype, tuple(p.box.offsets), tuple(p.box.shape), p.file, p.member, p.offset))
     return out
 
 
@@ -179,7 +198,7 @@ class _Search:
         self.members: dict[ValueClass, list[Chunk]] = defaultdict(list)
         self.by_prefix: dict[tuple[str, int, bytes], set[ValueClass]] = defaultdict(set)
         for c in chunks:
-            raw = files.read(c.file, c.offset, c.numel * dtypes.itemsize(c.dtype))
+            raw = files.read(c.file, c.offset, c.numel * dtypes.itemsize(c.dtype), c.member)
             cls = ValueClass(c.dtype, c.numel, _digest(raw))
             self.members[cls].append(c)
             k = min(PREFIX, c.numel)
@@ -208,40 +227,51 @@ class _Search:
         return found
 
 
-def _walk(search: _Search, domain: str, name: str, bucket: _Flat, where: str) -> list[Found]:
+def _walk(search: _Search, domain: str, name: str, bucket: _Flat, where: str, coalesced: bool) -> list[Found]:
     """Where each parameter of one bucket starts, and whose values it holds: after a chunk, a chunk
     of the same tensor right after it (SwiGLU's up half after its gate half), else the next
-    parameter at the next multiple of ``ALIGN``."""
+    parameter at the next multiple of ``ALIGN`` from its bucket's start. ``coalesced``: the buckets
+    of a buffer one after another, each cut at its last parameter's end, so a parameter right after
+    a chunk may also start the next bucket (and a chunk of the same tensor right after one may have
+    started it: the multiples are counted from there too)."""
     out: list[Found] = []
-    start, end, keys = 0, 0, set[str]()
+    end, keys, bases = 0, set[str](), [0]
     while True:
+        start = end
         found = search.at(bucket, end, keys) if out and end < bucket.length else []
-        if found:
-            start = end
-        elif start >= bucket.length:
-            return out
-        else:
-            found = search.at(bucket, start)
+        if found and coalesced:
+            bases.append(end)
+        elif not found:
+            for base in bases if out else [0]:
+                start = base + -(-(end - base) // ALIGN) * ALIGN
+                found = search.at(bucket, start) if start < bucket.length else []
+                if found:
+                    bases = [base]
+                    break
+            if not found and coalesced and out and end < bucket.length:
+                start, found = end, search.at(bucket, end)
+                bases = [end]
+            if not found and (not out or end >= bucket.length or not coalesced) and start >= bucket.length:
+                return out
         if not found:
             raise CorruptCheckpointError(f"{where}: no model tensor's chunk holds the values at element {start} of "
-                                         f"{domain}.{name}.{MAIN} (after the one ending at element {end}); not the "
+                                         f"{domain} {name} {MAIN!r} (after the one ending at element {end}); not the "
                                          "bucket layout Megatron's distributed optimizer writes")
         if len(found) > 1:
             raise UnsupportedValueError(
-                f"{where}: element {start} of {domain}.{name}.{MAIN} starts the values of chunks of different sizes "
-                f"({', '.join(sorted({repr(c.key) for cls in found for c in search.members[cls]})[:4])}): which "
-                "parameter is there cannot be told; save the optimizer in model space (Megatron-LM: "
+                f"{where}: element {start} of {domain} {name} {MAIN!r} starts the values of chunks of different "
+                f"sizes ({', '.join(sorted({repr(c.key) for cls in found for c in search.members[cls]})[:4])}): "
+                "which parameter is there cannot be told; save the optimizer in model space (Megatron-LM: "
                 "--dist-ckpt-optim-fully-reshardable)")
         cls = found[0]
         out.append(Found(cls, domain, name, start))
         end = start + cls.numel
         keys = {c.key for c in search.members[cls]}
-        start = -(-end // ALIGN) * ALIGN
 
 
 def per_parameter(tensors: list[TensorSpec], root: Path, where: str) -> list[TensorSpec]:
-    """``tensors`` with the bucket-space state replaced by each parameter's: ``optimizer.state.<key>.<state>``
-    and the main parameters ``optimizer.fp32_from_fp16_params.<key>``, of each parameter's shape."""
+    """``tensors`` of a ``torch_dist`` checkpoint with the bucket-space state replaced by each
+    parameter's (:func:`states_by_value`)."""
     buckets: dict[tuple[str, str], dict[str, TensorSpec]] = defaultdict(dict)
     rest: list[TensorSpec] = []
     for t in tensors:
@@ -252,6 +282,18 @@ def per_parameter(tensors: list[TensorSpec], root: Path, where: str) -> list[Ten
     if not buckets:
         return tensors
     model = [t for t in rest if not t.key.startswith(("optimizer.", "chained_"))]
+    return rest + states_by_value(model, buckets, root, where)
+
+
+def states_by_value(model: list[TensorSpec], buckets: dict[tuple[str, str], dict[str, TensorSpec]], root: Path,
+                    where: str, coalesced: bool = False, shapes: dict[str, list[int]] | None = None
+                    ) -> list[TensorSpec]:
+    """Each model tensor's optimizer state found in ``buckets`` (per (domain, bucket): its flat
+    tensor per state, ``param`` among them): ``optimizer.state.<name>.<state>`` and the main params
+    ``optimizer.fp32_from_fp16_params.<name>``, ``<name>`` the tensor's last path element (its key
+    without one); ``coalesced``: each is a buffer's buckets one after another (see :func:`_walk`);
+    ``shapes``: per key, the shape to cut the states to (the model's rows of vocabulary padding
+    dropped), where it differs from the tensor's."""
     files = _Files(root)
     try:
         search = _Search(chunks_of(model), files)
@@ -260,17 +302,17 @@ def per_parameter(tensors: list[TensorSpec], root: Path, where: str) -> list[Ten
         for (domain, name) in sorted(buckets, key=_numbered):
             states = buckets[(domain, name)]
             if MAIN not in states:
-                raise CorruptCheckpointError(f"{where}: {domain}.{name} has no {MAIN!r} state (the main parameters, "
+                raise CorruptCheckpointError(f"{where}: {domain} {name} has no {MAIN!r} state (the main parameters, "
                                              "by which the parameters are found)")
             flats[(domain, name)] = {s: _Flat(t, where) for s, t in states.items()}
             lengths = {f.length for f in flats[(domain, name)].values()}
             if len(lengths) != 1:
-                raise CorruptCheckpointError(f"{where}: the states of {domain}.{name} differ in length {sorted(lengths)}")
-            placed += _walk(search, domain, name, flats[(domain, name)][MAIN], where)
+                raise CorruptCheckpointError(f"{where}: the states of {domain} {name} differ in length {sorted(lengths)}")
+            placed += _walk(search, domain, name, flats[(domain, name)][MAIN], where, coalesced)
         chosen = _choose(placed, search, flats, files, where)
     finally:
         files.close()
-    return rest + _state_tensors(model, chosen, flats, where)
+    return _state_tensors(model, chosen, flats, where, shapes or {})
 
 
 def _numbered(key: tuple[str, str]) -> tuple:
@@ -316,9 +358,12 @@ def _choose(placed: list[Found], search: _Search, flats: dict[tuple[str, str], d
 
 
 def _state_tensors(model: list[TensorSpec], chosen: dict[Chunk, Found],
-                   flats: dict[tuple[str, str], dict[str, _Flat]], where: str) -> list[TensorSpec]:
+                   flats: dict[tuple[str, str], dict[str, _Flat]], where: str,
+                   shapes: dict[str, list[int]]) -> list[TensorSpec]:
     out: list[TensorSpec] = []
     for t in model:
+        name = str(t.path[-1]) if t.path else t.key
+        shape = shapes.get(t.key, list(t.shape))
         chunks = chunks_of([t])
         if not any(c in chosen for c in chunks):
             continue  # not trained (frozen, or not a parameter): no optimizer state
@@ -334,24 +379,31 @@ def _state_tensors(model: list[TensorSpec], chosen: dict[Chunk, Found],
                 f = chosen[c]
                 flat = flats[(f.domain, f.bucket)][state]
                 dtype = flat.spec.dtype
-                pieces += _pieces(c, flat, f.start)
-            path: list[str | int] = (["optimizer", "fp32_from_fp16_params", t.key] if state == MAIN
-                                     else ["optimizer", "state", t.key, state])
+                pieces += _pieces(c, flat, f.start, shape[0] if shape else 0)
+            path: list[str | int] = (["optimizer", "fp32_from_fp16_params", name] if state == MAIN
+                                     else ["optimizer", "state", name, state])
             assert dtype is not None
-            out.append(TensorSpec(key=".".join(map(str, path)), dtype=dtype, shape=list(t.shape), pieces=pieces, path=path))
+            out.append(TensorSpec(key=".".join(map(str, path)), dtype=dtype, shape=shape, pieces=pieces, path=path))
     return out
 
 
-def _pieces(c: Chunk, flat: _Flat, start: int) -> list[Piece]:
-    """Chunk ``c``'s state in ``flat`` from element ``start``: a piece per box of each stored run."""
+def _pieces(c: Chunk, flat: _Flat, start: int, rows: int) -> list[Piece]:
+    """Chunk ``c``'s state in ``flat`` from element ``start``: a piece per box of each stored run,
+    cut to the first ``rows`` rows of the tensor (a box's first rows are a prefix of its elements)."""
     strides = [math.prod(c.shape[d + 1:]) for d in range(len(c.shape))]
     out = []
-    for a, b, file, offset in flat.parts(start, start + c.numel):
+    for a, b, file, member, offset in flat.parts(start, start + c.numel):
         lo = a - start
         for box in flat_range_boxes(FlatRange(lo, b - start), c.shape):
             first = sum(o * s for o, s in zip(box.offsets, strides))
-            out.append(Piece(file=file, offset=offset + (first - lo) * flat.itemsize, shape=list(box.shape),
-                             box=Box(offsets=[o + p for o, p in zip(c.offsets, box.offsets)], shape=list(box.shape))))
+            offsets = [o + p for o, p in zip(c.offsets, box.offsets)]
+            shape = list(box.shape)
+            if shape and offsets[0] + shape[0] > rows:
+                shape[0] = rows - offsets[0]
+                if shape[0] <= 0:
+                    continue
+            out.append(Piece(file=file, member=member, offset=offset + (first - lo) * flat.itemsize, shape=shape,
+                             box=Box(offsets=offsets, shape=shape)))
     return out
 
 
@@ -370,8 +422,9 @@ def check_main_params(model: dict[str, TensorSpec], main: dict[str, TensorSpec],
                 mc = boxes.get(c.offsets)
                 if mc is None or mc.shape != c.shape:
                     continue
-                weight = files.read(c.file, c.offset, c.numel * dtypes.itemsize(c.dtype))
-                kept = _cast(files.read(mc.file, mc.offset, mc.numel * dtypes.itemsize(mc.dtype)), mc.dtype, c.dtype)
+                weight = files.read(c.file, c.offset, c.numel * dtypes.itemsize(c.dtype), c.member)
+                kept = _cast(files.read(mc.file, mc.offset, mc.numel * dtypes.itemsize(mc.dtype), mc.member), mc.dtype,
+                             c.dtype)
                 if weight != kept:
                     raise CorruptCheckpointError(
                         f"{where}: the distributed optimizer's main parameter of {key!r} at {list(c.offsets)} is not "

@@ -89,7 +89,7 @@ def spec_from_torch_dist(root: Path, folder: Path, it: str, allowed: Any, holds:
                 starts = _starts(z, io.BytesIO(data), value, arch, name)
         except ZIP_ERRORS as e:
             raise CorruptCheckpointError(f"{name}: item {key!r} is not a readable torch.save archive ({e})") from None
-        _walk(value, key, lambda k, ref: tensors.append(_tensor(k, ref, rel, obj.offset + starts[ref.storage.key])),
+        _walk(value, key, lambda k, ref: tensors.append(whole_tensor(k, ref, rel, obj.offset + starts[ref.storage.key])),
               values, json_part)
     common_rel = f"{prefix}{COMMON}"
     try:
@@ -107,7 +107,7 @@ def spec_from_torch_dist(root: Path, folder: Path, it: str, allowed: Any, holds:
             values["args"] = json_part(namespace_of(node))
             continue
         _walk(node, key, lambda k, ref: tensors.append(
-            _tensor(k, ref, common_rel, None, member=f"{arch}/data/{ref.storage.key}")), values, json_part)
+            whole_tensor(k, ref, common_rel, None, member=f"{arch}/data/{ref.storage.key}")), values, json_part)
     if isinstance(values.get("iteration"), int):
         values["step"] = values["iteration"]
     optimizer = common.get("optimizer")
@@ -210,7 +210,7 @@ def _walk(node: Any, key: str, tensor: Any, values: dict[str, Any], json_part: A
             values[key] = plain
 
 
-def _tensor(key: str, ref: TensorRef, rel: str, base: int | None, member: str | None = None) -> TensorSpec:
+def whole_tensor(key: str, ref: TensorRef, rel: str, base: int | None, member: str | None = None) -> TensorSpec:
     """The whole of ``ref``: in ``rel`` at ``base`` plus the element offset (``base`` None: in ``member``)."""
     size = dtypes.itemsize(ref.storage.dtype)
     shape = list(ref.shape)
