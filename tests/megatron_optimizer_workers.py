@@ -1,21 +1,21 @@
-"""A real Megatron-Core distributed optimizer on 8 gloo ranks (2 tensor- x 2 pipeline- x 2
-data-parallel), trained 3 Adam steps, its checkpoint saved in the bucket-space ``dp_reshardable``
-format (Megatron-LM's default for ``torch_dist``), and what the optimizer held.
+"""A real Megatron-Core training run on 8 gloo ranks (2 tensor- x 2 pipeline- x 2 data-parallel): a
+small GPT (SwiGLU, tied embeddings) trained 3 steps with Megatron's own DistributedDataParallel,
+pipeline schedule (1F1B, p2p over gloo), gradient finalization and DistributedOptimizer (Adam), its
+checkpoint saved in the bucket-space ``dp_reshardable`` format (Megatron-LM's default for
+``torch_dist``), in the legacy layout, and what the optimizer held.
 
 Usage: python megatron_optimizer_workers.py ROOT PORT. Needs megatron-core on the path (make
 test-megatron installs it in .megatron-site/).
 
-Megatron-Core's DistributedDataParallel and DistributedOptimizer are built for CUDA; on this
-CPU-only torch they run with four stand-ins, set before megatron is imported: ``torch.cuda``'s
-``current_device`` and ``synchronize`` (the CPU; nothing to wait for), tensor factories asked for
-``device='cuda'`` make CPU tensors, and ``Tensor.type()`` reports a CPU float tensor as
-``torch.cuda.FloatTensor`` (the optimizer accepts only CUDA parameter types by that name).
-Everything else is Megatron's own: the parameter and gradient buffers and their buckets (small
-buckets, ``overlap_grad_reduce``, so each stage has several; the tied word embeddings in their own
-bucket on the first and last stage), the reduce-scatter of gradients, Adam's steps on the DP
-shards, and ``dist_checkpointing.save``. A forward pass cannot run here (attention takes a CUDA
-buffer), so each step's gradients are random, equal where Megatron keeps parameters equal
-(tensor-parallel replicas, the tied embeddings).
+Megatron-Core is built for CUDA; on this CPU-only torch it trains with stand-ins set before its
+modules run (:func:`on_cpu`): ``torch.cuda``'s ``current_device`` and ``synchronize`` (the CPU;
+nothing to wait for), tensor factories asked for ``device='cuda'`` make CPU tensors,
+``Tensor.type()`` reports a CPU float tensor as ``torch.cuda.FloatTensor`` (the optimizer accepts
+only CUDA parameter types by that name), and the model-parallel RNG tracker forks the CPU
+generator's state instead of CUDA's. Everything else is Megatron's own: the parameter and gradient
+buffers and their buckets (small buckets, ``overlap_grad_reduce``, so each stage has several; the
+tied word embeddings in their own bucket on the first and last stage), the forward and backward
+passes, the reduce-scatter of gradients, Adam's steps on the DP shards, and the savers.
 
 Writes ROOT/dp/iter_0000003 (the model and the optimizer in ``dp_reshardable``, common.pt with args and
 iteration), ROOT/full/iter_0000003 (the same optimizer saved by Megatron in ``fully_reshardable``),
@@ -68,6 +68,14 @@ def on_cpu() -> None:
 
     for name in ("tensor", "zeros", "empty", "ones", "full", "arange", "zeros_like", "empty_like"):
         setattr(torch, name, cpu_factory(getattr(torch, name)))
+    # the model-parallel RNG tracker forks CUDA generator states: the CPU generator's
+    torch.cuda.get_rng_state = torch.get_rng_state
+    torch.cuda.set_rng_state = torch.set_rng_state
+    torch.cuda.manual_seed = torch.manual_seed
+    import megatron.core.tensor_parallel.random as model_parallel_random
+
+    model_parallel_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    model_parallel_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
 
 
 def main(root: Path, port: int, rank: int) -> None:
@@ -80,7 +88,9 @@ def main(root: Path, port: int, rank: int) -> None:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
     from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -90,28 +100,35 @@ def main(root: Path, port: int, rank: int) -> None:
     tp, pp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
     dp = parallel_state.get_data_parallel_rank()
     torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
     cfg = TransformerConfig(num_layers=4, pipeline_model_parallel_size=PP, tensor_model_parallel_size=TP,
                             pipeline_dtype=torch.float32, hidden_size=8, num_attention_heads=4, num_query_groups=2,
                             ffn_hidden_size=12, use_cpu_initialization=True, gated_linear_unit=True,
-                            add_bias_linear=True)
+                            add_bias_linear=True, hidden_dropout=0.0, attention_dropout=0.0)
     model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=32, max_sequence_length=16, pre_process=pp == 0,
                      post_process=pp == PP - 1, share_embeddings_and_output_weights=True)
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=200), model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True), [ddp])
     names = {p: n for n, p in model.named_parameters()}
+    cfg.finalize_model_grads_func = finalize_model_grads
+    forward_backward = get_forward_backward_func()
+
+    def forward_step(batches, module):
+        tokens = next(batches)
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        causal = torch.ones(1, 1, tokens.shape[1], tokens.shape[1]).triu(1).bool()
+        out = module(tokens, positions, causal, labels=tokens.roll(-1, 1))
+        return out, lambda losses: (losses.float().mean(), {"loss": losses.float().mean().detach()})
+
     for step in range(ITERATION):
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        for p in ddp.parameters():
-            shared = getattr(p, "shared_embedding", False)
-            # equal where Megatron keeps the parameters equal: tensor-parallel replicas, tied embeddings
-            tag = "embedding" if shared else f"{pp}.{names[p]}"
-            seed = zlib.crc32(repr((step, dp, tp if getattr(p, "tensor_model_parallel", False) or shared else -1,
-                                    tag)).encode())
-            p.main_grad.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
-        ddp.start_grad_sync()
-        ddp.finish_grad_sync()
+        # the same tokens on every tensor- and pipeline-parallel rank of a data-parallel rank
+        g = torch.Generator().manual_seed(100 * step + dp)
+        batches = iter([torch.randint(0, 32, (2, 16), generator=g) for _ in range(2)])
+        forward_backward(forward_step_func=forward_step, data_iterator=batches, model=[ddp], num_microbatches=2,
+                         seq_length=16, micro_batch_size=2, forward_only=False)
         assert opt.step()[0]
     common = {"args": argparse.Namespace(tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP,
                                          num_layers=4, swiglu=True, params_dtype=torch.float32,

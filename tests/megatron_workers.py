@@ -2,11 +2,9 @@
 gloo ranks (2 tensor- x 2 pipeline-parallel), and Megatron's own consolidated view of it.
 
 Usage: python megatron_workers.py ROOT PORT. Needs megatron-core on the path (make test-megatron
-installs it in .megatron-site/). Megatron-Core builds its GPT model on CPU here, but cannot run a
-forward pass: its attention takes a buffer from ``torch.cuda.current_device()``
-(megatron/core/utils.py, GlobalMemoryBuffer), and this torch has no CUDA. (Its torch_dist writer
-calls ``torch.cuda.synchronize()`` and reduces a flag on ``torch.cuda.current_device()``: made a
-no-op and the CPU here.) So the model is a real
+installs it in .megatron-site/). The model is built, not trained (tests/megatron_optimizer_workers.py
+trains one, with stand-ins for CUDA); its torch_dist writer calls ``torch.cuda.synchronize()`` and
+reduces a flag on ``torch.cuda.current_device()``: made a no-op and the CPU here. So the model is a real
 GPTModel of 4 layers over 2 tensor- and 2 pipeline-parallel ranks (its real sharded state dict: the
 layer axis prepended and split over the stages, the partition axes fragmented over the tensor-parallel
 ranks, a gated fc1 through Megatron's SwiGLU factory),

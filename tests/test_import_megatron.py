@@ -4,8 +4,8 @@ legacy layout (``iter_<N>/mp_rank_XX[_YYY]/model_optim_rng.pt``).
 The checkpoints are written by tests/megatron_files.py with torch.save in Megatron's structure,
 split from a consolidated model over tensor- and pipeline-parallel ranks; the import must give
 back the consolidated model, its Adam state numbered as a one-rank run's, and the metadata, bit
-for bit. (Megatron-Core cannot run a training step on this machine's CPU-only torch; the tests
-marked ``megatron`` compare with Megatron-Core's own views.)
+for bit. The tests marked ``megatron`` compare with Megatron-Core's own views: of a model it builds,
+and of a run it trains on 8 gloo ranks (tests/megatron_optimizer_workers.py).
 """
 
 from __future__ import annotations
@@ -357,8 +357,8 @@ def _flat(node: dict, key: str = "") -> dict:
 @pytest.mark.megatron
 @pytest.mark.timeout(900)
 def test_distributed_optimizer_in_bucket_space_imports_as_the_optimizer_held_it(mcore_optimizer_run, tmp_path):
-    """Megatron-LM's default dp_reshardable format, written by a real DistributedOptimizer (TP 2 x
-    PP 2 x DP 2, several buckets per stage, tied embeddings in buckets of their own): every
+    """Megatron-LM's default dp_reshardable format, written by a real training run's DistributedOptimizer
+    (TP 2 x PP 2 x DP 2, several buckets per stage, tied embeddings in buckets of their own): every
     parameter's main param, exp_avg and exp_avg_sq, found in the buckets by value, equal bit for bit
     what the optimizer held, gathered from its DP shards and placed by the model's sharded state dict."""
     truth = _flat(torch.load(mcore_optimizer_run / "reference.pt", weights_only=False)["truth"])
