@@ -10,7 +10,10 @@ matrices, none for biases and 1-D tensors.
 state (``torch.save`` of ``{"model": ..., "optimizer": ...}``, what a run on one rank holds) and
 trains ``MORE`` steps. ``python megatron_continue.py fsdp IMPORTED OUT_JSON PORT``: an FSDP2
 (``fully_shard``) job on 3 gloo ranks ``resurgo.load``s the imported checkpoint and trains the
-same steps on the same global batches (2 rows a rank). Each writes its losses to OUT_JSON.
+same steps on the same global batches (2 rows a rank). ``python megatron_continue.py megatron
+IMPORTED OUT_JSON PORT``: the same FSDP2 job continuing a real Megatron run's import, with its
+distributed optimizer's state (:func:`fsdp_from_distributed_optimizer`). Each writes its losses to
+OUT_JSON.
 """
 
 from __future__ import annotations
@@ -88,17 +91,22 @@ class _Decoder(nn.Module):
 
 
 class MiniGPT(nn.Module):
-    def __init__(self) -> None:
+    """``tied``: the output layer is the word embeddings (Megatron's share_embeddings_and_output_weights)."""
+
+    def __init__(self, tied: bool = False) -> None:
         super().__init__()
         self.embedding = _Embedding()
         self.decoder = _Decoder()
-        self.output_layer = nn.Linear(HIDDEN, VOCAB, bias=False)
+        if not tied:
+            self.output_layer = nn.Linear(HIDDEN, VOCAB, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embedding.word_embeddings(tokens[:, :-1]) + self.embedding.position_embeddings.weight[:SEQ - 1]
         for layer in self.decoder.layers:
             x = layer(x)
-        logits = self.output_layer(self.decoder.final_layernorm(x))
+        x = self.decoder.final_layernorm(x)
+        head = self.output_layer.weight if hasattr(self, "output_layer") else self.embedding.word_embeddings.weight
+        logits = F.linear(x, head)
         return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
@@ -144,6 +152,13 @@ def fsdp_job(rank: int, world: int, imported: str, out_json: str, port: int) -> 
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
     optim = optimizer(model)
     report = resurgo.load({"model": model, "optimizer": optim}, imported, strict=False)
+    train_and_report(model, optim, rank, world, out_json, report)
+
+
+def train_and_report(model: nn.Module, optim: torch.optim.Optimizer, rank: int, world: int, out_json: str,
+                     report) -> None:
+    """MORE steps of the FSDP2 job on its rows of each global batch; rank 0 writes the mean losses
+    and what the load left out, then the group closes."""
     losses = []
     for step in range(MORE):
         loss = model(rows(step, rank, world))
@@ -160,8 +175,38 @@ def fsdp_job(rank: int, world: int, imported: str, out_json: str, port: int) -> 
     dist.destroy_process_group()
 
 
+def fsdp_from_distributed_optimizer(rank: int, world: int, imported: str, out_json: str, port: int) -> None:
+    """The FSDP2 job continuing a real Megatron run (tests/megatron_optimizer_workers.py, tied
+    embeddings) from its import: the weights into the model, the distributed optimizer's state
+    (under each parameter's name) into AdamW's state of that parameter, AdamW's groups from the
+    param groups Megatron saved: their hyperparameters as the optimizer last applied them (weight
+    decay included: ``wd_mult`` is applied by Megatron-LM's scheduler, which this run has not),
+    their members by Megatron's rule (``wd_mult`` 0: biases and 1-D tensors)."""
+    import resurgo
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(1)  # other initial weights: the load must replace them all
+    model = MiniGPT(tied=True)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    named = dict(model.named_parameters())
+    moments = {n: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)} for n, p in named.items()}
+    report = resurgo.load({"model": model, "optimizer": {"state": moments}}, imported, strict=False)
+    saved = resurgo.load_dict(imported)["optimizer"]["optimizer"]["param_groups"]
+    decay, no_decay = (next(g for g in saved if g["wd_mult"] == m) for m in (1.0, 0.0))
+    groups = [{"params": [p for n, p in named.items() if (n.endswith(".bias") or p.dim() == 1) is none],
+               "lr": g["lr"], "weight_decay": g["weight_decay"], "betas": tuple(g["betas"]),
+               "eps": g["eps"]} for g, none in ((decay, False), (no_decay, True))]
+    optim = torch.optim.AdamW(groups)
+    for n, p in named.items():
+        optim.state[p] = {"step": torch.tensor(float(decay["step"])), **moments[n]}
+    train_and_report(model, optim, rank, world, out_json, report)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "one":
         one_rank(sys.argv[2], sys.argv[3])
     else:
-        mp.spawn(fsdp_job, args=(3, sys.argv[2], sys.argv[3], int(sys.argv[4])), nprocs=3)
+        job = fsdp_job if sys.argv[1] == "fsdp" else fsdp_from_distributed_optimizer
+        mp.spawn(job, args=(3, sys.argv[2], sys.argv[3], int(sys.argv[4])), nprocs=3)

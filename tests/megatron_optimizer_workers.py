@@ -17,6 +17,9 @@ buffers and their buckets (small buckets, ``overlap_grad_reduce``, so each stage
 tied word embeddings in their own bucket on the first and last stage), the forward and backward
 passes, the reduce-scatter of gradients, Adam's steps on the DP shards, and the savers.
 
+After the checkpoint the job trains 4 more steps on tests/megatron_continue.py's batches and
+writes their losses to ROOT/continued.json: Megatron's own continuation.
+
 Writes ROOT/dp/iter_0000003 (the model and the optimizer in ``dp_reshardable``, common.pt with args and
 iteration), ROOT/full/iter_0000003 (the same optimizer saved by Megatron in ``fully_reshardable``),
 ROOT/legacy (the legacy layout: ``mp_rank_XX_YYY/model_optim_rng.pt`` and the optimizer's
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import sys
 import warnings
@@ -43,6 +47,9 @@ warnings.filterwarnings("ignore")
 ITERATION = 3
 TP, PP, DP = 2, 2, 2
 WORLD = TP * PP * DP
+# the model and batches of tests/megatron_continue.py: a batch of BATCH rows of SEQ tokens per step,
+# MORE steps after the checkpoint
+VOCAB, BATCH, SEQ, MORE = 32, 6, 6, 4
 
 
 def on_cpu() -> None:
@@ -104,32 +111,44 @@ def main(root: Path, port: int, rank: int) -> None:
     cfg = TransformerConfig(num_layers=4, pipeline_model_parallel_size=PP, tensor_model_parallel_size=TP,
                             pipeline_dtype=torch.float32, hidden_size=8, num_attention_heads=4, num_query_groups=2,
                             ffn_hidden_size=12, use_cpu_initialization=True, gated_linear_unit=True,
-                            add_bias_linear=True, hidden_dropout=0.0, attention_dropout=0.0)
-    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=32, max_sequence_length=16, pre_process=pp == 0,
+                            activation_func=torch.nn.functional.silu, add_bias_linear=True, hidden_dropout=0.0,
+                            attention_dropout=0.0)
+    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=16, pre_process=pp == 0,
                      post_process=pp == PP - 1, share_embeddings_and_output_weights=True)
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=200), model)
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True), [ddp])
+    # no gradient clipping: the plain-torch continuation (megatron_continue.py) does not clip
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=0.0,
+                                                 use_distributed_optimizer=True), [ddp])
     names = {p: n for n, p in model.named_parameters()}
     cfg.finalize_model_grads_func = finalize_model_grads
     forward_backward = get_forward_backward_func()
 
     def forward_step(batches, module):
-        tokens = next(batches)
+        rows = next(batches)  # predict each token from the ones before it
+        tokens, labels = rows[:, :-1], rows[:, 1:]
         positions = torch.arange(tokens.shape[1]).expand_as(tokens)
         causal = torch.ones(1, 1, tokens.shape[1], tokens.shape[1]).triu(1).bool()
-        out = module(tokens, positions, causal, labels=tokens.roll(-1, 1))
+        out = module(tokens, positions, causal, labels=labels)
         return out, lambda losses: (losses.float().mean(), {"loss": losses.float().mean().detach()})
 
-    for step in range(ITERATION):
+    def train(step: int, seed: int) -> float:
+        """One step on the global batch of ``seed``, its rows split over the DP ranks (the same
+        rows on every tensor- and pipeline-parallel rank of a DP rank): the mean loss."""
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        # the same tokens on every tensor- and pipeline-parallel rank of a data-parallel rank
-        g = torch.Generator().manual_seed(100 * step + dp)
-        batches = iter([torch.randint(0, 32, (2, 16), generator=g) for _ in range(2)])
-        forward_backward(forward_step_func=forward_step, data_iterator=batches, model=[ddp], num_microbatches=2,
-                         seq_length=16, micro_batch_size=2, forward_only=False)
+        rows = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+        mine = rows[dp * (BATCH // DP):(dp + 1) * (BATCH // DP)]
+        losses = forward_backward(forward_step_func=forward_step, data_iterator=iter([mine]), model=[ddp],
+                                  num_microbatches=1, seq_length=SEQ - 1, micro_batch_size=BATCH // DP,
+                                  forward_only=False)
         assert opt.step()[0]
+        loss = losses[0]["loss"] if losses else torch.zeros(())
+        dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+        return loss.item() / DP
+
+    for step in range(ITERATION):
+        train(step, 900 + step)
     common = {"args": argparse.Namespace(tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP,
                                          num_layers=4, swiglu=True, params_dtype=torch.float32,
                                          use_distributed_optimizer=True, ckpt_format="torch_dist"),
@@ -192,6 +211,10 @@ def main(root: Path, port: int, rank: int) -> None:
         folder.mkdir()
     dist.barrier()
     dist_checkpointing.save({"model": model.sharded_state_dict(), "optimizer": truth}, str(folder))
+    # Megatron's own continuation of the saved job: MORE steps on megatron_continue.py's batches
+    continued = [train(step, 500 + step) for step in range(MORE)]
+    if rank == WORLD - 1:  # a last-stage rank: it computed the losses
+        (root / "continued.json").write_text(json.dumps({"losses": continued}))
     dist.barrier()
     dist.destroy_process_group()
 
