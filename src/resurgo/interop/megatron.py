@@ -215,20 +215,7 @@ def _spec(root: Path, vocab_size: int | None) -> ImportSpec:
                                         "legacy layout only")
         return spec_from_torch_dist(root, folder, it, MEGATRON, HOLDS, _json_part, _record_namespace)
     tp_size, pp_size, with_stage = _rank_grid(folder)
-    files: dict[tuple[int, int], _File] = {}
-    for pp in range(pp_size):
-        for tp in range(tp_size):
-            rel = f"{_rank_name(tp, pp, with_stage)}/{RANK_FILE}"
-            rel = f"{it}/{rel}" if it else rel
-            try:
-                path = resolve_inside(root, rel, "a Megatron rank file")
-            except CheckpointNotFoundError:
-                raise CorruptCheckpointError(f"{root / rel}: missing (the rank's folder holds no {RANK_FILE})"
-                                             ) from None
-            obj, prefix = read_objects(path, MEGATRON, HOLDS)
-            if not isinstance(obj, dict):
-                raise CorruptCheckpointError(f"{path}: holds a {type(obj).__name__}, not the dict Megatron saves")
-            files[tp, pp] = _File(rel, prefix, obj, tp, pp)
+    files = _rank_files(root, it, tp_size, pp_size, with_stage)
     first = files[0, 0]
     args = _namespace(first)
     for key, size in (("tensor_model_parallel_size", tp_size), ("pipeline_model_parallel_size", pp_size)):
@@ -243,7 +230,48 @@ def _spec(root: Path, vocab_size: int | None) -> ImportSpec:
     if vocab_size is None and isinstance(args.get("vocab_size"), int) and not isinstance(args.get("vocab_size"), bool):
         vocab_size = args["vocab_size"]
 
-    # Per stage, its tensors in order, renamed to global layer numbers.
+    params, order, local_names, offset = _model_params(files, tp_size, pp_size)
+    tensors = [_tensor(params[n], ("model", n), gated, vocab_size) for n in order]
+    distributed = {f.rel for f in files.values() if (root / f.rel).parent.joinpath(DISTRIB_OPTIM).exists()}
+    if distributed:
+        # the distributed optimizer's state: found in its buffers by the untrimmed weights' values
+        whole = [_tensor(params[n], ("model", n), gated, None) for n in order]
+        optimizer = states_by_value(whole, _distrib_optim(root, files, distributed), root, str(folder),
+                                    coalesced=True, shapes={t.key: list(t.shape) for t in tensors})
+        groups = None
+    else:
+        optimizer, groups = _optimizer(files, local_names, params, tp_size, gated, vocab_size)
+    tensors += optimizer
+    values = _values(first, args, groups, tp_size, pp_size, offset)
+    if distributed:
+        values["optimizer"] = _json_part(first.obj.get("optimizer"))
+    tensors += _rng(files)
+    return ImportSpec(tensors=tensors, values=values)
+
+
+def _rank_files(root: Path, it: str, tp_size: int, pp_size: int, with_stage: bool) -> dict[tuple[int, int], _File]:
+    """Each (tensor, pipeline) rank's ``model_optim_rng.pt``, read."""
+    files: dict[tuple[int, int], _File] = {}
+    for pp in range(pp_size):
+        for tp in range(tp_size):
+            rel = f"{_rank_name(tp, pp, with_stage)}/{RANK_FILE}"
+            rel = f"{it}/{rel}" if it else rel
+            try:
+                path = resolve_inside(root, rel, "a Megatron rank file")
+            except CheckpointNotFoundError:
+                raise CorruptCheckpointError(f"{root / rel}: missing (the rank's folder holds no {RANK_FILE})"
+                                             ) from None
+            obj, prefix = read_objects(path, MEGATRON, HOLDS)
+            if not isinstance(obj, dict):
+                raise CorruptCheckpointError(f"{path}: holds a {type(obj).__name__}, not the dict Megatron saves")
+            files[tp, pp] = _File(rel, prefix, obj, tp, pp)
+    return files
+
+
+def _model_params(files: dict[tuple[int, int], _File], tp_size: int, pp_size: int
+                  ) -> tuple[dict[str, _Param], list[str], dict[tuple[int, int], list[tuple[str, TensorRef]]], int]:
+    """Per stage, its tensors in order, renamed to global layer numbers: each name's pieces on the
+    tensor-parallel ranks, the names in order, each file's renamed tensors, and the layer count."""
     params: dict[str, _Param] = {}
     order: list[str] = []
     local_names: dict[tuple[int, int], list[tuple[str, TensorRef]]] = {}
@@ -275,22 +303,7 @@ def _spec(root: Path, vocab_size: int | None) -> ImportSpec:
             order.append(name)
         offset += len(layers)
 
-    tensors = [_tensor(params[n], ("model", n), gated, vocab_size) for n in order]
-    distributed = {f.rel for f in files.values() if (root / f.rel).parent.joinpath(DISTRIB_OPTIM).exists()}
-    if distributed:
-        # the distributed optimizer's state: found in its buffers by the untrimmed weights' values
-        whole = [_tensor(params[n], ("model", n), gated, None) for n in order]
-        optimizer = states_by_value(whole, _distrib_optim(root, files, distributed), root, str(folder),
-                                    coalesced=True, shapes={t.key: list(t.shape) for t in tensors})
-        groups = None
-    else:
-        optimizer, groups = _optimizer(files, local_names, params, tp_size, gated, vocab_size)
-    tensors += optimizer
-    values = _values(first, args, groups, tp_size, pp_size, offset)
-    if distributed:
-        values["optimizer"] = _json_part(first.obj.get("optimizer"))
-    tensors += _rng(files)
-    return ImportSpec(tensors=tensors, values=values)
+    return params, order, local_names, offset
 
 
 def _distrib_optim(root: Path, files: dict[tuple[int, int], _File], distributed: set[str]
