@@ -340,7 +340,7 @@ def _distrib_optim(root: Path, files: dict[tuple[int, int], _File], distributed:
                             raise CorruptCheckpointError(f"{root / rel}: buffer {g} {name!r} has the shape "
                                                          f"{list(ref.shape)}; a buffer is one-dimensional")
                         bucket[str(name)] = whole_tensor(f"{rel}:{g}:{name}", ref, rel, None,
-                                                              member=f"{arch}/data/{ref.storage.key}")
+                                                         member=f"{arch}/data/{ref.storage.key}")
     return out
 
 

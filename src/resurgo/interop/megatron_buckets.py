@@ -46,7 +46,7 @@ import xxhash
 from resurgo.errors import CorruptCheckpointError, UnsupportedValueError
 from resurgo.format import dtypes
 from resurgo.interop.source_files import open_file_inside, resolve_inside
-from resurgo.interop.spec import Box, Piece, TensorSpec
+from resurgo.interop.spec import Box, Piece, TensorSpec, row_major_strides
 from resurgo.interop.torch_file import member_start
 from resurgo.layout.box import FlatRange
 from resurgo.layout.regions import flat_range_boxes
@@ -340,12 +340,12 @@ def _choose(placed: list[Found], search: _Search, flats: dict[tuple[str, str], d
                                              f"of {f.bucket}); the model holds them {len(members)} time(s)")
         if len(members) > 1:
             first = found[0]
+            states = {state: _digest(flat.read(files, first.start, first.start + cls.numel))
+                      for state, flat in flats[(first.domain, first.bucket)].items()}
             for f in found[1:]:
-                for state, flat in flats[(first.domain, first.bucket)].items():
+                for state, digest in states.items():
                     other = flats[(f.domain, f.bucket)].get(state)
-                    same = other is not None and _digest(flat.read(files, first.start, first.start + cls.numel)) == \
-                        _digest(other.read(files, f.start, f.start + cls.numel))
-                    if not same:
+                    if other is None or _digest(other.read(files, f.start, f.start + cls.numel)) != digest:
                         keys = sorted({f"{c.key!r} {list(c.offsets)}" for c in members})
                         raise UnsupportedValueError(
                             f"{where}: {len(members)} chunks hold equal values ({', '.join(keys[:4])}"
@@ -390,7 +390,7 @@ def _state_tensors(model: list[TensorSpec], chosen: dict[Chunk, Found],
 def _pieces(c: Chunk, flat: _Flat, start: int, rows: int) -> list[Piece]:
     """Chunk ``c``'s state in ``flat`` from element ``start``: a piece per box of each stored run,
     cut to the first ``rows`` rows of the tensor (a box's first rows are a prefix of its elements)."""
-    strides = [math.prod(c.shape[d + 1:]) for d in range(len(c.shape))]
+    strides = row_major_strides(c.shape)
     out = []
     for a, b, file, member, offset in flat.parts(start, start + c.numel):
         lo = a - start
