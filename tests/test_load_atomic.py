@@ -304,3 +304,32 @@ def test_one_reader_has_the_next_requests_mapped_ahead_of_it(tmp_path, monkeypat
     assert len(fetched) > 2, fetched
     assert [name for name, _ in mapped_ahead] == ["resurgo-readahead"] * 2
     assert [off for _, off in mapped_ahead] == [off for off in fetched if off >= 0][:2]
+
+
+def test_verified_parts_are_read_into_place_once_per_run():
+    """Read by several threads, a request's verified parts of a local file are read into place
+    again: one vectored read per run of parts landing in a target back to back in the file (a
+    part copied out through scatters, or a gap, ends a run), each byte where the plan puts it."""
+    from resurgo.pipeline.reader import _PlanReading
+    from resurgo.plan.load_plan import ReadPart, Scatter
+
+    data = np.random.default_rng(0).integers(0, 256, 8192, dtype=np.uint8)
+    calls: list[tuple[int, list[int]]] = []
+
+    class File:
+        def read_into_many(self, offset: int, bufs: list[memoryview]) -> None:
+            calls.append((offset, [len(b) for b in bufs]))
+            for b in bufs:
+                np.frombuffer(b, dtype=np.uint8)[:] = data[offset : offset + len(b)]
+                offset += len(b)
+
+    bufs = [np.zeros(1000, np.uint8), np.zeros(3000, np.uint8), np.zeros(500, np.uint8)]
+    reading = _PlanReading(None, None, {}, bufs, {"f": File()}, verify=True)
+    parts = [(ReadPart("a", 0, 1000, 0, 0), 100), (ReadPart("b", 0, 2000, 0, 1, dst_offset=1000), 1100),
+             (ReadPart("c", 0, 500, 0, None, scatters=(Scatter(0, 2, 0, 500),)), 3100),
+             (ReadPart("d", 0, 1000, 0, 1), 3600), (ReadPart("e", 0, 300, 0, 2, dst_offset=200), 5000)]
+    reading.reread_into_place("f", [(p, data[at : at + p.length].data, at) for p, at in parts])
+    assert calls == [(100, [1000, 2000]), (3600, [1000]), (5000, [300])]
+    assert bufs[0].tobytes() == data[100:1100].tobytes()
+    assert bufs[1].tobytes() == data[3600:4600].tobytes() + data[1100:3100].tobytes()
+    assert bufs[2].tobytes() == data[3100:3300].tobytes() + data[5000:5300].tobytes()
