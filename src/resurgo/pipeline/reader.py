@@ -177,6 +177,14 @@ class _PlanReading:
         end = task.ops[-1].file_offset + task.ops[-1].length if task.ops else self.manifest.file_entry(task.file).header_bytes
         return start, end
 
+    def unmap(self, file: str) -> None:
+        """This reading is done with ``file``: where it is mapped, the mapping goes now, while
+        other threads go on with other files, rather than when the files are closed after the
+        last read (unmapping 512 MiB of 4 KiB pages took one thread 2 to 9 ms)."""
+        unmap = getattr(self.handles[file], "unmap", None)
+        if unmap is not None:
+            unmap()
+
     def mapped(self, file: str) -> bool:
         """Whether ``file``'s bytes are read where its mapping holds them (a local file)."""
         return getattr(self.handles[file], "view", None) is not None
@@ -392,10 +400,16 @@ class _Units:
                 for part in op.parts:
                     self.unverified[part.key] = self.unverified.get(part.key, 0) + 1
         self.unfilled = dict(self.unverified)
-        self.waiting: dict[str, list[tuple[ReadPart, memoryview]]] = {}  # verified, tensor not complete
-        # (task to verify, None) or (None, (tensor, part, its verified bytes) to fill)
-        self.queue: deque[tuple[int | None, tuple[str, ReadPart, memoryview] | None]] = deque(
+        # verified, tensor not complete: (part, its bytes, its file)
+        self.waiting: dict[str, list[tuple[ReadPart, memoryview, str]]] = {}
+        # (task to verify, None) or (None, (tensor, part, its verified bytes, its file) to fill)
+        self.queue: deque[tuple[int | None, tuple[str, ReadPart, memoryview, str] | None]] = deque(
             (i, None) for i in range(len(tasks)))
+        # per file: its requests not done and its parts waiting for their tensor; at none, the
+        # thread that finished its last let its mapping go (see _PlanReading.unmap)
+        self.open_work: dict[str, int] = {}
+        for t in tasks:
+            self.open_work[t.file] = self.open_work.get(t.file, 0) + 1
         self.busy = 0
         self.cond = threading.Condition()
         self.error: BaseException | None = None
@@ -413,6 +427,7 @@ class _Units:
                 if fill is None and self.error is not None:
                     continue
                 self.busy += 1
+            file = fill[3] if fill is not None else self.tasks[i].file  # type: ignore[index]
             try:
                 if fill is not None:
                     t_copy = self._fill(*fill)
@@ -428,7 +443,11 @@ class _Units:
             finally:
                 with self.cond:
                     self.busy -= 1
+                    self.open_work[file] -= 1
+                    done = not self.open_work[file] and self.error is None
                     self.cond.notify_all()
+            if done:  # this job's views of the file are gone with its frame
+                self.reading.unmap(file)
 
     def release(self) -> None:
         """Drop the bytes held for tensors never completed (views of the files' mappings)."""
@@ -452,11 +471,11 @@ class _Units:
                     at += part.length
                     size += part.length
                     if size >= self.group_bytes:
-                        if not self._verify_and_fill(group, times, task.file if reread else None):
+                        if not self._verify_and_fill(group, times, task.file, reread):
                             return
                         group, size = [], 0
             if group:
-                self._verify_and_fill(group, times, task.file if reread else None)
+                self._verify_and_fill(group, times, task.file, reread)
         finally:
             del held
             with self.cond:
@@ -465,11 +484,11 @@ class _Units:
                 self.seconds[2] += times[1]
 
     def _verify_and_fill(self, group: list[tuple[ReadOp, ReadPart, memoryview, int]], times: list[float],
-                         reread: str | None) -> bool:
-        """Verify a group of parts read together, then fill those whose tensor they complete
-        (``reread``: by reading them again from that local file, else copied out); False once a
-        request has failed (this one or another: verify no more). The bookkeeping takes the lock
-        once."""
+                         file: str, reread: bool) -> bool:
+        """Verify a group of parts read together from ``file``, then fill those whose tensor
+        they complete (``reread``: by reading them again from the file, else copied out); False
+        once a request has failed (this one or another: verify no more). The bookkeeping takes
+        the lock once."""
         if self.error is not None:
             return False
         failure: CorruptCheckpointError | None = None
@@ -488,15 +507,16 @@ class _Units:
                 key = part.key
                 self.unverified[key] -= 1
                 if self.unverified[key]:
-                    self.waiting.setdefault(key, []).append((part, view))
+                    self.waiting.setdefault(key, []).append((part, view, file))
+                    self.open_work[file] += 1
                     continue
                 others = self.waiting.pop(key, ())
                 if others:
-                    self.queue.extendleft((None, (key, p, v)) for p, v in others)
+                    self.queue.extendleft((None, (key, *other)) for other in others)
                     self.cond.notify_all()
                 ready.append((part, view, at))
-        if reread is not None:
-            self.reading.reread_into_place(reread, ready)
+        if reread:
+            self.reading.reread_into_place(file, ready)
         else:
             for part, view, _ in ready:
                 self.reading.place_part(part, view)
@@ -509,7 +529,7 @@ class _Units:
             raise failure
         return True
 
-    def _fill(self, key: str, part: ReadPart, view: memoryview) -> float:
+    def _fill(self, key: str, part: ReadPart, view: memoryview, file: str) -> float:
         t_copy = self.reading.place_part(part, view)
         self._filled([key])
         return t_copy

@@ -183,15 +183,23 @@ class ReadHandle:
         """Up to ``n`` bytes at ``offset`` (fewer at the end of the file)."""
         return os.pread(self.fd, n, offset)
 
-    def close(self) -> None:
-        if self._bytes is not None:
+    def unmap(self) -> None:
+        """Let the file's mapping go (the munmap lets other threads run); a later ``view`` maps
+        the file again."""
+        with self._lock:
+            data, mapping = self._bytes, self._map
+            self._bytes = self._map = None
+            self._address = 0
+        if data is not None:
             try:
-                self._bytes.release()
-                assert self._map is not None
-                self._map.close()
+                data.release()
+                assert mapping is not None
+                mapping.close()
             except BufferError:  # a view of the bytes is still alive: unmapped when it goes
                 pass
-            self._bytes = self._map = None
+
+    def close(self) -> None:
+        self.unmap()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
