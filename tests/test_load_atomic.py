@@ -333,3 +333,43 @@ def test_verified_parts_are_read_into_place_once_per_run():
     assert bufs[0].tobytes() == data[100:1100].tobytes()
     assert bufs[1].tobytes() == data[3600:4600].tobytes() + data[1100:3100].tobytes()
     assert bufs[2].tobytes() == data[3100:3300].tobytes() + data[5000:5300].tobytes()
+
+
+@pytest.mark.parametrize("io_threads", [1, 4])
+def test_files_are_unmapped_by_the_thread_done_with_them(tmp_path, monkeypatch, io_threads):
+    """Each data file's mapping is let go once, by the reading thread that finished the file's
+    last request or part, before the files are closed (not by the loading thread after the last
+    read); the load is exact."""
+    import functools
+
+    from resurgo.pipeline import save as save_module
+    from resurgo.storage import local_files
+
+    saved = _sixteen()  # about 22 MiB: 4 files when a file holds at least 4 MiB
+    monkeypatch.setattr(save_module, "plan_files", functools.partial(save_module.plan_files, min_file_bytes=4 << 20))
+    resurgo.save(saved, tmp_path / "ck")
+    events: list[tuple[str, str, str]] = []
+    unmap, close = local_files.ReadHandle.unmap, local_files.ReadHandle.close
+
+    def recording_unmap(self):
+        if self._bytes is not None:
+            events.append(("unmap", self.rel, threading.current_thread().name))
+        unmap(self)
+
+    def recording_close(self):
+        events.append(("close", self.rel, threading.current_thread().name))
+        close(self)
+
+    monkeypatch.setattr(local_files.ReadHandle, "unmap", recording_unmap)
+    monkeypatch.setattr(local_files.ReadHandle, "close", recording_close)
+    target = {k: torch.zeros_like(v) for k, v in saved.items()}
+    resurgo.load(target, tmp_path / "ck", io_threads=io_threads)
+    assert bits_equal(target, saved)
+    files = sorted({rel for _, rel, _ in events})
+    assert len(files) >= 3
+    unmapped = [(rel, name) for what, rel, name in events if what == "unmap"]
+    assert sorted(rel for rel, _ in unmapped) == files  # each once
+    if io_threads > 1:  # one thread reads in the loading thread
+        assert all(name != threading.main_thread().name for _, name in unmapped)
+    first_close = min(i for i, e in enumerate(events) if e[0] == "close")
+    assert all(events.index(("unmap", rel, name)) < first_close for rel, name in unmapped)

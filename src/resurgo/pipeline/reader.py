@@ -238,7 +238,8 @@ class _PlanReading:
         mapping they were verified in) in place: a part landing in one target is read there
         again from the same page-cache pages, one vectored read for each run of such parts
         back to back in the file (one call, which lets other threads run); the others are
-        copied out of their bytes."""
+        copied out of their bytes. (A file cut short meanwhile leaves the run's tensors part
+        filled with verified bytes, and raises: data files are never changed once committed.)"""
         handle = self.handles[file]
         start = end = -1
         views: list[memoryview] = []
@@ -427,14 +428,15 @@ class _Units:
                 if fill is None and self.error is not None:
                     continue
                 self.busy += 1
-            file = fill[3] if fill is not None else self.tasks[i].file  # type: ignore[index]
             try:
                 if fill is not None:
-                    t_copy = self._fill(*fill)
+                    file = fill[3]
+                    t_copy = self._fill(*fill[:3])
                     with self.cond:
                         self.seconds[2] += t_copy
                 else:
                     assert i is not None
+                    file = self.tasks[i].file
                     self._check(i)
             except BaseException as e:  # noqa: BLE001 - raised by read_ops once every worker is done
                 with self.cond:
@@ -529,7 +531,7 @@ class _Units:
             raise failure
         return True
 
-    def _fill(self, key: str, part: ReadPart, view: memoryview, file: str) -> float:
+    def _fill(self, key: str, part: ReadPart, view: memoryview) -> float:
         t_copy = self.reading.place_part(part, view)
         self._filled([key])
         return t_copy
