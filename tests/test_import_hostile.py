@@ -659,6 +659,29 @@ def test_what_zipfile_raises_is_a_damaged_archive_and_a_resurgo_error_passes_as_
         assert passed.value is raised
 
 
+
+def test_a_stored_member_is_found_and_a_damaged_archive_is_named(tmp_path):
+    """stored_member (one lookup for the spec executor and the Megatron bucket reader): where a
+    member's bytes begin and how many there are; a missing member is the caller's KeyError; an
+    archive zipfile cannot read, whatever zipfile raises (here its end record naming 2 disks),
+    is CorruptCheckpointError."""
+    from resurgo.interop.torch_file import stored_member
+
+    torch.save({"t": torch.arange(6, dtype=torch.float32)}, tmp_path / "m.pt")
+    with zipfile.ZipFile(tmp_path / "m.pt") as z:
+        member = next(n for n in z.namelist() if n.endswith("/data/0"))
+    with open(tmp_path / "m.pt", "rb") as f:
+        start, size = stored_member(f, member, "m.pt")
+        with pytest.raises(KeyError):
+            stored_member(f, "m/data/9", "m.pt")
+    assert size == 24
+    assert (tmp_path / "m.pt").read_bytes()[start : start + size] == torch.arange(6, dtype=torch.float32).numpy().tobytes()
+    raw = (tmp_path / "m.pt").read_bytes()
+    (tmp_path / "m.pt").write_bytes(raw[:-22] + struct.pack("<4sLQL", b"PK\x06\x07", 0, 0, 2) + raw[-22:])
+    with open(tmp_path / "m.pt", "rb") as f, pytest.raises(resurgo.CorruptCheckpointError,
+                                                         match=r"^m.pt: not a readable zip archive \(BadZipFile"):
+        stored_member(f, member, "m.pt")
+
 def test_a_zip_end_record_naming_several_disks_is_a_damaged_file(tmp_path):
     """zipfile raises BadZipFile (not OSError) while merely asking whether a file is a zip whose
     zip64 locator names several disks: a damaged file (exit 3), for torch.save and DeepSpeed files alike."""

@@ -21,7 +21,6 @@ import io
 import math
 import os
 import time
-import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +45,7 @@ from resurgo.format.manifest import Manifest
 from resurgo.interop import inplace
 from resurgo.interop.source_files import open_file_inside, open_inside, resolve_inside
 from resurgo.interop.spec import ImportSpec, Piece, Source, TensorSpec, row_major_strides, span_elements
-from resurgo.interop.torch_file import damaged_archive, member_start
+from resurgo.interop.torch_file import stored_member
 from resurgo.layout.shards import LocalPiece, Pieces
 from resurgo.pipeline.buffers import TensorStream, as_copyable, copy_flat_range
 from resurgo.pipeline.save import DEFAULT_IO_THREADS, LazySources, prepare_save, write_and_commit
@@ -118,13 +117,11 @@ class _Sources:
         if member is None:
             return _Region(path, 0, size, str(shown))
         try:
-            with (damaged_archive(f"{shown}: not a readable zip archive", "was it truncated?"),
-                  open_file_inside(path) as f, zipfile.ZipFile(f) as z):
-                info = z.getinfo(member)
-                start = member_start(f, info, str(shown))
+            with open_file_inside(path) as f:
+                start, member_size = stored_member(f, member, str(shown))
         except KeyError:
             raise ImportSpecError(f"{shown}: archive has no member {member!r}") from None
-        available = max(0, min(info.file_size, size - start))
+        available = max(0, min(member_size, size - start))
         return _Region(path, start, available, f"{shown}:{member}")
 
     def tensor(self, src: Source | Piece, shape: list[int], dtype: str) -> torch.Tensor:

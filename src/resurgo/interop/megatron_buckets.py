@@ -35,7 +35,6 @@ from __future__ import annotations
 import io
 import math
 import re
-import zipfile
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +46,7 @@ from resurgo.errors import CorruptCheckpointError, UnsupportedValueError
 from resurgo.format import dtypes
 from resurgo.interop.source_files import open_file_inside, resolve_inside
 from resurgo.interop.spec import Box, Piece, TensorSpec, row_major_strides
-from resurgo.interop.torch_file import member_start
+from resurgo.interop.torch_file import stored_member
 from resurgo.layout.box import FlatRange
 from resurgo.layout.regions import flat_range_boxes
 
@@ -113,11 +112,9 @@ class _Files:
         if member is not None:
             if (rel, member) not in self.members:
                 try:
-                    with zipfile.ZipFile(f) as z:
-                        info = z.getinfo(member)
-                except (zipfile.BadZipFile, KeyError, OSError) as e:
-                    raise CorruptCheckpointError(f"{self.root / rel}: no stored member {member!r} ({e})") from None
-                self.members[(rel, member)] = (member_start(f, info, str(self.root / rel)), info.file_size)
+                    self.members[(rel, member)] = stored_member(f, member, str(self.root / rel))
+                except KeyError:
+                    raise CorruptCheckpointError(f"{self.root / rel}: no stored member {member!r}") from None
             start, size = self.members[(rel, member)]
             if offset + nbytes > size:
                 raise CorruptCheckpointError(f"{self.root / rel}: member {member!r} ends before byte "
@@ -129,6 +126,10 @@ class _Files:
             raise CorruptCheckpointError(f"{self.root / rel}: ends before byte {offset + nbytes}, where a tensor's "
                                          "bytes should be")
         return data
+
+    def chunk(self, c: Chunk) -> bytes:
+        """The bytes of a model tensor's saved chunk."""
+        return self.read(c.file, c.offset, c.numel * dtypes.itemsize(c.dtype), c.member)
 
     def close(self) -> None:
         for f in self.open.values():
@@ -198,7 +199,7 @@ class _Search:
         self.members: dict[ValueClass, list[Chunk]] = defaultdict(list)
         self.by_prefix: dict[tuple[str, int, bytes], set[ValueClass]] = defaultdict(set)
         for c in chunks:
-            raw = files.read(c.file, c.offset, c.numel * dtypes.itemsize(c.dtype), c.member)
+            raw = files.chunk(c)
             cls = ValueClass(c.dtype, c.numel, _digest(raw))
             self.members[cls].append(c)
             k = min(PREFIX, c.numel)
@@ -422,10 +423,7 @@ def check_main_params(model: dict[str, TensorSpec], main: dict[str, TensorSpec],
                 mc = boxes.get(c.offsets)
                 if mc is None or mc.shape != c.shape:
                     continue
-                weight = files.read(c.file, c.offset, c.numel * dtypes.itemsize(c.dtype), c.member)
-                kept = _cast(files.read(mc.file, mc.offset, mc.numel * dtypes.itemsize(mc.dtype), mc.member), mc.dtype,
-                             c.dtype)
-                if weight != kept:
+                if files.chunk(c) != _cast(files.chunk(mc), mc.dtype, c.dtype):
                     raise CorruptCheckpointError(
                         f"{where}: the distributed optimizer's main parameter of {key!r} at {list(c.offsets)} is not "
                         "the model's weight there: the optimizer's state was saved out of place (megatron-core's "

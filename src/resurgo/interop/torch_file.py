@@ -105,6 +105,16 @@ def member_start(fp: io.RawIOBase | io.BufferedIOBase, info: zipfile.ZipInfo, wh
     return info.header_offset + LOCAL_HEADER + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
 
 
+def stored_member(fp: io.RawIOBase | io.BufferedIOBase, member: str, where: str) -> tuple[int, int]:
+    """(where its data begin in ``fp``, its size) of stored member ``member`` of the zip archive
+    ``fp``: KeyError when the archive has no such member (the caller says what that means), a
+    damaged archive CorruptCheckpointError."""
+    with damaged_archive(f"{where}: not a readable zip archive", "was it truncated?"):
+        with zipfile.ZipFile(fp) as z:
+            info = z.getinfo(member)
+        return member_start(fp, info, where), info.file_size
+
+
 def read_archive(z: zipfile.ZipFile, where: str, allowed: Mapping[tuple[str, str], Any] = TORCH_SAVE,
                  holds: str = TORCH_SAVE_HOLDS) -> tuple[Any, str]:
     """(the structure a torch.save archive pickles, with TensorRefs for tensors; its prefix);
