@@ -384,10 +384,11 @@ class _Units:
     queue: verifying a request (queued first to last), a group of parts at a time, or filling a
     verified part of a tensor whose last part verified in another request (queued at the front, so
     a verified tensor is filled before more is read). The parts that complete their tensors are
-    filled at once by the thread that hashed them, while their bytes are in cache: a group of
-    small tensors (most tensors of a state, many to a request) is copied straight after its hash. After a failure no part is
-    verified any more; the tensors already verified are still filled, so each tensor ends either
-    loaded or untouched."""
+    filled at once by the thread that hashed them: one thread copies each group of parts straight
+    after its hash, while in cache; several read a whole request's verified parts into place after
+    hashing all of it (see the module). The thread done with a file's last job lets its mapping go.
+    After a failure no part is verified any more; the tensors already verified are still filled,
+    so each tensor ends either loaded or untouched."""
 
     def __init__(self, reading: _PlanReading, tasks: list[ReadTask], loaded: set[str], shared: bool = False):
         self.reading, self.tasks, self.loaded = reading, tasks, loaded
